@@ -1,0 +1,129 @@
+"""What runs on the host: the wrapper around a command, output capture with caps, the result.
+
+sshd starts every exec session with setsid(), so the login shell is the leader of a new process
+group whose id is its pid. The wrapper prints that pid as the first line of stdout; on timeout or
+cancel the pool kills the whole group with it, because closing the channel leaves the remote
+command running (measured: asyncssh `run(timeout=)` and paramiko leave orphans).
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+def command_line(argv: Sequence[str]) -> str:
+    """Quote argv for a POSIX shell so that every element arrives byte-exact."""
+    if not argv:
+        raise ValueError("argv must not be empty")
+    for arg in argv:
+        if "\0" in arg:
+            raise ValueError("arguments cannot contain NUL bytes")
+    return shlex.join(argv)
+
+
+def wrap(command: str) -> str:
+    """The line sent to sshd: report the process group id, then run the command."""
+    return "echo $$; " + command
+
+
+def kill_group_line(pgid: int, grace: float = 1.0) -> str:
+    """A shell line that sends TERM to a process group, waits up to `grace`, then KILLs it."""
+    steps = max(1, int(grace / 0.05))
+    g = f"-{int(pgid)}"
+    return (
+        f"kill -TERM -- {g} 2>/dev/null || exit 0; i=0; "
+        f"while [ $i -lt {steps} ] && kill -0 -- {g} 2>/dev/null; do sleep 0.05; i=$((i+1)); done; "
+        f"kill -KILL -- {g} 2>/dev/null; exit 0"
+    )
+
+
+class Capture:
+    """Collects one output stream: keeps the first `cap` bytes, counts all of them.
+
+    With `marker=True` the first line is the wrapper's process group id and is not output.
+    """
+
+    __slots__ = ("_buf", "_head", "cap", "marker", "pgid", "total", "truncated")
+
+    def __init__(self, cap: int, *, marker: bool = False) -> None:
+        self.cap = cap
+        self.marker = marker
+        self.pgid: int | None = None
+        self.total = 0
+        self.truncated = False
+        self._buf = bytearray()
+        self._head = bytearray()
+
+    @property
+    def started(self) -> bool:
+        """The remote shell has run (its marker line arrived)."""
+        return not self.marker or self.pgid is not None
+
+    def feed(self, data: bytes) -> None:
+        if self.marker and self.pgid is None:
+            self._head += data
+            line, sep, rest = self._head.partition(b"\n")
+            if not sep:
+                if len(self._head) > 64:  # no marker: something else printed first
+                    self._give_up_marker()
+                return
+            try:
+                self.pgid = int(line)
+            except ValueError:
+                self._give_up_marker()
+                return
+            self._head = bytearray()
+            data = bytes(rest)
+            if not data:
+                return
+        self.total += len(data)
+        room = self.cap - len(self._buf)
+        if room > 0:
+            self._buf += data[:room]
+        if len(data) > room:
+            self.truncated = True
+
+    def _give_up_marker(self) -> None:
+        # A login script printed before the wrapper: keep its bytes as output, kill by signal only.
+        head, self._head, self.marker = bytes(self._head), bytearray(), False
+        self.feed(head)
+
+    def getvalue(self) -> bytes:
+        return bytes(self._buf)
+
+
+@dataclass(slots=True)
+class CommandResult:
+    """The outcome of one command. Output is bytes; callers decide how to decode it."""
+
+    exit_status: int | None
+    exit_signal: str | None
+    stdout: bytes
+    stderr: bytes
+    stdout_bytes: int
+    stderr_bytes: int
+    stdout_truncated: bool
+    stderr_truncated: bool
+    # Seconds spent per stage: queue (waiting for a slot), connect, open (channel), exec.
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_status == 0
+
+    @classmethod
+    def from_captures(
+        cls, exit_status: int | None, exit_signal: str | None, out: Capture, err: Capture
+    ) -> CommandResult:
+        return cls(
+            exit_status=exit_status,
+            exit_signal=exit_signal,
+            stdout=out.getvalue(),
+            stderr=err.getvalue(),
+            stdout_bytes=out.total,
+            stderr_bytes=err.total,
+            stdout_truncated=out.truncated,
+            stderr_truncated=err.truncated,
+        )

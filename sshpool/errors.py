@@ -1,0 +1,89 @@
+"""The one exception tree of sshpool. Backends translate their library's errors into it.
+
+```
+SSHPoolError
+├── PoolTimeout        no channel slot became free before the caller's deadline
+├── PoolFull           the wait queue is at max_waiters: refused at once
+├── HostUnavailable    the host's circuit breaker is open after repeated connect failures
+├── ConnectTimeout     TCP connect, key exchange or auth did not finish in time
+├── CommandTimeout     the command ran past its timeout; its remote process group was killed
+├── ConnectError       the connection could not be made (refused, reset, unreachable)
+│   ├── AuthenticationFailed   the host rejected every client key
+│   └── HostKeyMismatch        the host key is not the one in known_hosts (nothing was sent)
+├── ChannelRefused     sshd refused a channel (MaxSessions); the pool retries, callers never see it
+└── ConnectionLost     the connection dropped; `started` says whether the command may have run
+```
+
+The API maps PoolTimeout, PoolFull and HostUnavailable to 503 + Retry-After, ConnectTimeout to 504,
+ConnectError to 502, CommandTimeout to the job state `timed_out`, and ConnectionLost after start to
+the job state `lost`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sshpool.command import CommandResult
+
+
+class SSHPoolError(Exception):
+    """Base class of every error sshpool raises."""
+
+
+class PoolTimeout(SSHPoolError):
+    """No channel slot became free before the caller's deadline."""
+
+    retry_after: float = 1.0
+
+
+class PoolFull(SSHPoolError):
+    """The wait queue for this host already holds max_waiters callers."""
+
+    retry_after: float = 1.0
+
+
+class HostUnavailable(SSHPoolError):
+    """The host's circuit breaker is open; no connect is attempted until `retry_after` passes."""
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class ConnectTimeout(SSHPoolError):
+    """TCP connect, key exchange or authentication took longer than connect_timeout."""
+
+
+class CommandTimeout(SSHPoolError):
+    """The command outlived its timeout; its process group was killed. `result` has the partial
+    output."""
+
+    def __init__(self, message: str, result: CommandResult) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+class ConnectError(SSHPoolError):
+    """The connection could not be made: refused, reset before the banner, unreachable."""
+
+
+class AuthenticationFailed(ConnectError):
+    """The host accepted none of the client keys. Not retried: retrying cannot help."""
+
+
+class HostKeyMismatch(ConnectError):
+    """The host's key is not the one known_hosts lists for it. Nothing was sent to the host."""
+
+
+class ChannelRefused(SSHPoolError):
+    """sshd refused to open a session channel (MaxSessions). Handled inside the pool."""
+
+
+class ConnectionLost(SSHPoolError):
+    """The connection dropped. If `started`, the command may have run and its outcome is unknown;
+    if not, the pool has already retried once on a fresh connection."""
+
+    def __init__(self, message: str, *, started: bool) -> None:
+        super().__init__(message)
+        self.started = started

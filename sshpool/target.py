@@ -1,0 +1,56 @@
+"""What to connect to (`Target`, the pool key) and how hard to use it (`Limits`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Per-host pool limits. Defaults stay inside a stock sshd (MaxStartups 10:30:100,
+    MaxSessions 10) with room for the kill channel and the lag of freed session slots."""
+
+    max_connections: int = 4
+    min_connections: int = 0
+    # Stock MaxSessions is 10; 8 leaves room for a kill channel and for slots sshd frees late.
+    max_sessions: int = 8
+    # Stock MaxStartups starts dropping at 10 unauthenticated connections.
+    max_handshakes: int = 4
+    max_waiters: int = 1000
+    connect_timeout: float = 10.0
+    keepalive_interval: float = 15.0
+    keepalive_count_max: int = 3
+    idle_timeout: float = 300.0
+    max_lifetime: float = 3600.0
+    # Consecutive connect failures that open the breaker, and its jittered, doubling back-off.
+    breaker_threshold: int = 3
+    breaker_backoff: float = 1.0
+    breaker_backoff_max: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.max_connections < 1 or self.max_sessions < 1 or self.max_handshakes < 1:
+            raise ValueError("max_connections, max_sessions and max_handshakes must be >= 1")
+        if not 0 <= self.min_connections <= self.max_connections:
+            raise ValueError("min_connections must be between 0 and max_connections")
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One account on one SSH host. Equal targets share pooled connections."""
+
+    host: str
+    username: str
+    client_keys: tuple[str, ...]
+    known_hosts: str
+    port: int = 22
+    limits: Limits = field(default_factory=Limits)
+
+    def __post_init__(self) -> None:
+        if not self.client_keys:
+            raise ValueError("a target needs at least one client key")
+        if not self.known_hosts:
+            # Fail closed: there is no "accept any host key" mode.
+            raise ValueError("a target needs a known_hosts file")
+
+    def __str__(self) -> str:
+        return f"{self.username}@{self.host}:{self.port}"
