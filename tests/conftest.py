@@ -1,0 +1,80 @@
+"""Shared fixtures. Tests run against real OpenSSH sshd instances on loopback (sshpool.local_host).
+
+* ``stock_host`` / ``tuned_host``: one started LocalHost per profile for the whole session. Do not
+  restart them or change their keys: use ``make_host`` for that.
+* ``make_host(profile="stock", **kwargs)``: a fresh, started LocalHost of its own (own name, data
+  dir, port and keys), stopped after the test. kwargs go to LocalHost (address, overrides...).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sshpool.local_host import LocalHost, LocalHostError, Profile, sshd_binary
+
+MakeHost = Callable[..., LocalHost]
+
+
+def _require_sshd() -> None:
+    """Fail (never skip) when the OpenSSH server is missing: the suite is meaningless without it."""
+    try:
+        binary = sshd_binary()
+    except LocalHostError:
+        binary = ""
+    if not binary or not os.access(binary, os.X_OK):
+        pytest.fail(
+            "OpenSSH's sshd (/usr/sbin/sshd) is missing: run `make test`, which installs "
+            "openssh-server, or install it yourself (Debian: apt-get install openssh-server)",
+            pytrace=False,
+        )
+
+
+def _session_host(
+    tmp_path_factory: pytest.TempPathFactory, profile: Profile
+) -> Iterator[LocalHost]:
+    _require_sshd()
+    host = LocalHost(f"{profile}-session", profile, data_dir=tmp_path_factory.mktemp("data"))
+    host.start()
+    try:
+        yield host
+    finally:
+        host.stop(kill_sessions=True)
+
+
+@pytest.fixture(scope="session")
+def stock_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalHost]:
+    """A running sshd with OpenSSH's default limits (MaxStartups 10:30:100, MaxSessions 10)."""
+    yield from _session_host(tmp_path_factory, "stock")
+
+
+@pytest.fixture(scope="session")
+def tuned_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalHost]:
+    """A running sshd with sshd_config.tuned applied."""
+    yield from _session_host(tmp_path_factory, "tuned")
+
+
+_host_numbers = itertools.count(1)
+
+
+@pytest.fixture
+def make_host(tmp_path: Path) -> Iterator[MakeHost]:
+    """Factory of started LocalHosts private to the test, all stopped (sessions killed) after it."""
+    _require_sshd()
+    hosts: list[LocalHost] = []
+
+    def make(profile: Profile = "stock", **kwargs: Any) -> LocalHost:
+        kwargs.setdefault("data_dir", tmp_path / "data")
+        name = kwargs.pop("name", f"host{next(_host_numbers)}")
+        host = LocalHost(name, profile, **kwargs)
+        hosts.append(host)
+        return host.start()
+
+    yield make
+    for host in hosts:
+        host.stop(kill_sessions=True)
