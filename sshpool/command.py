@@ -9,7 +9,7 @@ command running (measured: asyncssh `run(timeout=)` and paramiko leave orphans).
 from __future__ import annotations
 
 import shlex
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 
@@ -45,11 +45,15 @@ class Capture:
     With `marker=True` the first line is the wrapper's process group id and is not output.
     """
 
-    __slots__ = ("_buf", "_head", "cap", "marker", "pgid", "total", "truncated")
+    __slots__ = ("_buf", "_head", "cap", "marker", "on_start", "pgid", "total", "truncated")
 
-    def __init__(self, cap: int, *, marker: bool = False) -> None:
+    def __init__(
+        self, cap: int, *, marker: bool = False, on_start: Callable[[], None] | None = None
+    ) -> None:
         self.cap = cap
         self.marker = marker
+        # Called once when the marker line arrives: the remote command is running.
+        self.on_start = on_start
         self.pgid: int | None = None
         self.total = 0
         self.truncated = False
@@ -75,6 +79,8 @@ class Capture:
                 self._give_up_marker()
                 return
             self._head = bytearray()
+            if self.on_start is not None:
+                self.on_start()
             data = bytes(rest)
             if not data:
                 return

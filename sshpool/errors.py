@@ -65,7 +65,14 @@ class CommandTimeout(SSHPoolError):
 
 
 class ConnectError(SSHPoolError):
-    """The connection could not be made: refused, reset before the banner, unreachable."""
+    """The connection could not be made: refused, reset before the banner, unreachable.
+
+    `retryable` is true for a reset or EOF before the SSH banner (sshd's MaxStartups drop): the
+    pool retries those once after a short pause; a refused port is not retried."""
+
+    def __init__(self, message: str, *, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.retryable = retryable
 
 
 class AuthenticationFailed(ConnectError):

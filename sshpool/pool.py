@@ -1,0 +1,498 @@
+"""The connection pool: keeps SSH connections open per Target and multiplexes commands as channels.
+
+Per target (`_HostPool`), all mutable state lives in one place and changes only in synchronous
+methods (`_dispatch`, `_maybe_grow`, `_release`, ...), so no two coroutines interleave inside a
+state change. I/O (connect, exec, close) happens outside them.
+
+Invariants of a host pool:
+- 0 <= conn.in_use <= conn.capacity <= limits.max_sessions for every pooled connection;
+- len(conns) + connecting <= limits.max_connections;
+- connecting <= limits.max_handshakes (the handshake gate: stock MaxStartups drops from 10);
+- a waiter is served in FIFO order: a new caller never takes a free slot while others wait;
+- an expired or dead connection takes no new lease and is closed once it has none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import logging
+import random
+from collections import Counter, deque
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
+
+from sshpool.backends.base import Backend, Connection, Exit, load_backend
+from sshpool.breaker import Breaker
+from sshpool.command import Capture, CommandResult, command_line, kill_group_line, wrap
+from sshpool.errors import (
+    AuthenticationFailed,
+    ChannelRefused,
+    CommandTimeout,
+    ConnectError,
+    ConnectionLost,
+    HostKeyMismatch,
+    HostUnavailable,
+    PoolFull,
+    PoolTimeout,
+    SSHPoolError,
+)
+from sshpool.target import Target
+
+log = logging.getLogger("sshpool")
+
+# How often the maintenance task prunes dead, idle and expired connections.
+MAINTENANCE_INTERVAL = 1.0
+# After this many clean channel opens since the last refusal, a shrunk capacity grows back by one.
+REGROW_AFTER = 100
+# A lease refused this many times in a row gives up (sshd refuses even a lone channel).
+MAX_REFUSALS = 20
+# How long the kill of a timed-out or cancelled command may take, all attempts included.
+KILL_TIMEOUT = 5.0
+
+
+class _Conn:
+    """A pooled connection and its bookkeeping."""
+
+    __slots__ = (
+        "capacity",
+        "clean_opens",
+        "conn",
+        "connect_time",
+        "created",
+        "expired",
+        "idle_since",
+        "in_use",
+        "leases",
+    )
+
+    def __init__(self, conn: Connection, capacity: int, now: float, connect_time: float) -> None:
+        self.conn = conn
+        self.capacity = capacity
+        self.in_use = 0
+        self.created = now
+        self.idle_since = now
+        self.connect_time = connect_time
+        self.expired = False
+        self.leases = 0
+        self.clean_opens = 0
+
+    def has_room(self) -> bool:
+        return not self.expired and self.in_use < self.capacity and self.conn.is_alive()
+
+
+class _HostPool:
+    def __init__(self, target: Target, backend: Backend) -> None:
+        self.target = target
+        self.limits = target.limits
+        self.backend = backend
+        self.conns: list[_Conn] = []
+        self.waiters: deque[asyncio.Future[_Conn]] = deque()
+        self.connecting = 0
+        self.breaker = Breaker(
+            self.limits.breaker_threshold,
+            self.limits.breaker_backoff,
+            self.limits.breaker_backoff_max,
+        )
+        self.counters: Counter[str] = Counter()
+        self.tasks: set[asyncio.Task[Any]] = set()
+        self.loop = asyncio.get_running_loop()
+
+    # ---- state changes: synchronous, no awaits ----
+
+    def _pick(self) -> _Conn | None:
+        best: _Conn | None = None
+        for c in self.conns:
+            if c.has_room() and (best is None or c.in_use < best.in_use):
+                best = c
+        return best
+
+    def _dispatch(self) -> None:
+        """Hand free slots to waiters in FIFO order, then grow if waiters remain."""
+        self._prune()
+        while self.waiters:
+            fut = self.waiters[0]
+            if fut.done():
+                self.waiters.popleft()
+                continue
+            c = self._pick()
+            if c is None:
+                break
+            self.waiters.popleft()
+            c.in_use += 1
+            fut.set_result(c)
+        self._maybe_grow()
+
+    def _maybe_grow(self) -> None:
+        """One new connection per max_sessions waiters, through the handshake gate."""
+        now = self.loop.time()
+        while (
+            self.connecting < self.limits.max_handshakes
+            and len(self.conns) + self.connecting < self.limits.max_connections
+            and (
+                self.connecting * self.limits.max_sessions < len(self.waiters)
+                or len(self.conns) + self.connecting < self.limits.min_connections
+            )
+            and self.breaker.allow(now)
+        ):
+            self.connecting += 1
+            self.spawn(self._connect())
+
+    def _prune(self) -> None:
+        """Drop dead and drained-expired connections (closing them in the background)."""
+        keep: list[_Conn] = []
+        for c in self.conns:
+            if c.in_use == 0 and (c.expired or not c.conn.is_alive()):
+                self.spawn(c.conn.close())
+            else:
+                keep.append(c)
+        self.conns = keep
+
+    def _release(self, c: _Conn) -> None:
+        c.in_use -= 1
+        if c.in_use == 0:
+            c.idle_since = self.loop.time()
+        self._dispatch()
+
+    def _discard(self, c: _Conn) -> None:
+        """The connection failed under a lease: take no more leases on it."""
+        c.expired = True
+        self._release(c)
+
+    def _shrink(self, c: _Conn) -> None:
+        """sshd refused a channel: this connection's real limit is what it holds now."""
+        c.in_use -= 1
+        c.capacity = max(1, c.in_use)
+        c.clean_opens = 0
+        self.counters["channel_refused"] += 1
+        self._dispatch()
+
+    def _fail_waiters(self, exc: SSHPoolError) -> None:
+        while self.waiters:
+            fut = self.waiters.popleft()
+            if not fut.done():
+                fut.set_exception(copy.copy(exc))
+
+    # ---- I/O ----
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _connect(self) -> SSHPoolError | None:
+        """Open one connection (the caller counted it in `connecting`); returns the error."""
+        start = self.loop.time()
+        try:
+            try:
+                conn = await self.backend.connect(self.target)
+            except ConnectError as exc:
+                if not exc.retryable:
+                    raise
+                # A reset before the banner is sshd shedding load (MaxStartups): pause, retry once.
+                self.counters["connect_retries"] += 1
+                await asyncio.sleep(random.uniform(0.05, 0.25))
+                conn = await self.backend.connect(self.target)
+        except SSHPoolError as exc:
+            self.connecting -= 1
+            self.counters["connects_failed"] += 1
+            self.breaker.failure(self.loop.time())
+            log.warning("connect to %s failed: %s", self.target, exc)
+            live = any(c.conn.is_alive() and not c.expired for c in self.conns)
+            if isinstance(exc, (AuthenticationFailed, HostKeyMismatch)) or (
+                not live and self.connecting == 0
+            ):
+                # Nothing will free a slot for them: tell the waiters now, not at their deadline.
+                self._fail_waiters(exc)
+            self._dispatch()
+            return exc
+        except BaseException:
+            self.connecting -= 1
+            raise
+        now = self.loop.time()
+        self.connecting -= 1
+        self.counters["connects"] += 1
+        self.breaker.success()
+        self.conns.append(_Conn(conn, self.limits.max_sessions, now, now - start))
+        self._dispatch()
+        return None
+
+    async def acquire(self, deadline: float | None) -> _Conn:
+        if not self.waiters:
+            c = self._pick()
+            if c is not None:
+                c.in_use += 1
+                return c
+        now = self.loop.time()
+        if self.breaker.is_open(now) and not any(c.conn.is_alive() for c in self.conns):
+            self.counters["refused_breaker"] += 1
+            retry = self.breaker.retry_after(now)
+            raise HostUnavailable(f"{self.target}: host down, retry in {retry:.1f} s", retry)
+        if len(self.waiters) >= self.limits.max_waiters:
+            self.counters["refused_full"] += 1
+            raise PoolFull(f"{self.target}: {len(self.waiters)} callers already waiting")
+        fut: asyncio.Future[_Conn] = self.loop.create_future()
+        self.waiters.append(fut)
+        self._maybe_grow()
+        try:
+            async with asyncio.timeout_at(deadline):
+                # Shielded: on timeout or cancel we decide what happens to the waiter below.
+                return await asyncio.shield(fut)
+        except BaseException as exc:
+            if not fut.done():
+                fut.cancel()
+                with contextlib.suppress(ValueError):
+                    self.waiters.remove(fut)
+            elif not fut.cancelled() and fut.exception() is None:
+                # Served at the same moment we gave up: give the slot back.
+                self._release(fut.result())
+            if isinstance(exc, TimeoutError):
+                self.counters["timeouts_queue"] += 1
+                raise PoolTimeout(f"{self.target}: no channel free before the deadline") from None
+            raise
+
+    async def close(self) -> None:
+        self._fail_waiters(PoolTimeout("pool closed"))
+        tasks = list(self.tasks)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        conns, self.conns = self.conns, []
+        await asyncio.gather(*(c.conn.close() for c in conns), return_exceptions=True)
+
+    def maintain(self) -> None:
+        """Expire old connections, close idle ones beyond min_connections, top up the minimum."""
+        now = self.loop.time()
+        idle_closable = len(self.conns) - self.limits.min_connections
+        for c in self.conns:
+            if now - c.created > self.limits.max_lifetime:
+                c.expired = True
+            elif (
+                idle_closable > 0
+                and c.in_use == 0
+                and now - c.idle_since > self.limits.idle_timeout
+            ):
+                c.expired = True
+                idle_closable -= 1
+        self._dispatch()
+
+    def stats(self) -> dict[str, Any]:
+        live = [c for c in self.conns if c.conn.is_alive()]
+        return {
+            "target": str(self.target),
+            "connections": len(live),
+            "channels_in_use": sum(c.in_use for c in self.conns),
+            "capacity": sum(c.capacity for c in live if not c.expired),
+            "waiters": sum(1 for f in self.waiters if not f.done()),
+            "handshakes_in_flight": self.connecting,
+            "breaker": self.breaker.state,
+            "counters": dict(self.counters),
+        }
+
+
+class Pool:
+    """SSH connections kept open per Target; commands run as channels on them.
+
+    ```python
+    async with Pool() as pool:
+        result = await pool.run(target, ["echo", "hi"], timeout=10)
+    ```
+    """
+
+    def __init__(self, backend: str | Backend = "asyncssh") -> None:
+        self.backend = load_backend(backend) if isinstance(backend, str) else backend
+        self._hosts: dict[Target, _HostPool] = {}
+        self._maintenance: asyncio.Task[None] | None = None
+        self._closed = False
+
+    async def __aenter__(self) -> Pool:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _host(self, target: Target) -> _HostPool:
+        if self._closed:
+            raise RuntimeError("pool is closed")
+        host = self._hosts.get(target)
+        if host is None:
+            host = self._hosts[target] = _HostPool(target, self.backend)
+        if self._maintenance is None:
+            self._maintenance = asyncio.create_task(self._maintain())
+        return host
+
+    async def _maintain(self) -> None:
+        while True:
+            await asyncio.sleep(MAINTENANCE_INTERVAL)
+            for host in list(self._hosts.values()):
+                host.maintain()
+
+    async def prewarm(self, target: Target) -> None:
+        """Open target.limits.min_connections now, through the handshake gate; raises the
+        connect error if one failed."""
+        host = self._host(target)
+        while (missing := target.limits.min_connections - len(host.conns) - host.connecting) > 0:
+            n = min(missing, target.limits.max_handshakes - host.connecting)
+            if n <= 0:
+                await asyncio.sleep(0.05)
+                continue
+            host.connecting += n
+            errors = await asyncio.gather(*(host._connect() for _ in range(n)))
+            for error in errors:
+                if error is not None:
+                    raise error
+
+    async def run(
+        self,
+        target: Target,
+        command: str | Sequence[str],
+        *,
+        stdin: bytes | None = None,
+        timeout: float | None = None,
+        acquire_timeout: float | None = None,
+        max_output: int = 1 << 20,
+        on_started: Callable[[], None] | None = None,
+    ) -> CommandResult:
+        """Run `command` (argv, quoted for the remote shell, or a raw shell line) on `target`.
+
+        Raises PoolTimeout, PoolFull, HostUnavailable, ConnectTimeout, ConnectError,
+        CommandTimeout (with the partial result) or ConnectionLost(started=True). Cancelling the
+        caller kills the remote process group.
+        """
+        line = wrap(command if isinstance(command, str) else command_line(command))
+        host = self._host(target)
+        loop = host.loop
+        t0 = loop.time()
+        deadline = None if acquire_timeout is None else t0 + acquire_timeout
+        lost_retried = False
+        refusals = 0
+        started_at: list[float] = []
+
+        def started() -> None:
+            started_at.append(loop.time())
+            if on_started is not None:
+                on_started()
+
+        while True:
+            c = await host.acquire(deadline)
+            t_leased = loop.time()
+            timings = {"queue": t_leased - t0, "connect": 0.0}
+            if c.leases == 0:
+                # This lease waited for the connection to be made: account that to connect.
+                timings["connect"] = min(c.connect_time, timings["queue"])
+                timings["queue"] -= timings["connect"]
+            c.leases += 1
+            started_at.clear()
+            out = Capture(max_output, marker=True, on_start=started)
+            err = Capture(max_output)
+            try:
+                async with asyncio.timeout(timeout):
+                    end = await c.conn.exec(line, stdin, out, err)
+            except ChannelRefused:
+                host._shrink(c)
+                refusals += 1
+                if refusals >= MAX_REFUSALS:
+                    raise ConnectionLost(
+                        f"{target}: sshd refused {refusals} channels in a row", started=False
+                    ) from None
+                await asyncio.sleep(0.005 * refusals)
+                continue
+            except ConnectionLost as exc:
+                host.counters["connections_lost"] += 1
+                host._discard(c)
+                exc.started = exc.started or out.pgid is not None
+                if exc.started or lost_retried:
+                    raise
+                lost_retried = True
+                continue
+            except TimeoutError:
+                host.counters["timeouts_command"] += 1
+                await self._kill(host, c, out.pgid)
+                result = self._result(None, out, err, timings, t_leased, started_at, loop.time())
+                raise CommandTimeout(f"command ran past its {timeout} s timeout", result) from None
+            except asyncio.CancelledError:
+                host.counters["cancelled"] += 1
+                # Cancelled callers must return at once: kill and release in the background.
+                host.spawn(self._kill(host, c, out.pgid))
+                raise
+            except BaseException:
+                host._discard(c)
+                raise
+            c.clean_opens += 1
+            if c.capacity < target.limits.max_sessions and c.clean_opens >= REGROW_AFTER:
+                c.capacity += 1
+                c.clean_opens = 0
+            host.counters["commands"] += 1
+            host._release(c)
+            return self._result(end, out, err, timings, t_leased, started_at, loop.time())
+
+    @staticmethod
+    def _result(
+        end: Exit | None,
+        out: Capture,
+        err: Capture,
+        timings: dict[str, float],
+        t_leased: float,
+        started_at: list[float],
+        t_end: float,
+    ) -> CommandResult:
+        result = CommandResult.from_captures(
+            end.status if end else None, end.signal if end else None, out, err
+        )
+        t_started = started_at[0] if started_at else t_end
+        result.timings = {**timings, "open": t_started - t_leased, "exec": t_end - t_started}
+        return result
+
+    async def _kill(self, host: _HostPool, c: _Conn, pgid: int | None) -> None:
+        """Kill the remote process group, then give the lease back (its sshd session slot stays
+        taken until the remote command exits)."""
+        try:
+            if pgid is not None:
+                async with asyncio.timeout(KILL_TIMEOUT):
+                    await self._run_kill(host, c, pgid)
+        except (SSHPoolError, TimeoutError) as exc:
+            host.counters["kill_failed"] += 1
+            log.warning("could not kill process group %s on %s: %s", pgid, host.target, exc)
+        finally:
+            host._release(c)
+
+    async def _run_kill(self, host: _HostPool, c: _Conn, pgid: int) -> None:
+        line = kill_group_line(pgid)
+        try:
+            # The lease's own connection has a spare sshd session slot (max_sessions < MaxSessions).
+            await c.conn.exec(line, None, Capture(4096), Capture(4096))
+        except (ChannelRefused, ConnectionLost):
+            other = await host.acquire(None)
+            try:
+                await other.conn.exec(line, None, Capture(4096), Capture(4096))
+            finally:
+                host._release(other)
+        host.counters["killed"] += 1
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Per target: connections, channels in use, waiters, handshakes in flight, counters."""
+        return {str(t): h.stats() for t, h in self._hosts.items()}
+
+    def __repr__(self) -> str:
+        s = list(self.stats().values())
+        return (
+            f"<Pool backend={self.backend.name} hosts={len(s)} "
+            f"connections={sum(h['connections'] for h in s)} "
+            f"channels_in_use={sum(h['channels_in_use'] for h in s)} "
+            f"waiters={sum(h['waiters'] for h in s)} "
+            f"handshakes={sum(h['handshakes_in_flight'] for h in s)}>"
+        )
+
+    async def close(self) -> None:
+        """Close every connection; idempotent. Shielded so a cancelled caller still closes."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._maintenance is not None:
+            self._maintenance.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._maintenance
+        await asyncio.shield(
+            asyncio.gather(*(h.close() for h in self._hosts.values()), return_exceptions=True)
+        )
