@@ -1,0 +1,35 @@
+# The two commands a newcomer needs: `make run` and `make test`. Both install what they need.
+PYTHON ?= python3
+VENV := .venv
+STAMP := $(VENV)/.installed-stamp
+# root installs OS packages directly; anyone else through sudo.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: run test lint sshd
+
+# Create or refresh .venv whenever pyproject.toml changes.
+$(STAMP): pyproject.toml
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --upgrade pip
+	$(VENV)/bin/python -m pip install -q -e '.[dev,paramiko,ssh2]'
+	touch $(STAMP)
+
+# The local HPC host and the test fixtures run a real OpenSSH sshd.
+sshd:
+	@test -x /usr/sbin/sshd || { \
+	  echo "installing openssh-server (the local HPC host runs a real sshd)"; \
+	  $(SUDO) apt-get update -q && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q openssh-server; }
+
+# Start the local HPC host (sshd on loopback, `tuned` profile) and the API on 127.0.0.1:8000.
+run: $(STAMP) sshd
+	$(VENV)/bin/sshapi dev
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+# The whole suite: lint, then every test (SSH, API, fault and slow ones included).
+test: $(STAMP) sshd lint
+	$(VENV)/bin/pytest

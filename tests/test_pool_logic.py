@@ -1,0 +1,202 @@
+"""Pool logic that needs no real SSH: queue order, connect pacing, retries. A fake backend stands
+in for the library; the same behaviours are exercised against real sshd in test_pool.py."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import pytest
+
+from sshpool import ConnectionLost, Limits, Pool, Target
+from sshpool.backends.base import Exit
+from sshpool.breaker import Breaker
+from sshpool.command import Capture
+from sshpool.errors import ChannelRefused, ConnectError
+
+
+@dataclass
+class FakeConn:
+    backend: FakeBackend
+    number: int
+    alive: bool = True
+    running: int = 0
+    execs: int = 0
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+    async def exec(
+        self, command: str, stdin: bytes | None, stdout: Capture, stderr: Capture
+    ) -> Exit:
+        b = self.backend
+        if self.running >= b.sshd_max_sessions:
+            raise ChannelRefused("open failed")
+        if b.lose and b.lose[0] == "before":
+            b.lose.pop(0)
+            self.alive = False
+            raise ConnectionLost("reset", started=False)
+        self.running += 1
+        self.execs += 1
+        b.order.append(command)
+        try:
+            stdout.feed(b"4242\n")
+            if b.lose and b.lose[0] == "after":
+                b.lose.pop(0)
+                self.alive = False
+                raise ConnectionLost("reset while running", started=True)
+            await asyncio.sleep(b.exec_time)
+            stdout.feed(f"conn{self.number}".encode())
+            return Exit(0)
+        finally:
+            self.running -= 1
+
+    async def close(self) -> None:
+        self.alive = False
+
+
+@dataclass
+class FakeBackend:
+    name: str = "fake"
+    connect_time: float = 0.05
+    exec_time: float = 0.01
+    sshd_max_sessions: int = 100
+    connect_failures: list[Exception] = field(default_factory=list)
+    lose: list[str] = field(default_factory=list)
+    order: list[str] = field(default_factory=list)
+    conns: list[FakeConn] = field(default_factory=list)
+    in_flight: int = 0
+    max_in_flight: int = 0
+
+    async def connect(self, target: Target) -> FakeConn:
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            await asyncio.sleep(self.connect_time)
+            if self.connect_failures:
+                raise self.connect_failures.pop(0)
+        finally:
+            self.in_flight -= 1
+        conn = FakeConn(self, len(self.conns))
+        self.conns.append(conn)
+        return conn
+
+
+def target(**limits: object) -> Target:
+    return Target("fake", "user", ("key",), "known_hosts", limits=Limits(**limits))  # type: ignore[arg-type]
+
+
+async def test_handshake_gate_caps_connects_in_flight() -> None:
+    """A burst on a cold pool never has more than max_handshakes connects in flight."""
+    backend = FakeBackend()
+    t = target(max_connections=10, max_handshakes=3, max_sessions=2)
+    async with Pool(backend) as pool:
+        await asyncio.gather(*(pool.run(t, ["true"]) for _ in range(100)))
+    assert backend.max_in_flight == 3
+    assert len(backend.conns) <= 10
+
+
+async def test_grows_one_connection_per_max_sessions_waiters() -> None:
+    """Five waiters with max_sessions 8 open one connection, not five."""
+    backend = FakeBackend()
+    t = target(max_connections=4, max_sessions=8)
+    async with Pool(backend) as pool:
+        await asyncio.gather(*(pool.run(t, ["true"]) for _ in range(5)))
+    assert len(backend.conns) == 1
+
+
+async def test_waiters_are_served_in_fifo_order() -> None:
+    """With one slot, commands run in the order their callers arrived."""
+    backend = FakeBackend()
+    t = target(max_connections=1, max_sessions=1)
+    async with Pool(backend) as pool:
+        tasks = []
+        for i in range(20):
+            tasks.append(asyncio.create_task(pool.run(t, ["echo", str(i)])))
+            await asyncio.sleep(0)
+        await asyncio.gather(*tasks)
+    assert backend.order == [f"echo $$; echo {i}" for i in range(20)]
+
+
+async def test_channel_refusal_is_never_surfaced_and_shrinks_capacity() -> None:
+    """sshd refusing channels past 5 costs retries, not failures, and caps that connection."""
+    backend = FakeBackend(sshd_max_sessions=5, exec_time=0.05)
+    t = target(max_connections=1, max_sessions=8)
+    async with Pool(backend) as pool:
+        results = await asyncio.gather(*(pool.run(t, ["true"]) for _ in range(40)))
+        stats = pool.stats()[str(t)]
+    assert all(r.ok for r in results)
+    assert stats["counters"]["channel_refused"] >= 1
+    assert stats["capacity"] == 5
+
+
+async def test_connection_lost_before_start_is_retried_on_a_fresh_connection() -> None:
+    """A connection that drops before the command started costs a retry, not a failure."""
+    backend = FakeBackend(lose=["before"])
+    async with Pool(backend) as pool:
+        result = await pool.run(target(), ["true"])
+    assert result.ok
+    assert result.stdout == b"conn1"
+    assert len(backend.conns) == 2
+
+
+async def test_connection_lost_after_start_is_surfaced_not_rerun() -> None:
+    """A connection that drops while the command runs raises ConnectionLost(started=True) and
+    the command is not run again."""
+    backend = FakeBackend(lose=["after"])
+    async with Pool(backend) as pool:
+        with pytest.raises(ConnectionLost) as info:
+            await pool.run(target(), ["true"])
+    assert info.value.started
+    assert len(backend.order) == 1
+
+
+async def test_connect_failure_fails_all_waiters_at_once() -> None:
+    """When the only connect fails, every waiter hears it now, not at its deadline."""
+    backend = FakeBackend(connect_failures=[ConnectError("refused")])
+    async with Pool(backend) as pool:
+        results = await asyncio.gather(
+            *(pool.run(target(), ["true"], acquire_timeout=30) for _ in range(5)),
+            return_exceptions=True,
+        )
+    assert all(isinstance(r, ConnectError) for r in results)
+
+
+async def test_reset_before_banner_is_retried_once() -> None:
+    """A MaxStartups-style drop (retryable ConnectError) is retried once by the pool."""
+    backend = FakeBackend(connect_failures=[ConnectError("reset", retryable=True)])
+    async with Pool(backend) as pool:
+        assert (await pool.run(target(), ["true"])).ok
+        assert pool.stats()[str(target())]["counters"]["connect_retries"] == 1
+
+
+async def test_expired_connection_drains_then_closes() -> None:
+    """A connection past max_lifetime takes no new lease and closes once its commands end."""
+    backend = FakeBackend(exec_time=0.3)
+    t = target(max_lifetime=0.5)
+    async with Pool(backend) as pool:
+        long = asyncio.create_task(pool.run(t, ["sleep"]))
+        await asyncio.sleep(1.2)  # past lifetime and one maintenance tick
+        await long
+        await pool.run(t, ["true"])
+        await asyncio.sleep(0.05)
+    assert len(backend.conns) == 2
+    assert not backend.conns[0].alive
+
+
+def test_breaker_opens_after_threshold_with_jittered_doubling_backoff() -> None:
+    """Three failures open the breaker for [b/2, b]; a failed half-open trial doubles b."""
+    breaker = Breaker(threshold=3, backoff=2.0, backoff_max=5.0)
+    for _ in range(3):
+        assert breaker.allow(0.0)
+        breaker.failure(0.0)
+    assert breaker.is_open(0.0)
+    assert 1.0 <= breaker.retry_after(0.0) <= 2.0
+    assert not breaker.allow(0.5)
+    assert breaker.allow(2.0)  # half-open: one trial
+    assert not breaker.allow(2.0)
+    breaker.failure(2.0)
+    assert 2.0 <= breaker.retry_after(2.0) <= 4.0
+    breaker.allow(10.0)
+    breaker.success()
+    assert breaker.state == "closed"
