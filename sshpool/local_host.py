@@ -40,6 +40,7 @@ import contextlib
 import functools
 import os
 import pwd
+import random
 import re
 import shutil
 import signal
@@ -47,7 +48,6 @@ import socket
 import stat
 import subprocess
 import time
-import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -226,12 +226,27 @@ def _ensure_account(name: str) -> Account:
 # Helpers
 
 
-def _free_port(address: str) -> int:
+# Ports handed out by this process (and to which host dir), so two hosts made before either
+# starts never share one.
+_reserved_ports: dict[tuple[str, int], Path] = {}
+# Picked below Linux's ephemeral range (32768-60999), where outgoing connections and other
+# programs' bind(0) take their ports: a port of ours stays free while its sshd restarts.
+PORT_RANGE = (20000, 32000)
+
+
+def _free_port(address: str, owner: Path) -> int:
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(*PORT_RANGE)
+        if (address, port) not in _reserved_ports and _port_is_free(address, port):
+            _reserved_ports[address, port] = owner
+            return port
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.bind((address, 0))
-        port: int = sock.getsockname()[1]
-        return port
+        found: int = sock.getsockname()[1]
+    _reserved_ports[address, found] = owner
+    return found
 
 
 def _port_is_free(address: str, port: int) -> bool:
@@ -309,6 +324,18 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants. It is stopped first, so it forks no new child
+    (an sshd listener accepting one more connection) while its tree is read."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGSTOP)
+    for child in _children(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
 def _cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -317,8 +344,9 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-# Hosts started by this process, stopped at interpreter exit so no sshd outlives a test run.
-_started: weakref.WeakSet[LocalHost] = weakref.WeakSet()
+# Hosts started by this process and not yet stopped: held (a running host is never garbage
+# collected with its sshd left behind) and stopped at interpreter exit.
+_started: set[LocalHost] = set()
 
 
 @atexit.register
@@ -580,11 +608,9 @@ class LocalHost:
         if proc is None:
             self._kill_stale(kill_sessions=kill_sessions)
             return
-        sessions = _children(proc.pid) if kill_sessions and proc.poll() is None else []
+        if kill_sessions and proc.poll() is None:
+            _kill_tree(proc.pid)
         self._terminate(proc)
-        for pid in sessions:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
         self.pid_path.unlink(missing_ok=True)
 
     def restart(self) -> Self:
@@ -661,9 +687,11 @@ class LocalHost:
         remembered = self._host_dir / "port"
         with contextlib.suppress(OSError, ValueError):
             last = int(remembered.read_text())
-            if _port_is_free(self._address, last):
+            key = (self._address, last)
+            if _reserved_ports.get(key, self._host_dir) == self._host_dir and _port_is_free(*key):
+                _reserved_ports[key] = self._host_dir
                 return last
-        return _free_port(self._address)
+        return _free_port(self._address, self._host_dir)
 
     def _switch_user(self) -> tuple[int | None, int | None, list[int] | None]:
         """Popen's (user, group, extra_groups) that run a child as the host account, with the
@@ -819,7 +847,8 @@ class LocalHost:
         if str(self.config_path) not in _cmdline(pid):
             self.pid_path.unlink(missing_ok=True)
             return
-        sessions = _children(pid) if kill_sessions else []
+        if kill_sessions:
+            _kill_tree(pid)
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + STOP_TIMEOUT
@@ -828,7 +857,46 @@ class LocalHost:
         if _cmdline(pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        for child in sessions:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(child, signal.SIGKILL)
         self.pid_path.unlink(missing_ok=True)
+
+
+# --------------------------------------------------------------------------------------------
+# python -m sshpool.local_host: run one host in the foreground, for trying things by hand.
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m sshpool.local_host",
+        description="Run a local HPC host (a real sshd on loopback) until interrupted.",
+    )
+    parser.add_argument("--name", default="local")
+    parser.add_argument("--profile", choices=["stock", "tuned"], default="tuned")
+    parser.add_argument("--address", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=None)
+    parser.add_argument("--data-dir", default=None)
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEYWORD=VALUE", help="an sshd override"
+    )
+    args = parser.parse_args(argv)
+    overrides = dict(item.split("=", 1) for item in args.set)
+    host = LocalHost(
+        args.name,
+        args.profile,
+        address=args.address,
+        port=args.port,
+        data_dir=args.data_dir,
+        overrides=overrides,
+    )
+    with host:
+        print(f"{host!r}")
+        print("try: " + " ".join(host.ssh_argv("id -un")), flush=True)
+        with contextlib.suppress(KeyboardInterrupt):
+            signal.sigwait({signal.SIGINT, signal.SIGTERM})
+    return 0
+
+
+if __name__ == "__main__":
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    raise SystemExit(main())

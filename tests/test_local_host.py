@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -27,6 +30,13 @@ def ssh(host: LocalHost, command: str, timeout: float = 30) -> subprocess.Comple
     return subprocess.run(
         host.ssh_argv(command), capture_output=True, text=True, timeout=timeout, check=False
     )
+
+
+def _kill(host: LocalHost, marker: str) -> None:
+    """Remove what a test left running on the host (a remote command outlives its client)."""
+    for pid in host.processes(marker):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_real_ssh_client_logs_in_as_the_unprivileged_account(stock_host: LocalHost) -> None:
@@ -226,6 +236,7 @@ def test_stop_is_idempotent_and_leaves_sessions_unless_asked(make_host: MakeHost
     finally:
         session.kill()
         session.wait()
+        _kill(host, marker)
 
 
 def test_stop_kill_sessions_drops_connections(make_host: MakeHost) -> None:
@@ -248,6 +259,7 @@ def test_stop_kill_sessions_drops_connections(make_host: MakeHost) -> None:
     finally:
         session.kill()
         session.wait()
+        _kill(host, marker)
 
 
 def test_run_local_and_processes_run_as_the_account(stock_host: LocalHost) -> None:
