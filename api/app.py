@@ -1,0 +1,153 @@
+"""The FastAPI application factory. The lifespan owns the pool and the store (tests may inject
+their own; injected objects stay the caller's to start and close)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import httpx
+from fastapi import FastAPI
+
+from api import problems
+from api.auth import Authenticator
+from api.config import Config, HostConfig, LimitsConfig, default_config, load_config
+from api.deps import Services
+from api.jobs import JobService
+from api.metrics import Metrics
+from api.middleware import RequestContext
+from api.policy import Policy
+from api.routes_hosts import router as hosts_router
+from api.routes_jobs import router as jobs_router
+from api.routes_ops import router as ops_router
+from api.settings import Settings
+from api.store import Store
+from sshpool import Pool, SSHPoolError
+
+log = logging.getLogger("sshapi")
+
+DESCRIPTION = """\
+Run commands on HPC login hosts over pooled, multiplexed SSH connections.
+
+Authenticate with `Authorization: Bearer <JWT>` (scopes `jobs:read`, `jobs:write`, `admin`).
+`POST /v1/jobs` answers 201 with the result when the command finishes within `Prefer: wait=N`
+seconds (default 30), else 202 with `Location` to poll. Errors are `application/problem+json`.
+Output is decoded as UTF-8 with invalid bytes replaced by U+FFFD.
+"""
+
+# The local host runs sshd_config.tuned (MaxSessions 16, MaxStartups 30:30:100): 12 channels per
+# connection leave room for the kill channel and for session slots sshd frees late.
+LOCAL_LIMITS = LimitsConfig(max_connections=4, min_connections=1, max_sessions=12, max_handshakes=8)
+
+
+def local_host_config(data_dir: Path, *, started: object = None) -> HostConfig | None:
+    """The `local` host of the data dir as configuration: from a started LocalHost, or from the
+    files `sshapi dev` left (its remembered port); None when it was never set up."""
+    from sshpool.local_host import LocalHost
+
+    host = started
+    if host is None:
+        port_file = data_dir / "hosts" / "local" / "port"
+        if not port_file.exists():
+            return None
+        host = LocalHost("local", "tuned", data_dir=data_dir, port=int(port_file.read_text()))
+    assert isinstance(host, LocalHost)
+    return HostConfig(
+        hostname=host.address,
+        port=host.port,
+        username=host.username,
+        client_keys=[host.client_key],
+        known_hosts=host.known_hosts,
+        description="The embedded local HPC host (OpenSSH sshd on loopback, tuned profile)",
+        limits=LOCAL_LIMITS,
+    )
+
+
+def resolve_config(settings: Settings) -> Config:
+    if settings.config is not None:
+        return load_config(settings.config)
+    return default_config(local_host_config(settings.data_dir))
+
+
+async def _prewarm(pool: Pool, name: str, host: HostConfig) -> None:
+    try:
+        await pool.prewarm(host.target())
+    except SSHPoolError as exc:
+        # Not fatal: the host may come up later; jobs then connect on demand.
+        log.warning("prewarm of host %s failed: %s", name, exc)
+
+
+def create_app(
+    settings: Settings | None = None,
+    *,
+    pool: Pool | None = None,
+    store: Store | None = None,
+    config: Config | None = None,
+) -> FastAPI:
+    settings = settings or Settings()
+    config = config or resolve_config(settings)
+    metrics = Metrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        own_store = store is None
+        the_store = store or Store(settings.resolved_database_url, schema=settings.database_schema)
+        if own_store:
+            await the_store.start()
+        lost = await the_store.mark_lost(settings.replica)
+        if lost:
+            log.warning("%d job(s) left active by a previous run are now `lost`", lost)
+        own_pool = pool is None
+        the_pool = pool or Pool(backend=settings.backend)
+        http = httpx.AsyncClient(follow_redirects=False)
+        policy = Policy(config)
+        services = Services(
+            settings=settings,
+            config=config,
+            policy=policy,
+            auth=Authenticator(config.issuers, settings.hs256_secret, http),
+            store=the_store,
+            pool=the_pool,
+            jobs=JobService(config, policy, the_store, the_pool, metrics, settings.replica),
+            metrics=metrics,
+            http=http,
+        )
+        metrics.watch_pool(the_pool.stats)
+        app.state.services = services
+        warm = [
+            asyncio.create_task(_prewarm(the_pool, name, host))
+            for name, host in config.hosts.items()
+            if host.limits.min_connections > 0
+        ]
+        services.ready = True
+        try:
+            yield
+        finally:
+            services.ready = False
+            for task in warm:
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.gather(*warm, return_exceptions=True)
+            await services.jobs.close(settings.shutdown_grace)
+            if own_pool:
+                await the_pool.close()
+            await http.aclose()
+            if own_store:
+                await the_store.close()
+
+    app = FastAPI(
+        title="sshapi",
+        version="1.0.0",
+        description=DESCRIPTION,
+        lifespan=lifespan,
+    )
+    problems.install(app)
+    app.include_router(jobs_router)
+    app.include_router(hosts_router)
+    app.include_router(ops_router)
+    app.add_middleware(RequestContext, metrics=metrics, max_body=config.api.max_body_bytes)
+    return app

@@ -1,0 +1,223 @@
+"""Bearer JWT validation (DESIGN.md section 5).
+
+The token's `iss` (read before verification, only to pick the configuration) selects an issuer
+entry; everything else comes from that entry: the fixed algorithm list, the audience, the keys.
+The key is chosen by the algorithm family, so an HS256 token can never be checked against an RSA
+public key used as an HMAC secret. Required claims: exp, iat, sub, aud, iss. Any doubt is a 401:
+unknown issuer, unknown key id after a (rate-limited) JWKS refresh, JWKS unreachable with no
+cached key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import jwt
+from cryptography.hazmat.primitives.asymmetric.ec import EllipticCurvePublicKey
+from cryptography.hazmat.primitives.asymmetric.ed448 import Ed448PublicKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.rsa import RSAPublicKey
+from cryptography.hazmat.primitives.serialization import load_pem_public_key
+
+from api.config import SYMMETRIC, IssuerConfig
+from api.problems import unauthorized
+
+log = logging.getLogger("sshapi.auth")
+
+REQUIRED_CLAIMS = ["exp", "iat", "sub", "aud", "iss"]
+SCOPES = frozenset({"jobs:read", "jobs:write", "admin"})
+
+# Which public key types can verify which algorithms.
+KEY_TYPES: dict[str, tuple[type, ...]] = {
+    "RS": (RSAPublicKey,),
+    "PS": (RSAPublicKey,),
+    "ES": (EllipticCurvePublicKey,),
+    "Ed": (Ed25519PublicKey, Ed448PublicKey),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """A verified caller. Identity is (issuer, subject)."""
+
+    issuer: str
+    subject: str
+    scopes: frozenset[str]
+
+    @property
+    def is_admin(self) -> bool:
+        return "admin" in self.scopes
+
+    def has(self, scope: str) -> bool:
+        return self.is_admin or scope in self.scopes
+
+
+def scopes_of(claims: dict[str, Any]) -> frozenset[str]:
+    """OAuth `scope` (space separated) or `scp` (a list), keeping only the scopes we know."""
+    raw = claims.get("scope", claims.get("scp", ""))
+    items: Iterable[Any] = (
+        raw.split() if isinstance(raw, str) else raw if isinstance(raw, list) else ()
+    )
+    return frozenset(s for s in items if isinstance(s, str) and s in SCOPES)
+
+
+class JwksCache:
+    """Keys from a JWKS URL. Refetched when older than `cache_seconds`, or for an unknown `kid`
+    at most once per `min_refresh_seconds`, one fetch at a time: a flood of tokens with made-up
+    key ids costs the identity provider one request per interval. A failed fetch keeps the keys
+    already known; with none known, every token is refused."""
+
+    def __init__(self, issuer: IssuerConfig, client: httpx.AsyncClient) -> None:
+        assert issuer.jwks_url
+        self.url = issuer.jwks_url
+        self.cache_seconds = issuer.jwks_cache_seconds
+        self.min_refresh = issuer.jwks_min_refresh_seconds
+        self.timeout = issuer.jwks_timeout
+        self._client = client
+        self._keys: dict[str | None, Any] = {}
+        self._fetched_at = -float("inf")
+        self._attempted_at = -float("inf")
+        self._lock = asyncio.Lock()
+
+    async def keys(self, kid: str | None) -> list[Any]:
+        now = time.monotonic()
+        stale = now - self._fetched_at > self.cache_seconds or kid not in self._keys
+        if stale and now - self._attempted_at >= self.min_refresh:
+            await self._refresh(now)
+        if kid is None:
+            return list(self._keys.values())
+        key = self._keys.get(kid)
+        return [key] if key is not None else []
+
+    async def _refresh(self, asked_at: float) -> None:
+        async with self._lock:
+            if self._attempted_at >= asked_at:
+                return  # someone refreshed while we waited for the lock
+            self._attempted_at = time.monotonic()
+            try:
+                response = await self._client.get(self.url, timeout=self.timeout)
+                response.raise_for_status()
+                keyset = jwt.PyJWKSet.from_dict(response.json())
+            except (httpx.HTTPError, ValueError, jwt.PyJWTError) as exc:
+                log.warning("JWKS fetch from %s failed: %s", self.url, exc)
+                return
+            self._keys = {k.key_id: k.key for k in keyset.keys}
+            self._fetched_at = time.monotonic()
+
+
+class IssuerKeys:
+    """The verification material of one issuer."""
+
+    def __init__(self, issuer: IssuerConfig, secret: str | None, client: httpx.AsyncClient) -> None:
+        self.config = issuer
+        self.secret = secret
+        self.public = [load_pem_public_key(p.read_bytes()) for p in issuer.public_keys]
+        self.jwks = JwksCache(issuer, client) if issuer.jwks_url else None
+
+    async def candidates(self, alg: str, kid: str | None) -> list[Any]:
+        if alg in SYMMETRIC:
+            return [self.secret] if self.secret else []
+        types = KEY_TYPES[alg[:2]]
+        keys: list[Any] = [k for k in self.public if isinstance(k, types)]
+        if self.jwks is not None:
+            keys += [k for k in await self.jwks.keys(kid) if isinstance(k, types)]
+        return keys
+
+
+class Authenticator:
+    def __init__(
+        self,
+        issuers: list[IssuerConfig],
+        local_secret: Callable[[], str],
+        client: httpx.AsyncClient,
+    ) -> None:
+        self._issuers: dict[str, IssuerKeys] = {}
+        for issuer in issuers:
+            secret = None
+            if issuer.symmetric:
+                secret = (
+                    issuer.secret_file.read_text().strip() if issuer.secret_file else local_secret()
+                )
+            self._issuers[issuer.issuer] = IssuerKeys(issuer, secret, client)
+
+    async def authenticate(self, token: str) -> Principal:
+        try:
+            header = jwt.get_unverified_header(token)
+            # Unverified read, only to choose the issuer configuration; verified below.
+            unverified = jwt.decode(token, options={"verify_signature": False})
+        except jwt.PyJWTError:
+            raise unauthorized("malformed token") from None
+        iss = unverified.get("iss")
+        keys = self._issuers.get(iss) if isinstance(iss, str) else None
+        if keys is None:
+            raise unauthorized("unknown or missing issuer")
+        issuer = keys.config
+        alg = header.get("alg")
+        if not isinstance(alg, str) or alg not in issuer.algorithms:
+            raise unauthorized("algorithm not allowed")
+        kid = header.get("kid")
+        candidates = await keys.candidates(alg, kid if isinstance(kid, str) else None)
+        if not candidates:
+            raise unauthorized("no key to verify this token")
+        claims = self._verify(token, alg, issuer, candidates)
+        sub = claims.get("sub")
+        if not isinstance(sub, str) or not sub:
+            raise unauthorized("missing subject")
+        return Principal(issuer=issuer.issuer, subject=sub, scopes=scopes_of(claims))
+
+    @staticmethod
+    def _verify(token: str, alg: str, issuer: IssuerConfig, keys: list[Any]) -> dict[str, Any]:
+        for key in keys:
+            try:
+                return jwt.decode(
+                    token,
+                    key,
+                    algorithms=[alg],
+                    audience=issuer.audience,
+                    issuer=issuer.issuer,
+                    leeway=issuer.leeway,
+                    options={"require": REQUIRED_CLAIMS},
+                )
+            except (jwt.InvalidSignatureError, jwt.InvalidKeyError):
+                continue  # another key of this issuer may match
+            except jwt.ExpiredSignatureError:
+                raise unauthorized("token expired") from None
+            except jwt.ImmatureSignatureError:
+                raise unauthorized("token not yet valid") from None
+            except jwt.MissingRequiredClaimError as exc:
+                raise unauthorized(f"missing claim {exc.claim!r}") from None
+            except jwt.InvalidAudienceError:
+                raise unauthorized("wrong audience") from None
+            except jwt.InvalidIssuerError:
+                raise unauthorized("wrong issuer") from None
+            except jwt.PyJWTError as exc:
+                raise unauthorized(f"invalid token: {type(exc).__name__}") from None
+        raise unauthorized("bad signature")
+
+
+def mint(
+    secret: str,
+    *,
+    issuer: str,
+    audience: str,
+    subject: str,
+    scopes: Iterable[str],
+    ttl: float = 3600.0,
+) -> str:
+    """An HS256 token for the local issuer (what `sshapi token` and `sshapi dev` print)."""
+    now = int(time.time())
+    claims = {
+        "iss": issuer,
+        "aud": audience,
+        "sub": subject,
+        "scope": " ".join(scopes),
+        "iat": now,
+        "exp": now + int(ttl),
+    }
+    return jwt.encode(claims, secret, algorithm="HS256")

@@ -1,0 +1,126 @@
+"""The `sshapi` command line: serve, dev (local host + API), token, hosts check."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shlex
+import time
+from typing import Annotated
+
+import typer
+import uvicorn
+
+from api.app import create_app, local_host_config, resolve_config
+from api.auth import mint
+from api.config import Config, default_config
+from api.settings import Settings
+from sshpool import Pool, SSHPoolError
+
+app = typer.Typer(help="SSH-backed HPC REST API.", no_args_is_help=True)
+hosts_app = typer.Typer(help="Configured hosts.", no_args_is_help=True)
+app.add_typer(hosts_app, name="hosts")
+
+
+def _serve(settings: Settings, config: Config | None = None) -> None:
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s"
+    )
+    api = create_app(settings, config=config)
+    uvicorn.run(
+        api, host=settings.host, port=settings.port, log_level=settings.log_level, ws="none"
+    )
+
+
+@app.command()
+def serve() -> None:
+    """Run the API (SSHAPI_* settings; hosts and policy from SSHAPI_CONFIG or the local host)."""
+    _serve(Settings())
+
+
+def _token(settings: Settings, config: Config, sub: str, scopes: list[str], ttl: float) -> str:
+    issuer = next((i for i in config.issuers if "HS256" in i.algorithms), None)
+    if issuer is None:
+        raise typer.BadParameter("no HS256 issuer in the configuration: tokens come from your IdP")
+    secret = (
+        issuer.secret_file.read_text().strip() if issuer.secret_file else settings.hs256_secret()
+    )
+    return mint(
+        secret, issuer=issuer.issuer, audience=issuer.audience, subject=sub, scopes=scopes, ttl=ttl
+    )
+
+
+@app.command()
+def token(
+    sub: Annotated[str, typer.Option(help="The subject (user name) of the token.")],
+    scope: Annotated[str, typer.Option(help="Space-separated scopes.")] = "jobs:read jobs:write",
+    ttl: Annotated[float, typer.Option(help="Lifetime in seconds.")] = 3600.0,
+) -> None:
+    """Mint an HS256 token the local server accepts (same data dir secret and configuration)."""
+    settings = Settings()
+    typer.echo(_token(settings, resolve_config(settings), sub, scope.split(), ttl))
+
+
+@hosts_app.command("check")
+def hosts_check(
+    timeout: Annotated[float, typer.Option(help="Seconds per host.")] = 15.0,
+) -> None:
+    """Connect to every configured host with its default account, run `true`, report."""
+    settings = Settings()
+    config = resolve_config(settings)
+    if not config.hosts:
+        typer.echo("no hosts configured (set SSHAPI_CONFIG, or run `sshapi dev` once)")
+        raise typer.Exit(1)
+
+    async def check() -> bool:
+        ok = True
+        async with Pool(backend=settings.backend) as pool:
+            for name, host in config.hosts.items():
+                start = time.perf_counter()
+                try:
+                    result = await pool.run(
+                        host.target(), ["true"], timeout=timeout, acquire_timeout=timeout
+                    )
+                except SSHPoolError as exc:
+                    ok = False
+                    typer.echo(f"{name:20} FAIL  {type(exc).__name__}: {exc}")
+                    continue
+                ms = (time.perf_counter() - start) * 1000
+                status = "ok" if result.exit_status == 0 else f"exit {result.exit_status}"
+                ok = ok and result.exit_status == 0
+                typer.echo(f"{name:20} {status:5} {ms:7.1f} ms  {host.target()}")
+        return ok
+
+    if not asyncio.run(check()):
+        raise typer.Exit(1)
+
+
+@app.command()
+def dev(
+    port: Annotated[int, typer.Option(help="API port on 127.0.0.1.")] = 8000,
+    sub: Annotated[str, typer.Option(help="Subject of the printed token.")] = "dev",
+) -> None:
+    """Start the local HPC host (sshd, tuned profile) and the API on 127.0.0.1; print a token
+    and a curl command. Ctrl-C stops both."""
+    from sshpool.local_host import LocalHost
+
+    settings = Settings(host="127.0.0.1", port=port)
+    host = LocalHost("local", "tuned", data_dir=settings.data_dir)
+    host.start()
+    try:
+        config = default_config(local_host_config(settings.data_dir, started=host))
+        tok = _token(settings, config, sub, ["jobs:read", "jobs:write"], 24 * 3600.0)
+        body = '{"host": "local", "argv": ["echo", "hello from the local HPC host"]}'
+        base = f"http://127.0.0.1:{port}"
+        typer.echo(
+            f"\nLocal HPC host: {host.username}@{host.address}:{host.port} (sshd, tuned profile)\n"
+            f"API:            {base}  (docs: {base}/docs)\n\n"
+            f"Token for {sub!r} (24 h; another: .venv/bin/sshapi token --sub NAME):\n\n"
+            f"export TOKEN={tok}\n\n"
+            "Try:\n\n"
+            f'curl -s -H "Authorization: Bearer $TOKEN" -H "Content-Type: application/json" \\\n'
+            f"     -d {shlex.quote(body)} {base}/v1/jobs\n"
+        )
+        _serve(settings, config)
+    finally:
+        host.stop(kill_sessions=True)

@@ -1,0 +1,243 @@
+"""The TOML configuration: API knobs, token issuers, hosts, command templates and policy.
+
+One file, validated at start (a typo fails the start, not a request). The README shows a file
+with every key. Secrets are not kept here: the HS256 secret comes from SSHAPI_JWT_SECRET, a
+`secret_file`, or the data dir.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from sshpool.target import Limits, Target
+
+NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
+ASYMMETRIC = {"RS256", "RS384", "RS512", "ES256", "ES384", "ES512", "PS256", "EdDSA"}
+SYMMETRIC = {"HS256", "HS384", "HS512"}
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ApiConfig(Strict):
+    # Prefer: wait=N: the default (long, so a short command finishes in one request) and the cap.
+    wait_default: float = Field(default=30.0, ge=0)
+    wait_max: float = Field(default=300.0, ge=0)
+    # How long an admitted job may wait for a channel slot (incl. connecting) before `error`.
+    queue_timeout: float = Field(default=30.0, gt=0)
+    # Command timeout when the request names none; always capped by the policy's max_timeout.
+    default_timeout: float = Field(default=300.0, gt=0)
+    max_body_bytes: int = Field(default=1 << 20, gt=0)
+    max_stdin_bytes: int = Field(default=64 << 10, ge=0)
+    max_argv_bytes: int = Field(default=128 << 10, gt=0)
+    # /metrics needs a token with the admin scope when true.
+    metrics_require_admin: bool = False
+    max_page: int = Field(default=200, ge=1)
+
+
+class IssuerConfig(Strict):
+    """One identity provider whose tokens are accepted. The token's `iss` picks the entry."""
+
+    issuer: str
+    audience: str
+    # Fixed list: the token's `alg` header must be in it; keys are chosen by algorithm family.
+    algorithms: list[str] = Field(default_factory=lambda: ["HS256"], min_length=1)
+    # HS*: secret file (mode 0600). Unset: SSHAPI_JWT_SECRET or <data_dir>/jwt_secret.
+    secret_file: Path | None = None
+    # Asymmetric algorithms: PEM public keys, and/or a JWKS URL.
+    public_keys: list[Path] = Field(default_factory=list)
+    jwks_url: str | None = None
+    jwks_cache_seconds: float = Field(default=300.0, gt=0)
+    # A token with an unknown `kid` triggers a refetch at most this often.
+    jwks_min_refresh_seconds: float = Field(default=30.0, ge=0)
+    jwks_timeout: float = Field(default=5.0, gt=0)
+    leeway: float = Field(default=30.0, ge=0, le=300)
+
+    @field_validator("algorithms")
+    @classmethod
+    def _known_algorithms(cls, value: list[str]) -> list[str]:
+        unknown = set(value) - ASYMMETRIC - SYMMETRIC
+        if unknown:
+            raise ValueError(f"unsupported algorithms {sorted(unknown)} ('none' is never allowed)")
+        return value
+
+    @model_validator(mode="after")
+    def _has_keys(self) -> IssuerConfig:
+        if set(self.algorithms) & ASYMMETRIC and not (self.public_keys or self.jwks_url):
+            raise ValueError(f"issuer {self.issuer!r}: asymmetric algorithms need keys or JWKS")
+        return self
+
+    @property
+    def symmetric(self) -> bool:
+        return bool(set(self.algorithms) & SYMMETRIC)
+
+
+class LimitsConfig(Strict):
+    max_connections: int = 4
+    min_connections: int = 0
+    max_sessions: int = 8
+    max_handshakes: int = 4
+    max_waiters: int = 1000
+    connect_timeout: float = 10.0
+    keepalive_interval: float = 15.0
+    keepalive_count_max: int = 3
+    idle_timeout: float = 300.0
+    max_lifetime: float = 3600.0
+    breaker_threshold: int = 3
+    breaker_backoff: float = 1.0
+    breaker_backoff_max: float = 30.0
+
+    def limits(self) -> Limits:
+        return Limits(**self.model_dump())
+
+
+class Account(Strict):
+    """The remote account a policy maps an identity to on one host."""
+
+    username: str
+    client_keys: list[str] = Field(min_length=1)
+
+
+class HostConfig(Strict):
+    hostname: str
+    port: int = Field(default=22, ge=1, le=65535)
+    # The account used when the policy names none for this host.
+    username: str
+    client_keys: list[str] = Field(min_length=1)
+    known_hosts: str
+    # Mapping anyone to root is refused unless the operator says so here.
+    allow_root: bool = False
+    description: str = ""
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+
+    def target(self, account: Account | None = None) -> Target:
+        username = account.username if account else self.username
+        keys = account.client_keys if account else self.client_keys
+        return Target(
+            host=self.hostname,
+            port=self.port,
+            username=username,
+            client_keys=tuple(keys),
+            known_hosts=self.known_hosts,
+            limits=self.limits.limits(),
+        )
+
+
+class ParamSpec(Strict):
+    type: Literal["str", "int", "float", "bool"] = "str"
+    required: bool = True
+    default: str | int | float | bool | None = None
+    description: str = ""
+    # str: a full-match regex, a length cap, a closed set of values.
+    pattern: str | None = None
+    max_length: int = Field(default=256, ge=1)
+    choices: list[str] | None = None
+    # A str value starting with '-' is refused unless it lands after a literal "--" element or
+    # this is true: a value must never turn into an option of the templated program.
+    allow_leading_dash: bool = False
+    # int/float bounds.
+    min: float | None = None
+    max: float | None = None
+
+    @field_validator("pattern")
+    @classmethod
+    def _compiles(cls, value: str | None) -> str | None:
+        if value is not None:
+            re.compile(value)
+        return value
+
+
+class TemplateConfig(Strict):
+    """An operator-defined command: argv with `{param}` placeholders and typed parameters."""
+
+    argv: list[str] = Field(min_length=1)
+    description: str = ""
+    params: dict[str, ParamSpec] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _placeholders_declared(self) -> TemplateConfig:
+        used = {m for arg in self.argv for m in PLACEHOLDER.findall(arg)}
+        if PLACEHOLDER.search(self.argv[0]):
+            raise ValueError("the program (argv[0]) of a template cannot be a parameter")
+        missing = used - set(self.params)
+        if missing:
+            raise ValueError(f"placeholders without a params entry: {sorted(missing)}")
+        return self
+
+
+Pattern = Annotated[str, Field(min_length=1)]
+
+
+class PolicyRule(Strict):
+    """Who (issuer and subject glob patterns) may do what. The first matching rule applies."""
+
+    issuer: Pattern = "*"
+    subject: Pattern = "*"
+    hosts: list[str] = Field(default_factory=lambda: ["*"])
+    # Hosts where raw shell lines (`command`) are allowed; argv and templates need no permission.
+    shell_hosts: list[str] = Field(default_factory=list)
+    templates: list[str] = Field(default_factory=lambda: ["*"])
+    # Remote account per host name; hosts not listed use the host's default account.
+    accounts: dict[str, Account] = Field(default_factory=dict)
+    max_timeout: float = Field(default=3600.0, gt=0)
+    max_output: int = Field(default=1 << 20, ge=0)
+    # Token bucket: sustained submissions per second and the burst allowed above it.
+    rate: float = Field(default=5.0, gt=0)
+    burst: int = Field(default=20, ge=1)
+    max_concurrent: int = Field(default=8, ge=1)
+
+
+class Config(Strict):
+    api: ApiConfig = Field(default_factory=ApiConfig)
+    issuers: list[IssuerConfig] = Field(min_length=1)
+    hosts: dict[Annotated[str, Field(pattern=NAME)], HostConfig] = Field(default_factory=dict)
+    templates: dict[Annotated[str, Field(pattern=NAME)], TemplateConfig] = Field(
+        default_factory=dict
+    )
+    policy: list[PolicyRule] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Config:
+        issuers = [i.issuer for i in self.issuers]
+        if len(set(issuers)) != len(issuers):
+            raise ValueError("issuer names must be unique")
+        for name, host in self.hosts.items():
+            if host.username == "root" and not host.allow_root:
+                raise ValueError(f"host {name!r} logs in as root: set allow_root = true to mean it")
+        for n, rule in enumerate(self.policy):
+            for host_name, account in rule.accounts.items():
+                mapped = self.hosts.get(host_name)
+                if mapped is None:
+                    raise ValueError(
+                        f"policy rule {n} maps an account on unknown host {host_name!r}"
+                    )
+                if account.username == "root" and not mapped.allow_root:
+                    raise ValueError(f"policy rule {n} maps to root on {host_name!r}: allow_root")
+        return self
+
+
+def load_config(path: Path) -> Config:
+    with path.open("rb") as f:
+        return Config.model_validate(tomllib.load(f))
+
+
+LOCAL_ISSUER = "sshapi-local"
+LOCAL_AUDIENCE = "sshapi"
+
+
+def default_config(local: HostConfig | None) -> Config:
+    """The configuration used when SSHAPI_CONFIG is unset: the local HS256 issuer, the local host
+    as `local` (when there is one), and a policy letting any authenticated subject use it with
+    argv and raw shell lines."""
+    return Config(
+        issuers=[IssuerConfig(issuer=LOCAL_ISSUER, audience=LOCAL_AUDIENCE, algorithms=["HS256"])],
+        hosts={"local": local} if local else {},
+        policy=[PolicyRule(hosts=["*"], shell_hosts=["*"], templates=["*"])],
+    )

@@ -1,0 +1,84 @@
+"""`Annotated` dependency aliases: route signatures say what they need, not how to get it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import httpx
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from api.auth import Authenticator, Principal
+from api.config import Config
+from api.jobs import JobService
+from api.metrics import Metrics
+from api.policy import Policy
+from api.problems import Problem
+from api.settings import Settings
+from api.store import Store
+from api.timing import stage
+from sshpool import Pool
+
+
+@dataclass(slots=True)
+class Services:
+    """The shared objects the lifespan builds; one per app."""
+
+    settings: Settings
+    config: Config
+    policy: Policy
+    auth: Authenticator
+    store: Store
+    pool: Pool
+    jobs: JobService
+    metrics: Metrics
+    http: httpx.AsyncClient
+    ready: bool = False
+
+
+def get_services(request: Request) -> Services:
+    services: Services = request.app.state.services
+    return services
+
+
+# auto_error=False: a missing header is our 401 problem, not FastAPI's 403.
+bearer = HTTPBearer(auto_error=False, description="A JWT from your identity provider.")
+
+
+async def get_principal(
+    request: Request,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
+) -> Principal:
+    if credentials is None:
+        raise Problem(
+            401,
+            "unauthorized",
+            "Unauthorized",
+            "send Authorization: Bearer <token>",
+            headers={"WWW-Authenticate": 'Bearer realm="sshapi"'},
+        )
+    with stage("auth"):
+        return await get_services(request).auth.authenticate(credentials.credentials)
+
+
+def require(scope: str) -> Callable[..., Coroutine[Any, Any, Principal]]:
+    async def check(who: Annotated[Principal, Depends(get_principal)]) -> Principal:
+        if not who.has(scope):
+            raise Problem(
+                403,
+                "insufficient-scope",
+                "Insufficient scope",
+                f"this needs the {scope!r} scope",
+                headers={"WWW-Authenticate": f'Bearer error="insufficient_scope", scope="{scope}"'},
+            )
+        return who
+
+    return check
+
+
+Svc = Annotated[Services, Depends(get_services)]
+Caller = Annotated[Principal, Depends(get_principal)]
+Reader = Annotated[Principal, Depends(require("jobs:read"))]
+Writer = Annotated[Principal, Depends(require("jobs:write"))]

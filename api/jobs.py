@@ -1,0 +1,408 @@
+"""The job service: admission, launch through the pool, states, idempotency, cancel.
+
+Admission (nothing is created when it fails): host known (422) and allowed (403), the kind of
+command allowed, sizes, idempotency replay/conflict, the caller's token bucket (429) and
+concurrent-job cap (429). An admitted job is inserted as `queued` and durable before any answer;
+then one task per job runs it:
+
+    queued --on_started--> running --> succeeded | failed | timed_out | cancelled | lost
+    queued --> error (SSH failed before the command started: nothing ran) | cancelled
+
+The pool.run call runs in its own inner task so that cancelling it (DELETE, shutdown) kills the
+remote process tree while the outer task still records the outcome, uncancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy.exc import IntegrityError
+
+from api.auth import Principal
+from api.config import Config
+from api.metrics import Metrics
+from api.policy import Grant, Policy, RateLimiter, render
+from api.problems import Problem, error_kind, retry_after, ssh_problem
+from api.schemas import JobRequest
+from api.store import FINAL, JobRow, Store, new_id, utcnow
+from api.timing import stage
+from sshpool import CommandResult, CommandTimeout, ConnectionLost, Pool, SSHPoolError
+
+log = logging.getLogger("sshapi.jobs")
+
+CANCEL_WAIT = 15.0  # seconds DELETE waits for the runner to record `cancelled`
+
+
+@dataclass(slots=True)
+class Running:
+    """A job this process is running."""
+
+    row: JobRow
+    owner: tuple[str, str]
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    runner: asyncio.Task[None] | None = None
+    command: asyncio.Task[CommandResult] | None = None
+    cancel_reason: str | None = None
+
+
+def request_hash(body: JobRequest) -> str:
+    canonical = json.dumps(body.model_dump(exclude_none=True), sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+class JobService:
+    def __init__(
+        self,
+        config: Config,
+        policy: Policy,
+        store: Store,
+        pool: Pool,
+        metrics: Metrics,
+        replica: str,
+    ) -> None:
+        self.config = config
+        self.policy = policy
+        self.store = store
+        self.pool = pool
+        self.metrics = metrics
+        self.replica = replica
+        self.rates = RateLimiter()
+        self._running: dict[str, Running] = {}
+        self._active: Counter[tuple[str, str]] = Counter()
+
+    # ---- reading
+
+    async def get(self, who: Principal, job_id: str) -> JobRow:
+        """The job if the caller may see it (owner or admin); 404 otherwise, never 403, so ids
+        of other people's jobs are not confirmed."""
+        with stage("store"):
+            row = await self.store.get(job_id)
+        if row is None or not (who.is_admin or (row.owner_iss, row.owner_sub) == key_of(who)):
+            raise Problem(404, "job-not-found", "No such job", f"no job {job_id!r}")
+        return row
+
+    async def list_jobs(
+        self, who: Principal, *, state: str | None, host: str | None, limit: int, cursor: str | None
+    ) -> tuple[list[JobRow], str | None]:
+        owner = None if who.is_admin else key_of(who)
+        with stage("store"):
+            rows = await self.store.list_jobs(
+                owner=owner, state=state, host=host, limit=limit + 1, before=cursor
+            )
+        more = len(rows) > limit
+        rows = rows[:limit]
+        return rows, (rows[-1].id if more and rows else None)
+
+    # ---- submitting
+
+    async def submit(
+        self, who: Principal, body: JobRequest, idempotency_key: str | None
+    ) -> tuple[JobRow, bool]:
+        """Admit and launch a job, or replay the one made with the same idempotency key.
+        Returns (job, replayed)."""
+        grant = self.policy.grant(who, body.host)
+        command = self._command(grant, body)
+        api = self.config.api
+        stdin = body.stdin.encode() if body.stdin is not None else None
+        if stdin is not None and len(stdin) > api.max_stdin_bytes:
+            raise Problem(
+                413, "too-large", "stdin too large", f"at most {api.max_stdin_bytes} bytes"
+            )
+        size = len(command.encode()) if isinstance(command, str) else sum(map(len, command))
+        if size > api.max_argv_bytes:
+            raise Problem(
+                413, "too-large", "Command too large", f"at most {api.max_argv_bytes} bytes"
+            )
+        digest = request_hash(body)
+        if idempotency_key is not None:
+            replay = await self._replay(who, idempotency_key, digest)
+            if replay is not None:
+                return replay, True
+        rule = grant.rule
+        self.rates.take(who, rule.rate, rule.burst)
+        owner = key_of(who)
+        if self._active[owner] >= rule.max_concurrent:
+            raise Problem(
+                429,
+                "too-many-jobs",
+                "Too many active jobs",
+                f"at most {rule.max_concurrent} jobs at once",
+                headers=retry_after(1),
+            )
+        timeout = min(body.timeout or api.default_timeout, rule.max_timeout)
+        row = JobRow(
+            id=new_id(),
+            owner_iss=who.issuer,
+            owner_sub=who.subject,
+            replica=self.replica,
+            host=body.host,
+            target=str(grant.target),
+            argv=body.argv or (command if body.template else None),
+            command=body.command,
+            template=body.template,
+            params=body.params,
+            timeout=timeout,
+            state="queued",
+            stdout=b"",
+            stderr=b"",
+            stdout_bytes=0,
+            stderr_bytes=0,
+            stdout_truncated=False,
+            stderr_truncated=False,
+            created_at=utcnow(),
+            timings={},
+            idempotency_key=idempotency_key,
+            request_hash=digest,
+        )
+        # Count the job before the first await so concurrent submissions see it.
+        self._active[owner] += 1
+        try:
+            with stage("store"):
+                await self.store.insert(row)
+        except IntegrityError:
+            self._active[owner] -= 1
+            # A concurrent request with the same key won the insert: answer as its replay.
+            assert idempotency_key is not None
+            replay = await self._replay(who, idempotency_key, digest)
+            if replay is None:
+                raise
+            return replay, True
+        except BaseException:
+            self._active[owner] -= 1
+            raise
+        job = Running(row=row, owner=owner)
+        self._running[row.id] = job
+        self.metrics.jobs_active.labels(row.host).inc()
+        job.runner = asyncio.create_task(
+            self._run(job, grant, command, stdin, timeout, rule.max_output), name=f"job-{row.id}"
+        )
+        return row, False
+
+    def _command(self, grant: Grant, body: JobRequest) -> str | list[str]:
+        if body.argv is not None:
+            return body.argv
+        if body.command is not None:
+            if not grant.shell:
+                raise Problem(
+                    403,
+                    "shell-forbidden",
+                    "Raw shell lines not allowed",
+                    f"send argv or a template: raw shell lines are not allowed on {body.host!r}",
+                )
+            return body.command
+        assert body.template is not None
+        template = self.config.templates.get(body.template)
+        if template is None:
+            raise Problem(422, "unknown-template", "Unknown template", f"no {body.template!r}")
+        if not self.policy.template_allowed(grant, body.template):
+            raise Problem(403, "template-forbidden", "Template not allowed", body.template)
+        return render(body.template, template, body.params or {})
+
+    async def _replay(self, who: Principal, key: str, digest: str) -> JobRow | None:
+        with stage("store"):
+            row = await self.store.by_key(who.issuer, who.subject, key)
+        if row is None:
+            return None
+        if row.request_hash != digest:
+            raise Problem(
+                422,
+                "idempotency-key-reused",
+                "Idempotency-Key reused with another request",
+                "this key was used for a different request body",
+                job_id=row.id,
+            )
+        return row
+
+    # ---- running
+
+    async def _run(
+        self,
+        job: Running,
+        grant: Grant,
+        command: str | list[str],
+        stdin: bytes | None,
+        timeout: float,
+        max_output: int,
+    ) -> None:
+        row = job.row
+        started = asyncio.Event()
+
+        async def mark_running() -> None:
+            await started.wait()
+            row.state, row.started_at = "running", utcnow()
+            await self.store.update(
+                row.id, only_active=True, state="running", started_at=row.started_at
+            )
+
+        marker = asyncio.create_task(mark_running())
+        job.command = asyncio.create_task(
+            self.pool.run(
+                grant.target,
+                command,
+                stdin=stdin,
+                timeout=timeout,
+                acquire_timeout=self.config.api.queue_timeout,
+                max_output=max_output,
+                on_started=started.set,
+            )
+        )
+        values: dict[str, Any]
+        try:
+            result = await job.command
+            values = _result_values(result, "succeeded" if result.exit_status == 0 else "failed")
+        except CommandTimeout as exc:
+            values = _result_values(exc.result, "timed_out")
+            values["error"] = f"killed after its {timeout:g} s timeout"
+        except ConnectionLost as exc:
+            values = _lost_or_error(exc)
+        except SSHPoolError as exc:
+            values = _error_values(exc)
+        except asyncio.CancelledError:
+            values = {"state": "cancelled", "error": job.cancel_reason or "cancelled"}
+        except Exception as exc:
+            log.exception("job %s failed unexpectedly", row.id)
+            values = {
+                "state": "error",
+                "error": f"internal error: {type(exc).__name__}",
+                "error_kind": "internal",
+                "idempotency_key": None,
+            }
+        finally:
+            if started.is_set():
+                with contextlib.suppress(Exception):
+                    await marker  # `running` is written before the final state
+            else:
+                marker.cancel()
+        values["finished_at"] = utcnow()
+        try:
+            await self.store.update(row.id, only_active=True, **values)
+        except Exception:
+            log.exception("could not record the outcome of job %s", row.id)
+        for name, value in values.items():
+            setattr(row, name, value)
+        self._finish(job)
+
+    def _finish(self, job: Running) -> None:
+        row = job.row
+        self._running.pop(row.id, None)
+        self._active[job.owner] -= 1
+        if self._active[job.owner] <= 0:
+            del self._active[job.owner]
+        self.metrics.jobs_active.labels(row.host).dec()
+        self.metrics.jobs.labels(row.host, row.state).inc()
+        for name, ms in (row.timings or {}).items():
+            self.metrics.stage.labels(name).observe(ms / 1000.0)
+        job.done.set()
+
+    async def wait(self, row: JobRow, seconds: float) -> JobRow:
+        """Hold until the job finishes or `seconds` pass; the freshest row this process has."""
+        job = self._running.get(row.id)
+        if job is None:
+            return row
+        if seconds > 0:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(seconds):
+                    await job.done.wait()
+        return job.row
+
+    # ---- cancelling
+
+    async def cancel(self, who: Principal, job_id: str) -> JobRow:
+        row = await self.get(who, job_id)
+        if row.state in FINAL:
+            raise _already_finished(row)
+        job = self._running.get(job_id)
+        if job is None or job.command is None:
+            # Another replica runs it (or it is just being launched): we cannot reach its task.
+            raise Problem(
+                409,
+                "job-not-here",
+                "Job runs elsewhere",
+                f"job {job_id} is {row.state} on replica {row.replica!r}; cancel it there",
+                headers=retry_after(1),
+            )
+        job.cancel_reason = f"cancelled by {who.subject}"
+        job.command.cancel()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(CANCEL_WAIT):
+                await job.done.wait()
+        if job.row.state != "cancelled":
+            raise _already_finished(job.row)
+        return job.row
+
+    async def close(self, grace: float) -> None:
+        """Let running jobs finish for up to `grace` seconds, then cancel (kill) the rest."""
+        jobs = list(self._running.values())
+        if not jobs:
+            return
+        deadline = time.monotonic() + grace
+        for job in jobs:
+            remaining = deadline - time.monotonic()
+            if remaining > 0:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(remaining):
+                        await job.done.wait()
+        for job in list(self._running.values()):
+            job.cancel_reason = "the API shut down"
+            if job.command is not None:
+                job.command.cancel()
+        runners = [j.runner for j in self._running.values() if j.runner is not None]
+        if runners:
+            await asyncio.wait(runners, timeout=CANCEL_WAIT)
+
+    def active_count(self) -> int:
+        return len(self._running)
+
+
+def key_of(who: Principal) -> tuple[str, str]:
+    return (who.issuer, who.subject)
+
+
+def _already_finished(row: JobRow) -> Problem:
+    return Problem(409, "job-finished", "Job already finished", f"job {row.id} is {row.state}")
+
+
+def _result_values(result: CommandResult, state: str) -> dict[str, Any]:
+    return {
+        "state": state,
+        "exit_status": result.exit_status,
+        "exit_signal": result.exit_signal,
+        "stdout": result.stdout,
+        "stderr": result.stderr,
+        "stdout_bytes": result.stdout_bytes,
+        "stderr_bytes": result.stderr_bytes,
+        "stdout_truncated": result.stdout_truncated,
+        "stderr_truncated": result.stderr_truncated,
+        "timings": {k: round(v * 1000.0, 3) for k, v in result.timings.items()},
+    }
+
+
+def _lost_or_error(exc: ConnectionLost) -> dict[str, Any]:
+    if exc.started:
+        return {"state": "lost", "error": f"connection lost after the command started: {exc}"}
+    return _error_values(exc)
+
+
+def _error_values(exc: SSHPoolError) -> dict[str, Any]:
+    # Nothing ran, so a retry is safe: release the idempotency key so that the same key works.
+    return {
+        "state": "error",
+        "error": str(exc) or type(exc).__name__,
+        "error_kind": error_kind(exc),
+        "idempotency_key": None,
+    }
+
+
+def error_problem(row: JobRow) -> Problem:
+    """The answer for a job in state `error`: the SSH failure's status, naming the job."""
+    if row.error_kind == "internal":
+        return Problem(500, "internal", "Internal error", row.error, job_id=row.id)
+    return ssh_problem(None, row.error_kind, detail=row.error, job_id=row.id, job_state=row.state)

@@ -1,0 +1,91 @@
+"""Prometheus metrics. One registry per app, so several apps (tests) never share counters."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+POOL_GAUGES = ("connections", "channels_in_use", "capacity", "waiters", "handshakes_in_flight")
+
+
+class PoolCollector(Collector):
+    """Reads pool.stats() at scrape time: gauges per target, the breaker, the pool's counters."""
+
+    def __init__(self, stats: Callable[[], dict[str, dict[str, Any]]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Any]:
+        stats = self._stats()
+        gauges = {
+            name: GaugeMetricFamily(f"sshpool_{name}", f"Pool {name} per target", labels=["target"])
+            for name in POOL_GAUGES
+        }
+        breaker = GaugeMetricFamily(
+            "sshpool_breaker_open", "1 while the host's circuit breaker is open", labels=["target"]
+        )
+        counters: dict[str, CounterMetricFamily] = {}
+        for target, s in stats.items():
+            for name, family in gauges.items():
+                value = s.get(name)
+                if isinstance(value, int | float):
+                    family.add_metric([target], float(value))
+            breaker.add_metric([target], 0.0 if s.get("breaker", "closed") == "closed" else 1.0)
+            for name, value in (s.get("counters") or {}).items():
+                if not isinstance(value, int | float):
+                    continue
+                if name not in counters:
+                    counters[name] = CounterMetricFamily(
+                        f"sshpool_{name}", f"Pool counter {name}", labels=["target"]
+                    )
+                counters[name].add_metric([target], float(value))
+        yield from gauges.values()
+        yield breaker
+        yield from counters.values()
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "sshapi_http_requests",
+            "HTTP requests by route template and status",
+            ["method", "route", "status"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "sshapi_http_request_duration_seconds",
+            "HTTP request latency by route template",
+            ["method", "route"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.jobs = Counter(
+            "sshapi_jobs_finished",
+            "Jobs reaching a final state",
+            ["host", "state"],
+            registry=self.registry,
+        )
+        self.jobs_active = Gauge(
+            "sshapi_jobs_active",
+            "Jobs queued or running in this process",
+            ["host"],
+            registry=self.registry,
+        )
+        self.stage = Histogram(
+            "sshapi_job_stage_seconds",
+            "Seconds per job stage (queue, connect, open, exec)",
+            ["stage"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+
+    def watch_pool(self, stats: Callable[[], dict[str, dict[str, Any]]]) -> None:
+        self.registry.register(PoolCollector(stats))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

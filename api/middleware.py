@@ -1,0 +1,82 @@
+"""One pure ASGI middleware for what every response needs: X-Request-ID, Server-Timing, the
+request metrics, and the body size cap (413 before the body is read, for both a declared
+Content-Length and a streamed body that runs over)."""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+
+from fastapi import HTTPException
+from starlette.datastructures import MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from api.metrics import Metrics
+from api.problems import Problem
+from api.timing import TIMING, Timing
+
+# A client's request id is echoed only when it is short and printable (it ends up in logs).
+REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+class RequestContext:
+    def __init__(self, app: ASGIApp, metrics: Metrics, max_body: int) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.max_body = max_body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        given = headers.get(b"x-request-id", b"").decode("latin-1")
+        request_id = given if REQUEST_ID.match(given) else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        timing = Timing()
+        token = TIMING.set(timing)
+        status = 500
+        start = time.perf_counter()
+
+        async def send_with_headers(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                out = MutableHeaders(scope=message)
+                out["X-Request-ID"] = request_id
+                if timing.ms:
+                    out["Server-Timing"] = timing.header()
+            await send(message)
+
+        received = 0
+
+        async def capped_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body:
+                    # FastAPI re-raises HTTPException from body reading (other errors become 400).
+                    raise HTTPException(413, f"at most {self.max_body} bytes")
+            return message
+
+        try:
+            declared = headers.get(b"content-length")
+            if declared is not None and declared.isdigit() and int(declared) > self.max_body:
+                await _too_large(self.max_body).response(scope["path"])(
+                    scope, receive, send_with_headers
+                )
+            else:
+                await self.app(scope, capped_receive, send_with_headers)
+        finally:
+            TIMING.reset(token)
+            route = scope.get("route")
+            template = getattr(route, "path_format", None) or getattr(route, "path", "unmatched")
+            method = scope["method"]
+            self.metrics.requests.labels(method, template, str(status)).inc()
+            self.metrics.latency.labels(method, template).observe(time.perf_counter() - start)
+
+
+def _too_large(limit: int) -> Problem:
+    return Problem(413, "too-large", "Request body too large", f"at most {limit} bytes")

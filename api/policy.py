@@ -1,0 +1,184 @@
+"""Who may run what where: identity -> policy rule, per-identity token buckets, templates."""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from typing import Any
+
+from api.auth import Principal
+from api.config import PLACEHOLDER, Config, HostConfig, ParamSpec, PolicyRule, TemplateConfig
+from api.problems import Problem, retry_after
+from sshpool.target import Target
+
+
+def _listed(name: str, patterns: list[str]) -> bool:
+    return any(fnmatchcase(name, p) for p in patterns)
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """What one identity may do on one host, resolved from the first matching rule."""
+
+    host_name: str
+    host: HostConfig
+    rule: PolicyRule
+    target: Target
+
+    @property
+    def shell(self) -> bool:
+        return _listed(self.host_name, self.rule.shell_hosts)
+
+
+class Policy:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+
+    def rule_for(self, who: Principal) -> PolicyRule | None:
+        for rule in self.config.policy:
+            if fnmatchcase(who.issuer, rule.issuer) and fnmatchcase(who.subject, rule.subject):
+                return rule
+        return None
+
+    def visible_hosts(self, who: Principal) -> list[str]:
+        """Hosts the caller may use; admins see every host."""
+        if who.is_admin:
+            return list(self.config.hosts)
+        rule = self.rule_for(who)
+        if rule is None:
+            return []
+        return [name for name in self.config.hosts if _listed(name, rule.hosts)]
+
+    def grant(self, who: Principal, host_name: str) -> Grant:
+        """The grant to run on `host_name`, or 422 (no such host) / 403 (not for this caller)."""
+        host = self.config.hosts.get(host_name)
+        if host is None:
+            raise Problem(422, "unknown-host", "Unknown host", f"no host named {host_name!r}")
+        rule = self.rule_for(who)
+        if rule is None or not _listed(host_name, rule.hosts):
+            raise Problem(
+                403, "host-forbidden", "Host not allowed", f"you may not use {host_name!r}"
+            )
+        return Grant(host_name, host, rule, host.target(rule.accounts.get(host_name)))
+
+    def shell_allowed(self, who: Principal, host_name: str) -> bool:
+        rule = self.rule_for(who)
+        return rule is not None and _listed(host_name, rule.shell_hosts)
+
+    def template_allowed(self, grant: Grant, name: str) -> bool:
+        return _listed(name, grant.rule.templates)
+
+
+class RateLimiter:
+    """Token buckets per identity (per replica: N replicas allow N times the rate)."""
+
+    MAX_BUCKETS = 100_000
+
+    def __init__(self) -> None:
+        # identity -> (tokens, last refill time)
+        self._buckets: dict[tuple[str, str], tuple[float, float]] = {}
+
+    def take(self, who: Principal, rate: float, burst: int) -> None:
+        """Spend one token or raise 429 with the seconds until the next one."""
+        key = (who.issuer, who.subject)
+        now = time.monotonic()
+        tokens, last = self._buckets.get(key, (float(burst), now))
+        tokens = min(float(burst), tokens + (now - last) * rate)
+        if tokens < 1.0:
+            self._buckets[key] = (tokens, now)
+            wait = (1.0 - tokens) / rate
+            raise Problem(
+                429,
+                "rate-limited",
+                "Too many requests",
+                f"at most {rate:g} jobs/s (burst {burst}); retry in {wait:.1f} s",
+                headers=retry_after(wait),
+            )
+        self._buckets[key] = (tokens - 1.0, now)
+        if len(self._buckets) > self.MAX_BUCKETS:
+            self._prune(now)
+
+    def _prune(self, now: float) -> None:
+        # A bucket idle for an hour is (nearly always) full again: forgetting it costs nothing.
+        idle = [k for k, (_, last) in self._buckets.items() if now - last > 3600]
+        for k in idle:
+            del self._buckets[k]
+
+
+def _check(name: str, spec: ParamSpec, value: Any) -> str:
+    """Validate one parameter value and render it as one argv string."""
+    bad = Problem(422, "invalid-param", "Invalid template parameter", None)
+    if spec.type == "bool":
+        if not isinstance(value, bool):
+            bad.detail = f"{name}: expected true or false"
+            raise bad
+        return "true" if value else "false"
+    if spec.type in ("int", "float"):
+        ok = isinstance(value, int) if spec.type == "int" else isinstance(value, int | float)
+        if (
+            not ok
+            or isinstance(value, bool)
+            or (isinstance(value, float) and not math.isfinite(value))
+        ):
+            bad.detail = f"{name}: expected {spec.type}"
+            raise bad
+        if (spec.min is not None and value < spec.min) or (
+            spec.max is not None and value > spec.max
+        ):
+            bad.detail = f"{name}: must be between {spec.min} and {spec.max}"
+            raise bad
+        return str(value)
+    if not isinstance(value, str):
+        bad.detail = f"{name}: expected a string"
+        raise bad
+    if "\0" in value or len(value) > spec.max_length:
+        bad.detail = f"{name}: NUL byte or longer than {spec.max_length}"
+        raise bad
+    if spec.choices is not None and value not in spec.choices:
+        bad.detail = f"{name}: one of {spec.choices}"
+        raise bad
+    if spec.pattern is not None and not re.fullmatch(spec.pattern, value):
+        bad.detail = f"{name}: does not match {spec.pattern!r}"
+        raise bad
+    return value
+
+
+def render(name: str, template: TemplateConfig, params: dict[str, Any]) -> list[str]:
+    """The argv of a template call. Each value stays inside the argv element the operator wrote,
+    so it can never split into several arguments; a string value starting with '-' is refused
+    unless it follows a literal "--" (end of options) or the parameter allows it."""
+    unknown = set(params) - set(template.params)
+    if unknown:
+        raise Problem(
+            422, "invalid-param", "Unknown template parameter", f"{name}: {sorted(unknown)}"
+        )
+    values: dict[str, str] = {}
+    for pname, spec in template.params.items():
+        if pname in params:
+            values[pname] = _check(pname, spec, params[pname])
+        elif spec.default is not None:
+            values[pname] = _check(pname, spec, spec.default)
+        elif spec.required:
+            raise Problem(422, "invalid-param", "Missing template parameter", f"{name}: {pname}")
+    argv: list[str] = []
+    after_dashdash = False
+    for element in template.argv:
+        names = PLACEHOLDER.findall(element)
+        if any(n not in values for n in names):
+            continue  # an optional parameter left out drops its element
+        lead = PLACEHOLDER.match(element)
+        if lead and not after_dashdash:
+            pname = lead.group(1)
+            if values[pname].startswith("-") and not template.params[pname].allow_leading_dash:
+                raise Problem(
+                    422,
+                    "invalid-param",
+                    "Invalid template parameter",
+                    f"{pname}: may not start with '-' (it would be read as an option)",
+                )
+        argv.append(PLACEHOLDER.sub(lambda m: values[m.group(1)], element))
+        after_dashdash = after_dashdash or element == "--"
+    return argv

@@ -1,0 +1,171 @@
+"""Errors as `application/problem+json` (RFC 9457) and the one table from sshpool errors to HTTP.
+
+Every error the API answers is a `Problem`: routes and services raise it, the handlers below
+render it. Unexpected exceptions become a bare 500 problem; their text is logged, never sent.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from sshpool.errors import (
+    AuthenticationFailed,
+    ConnectError,
+    ConnectionLost,
+    ConnectTimeout,
+    HostKeyMismatch,
+    HostUnavailable,
+    PoolFull,
+    PoolTimeout,
+    SSHPoolError,
+)
+
+log = logging.getLogger("sshapi")
+
+MEDIA_TYPE = "application/problem+json"
+# A URN rather than a URL: stable identifiers that point at no server we do not run. Listed in the
+# README.
+TYPE_BASE = "urn:sshapi:problem:"
+
+
+class Problem(Exception):
+    """An error answer: status, a short stable `kind` (the end of the type URI), and details."""
+
+    def __init__(
+        self,
+        status: int,
+        kind: str,
+        title: str,
+        detail: str | None = None,
+        *,
+        headers: dict[str, str] | None = None,
+        **extensions: Any,
+    ) -> None:
+        super().__init__(detail or title)
+        self.status = status
+        self.kind = kind
+        self.title = title
+        self.detail = detail
+        self.headers = headers or {}
+        self.extensions = extensions
+
+    def body(self, instance: str | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "type": TYPE_BASE + self.kind,
+            "title": self.title,
+            "status": self.status,
+        }
+        if self.detail:
+            body["detail"] = self.detail
+        if instance:
+            body["instance"] = instance
+        body.update(self.extensions)
+        return body
+
+    def response(self, instance: str | None = None) -> JSONResponse:
+        return JSONResponse(
+            self.body(instance),
+            status_code=self.status,
+            headers=self.headers,
+            media_type=MEDIA_TYPE,
+        )
+
+
+def unauthorized(detail: str, *, error: str = "invalid_token") -> Problem:
+    # RFC 6750: the error code tells a client whether to refresh its token or fetch one.
+    challenge = f'Bearer realm="sshapi", error="{error}"'
+    return Problem(
+        401, "unauthorized", "Unauthorized", detail, headers={"WWW-Authenticate": challenge}
+    )
+
+
+def retry_after(seconds: float) -> dict[str, str]:
+    return {"Retry-After": str(max(1, math.ceil(seconds)))}
+
+
+# The one mapping from the sshpool error tree to HTTP: (status, kind, title). Looked up along the
+# exception's MRO, so subclasses not listed fall back to their parent's row.
+SSH_ERRORS: dict[type[SSHPoolError], tuple[int, str, str]] = {
+    PoolFull: (503, "pool-full", "Host saturated: too many requests waiting"),
+    PoolTimeout: (503, "pool-timeout", "Host saturated: no SSH channel became free in time"),
+    HostUnavailable: (503, "host-unavailable", "Host unavailable: recent connections failed"),
+    ConnectTimeout: (504, "connect-timeout", "Connecting to the host timed out"),
+    AuthenticationFailed: (502, "ssh-auth-failed", "The host refused the SSH credentials"),
+    HostKeyMismatch: (502, "host-key-mismatch", "The host key does not match known_hosts"),
+    ConnectError: (502, "connect-failed", "Could not connect to the host"),
+    ConnectionLost: (502, "connection-lost", "The SSH connection dropped before the command ran"),
+    SSHPoolError: (502, "ssh-error", "SSH failed"),
+}
+
+
+def ssh_problem(
+    exc: SSHPoolError | None,
+    kind: str | None = None,
+    *,
+    detail: str | None = None,
+    **extensions: Any,
+) -> Problem:
+    """The Problem for an SSH failure before the command started; `kind` re-creates one from a
+    stored job (the exception is gone by then)."""
+    row = next((SSH_ERRORS[c] for c in type(exc).__mro__ if c in SSH_ERRORS), None) if exc else None
+    if row is None:
+        row = next((r for r in SSH_ERRORS.values() if r[1] == kind), SSH_ERRORS[SSHPoolError])
+    status, kind, title = row
+    headers = retry_after(getattr(exc, "retry_after", 1.0)) if status == 503 else None
+    detail = detail or (str(exc) if exc else None)
+    return Problem(status, kind, title, detail, headers=headers, **extensions)
+
+
+def error_kind(exc: SSHPoolError) -> str:
+    return next(SSH_ERRORS[c][1] for c in type(exc).__mro__ if c in SSH_ERRORS)
+
+
+def install(app: FastAPI) -> None:
+    """Render every error the app can raise as problem+json."""
+
+    async def on_problem(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, Problem)
+        return exc.response(request.url.path)
+
+    async def on_validation(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        errors = [
+            {"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
+            for e in exc.errors()
+        ]
+        problem = Problem(
+            422,
+            "invalid-request",
+            "Invalid request",
+            errors[0]["msg"] if errors else None,
+            errors=errors,
+        )
+        return problem.response(request.url.path)
+
+    async def on_http(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        kinds = {404: "not-found", 405: "method-not-allowed", 413: "too-large"}
+        code = exc.status_code
+        title = HTTPStatus(code).phrase if code in HTTPStatus._value2member_map_ else "HTTP error"
+        detail = str(exc.detail) if exc.detail and exc.detail != title else None
+        problem = Problem(
+            code, kinds.get(code, "http-error"), title, detail, headers=dict(exc.headers or {})
+        )
+        return problem.response(request.url.path)
+
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return Problem(500, "internal", "Internal server error").response(request.url.path)
+
+    app.add_exception_handler(Problem, on_problem)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(Exception, on_unexpected)

@@ -1,0 +1,136 @@
+"""/v1/jobs: submit, read, list, cancel."""
+
+from __future__ import annotations
+
+import re
+import uuid
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, Header, Query, Response
+
+from api.config import ApiConfig
+from api.deps import Reader, Svc, Writer
+from api.jobs import error_problem
+from api.problems import MEDIA_TYPE, Problem
+from api.schemas import REQUEST_EXAMPLES, Job, JobList, JobRequest, State
+from api.store import FINAL, JobRow
+from api.timing import TIMING
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+PREFER_WAIT = re.compile(r"(?:^|[;,\s])wait\s*=\s*\"?(\d+(?:\.\d+)?)\"?", re.IGNORECASE)
+
+
+def _problem(description: str) -> dict[str, Any]:
+    return {"description": description, "content": {MEDIA_TYPE: {}}}
+
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    401: _problem("Missing or invalid token (`WWW-Authenticate` says why)."),
+    403: _problem("Scope, host, raw shell line or template not allowed."),
+    404: _problem("No such job (or not yours)."),
+}
+SUBMIT_ERRORS: dict[int | str, dict[str, Any]] = {
+    202: {"model": Job, "description": "Still running after `Prefer: wait`; poll `Location`."},
+    401: ERRORS[401],
+    403: ERRORS[403],
+    413: _problem("Body, stdin or command too large."),
+    422: _problem("Invalid body, unknown host or template, Idempotency-Key reused."),
+    429: _problem("Rate limit or concurrent-job cap: see `Retry-After`."),
+    502: _problem("SSH failed before the command started (auth, host key, connection)."),
+    503: _problem("Host saturated or down: see `Retry-After`. Nothing ran."),
+    504: _problem("Connecting to the host timed out. Nothing ran."),
+}
+
+
+def wait_seconds(prefer: str | None, api: ApiConfig) -> float:
+    """RFC 7240 `Prefer: wait=N`, capped by configuration; absent: the configured default."""
+    match = PREFER_WAIT.search(prefer or "")
+    wanted = float(match.group(1)) if match else api.wait_default
+    return min(wanted, api.wait_max)
+
+
+def answer(row: JobRow, response: Response) -> Job:
+    """201 when finished, 202 while queued or running (+ Location); a job that could not start
+    is the SSH failure's problem, naming the job."""
+    location = f"/v1/jobs/{row.id}"
+    if row.state == "error":
+        problem = error_problem(row)
+        problem.headers["Location"] = location
+        raise problem
+    timing = TIMING.get()
+    if timing is not None and row.timings:
+        timing.add_ms(row.timings)
+    response.status_code = 201 if row.state in FINAL else 202
+    response.headers["Location"] = location
+    return Job.of(row)
+
+
+@router.post(
+    "",
+    status_code=201,
+    response_model=Job,
+    responses=SUBMIT_ERRORS,
+    summary="Run a command on a host",
+)
+async def submit(
+    body: Annotated[JobRequest, Body(openapi_examples=REQUEST_EXAMPLES)],
+    who: Writer,
+    svc: Svc,
+    response: Response,
+    prefer: Annotated[
+        str | None,
+        Header(description="`wait=N`: seconds to hold the request before answering 202."),
+    ] = None,
+    idempotency_key: Annotated[
+        str | None,
+        Header(
+            min_length=1,
+            max_length=255,
+            description="Same key + same body replays the job; another body is 422.",
+        ),
+    ] = None,
+) -> Job:
+    wait = wait_seconds(prefer, svc.config.api)
+    row, replayed = await svc.jobs.submit(who, body, idempotency_key)
+    row = await svc.jobs.wait(row, wait)
+    response.headers["Preference-Applied"] = f"wait={wait:g}"
+    if replayed:
+        response.headers["Idempotent-Replayed"] = "true"
+    return answer(row, response)
+
+
+@router.get("/{job_id}", response_model=Job, responses=ERRORS, summary="One job")
+async def get_job(job_id: str, who: Reader, svc: Svc) -> Job:
+    return Job.of(await svc.jobs.get(who, job_id))
+
+
+@router.get("", response_model=JobList, responses=ERRORS, summary="Your jobs, newest first")
+async def list_jobs(
+    who: Reader,
+    svc: Svc,
+    state: State | None = None,
+    host: Annotated[str | None, Query(max_length=64)] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 50,
+    cursor: Annotated[str | None, Query(description="`next_cursor` of the previous page.")] = None,
+) -> JobList:
+    if cursor is not None:
+        try:
+            uuid.UUID(cursor)
+        except ValueError:
+            raise Problem(422, "invalid-cursor", "Invalid cursor", "pass a next_cursor") from None
+    limit = min(limit, svc.config.api.max_page)
+    rows, next_cursor = await svc.jobs.list_jobs(
+        who, state=state, host=host, limit=limit, cursor=cursor
+    )
+    return JobList(items=[Job.of(r) for r in rows], next_cursor=next_cursor)
+
+
+@router.delete(
+    "/{job_id}",
+    response_model=Job,
+    responses={**ERRORS, 409: _problem("The job already finished.")},
+    summary="Cancel a job: kill its remote process tree",
+)
+async def cancel_job(job_id: str, who: Writer, svc: Svc) -> Job:
+    return Job.of(await svc.jobs.cancel(who, job_id))

@@ -1,0 +1,186 @@
+"""Request and response bodies of the HTTP API, with the examples /docs shows."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from api.store import JobRow, aware
+
+State = Literal[
+    "queued", "running", "succeeded", "failed", "timed_out", "cancelled", "lost", "error"
+]
+ParamValue = str | int | float | bool
+
+REQUEST_EXAMPLES = {
+    "argv": {
+        "summary": "argv: each element arrives byte-exact",
+        "value": {"host": "local", "argv": ["echo", "hello world"]},
+    },
+    "command": {
+        "summary": "a raw shell line (only where the policy allows it)",
+        "value": {"host": "local", "command": "hostname && uptime", "timeout": 10},
+    },
+    "template": {
+        "summary": "an operator-defined template with typed parameters",
+        "value": {"host": "local", "template": "disk_usage", "params": {"path": "/tmp"}},
+    },
+    "stdin": {
+        "summary": "a command reading stdin",
+        "value": {"host": "local", "argv": ["wc", "-c"], "stdin": "12345"},
+    },
+}
+
+
+class JobRequest(BaseModel):
+    """Exactly one of `argv`, `command` or `template` (with `params`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = Field(min_length=1, max_length=64, description="A configured host name.")
+    argv: list[str] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=10_000,
+        description="Program and arguments; each element is quoted for the remote shell.",
+    )
+    command: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=100_000,
+        description="A raw shell line, run by the remote login shell. Needs policy permission.",
+    )
+    template: str | None = Field(default=None, max_length=64, description="A template name.")
+    params: dict[str, ParamValue] | None = Field(default=None, description="Template parameters.")
+    timeout: float | None = Field(
+        default=None, gt=0, description="Seconds the command may run; capped by the policy."
+    )
+    stdin: str | None = Field(default=None, description="Sent to the command's stdin (UTF-8).")
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> JobRequest:
+        given = [k for k in ("argv", "command", "template") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of argv, command or template")
+        if self.params is not None and self.template is None:
+            raise ValueError("params go with a template")
+        if self.argv is not None and any("\0" in a for a in self.argv):
+            raise ValueError("argv elements cannot contain NUL bytes")
+        if self.command is not None and "\0" in self.command:
+            raise ValueError("the command cannot contain NUL bytes")
+        return self
+
+
+class Job(BaseModel):
+    """A job: the request, its state and, once finished, its result.
+
+    stdout and stderr are the command's bytes decoded as UTF-8; invalid sequences are replaced
+    by U+FFFD (`encoding` says so). `stdout_bytes`/`stderr_bytes` count every byte the command
+    wrote, including those beyond the policy's output cap (then `*_truncated` is true)."""
+
+    id: str
+    owner: str = Field(description="The token's `sub`.")
+    issuer: str = Field(description="The token's `iss`: identity is (issuer, owner).")
+    host: str
+    argv: list[str] | None = None
+    command: str | None = None
+    template: str | None = None
+    params: dict[str, Any] | None = None
+    timeout: float
+    state: State
+    error: str | None = Field(default=None, description="Why the job is in `error` or `lost`.")
+    exit_status: int | None = None
+    exit_signal: str | None = None
+    stdout: str = ""
+    stderr: str = ""
+    encoding: Literal["utf-8; invalid bytes replaced by U+FFFD"] = (
+        "utf-8; invalid bytes replaced by U+FFFD"
+    )
+    stdout_bytes: int = 0
+    stderr_bytes: int = 0
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    created_at: datetime
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    timings: dict[str, float] = Field(
+        default_factory=dict, description="Milliseconds per stage: queue, connect, open, exec."
+    )
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "id": "01933c4e-8a5b-7c1e-9f00-2b6d5e1a7c3d",
+                    "owner": "alice",
+                    "issuer": "sshapi-local",
+                    "host": "local",
+                    "argv": ["echo", "hello world"],
+                    "timeout": 300.0,
+                    "state": "succeeded",
+                    "exit_status": 0,
+                    "stdout": "hello world\n",
+                    "stderr": "",
+                    "encoding": "utf-8; invalid bytes replaced by U+FFFD",
+                    "stdout_bytes": 12,
+                    "stderr_bytes": 0,
+                    "stdout_truncated": False,
+                    "stderr_truncated": False,
+                    "created_at": "2026-01-01T12:00:00.000000Z",
+                    "started_at": "2026-01-01T12:00:00.002000Z",
+                    "finished_at": "2026-01-01T12:00:00.006000Z",
+                    "timings": {"queue": 0.02, "connect": 0.0, "open": 0.9, "exec": 3.1},
+                }
+            ]
+        }
+    )
+
+    @classmethod
+    def of(cls, row: JobRow) -> Job:
+        return cls(
+            id=row.id,
+            owner=row.owner_sub,
+            issuer=row.owner_iss,
+            host=row.host,
+            argv=row.argv,
+            command=row.command,
+            template=row.template,
+            params=row.params,
+            timeout=row.timeout,
+            state=row.state,  # type: ignore[arg-type]
+            error=row.error,
+            exit_status=row.exit_status,
+            exit_signal=row.exit_signal,
+            stdout=(row.stdout or b"").decode("utf-8", "replace"),
+            stderr=(row.stderr or b"").decode("utf-8", "replace"),
+            stdout_bytes=row.stdout_bytes or 0,
+            stderr_bytes=row.stderr_bytes or 0,
+            stdout_truncated=bool(row.stdout_truncated),
+            stderr_truncated=bool(row.stderr_truncated),
+            created_at=aware(row.created_at) or row.created_at,
+            started_at=aware(row.started_at),
+            finished_at=aware(row.finished_at),
+            timings=row.timings or {},
+        )
+
+
+class JobList(BaseModel):
+    items: list[Job]
+    next_cursor: str | None = Field(description="Pass as `cursor` for the next (older) page.")
+
+
+class HostInfo(BaseModel):
+    name: str
+    hostname: str
+    port: int
+    description: str = ""
+    shell: bool = Field(description="Whether the caller may send raw shell lines here.")
+    health: Literal["ok", "down", "unknown"] = Field(
+        description="`down`: the circuit breaker is open after failed connects; `unknown`: no "
+        "connection made yet."
+    )
+    pool: list[dict[str, Any]] = Field(
+        default_factory=list, description="Pool statistics per remote account (target)."
+    )

@@ -1,0 +1,98 @@
+"""Process settings: `SSHAPI_*` environment variables (and a `.env`-free world: nothing is read
+from files here except the TOML configuration that `config.py` loads and the generated local
+secret). Hosts, identities and policy live in the TOML file; this class holds what differs per
+process or deployment."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+# Values people paste from examples. A secret that is one of these (or short) is refused.
+PLACEHOLDER_SECRETS = frozenset(
+    {"changeme", "change-me", "changethis", "secret", "password", "example", "test", "xxx"}
+)
+MIN_SECRET_BYTES = 32
+SECRET_FILE_NAME = "jwt_secret"
+
+
+def default_data_dir() -> Path:
+    """`<repo>/.data` when running from a checkout, else `~/.local/share/sshapi`."""
+    repo = Path(__file__).resolve().parent.parent
+    if (repo / "pyproject.toml").is_file():
+        return repo / ".data"
+    return Path.home() / ".local" / "share" / "sshapi"
+
+
+class Settings(BaseSettings):
+    """Everything a process needs besides the TOML configuration. Refuses placeholder secrets."""
+
+    model_config = SettingsConfigDict(env_prefix="SSHAPI_", extra="ignore")
+
+    data_dir: Path = Field(default_factory=default_data_dir)
+    # The TOML file with hosts, issuers, templates and policy. Unset: the built-in configuration
+    # for the local host `local` (see config.default_config).
+    config: Path | None = None
+    # SQLAlchemy async URL. Unset: SQLite (WAL) at <data_dir>/jobs.sqlite3.
+    database_url: str | None = None
+    # PostgreSQL only: the schema (search_path) holding the tables, created if missing.
+    database_schema: str | None = None
+    # HS256 secret for the local issuer. Unset: <data_dir>/jwt_secret, generated on first use.
+    jwt_secret: SecretStr | None = None
+    # Stable name of this replica: on start it marks its own unfinished jobs `lost`, and only its
+    # own, so replicas sharing a database must have distinct names.
+    replica: str = Field(default_factory=socket.gethostname)
+    backend: Literal["asyncssh", "paramiko", "ssh2"] = "asyncssh"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    log_level: str = "info"
+    # Seconds a graceful shutdown lets running jobs finish before cancelling them.
+    shutdown_grace: float = 10.0
+
+    @field_validator("jwt_secret")
+    @classmethod
+    def _refuse_placeholder(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None:
+            check_secret(value.get_secret_value())
+        return value
+
+    @property
+    def resolved_database_url(self) -> str:
+        if self.database_url:
+            return self.database_url
+        return f"sqlite+aiosqlite:///{self.data_dir / 'jobs.sqlite3'}"
+
+    def hs256_secret(self, *, create: bool = True) -> str:
+        """The local issuer's secret: SSHAPI_JWT_SECRET, else the data dir's file (made if
+        missing, mode 0600, so `sshapi token` and the server agree with no options)."""
+        if self.jwt_secret is not None:
+            return self.jwt_secret.get_secret_value()
+        path = self.data_dir / SECRET_FILE_NAME
+        if not path.exists():
+            if not create:
+                raise FileNotFoundError(f"no secret at {path}: set SSHAPI_JWT_SECRET")
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            except FileExistsError:
+                pass  # another process made it first: read theirs
+            else:
+                with os.fdopen(fd, "w") as f:
+                    f.write(secrets.token_urlsafe(48))
+        value = path.read_text().strip()
+        check_secret(value)
+        return value
+
+
+def check_secret(value: str) -> None:
+    """Refuse secrets that are placeholders or too short to resist brute force."""
+    if value.strip().lower() in PLACEHOLDER_SECRETS:
+        raise ValueError("the JWT secret is a placeholder value: generate a real one")
+    if len(value.encode()) < MIN_SECRET_BYTES:
+        raise ValueError(f"the JWT secret must be at least {MIN_SECRET_BYTES} bytes")

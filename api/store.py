@@ -1,0 +1,226 @@
+"""The job store: SQLAlchemy 2 async over SQLite (WAL, the default) or PostgreSQL (by URL).
+
+Tables are created on start (`create_all`; no migration tool yet: the schema is one table and a
+new column would come with a migration step documented in the README). Job ids are UUIDv7, so
+ordering by id is ordering by creation time and the list cursor is simply the last id seen.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    DateTime,
+    Float,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+    UniqueConstraint,
+    event,
+    select,
+    text,
+    update,
+)
+from sqlalchemy.engine.interfaces import DBAPIConnection
+from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.pool import ConnectionPoolEntry
+
+ACTIVE = ("queued", "running")
+FINAL = ("succeeded", "failed", "timed_out", "cancelled", "lost", "error")
+
+
+def new_id() -> str:
+    """A UUIDv7 (RFC 9562): 48-bit Unix milliseconds, then random bits. Sorts by creation."""
+    ms = time.time_ns() // 1_000_000
+    rand = int.from_bytes(secrets.token_bytes(10), "big")
+    value = (ms & (2**48 - 1)) << 80 | rand
+    value = (value & ~(0xF << 76)) | (0x7 << 76)  # version 7
+    value = (value & ~(0x3 << 62)) | (0x2 << 62)  # RFC 4122 variant
+    return str(uuid.UUID(int=value))
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class JobRow(Base):
+    __tablename__ = "sshapi_jobs"
+    __table_args__ = (
+        UniqueConstraint("owner_iss", "owner_sub", "idempotency_key", name="sshapi_jobs_idem"),
+        Index("sshapi_jobs_owner", "owner_iss", "owner_sub", "id"),
+        Index("sshapi_jobs_replica_state", "replica", "state"),
+    )
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    owner_iss: Mapped[str] = mapped_column(String(512))
+    owner_sub: Mapped[str] = mapped_column(String(512))
+    replica: Mapped[str] = mapped_column(String(255))
+    host: Mapped[str] = mapped_column(String(64))
+    # user@host:port the command ran as (the policy's account), for operators.
+    target: Mapped[str] = mapped_column(String(512))
+    argv: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
+    command: Mapped[str | None] = mapped_column(Text, nullable=True)
+    template: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    params: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    timeout: Mapped[float] = mapped_column(Float)
+    state: Mapped[str] = mapped_column(String(16))
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    error_kind: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    exit_status: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    exit_signal: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    stdout: Mapped[bytes] = mapped_column(LargeBinary, default=b"")
+    stderr: Mapped[bytes] = mapped_column(LargeBinary, default=b"")
+    stdout_bytes: Mapped[int] = mapped_column(Integer, default=0)
+    stderr_bytes: Mapped[int] = mapped_column(Integer, default=0)
+    stdout_truncated: Mapped[bool] = mapped_column(Boolean, default=False)
+    stderr_truncated: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    # Milliseconds per stage: queue, connect, open, exec.
+    timings: Mapped[dict[str, float]] = mapped_column(JSON, default=dict)
+    idempotency_key: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    request_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)
+
+
+def _sqlite_pragmas(dbapi_conn: DBAPIConnection, _record: ConnectionPoolEntry) -> None:
+    cursor = dbapi_conn.cursor()
+    # WAL: readers never block the writer; NORMAL sync is durable across process crashes (the
+    # WAL is fsynced at checkpoints; a power loss can drop the last commits).
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.execute("PRAGMA busy_timeout=5000")
+    cursor.close()
+
+
+class Store:
+    def __init__(self, url: str, *, schema: str | None = None) -> None:
+        self.url = url
+        self.schema = schema
+        self._engine: AsyncEngine | None = None
+        self._sessions: async_sessionmaker[Any] | None = None
+
+    @property
+    def dialect(self) -> str:
+        return self.url.split(":", 1)[0].split("+", 1)[0]
+
+    async def start(self) -> None:
+        kwargs: dict[str, Any] = {"pool_pre_ping": True}
+        if self.dialect == "sqlite":
+            path = self.url.split("///", 1)[-1]
+            if path and path != ":memory:":
+                # Before any connection exists: one blocking mkdir at start is fine.
+                Path(path).absolute().parent.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240
+        elif self.schema:
+            kwargs["connect_args"] = {"server_settings": {"search_path": self.schema}}
+        engine = create_async_engine(self.url, **kwargs)
+        if self.dialect == "sqlite":
+            event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+        async with engine.begin() as conn:
+            if self.schema and self.dialect == "postgresql":
+                quoted = engine.dialect.identifier_preparer.quote_identifier(self.schema)
+                await conn.execute(text(f"CREATE SCHEMA IF NOT EXISTS {quoted}"))
+            await conn.run_sync(Base.metadata.create_all)
+        self._engine = engine
+        self._sessions = async_sessionmaker(engine, expire_on_commit=False)
+
+    async def close(self) -> None:
+        if self._engine is not None:
+            await self._engine.dispose()
+            self._engine = None
+
+    def _session(self) -> Any:
+        if self._sessions is None:
+            raise RuntimeError("store not started")
+        return self._sessions()
+
+    async def ping(self) -> None:
+        async with self._session() as session:
+            await session.execute(text("SELECT 1"))
+
+    async def insert(self, row: JobRow) -> JobRow:
+        """Insert a job; IntegrityError on a duplicate (owner, idempotency key)."""
+        async with self._session() as session, session.begin():
+            session.add(row)
+        return row
+
+    async def get(self, job_id: str) -> JobRow | None:
+        async with self._session() as session:
+            row: JobRow | None = await session.get(JobRow, job_id)
+            return row
+
+    async def by_key(self, iss: str, sub: str, key: str) -> JobRow | None:
+        query = select(JobRow).where(
+            JobRow.owner_iss == iss, JobRow.owner_sub == sub, JobRow.idempotency_key == key
+        )
+        async with self._session() as session:
+            row: JobRow | None = (await session.execute(query)).scalar_one_or_none()
+            return row
+
+    async def update(self, job_id: str, *, only_active: bool = False, **values: Any) -> bool:
+        """Set columns of one job; with only_active, only while it is queued or running (so a
+        late writer never overwrites a final state). True if a row changed."""
+        query = update(JobRow).where(JobRow.id == job_id).values(**values)
+        if only_active:
+            query = query.where(JobRow.state.in_(ACTIVE))
+        async with self._session() as session, session.begin():
+            result = await session.execute(query)
+            return bool(getattr(result, "rowcount", 0))
+
+    async def list_jobs(
+        self,
+        *,
+        owner: tuple[str, str] | None,
+        state: str | None,
+        host: str | None,
+        limit: int,
+        before: str | None,
+    ) -> list[JobRow]:
+        """Newest first; `before` is the id of the last job of the previous page."""
+        query = select(JobRow).order_by(JobRow.id.desc()).limit(limit)
+        if owner is not None:
+            query = query.where(JobRow.owner_iss == owner[0], JobRow.owner_sub == owner[1])
+        if state is not None:
+            query = query.where(JobRow.state == state)
+        if host is not None:
+            query = query.where(JobRow.host == host)
+        if before is not None:
+            query = query.where(JobRow.id < before)
+        async with self._session() as session:
+            return list((await session.execute(query)).scalars())
+
+    async def mark_lost(self, replica: str) -> int:
+        """Jobs this replica left queued or running when it died: their outcome is unknown."""
+        query = (
+            update(JobRow)
+            .where(JobRow.replica == replica, JobRow.state.in_(ACTIVE))
+            .values(
+                state="lost",
+                error="the API restarted while the job was active",
+                finished_at=utcnow(),
+            )
+        )
+        async with self._session() as session, session.begin():
+            result = await session.execute(query)
+            return int(getattr(result, "rowcount", 0))
+
+
+def aware(value: datetime | None) -> datetime | None:
+    """SQLite returns naive datetimes; every time here is UTC."""
+    if value is not None and value.tzinfo is None:
+        return value.replace(tzinfo=UTC)
+    return value
