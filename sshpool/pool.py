@@ -120,7 +120,7 @@ class _HostPool:
             if c is None:
                 break
             self.waiters.popleft()
-            c.in_use += 1
+            self._lease(c)
             fut.set_result(c)
         self._maybe_grow()
 
@@ -148,6 +148,11 @@ class _HostPool:
             else:
                 keep.append(c)
         self.conns = keep
+
+    def _lease(self, c: _Conn) -> None:
+        c.in_use += 1
+        if not self.limits.reuse:
+            c.expired = True  # one command per connection: closed when this lease ends
 
     def _release(self, c: _Conn) -> None:
         c.in_use -= 1
@@ -222,7 +227,7 @@ class _HostPool:
         if not self.waiters:
             c = self._pick()
             if c is not None:
-                c.in_use += 1
+                self._lease(c)
                 return c
         now = self.loop.time()
         if self.breaker.is_open(now) and not any(c.conn.is_alive() for c in self.conns):

@@ -26,6 +26,9 @@ class Limits:
     breaker_threshold: int = 3
     breaker_backoff: float = 1.0
     breaker_backoff_max: float = 30.0
+    # False reproduces the connection-per-request design (one command per connection, then
+    # close) for comparisons; pair it with max_sessions=1 and a wide handshake gate.
+    reuse: bool = True
 
     def __post_init__(self) -> None:
         if self.max_connections < 1 or self.max_sessions < 1 or self.max_handshakes < 1:

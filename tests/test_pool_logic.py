@@ -200,3 +200,16 @@ def test_breaker_opens_after_threshold_with_jittered_doubling_backoff() -> None:
     breaker.allow(10.0)
     breaker.success()
     assert breaker.state == "closed"
+
+
+async def test_reuse_off_opens_one_connection_per_command() -> None:
+    """With reuse=False (the connection-per-request design) every command gets a new connection,
+    closed after it."""
+    backend = FakeBackend()
+    t = target(reuse=False, max_sessions=1, max_connections=4, max_handshakes=4)
+    async with Pool(backend) as pool:
+        await asyncio.gather(*(pool.run(t, ["true"]) for _ in range(12)))
+        await asyncio.sleep(0.05)
+    assert len(backend.conns) == 12
+    assert [c.execs for c in backend.conns] == [1] * 12
+    assert not any(c.alive for c in backend.conns)
