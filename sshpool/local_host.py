@@ -24,9 +24,10 @@ home), never root.
 
 Profiles: ``stock`` sets only what running unprivileged on a loopback port needs and leaves
 everything that matters to load at OpenSSH's defaults (MaxStartups 10:30:100, MaxSessions 10,
-LoginGraceTime 120, no ClientAlive). ``tuned`` adds the settings of the top-level
-``sshd_config.tuned``, minus keywords the installed sshd is too old to know. ``overrides`` (any
-sshd_config keywords) apply last.
+LoginGraceTime 120, no ClientAlive; on OpenSSH >= 9.8 that includes PerSourcePenalties, so
+repeated failed logins from 127.0.0.1 get it refused for a while). ``tuned`` adds the settings of
+the top-level ``sshd_config.tuned``, minus keywords the installed sshd is too old to know.
+``overrides`` (any sshd_config keywords) apply last.
 
 ``stop()`` ends only the sshd listener, as ``systemctl restart ssh`` does: established connections
 and their commands live on (each is its own sshd process) until the client closes them.
