@@ -11,7 +11,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q -e '.[dev,paramiko,ssh2]'
+	$(VENV)/bin/python -m pip install -q -e '.[dev,paramiko,ssh2,loadtests]'
 	touch $(STAMP)
 
 # The local HPC host and the test fixtures run a real OpenSSH sshd.
