@@ -23,9 +23,10 @@ app.add_typer(hosts_app, name="hosts")
 
 
 def _serve(settings: Settings, config: Config | None = None) -> None:
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s"
-    )
+    level = logging.getLevelNamesMapping().get(settings.log_level.upper(), logging.INFO)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    # asyncssh logs every channel at INFO: far too much for a server running hundreds a second.
+    logging.getLogger("asyncssh").setLevel(max(level, logging.WARNING))
     api = create_app(settings, config=config)
     uvicorn.run(
         api, host=settings.host, port=settings.port, log_level=settings.log_level, ws="none"

@@ -1,0 +1,283 @@
+"""Helpers of the API tests: a uvicorn server in the test's event loop, the test configuration,
+tokens, PostgreSQL schemas."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import httpx
+import jwt
+import uvicorn
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
+from starlette.types import ASGIApp
+
+from api.app import create_app
+from api.config import Config, load_config
+from api.settings import Settings
+from sshpool.local_host import LocalHost
+
+PG_URL = os.environ.get("SSHAPI_TEST_PG", "postgresql+asyncpg://postgres@127.0.0.1:5432/test")
+AUDIENCE = "sshapi-test"
+LOCAL_ISS = "test-local"
+KEYS_ISS = "test-keys"
+
+
+async def eventually(predicate: Callable[[], object], timeout: float = 10.0) -> None:
+    """Poll a synchronous check (e.g. the host's process list) until it is true."""
+    async with asyncio.timeout(timeout):
+        while not predicate():  # noqa: ASYNC110 (an outside condition: nothing to await)
+            await asyncio.sleep(0.05)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@asynccontextmanager
+async def serve(app: ASGIApp) -> AsyncIterator[str]:
+    """Run `app` with uvicorn on a free 127.0.0.1 port in this event loop; yield its base URL."""
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=0, lifespan="on", log_level="warning", ws="none"
+    )
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    async with asyncio.timeout(20):
+        while not server.started:
+            if task.done():
+                task.result()  # startup failed: raise its error
+                raise RuntimeError("uvicorn stopped during startup")
+            await asyncio.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        async with asyncio.timeout(30):
+            await task
+
+
+@dataclass
+class Keys:
+    """Signing keys for the asymmetric issuer, and their public PEM files."""
+
+    rsa: rsa.RSAPrivateKey
+    ec: ec.EllipticCurvePrivateKey
+    ed: ed25519.Ed25519PrivateKey
+    files: list[Path] = field(default_factory=list)
+
+    @staticmethod
+    def public_pem(key: Any) -> bytes:
+        pem: bytes = key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+        return pem
+
+
+def host_toml(name: str, host: LocalHost, port: int | None = None, **limits: Any) -> str:
+    lines = [
+        f"[hosts.{name}]",
+        f'hostname = "{host.address}"',
+        f"port = {port or host.port}",
+        f'username = "{host.username}"',
+        f'client_keys = ["{host.client_key}"]',
+        f'known_hosts = "{host.known_hosts}"',
+        f"[hosts.{name}.limits]",
+    ]
+    lines += [f"{k} = {v}" for k, v in limits.items()]
+    return "\n".join(lines) + "\n"
+
+
+def config_toml(host: LocalHost, secret_file: Path, keys: Keys, extra: str = "") -> str:
+    """The test configuration: host `local` (the tuned sshd), `tiny` (same sshd, one channel and
+    one waiter: saturates at once), `down` (a closed port), `secret` (in nobody's policy), two
+    issuers, templates, and policy rules per test subject."""
+    pems = ", ".join(f'"{p}"' for p in keys.files)
+    return (
+        f"""
+[api]
+wait_default = 10
+wait_max = 30
+queue_timeout = 10
+default_timeout = 60
+max_body_bytes = 65536
+max_stdin_bytes = 1024
+
+[[issuers]]
+issuer = "{LOCAL_ISS}"
+audience = "{AUDIENCE}"
+algorithms = ["HS256"]
+secret_file = "{secret_file}"
+leeway = 5
+
+[[issuers]]
+issuer = "{KEYS_ISS}"
+audience = "{AUDIENCE}"
+# HS256 next to RS256: the classic confusion attack has something to aim at.
+algorithms = ["RS256", "ES256", "EdDSA", "HS256"]
+secret_file = "{secret_file}"
+public_keys = [{pems}]
+leeway = 5
+
+"""
+        + host_toml("local", host, max_connections=2, max_sessions=8)
+        + host_toml("tiny", host, max_connections=1, max_sessions=1, max_waiters=1)
+        + host_toml("down", host, port=free_port(), breaker_threshold=1, connect_timeout=2.0)
+        + host_toml("secret", host)
+        + """
+[templates.greet]
+description = "printf a typed greeting"
+argv = ["printf", "<%s|%s>", "{count}", "{word}"]
+[templates.greet.params.count]
+type = "int"
+min = 1
+max = 10
+[templates.greet.params.word]
+type = "str"
+pattern = "[^/]*"
+
+[templates.grep_null]
+argv = ["grep", "-c", "--", "{pattern}", "/dev/null"]
+[templates.grep_null.params.pattern]
+type = "str"
+
+[[policy]]
+subject = "noshell"
+hosts = ["local"]
+
+[[policy]]
+subject = "slow"
+hosts = ["local"]
+rate = 0.2
+burst = 2
+
+[[policy]]
+subject = "solo"
+hosts = ["local"]
+shell_hosts = ["local"]
+max_concurrent = 1
+
+[[policy]]
+subject = "*"
+hosts = ["local", "tiny", "down"]
+shell_hosts = ["local", "tiny"]
+max_timeout = 60
+max_output = 65536
+rate = 1000
+burst = 1000
+max_concurrent = 50
+"""
+        + extra
+    )
+
+
+@dataclass
+class Api:
+    """A running API and what a test needs to talk to it."""
+
+    url: str
+    client: httpx.AsyncClient
+    secret: str
+    config: Config
+    settings: Settings
+    keys: Keys
+
+    def token(
+        self,
+        sub: str = "alice",
+        scope: str = "jobs:read jobs:write",
+        *,
+        iss: str = LOCAL_ISS,
+        key: Any = None,
+        alg: str = "HS256",
+        headers: dict[str, Any] | None = None,
+        **claims: Any,
+    ) -> str:
+        now = int(time.time())
+        payload: dict[str, Any] = {
+            "iss": iss,
+            "aud": AUDIENCE,
+            "sub": sub,
+            "scope": scope,
+            "iat": now,
+            "exp": now + 300,
+        }
+        payload.update(claims)
+        payload = {k: v for k, v in payload.items() if v is not None}
+        return jwt.encode(payload, key or self.secret, algorithm=alg, headers=headers)
+
+    def auth(self, sub: str = "alice", scope: str = "jobs:read jobs:write") -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token(sub, scope)}"}
+
+    async def submit(
+        self,
+        body: dict[str, Any],
+        *,
+        sub: str = "alice",
+        wait: float | None = None,
+        key: str | None = None,
+    ) -> httpx.Response:
+        headers = self.auth(sub)
+        if wait is not None:
+            headers["Prefer"] = f"wait={wait:g}"
+        if key is not None:
+            headers["Idempotency-Key"] = key
+        return await self.client.post(f"{self.url}/v1/jobs", json=body, headers=headers)
+
+    async def until_final(self, job_id: str, sub: str = "alice", timeout: float = 20) -> Any:
+        """Poll the job until it leaves queued/running."""
+        async with asyncio.timeout(timeout):
+            while True:
+                r = await self.client.get(f"{self.url}/v1/jobs/{job_id}", headers=self.auth(sub))
+                assert r.status_code == 200, r.text
+                if r.json()["state"] not in ("queued", "running"):
+                    return r.json()
+                await asyncio.sleep(0.05)
+
+
+@asynccontextmanager
+async def pg_schema() -> AsyncIterator[str]:
+    """A fresh PostgreSQL schema for one test, dropped after it (parallel runs never collide)."""
+    name = f"sshapi_test_{uuid.uuid4().hex[:12]}"
+    dsn = PG_URL.replace("postgresql+asyncpg://", "postgresql://")
+    try:
+        yield name
+    finally:
+        conn = await asyncpg.connect(dsn)
+        try:
+            await conn.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+        finally:
+            await conn.close()
+
+
+@asynccontextmanager
+async def running_api(settings: Settings, keys: Keys, secret: str) -> AsyncIterator[Api]:
+    assert settings.config is not None
+    config = load_config(settings.config)
+    app = create_app(settings)
+    async with serve(app) as url, httpx.AsyncClient(timeout=30) as client:
+        yield Api(url, client, secret, config, settings, keys)
+
+
+def make_settings(tmp_path: Path, config_file: Path, db: str, schema: str | None) -> Settings:
+    return Settings(
+        data_dir=tmp_path / "data",
+        config=config_file,
+        database_url=PG_URL if db == "postgresql" else None,
+        database_schema=schema,
+        replica="test-replica",
+        shutdown_grace=0.5,
+    )

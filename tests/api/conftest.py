@@ -1,0 +1,103 @@
+"""Fixtures for the API tests: a real uvicorn server on a free loopback port, in the test's event
+loop, in front of the real sshd of `tuned_host`; tokens; a store on SQLite or PostgreSQL.
+
+`api` uses SQLite; `api_any_store` runs the test once per store (SQLite, PostgreSQL)."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from api_helpers import Api, Keys, config_toml, make_settings, pg_schema, running_api
+from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
+
+from api.settings import Settings
+from api.store import Store
+from sshpool.local_host import LocalHost
+
+
+@pytest.fixture(scope="session")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> Keys:
+    found = Keys(
+        rsa=rsa.generate_private_key(public_exponent=65537, key_size=2048),
+        ec=ec.generate_private_key(ec.SECP256R1()),
+        ed=ed25519.Ed25519PrivateKey.generate(),
+    )
+    folder = tmp_path_factory.mktemp("jwt-keys")
+    for name, key in (("rsa", found.rsa), ("ec", found.ec), ("ed", found.ed)):
+        path = folder / f"{name}.pem"
+        path.write_bytes(Keys.public_pem(key))
+        found.files.append(path)
+    return found
+
+
+@pytest.fixture(scope="session")
+def secret_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("secret") / "jwt_secret"
+    path.write_text(secrets.token_urlsafe(48))
+    path.chmod(0o600)
+    return path
+
+
+@pytest.fixture
+def config_file(tuned_host: LocalHost, secret_file: Path, keys: Keys, tmp_path: Path) -> Path:
+    path = tmp_path / "sshapi.toml"
+    path.write_text(config_toml(tuned_host, secret_file, keys))
+    return path
+
+
+@pytest.fixture(scope="session")
+def secret(secret_file: Path) -> str:
+    return secret_file.read_text()
+
+
+@pytest.fixture
+async def api(config_file: Path, secret: str, keys: Keys, tmp_path: Path) -> AsyncIterator[Api]:
+    """The API on SQLite."""
+    settings = make_settings(tmp_path, config_file, "sqlite", None)
+    async with running_api(settings, keys, secret) as running:
+        yield running
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+async def api_any_store(
+    request: pytest.FixtureRequest,
+    config_file: Path,
+    secret: str,
+    keys: Keys,
+    tmp_path: Path,
+) -> AsyncIterator[Api]:
+    """The API, once on SQLite and once on PostgreSQL."""
+    if request.param == "sqlite":
+        settings = make_settings(tmp_path, config_file, "sqlite", None)
+        async with running_api(settings, keys, secret) as running:
+            yield running
+        return
+    async with pg_schema() as schema:
+        settings = make_settings(tmp_path, config_file, "postgresql", schema)
+        async with running_api(settings, keys, secret) as running:
+            yield running
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+async def store_settings(
+    request: pytest.FixtureRequest, config_file: Path, tmp_path: Path
+) -> AsyncIterator[Settings]:
+    """Settings for a store on SQLite, then on PostgreSQL (a fresh schema)."""
+    if request.param == "sqlite":
+        yield make_settings(tmp_path, config_file, "sqlite", None)
+        return
+    async with pg_schema() as schema:
+        yield make_settings(tmp_path, config_file, "postgresql", schema)
+
+
+@pytest.fixture
+async def store(store_settings: Settings) -> AsyncIterator[Store]:
+    s = Store(store_settings.resolved_database_url, schema=store_settings.database_schema)
+    await s.start()
+    try:
+        yield s
+    finally:
+        await s.close()
