@@ -1,0 +1,413 @@
+"""The paramiko backend: paramiko's blocking API run in threads of this backend's own.
+
+paramiko runs one reader thread per Transport. Every blocking call of ours (connect, and each exec
+from channel open to exit status) runs in this backend's thread pool, never on the event loop and
+never in asyncio's small default executor. A running exec holds one thread; the pool's channel
+cap bounds how many run at once, MAX_THREADS bounds them whatever the caller does.
+
+What paramiko does not do and this module adds:
+- TCP_NODELAY: without it each exec waits ~45 ms on Nagle's algorithm (DESIGN.md 3.5).
+- Dead peer detection: paramiko's keepalive wants no reply, so it cannot notice a silent peer.
+  We send a want-reply global request after keepalive_interval without sending anything, and
+  declare the peer dead after keepalive_count_max + 1 intervals without receiving anything, as
+  asyncssh does.
+- exit-signal: paramiko drops it; we keep the signal name.
+- The SSH signal request on cancel.
+
+Every paramiko and socket error is translated into sshpool.errors in this module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import select
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, ClassVar
+
+from sshpool.backends.base import Exit
+from sshpool.command import Capture
+from sshpool.errors import (
+    AuthenticationFailed,
+    ChannelRefused,
+    ConnectError,
+    ConnectionLost,
+    ConnectTimeout,
+    HostKeyMismatch,
+    SSHPoolError,
+)
+from sshpool.target import Limits, Target
+
+try:
+    import paramiko
+    from paramiko.common import MSG_CHANNEL_REQUEST, cMSG_CHANNEL_REQUEST, cMSG_GLOBAL_REQUEST
+except ImportError as exc:  # pragma: no cover - depends on the installed extras
+    raise ImportError(
+        "the paramiko SSH backend needs paramiko: pip install 'sshapi[paramiko]'"
+    ) from exc
+
+# Threads this backend may use at once: one per running exec, plus connects and closes.
+MAX_THREADS = 128
+# Bytes read from a channel at a time, and chunks handed to the event loop but not yet consumed
+# (so a fast command cannot fill memory faster than the loop drains it).
+CHUNK = 1 << 16
+MAX_IN_FLIGHT = 16
+# How often an exec thread looks up from waiting for output: for cancellation, a dead peer, and
+# (shorter) for window space while stdin is still being sent.
+POLL = 0.05
+POLL_STDIN = 0.005
+# How long a cancelled exec waits for its thread to send TERM and close the channel.
+CANCEL_GRACE = 2.0
+
+
+def _translate_connect_error(exc: BaseException, target: Target, deadline: float) -> SSHPoolError:
+    """The one mapping from paramiko/OS connect failures to the sshpool tree."""
+    where = str(target)
+    if isinstance(exc, SSHPoolError):
+        return exc
+    if isinstance(exc, TimeoutError) or time.monotonic() >= deadline:
+        return ConnectTimeout(f"{where}: no SSH session within {target.limits.connect_timeout} s")
+    if isinstance(exc, paramiko.AuthenticationException):
+        return AuthenticationFailed(f"{where}: no client key accepted: {exc}")
+    if isinstance(exc, ConnectionRefusedError):
+        return ConnectError(f"{where}: connection refused")
+    if isinstance(exc, (ConnectionResetError, BrokenPipeError, EOFError)) or (
+        isinstance(exc, paramiko.SSHException) and "protocol banner" in str(exc)
+    ):
+        # sshd drops connections past MaxStartups with a reset or EOF before its banner.
+        return ConnectError(f"{where}: connection dropped during handshake: {exc}", retryable=True)
+    return ConnectError(f"{where}: {type(exc).__name__}: {exc}")
+
+
+class _WatchedSocket(socket.socket):
+    """A socket that remembers when it last received anything: silence on it for too long is
+    the only sign of a dead peer that paramiko leaves us."""
+
+    last_recv = 0.0
+
+    def recv(self, bufsize: int, flags: int = 0) -> bytes:
+        data = super().recv(bufsize, flags)
+        self.last_recv = time.monotonic()
+        return data
+
+
+def _handle_channel_request(chan: Any, m: Any) -> None:
+    """paramiko's channel request handler, plus the exit-signal that paramiko ignores."""
+    start = m.packet.tell()
+    if m.get_text() == "exit-signal":
+        m.get_boolean()  # want_reply: always false for exit-signal
+        chan.sshpool_exit_signal = m.get_text()
+        chan.status_event.set()
+    m.packet.seek(start)
+    paramiko.Channel._handle_request(chan, m)
+
+
+class _Transport(paramiko.Transport):  # type: ignore[misc]
+    _channel_handler_table: ClassVar[dict[int, Any]] = {
+        **paramiko.Transport._channel_handler_table,
+        MSG_CHANNEL_REQUEST: _handle_channel_request,
+    }
+
+
+def _open_socket(host: str, port: int, deadline: float) -> _WatchedSocket:
+    error: OSError = ConnectionRefusedError(f"no address for {host}")
+    for family, kind, proto, _, addr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        sock = _WatchedSocket(family, kind, proto)
+        try:
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            sock.connect(addr)
+        except OSError as exc:
+            sock.close()
+            error = exc
+            continue
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.last_recv = time.monotonic()
+        return sock
+    raise error
+
+
+def _known_host_name(target: Target) -> str:
+    return target.host if target.port == 22 else f"[{target.host}]:{target.port}"
+
+
+def _connect_blocking(target: Target, deadline: float) -> tuple[Any, _WatchedSocket]:
+    """Connect, verify the host key, authenticate; in a thread. Raises sshpool errors only."""
+    name = _known_host_name(target)
+    sock: _WatchedSocket | None = None
+    transport: Any = None
+    try:
+        try:
+            host_keys = paramiko.HostKeys(target.known_hosts)
+        except OSError as exc:
+            raise ConnectError(f"{target}: cannot read {target.known_hosts}: {exc}") from exc
+        known = host_keys.lookup(name)
+        if not known:
+            # Fail closed before sending anything: there is no key to compare with.
+            raise HostKeyMismatch(f"{target}: {name} is not in {target.known_hosts}")
+        sock = _open_socket(target.host, target.port, deadline)
+        transport = _Transport(sock)
+        remaining = max(0.001, deadline - time.monotonic())
+        transport.banner_timeout = transport.handshake_timeout = remaining
+        options = transport.get_security_options()
+        # Offer first the key types known_hosts has for this host, as OpenSSH does, so a host
+        # with several host keys does not present one we cannot check.
+        types = set(known.keys())
+        if "ssh-rsa" in types:
+            types |= {"rsa-sha2-512", "rsa-sha2-256"}
+        first = [t for t in options.key_types if t in types]
+        options.key_types = first + [t for t in options.key_types if t not in types]
+        transport.start_client(timeout=remaining)
+        if not transport.initial_kex_done:
+            raise ConnectTimeout(f"{target}: no key exchange within {remaining:.1f} s")
+        key = transport.get_remote_server_key()
+        if not host_keys.check(name, key):
+            raise HostKeyMismatch(
+                f"{target}: {key.get_name()} host key {key.fingerprint} is not the one in "
+                f"{target.known_hosts}"
+            )
+        _authenticate(transport, target, deadline)
+        return transport, sock
+    except BaseException as exc:
+        if transport is not None:
+            transport.close()
+        if sock is not None:
+            sock.close()
+        if isinstance(exc, Exception):
+            raise _translate_connect_error(exc, target, deadline) from exc
+        raise
+
+
+def _authenticate(transport: Any, target: Target, deadline: float) -> None:
+    refused: list[str] = []
+    for path in target.client_keys:
+        try:
+            key = paramiko.PKey.from_path(path)
+        except (OSError, paramiko.SSHException, ValueError) as exc:
+            refused.append(f"{path}: cannot load: {exc}")
+            continue
+        transport.auth_timeout = max(0.001, deadline - time.monotonic())
+        try:
+            transport.auth_publickey(target.username, key)
+        except paramiko.AuthenticationException as exc:
+            refused.append(f"{path}: {exc}")
+            continue
+        if transport.is_authenticated():
+            return
+    raise AuthenticationFailed(f"{target}: no client key accepted ({'; '.join(refused)})")
+
+
+class _Relay:
+    """Hands output from an exec thread to the event loop, where the captures live, with at most
+    MAX_IN_FLIGHT chunks not yet consumed."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, cancel: threading.Event) -> None:
+        self._loop = loop
+        self._cancel = cancel
+        self._room = threading.Semaphore(MAX_IN_FLIGHT)
+
+    def put(self, capture: Capture, data: bytes) -> bool:
+        """In the exec thread: queue `data` for `capture`; False once the exec is cancelled."""
+        while not self._room.acquire(timeout=POLL):
+            if self._cancel.is_set():
+                return False
+        self._loop.call_soon_threadsafe(self._feed, capture, data)
+        return True
+
+    def _feed(self, capture: Capture, data: bytes) -> None:
+        self._room.release()
+        if not self._cancel.is_set():
+            capture.feed(data)
+
+
+def _send_signal(chan: Any, name: str) -> None:
+    """The SSH "signal" channel request, which paramiko has no method for."""
+    m = paramiko.Message()
+    m.add_byte(cMSG_CHANNEL_REQUEST)
+    m.add_int(chan.remote_chanid)
+    m.add_string("signal")
+    m.add_boolean(False)
+    m.add_string(name)
+    chan.transport._send_user_message(m)
+
+
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    """Mark a future's exception as seen: nobody awaits an abandoned thread's result."""
+    if not fut.cancelled():
+        fut.exception()
+
+
+class ParamikoConnection:
+    def __init__(
+        self, transport: Any, sock: _WatchedSocket, limits: Limits, executor: ThreadPoolExecutor
+    ) -> None:
+        self._transport = transport
+        self._sock = sock
+        self._executor = executor
+        self._closed = False
+        interval = limits.keepalive_interval
+        # asyncssh's rule: dead after count_max unanswered keepalives, one interval apart.
+        self._dead_after = interval * (limits.keepalive_count_max + 1) if interval > 0 else 0.0
+        if interval > 0:
+            transport.packetizer.set_keepalive(interval, self._keepalive)
+
+    def _silent_too_long(self) -> bool:
+        return bool(self._dead_after) and (
+            time.monotonic() - self._sock.last_recv > self._dead_after
+        )
+
+    def _keepalive(self) -> None:
+        """In paramiko's transport thread, after keepalive_interval without sending."""
+        if self._silent_too_long():
+            self._transport.close()
+            return
+        m = paramiko.Message()
+        m.add_byte(cMSG_GLOBAL_REQUEST)
+        m.add_string("keepalive@openssh.com")
+        m.add_boolean(True)  # sshd answers (with a failure): that answer is the sign of life
+        self._transport._send_user_message(m)
+
+    def is_alive(self) -> bool:
+        return not self._closed and self._transport.is_active() and not self._silent_too_long()
+
+    async def exec(
+        self, command: str, stdin: bytes | None, stdout: Capture, stderr: Capture
+    ) -> Exit:
+        loop = asyncio.get_running_loop()
+        cancel = threading.Event()
+        relay = _Relay(loop, cancel)
+        fut = loop.run_in_executor(
+            self._executor, self._exec_blocking, command, stdin, stdout, stderr, relay, cancel
+        )
+        try:
+            # Shielded: cancelling must not abandon the thread before it has closed the channel.
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            cancel.set()
+            fut.add_done_callback(_retrieve)
+            await asyncio.wait([fut], timeout=CANCEL_GRACE)
+            raise
+
+    def _exec_blocking(
+        self,
+        command: str,
+        stdin: bytes | None,
+        stdout: Capture,
+        stderr: Capture,
+        relay: _Relay,
+        cancel: threading.Event,
+    ) -> Exit:
+        if cancel.is_set():
+            raise ConnectionLost("cancelled before start", started=False)
+        transport = self._transport
+        try:
+            chan = transport.open_session()
+        except paramiko.ChannelException as exc:
+            # MaxSessions: "open failed" (code 2) on OpenSSH 9, code 1 on older sshd.
+            raise ChannelRefused(f"channel refused: {exc.text} (code {exc.code})") from exc
+        except (paramiko.SSHException, EOFError, OSError) as exc:
+            raise ConnectionLost(f"cannot open a channel: {exc}", started=False) from exc
+        try:
+            return self._run(chan, command, stdin, stdout, stderr, relay, cancel)
+        finally:
+            chan.close()
+
+    def _run(
+        self,
+        chan: Any,
+        command: str,
+        stdin: bytes | None,
+        stdout: Capture,
+        stderr: Capture,
+        relay: _Relay,
+        cancel: threading.Event,
+    ) -> Exit:
+        try:
+            chan.exec_command(command)
+        except (paramiko.SSHException, EOFError, OSError) as exc:
+            if self._transport.is_active():
+                raise ChannelRefused(f"exec request refused: {exc}") from exc
+            raise ConnectionLost(f"connection lost at exec: {exc}", started=True) from exc
+        pending = memoryview(stdin or b"")
+        if not pending:
+            chan.shutdown_write()
+        ready = chan.fileno()  # readable whenever stdout or stderr has data, or on close
+        try:
+            while True:
+                busy = False
+                while chan.recv_ready():
+                    busy = relay.put(stdout, chan.recv(CHUNK))
+                while chan.recv_stderr_ready():
+                    busy = relay.put(stderr, chan.recv_stderr(CHUNK))
+                if pending and chan.send_ready():
+                    sent = chan.send(pending[:CHUNK])
+                    pending = pending[sent:]
+                    if not pending:
+                        chan.shutdown_write()
+                    busy = True
+                if chan.exit_status_ready() and (chan.eof_received or chan.closed):
+                    if chan.recv_ready() or chan.recv_stderr_ready():
+                        continue
+                    break
+                if cancel.is_set():
+                    # Best effort: sshd delivers it to the login shell only; the pool kills the
+                    # process group.
+                    _send_signal(chan, "TERM")
+                    raise ConnectionLost("cancelled", started=True)
+                if not self.is_alive():
+                    raise ConnectionLost("connection lost while running", started=True)
+                if busy:
+                    continue
+                if chan.eof_received:
+                    # The readiness pipe stays readable after EOF: wait for the exit status.
+                    chan.status_event.wait(POLL)
+                else:
+                    select.select([ready], [], [], POLL_STDIN if pending else POLL)
+        except (paramiko.SSHException, EOFError, OSError) as exc:
+            raise ConnectionLost(f"connection lost while running: {exc}", started=True) from exc
+        signal = getattr(chan, "sshpool_exit_signal", None)
+        if signal is not None:
+            return Exit(status=-1, signal=signal)
+        if chan.exit_status >= 0:
+            return Exit(status=chan.exit_status)
+        if not self._transport.is_active():
+            raise ConnectionLost("connection lost before the exit status", started=True)
+        return Exit(status=None)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(Exception):
+            # Transport.close joins paramiko's thread: blocking, so not on the loop.
+            await loop.run_in_executor(self._executor, self._transport.close)
+        self._sock.close()
+
+
+class ParamikoBackend:
+    name = "paramiko"
+
+    def __init__(self) -> None:
+        self._executor = ThreadPoolExecutor(MAX_THREADS, thread_name_prefix="sshpool-paramiko")
+
+    async def connect(self, target: Target) -> ParamikoConnection:
+        loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + target.limits.connect_timeout
+        fut = loop.run_in_executor(self._executor, _connect_blocking, target, deadline)
+        try:
+            transport, sock = await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            fut.add_done_callback(self._close_late)
+            raise
+        return ParamikoConnection(transport, sock, target.limits, self._executor)
+
+    def _close_late(self, fut: asyncio.Future[tuple[Any, _WatchedSocket]]) -> None:
+        """A connect whose caller gave up still finishes in its thread: close what it made."""
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        transport, sock = fut.result()
+        # Transport.close joins paramiko's thread: not on the event loop.
+        self._executor.submit(transport.close).add_done_callback(lambda _: sock.close())

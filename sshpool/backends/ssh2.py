@@ -1,0 +1,559 @@
+"""The ssh2-python (libssh2) backend: one non-blocking libssh2 session driven from the event loop.
+
+libssh2 sessions are not thread-safe, so a session is only ever touched from the event loop's
+thread, in non-blocking mode: each call either does its work or returns EAGAIN, and the caller
+then waits for the socket (`loop.add_reader` / `add_writer`, in the direction libssh2 says it is
+blocked on) and tries again. Many channels share the session that way, each exec in its own
+coroutine.
+
+What makes this subtle, and how it is handled:
+- Any libssh2 call reads whatever packets have arrived, for every channel. A call for channel B
+  may read the packet that channel A waits for; A would then wait for a socket that stays quiet.
+  So a call that found input waiting in the kernel wakes every waiter, and every waiter also
+  wakes at least each FALLBACK seconds.
+- Only one packet can be half sent: a call that returned EAGAIN after starting to send must be
+  repeated until it finishes, or the session's output is stuck. When an exec is cancelled with
+  such a call in flight, a background task finishes it before sending TERM and closing.
+- libssh2 cannot read without a channel: an idle connection is probed (a session channel opened
+  and closed) when input arrives (sshd's own keepalives, a disconnect) and after
+  keepalive_interval of silence. The answer proves the peer alive; none for
+  keepalive_count_max + 1 intervals declares it dead, as asyncssh does.
+- Freeing a libssh2 session still writes to its socket, so libssh2 gets its own duplicate of the
+  descriptor, closed only after the session is freed: a reused descriptor number can never
+  receive those bytes.
+
+Limitation: ssh2-python's get_exit_signal loses the signal name, so a command whose shell was
+killed by a signal reports exit status 0 and no signal (libssh2's default) with this backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hashlib
+import hmac
+import os
+import re
+import select
+import socket
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from sshpool.backends.base import Exit
+from sshpool.command import Capture
+from sshpool.errors import (
+    AuthenticationFailed,
+    ChannelRefused,
+    ConnectError,
+    ConnectionLost,
+    ConnectTimeout,
+    HostKeyMismatch,
+)
+from sshpool.target import Limits, Target
+
+try:
+    from ssh2 import exceptions as ssh2_errors
+    from ssh2.error_codes import LIBSSH2_ERROR_EAGAIN
+    from ssh2.knownhost import LIBSSH2_KNOWNHOST_KEYENC_RAW, LIBSSH2_KNOWNHOST_TYPE_PLAIN
+    from ssh2.session import (
+        LIBSSH2_METHOD_HOSTKEY,
+        LIBSSH2_SESSION_BLOCK_OUTBOUND,
+        Session,
+    )
+except ImportError as exc:  # pragma: no cover - depends on the installed extras
+    raise ImportError("the ssh2 SSH backend needs ssh2-python: pip install 'sshapi[ssh2]'") from exc
+
+T = TypeVar("T")
+
+EAGAIN: int = LIBSSH2_ERROR_EAGAIN
+STDERR = 1  # SSH_EXTENDED_DATA_STDERR
+CHUNK = 1 << 16
+# The longest a waiter sleeps without looking again (see "any libssh2 call reads" above).
+FALLBACK = 0.05
+# How long a cancelled exec's background task may take to finish libssh2's half-done call and
+# send TERM and CLOSE before the connection is given up as stuck.
+FINISH_TIMEOUT = 5.0
+
+# Errors about one channel; every other libssh2 error means the transport is broken.
+_CHANNEL_ERRORS = (ssh2_errors.ChannelError, ssh2_errors.ChannelWindowFullError)
+
+
+def _eagain(result: object) -> bool:
+    """libssh2 returns EAGAIN alone (int) or first in a (code, data) tuple."""
+    if isinstance(result, tuple):
+        result = result[0]
+    return isinstance(result, int) and result == EAGAIN
+
+
+def _error_text(exc: BaseException) -> str:
+    # ssh2-python's exceptions often carry no message: the class name says what failed.
+    detail = " ".join(str(a) for a in exc.args if a)
+    return f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__
+
+
+class _LibFd:
+    """The descriptor libssh2 uses: a duplicate of the connection's socket, closed when the
+    libssh2 session holding it is freed (Cython releases it after __dealloc__), because freeing
+    a session and its channels still sends on it."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def __del__(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+
+
+# --------------------------------------------------------------------------------------------
+# known_hosts: which key types to ask for (libssh2's knownhost API does the verification)
+
+
+def _known_host_name(target: Target) -> str:
+    return target.host if target.port == 22 else f"[{target.host}]:{target.port}"
+
+
+def _host_matches(patterns: str, name: str) -> bool:
+    for pattern in patterns.split(","):
+        if pattern.startswith("|1|"):
+            salt, _, digest = pattern[3:].partition("|")
+            with contextlib.suppress(ValueError):
+                mac = hmac.new(base64.b64decode(salt), name.encode(), hashlib.sha1).digest()
+                if hmac.compare_digest(mac, base64.b64decode(digest)):
+                    return True
+        elif not pattern.startswith("!") and _glob(pattern).fullmatch(name):
+            return True
+    return False
+
+
+def _glob(pattern: str) -> re.Pattern[str]:
+    """known_hosts wildcards are * and ? only: "[host]:port" brackets are literal."""
+    parts = (".*" if c == "*" else "." if c == "?" else re.escape(c) for c in pattern)
+    return re.compile("".join(parts))
+
+
+def _known_host_lines(target: Target) -> list[str]:
+    """The known_hosts lines for the target (plain or hashed names). Marker lines
+    (@cert-authority, @revoked) are not supported: they never vouch for a key here."""
+    name = _known_host_name(target)
+    with open(target.known_hosts) as f:
+        return [
+            line.strip()
+            for line in f
+            if len(fields := line.split()) >= 3
+            and not fields[0].startswith(("#", "@"))
+            and _host_matches(fields[0], name)
+        ]
+
+
+def _hostkey_preference(lines: list[str], offered: list[str]) -> str:
+    """libssh2's host key algorithms, those known_hosts can check first: libssh2 prefers ECDSA,
+    so a host with several keys would otherwise present one we have no entry for."""
+    wanted = {line.split()[1] for line in lines}
+    if "ssh-rsa" in wanted:
+        wanted |= {"rsa-sha2-512", "rsa-sha2-256"}
+    first = [a for a in offered if a in wanted]
+    return ",".join(first + [a for a in offered if a not in wanted])
+
+
+# --------------------------------------------------------------------------------------------
+# The connection
+
+
+class _Pending:
+    """Calls of one exec that last returned EAGAIN while blocked on sending: a packet may be
+    half sent, and only repeating the same call completes it."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]] = {}
+
+    def note(self, fn: Callable[..., Any], args: tuple[Any, ...], half_sent: bool) -> None:
+        name = getattr(fn, "__name__", repr(fn))
+        if half_sent:
+            self.calls[name] = (fn, args)
+        else:
+            self.calls.pop(name, None)
+
+
+class Ssh2Connection:
+    def __init__(self, sock: socket.socket, session: Any, limits: Limits) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._sock = sock
+        self._fd = sock.fileno()
+        self._session = session
+        self._poll = select.poll()
+        self._poll.register(self._fd, select.POLLIN)
+        self._failure: str | None = None
+        self._waiters: list[asyncio.Future[None]] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._reading = False
+        self._writing = False
+        self._probing = False
+        self._started = False
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._last_recv = time.monotonic()
+        self._interval = limits.keepalive_interval
+        self._dead_after = self._interval * (limits.keepalive_count_max + 1)
+
+    # ---- waiting for the socket
+
+    def _input_waiting(self) -> bool:
+        return bool(self._poll.poll(0))
+
+    def _attempt(self, fn: Callable[..., T], *args: Any, pending: _Pending | None = None) -> T:
+        """One non-blocking libssh2 call. Raises ConnectionLost(started=False) once the transport
+        is down (callers fix `started`), and libssh2's channel errors as they are."""
+        if self._failure is not None:
+            raise ConnectionLost(self._failure, started=False)
+        had_input = self._input_waiting()
+        try:
+            result = fn(*args)
+        except _CHANNEL_ERRORS:
+            self._wake()
+            raise
+        except ssh2_errors.SSH2Error as exc:
+            self._shutdown(f"connection lost: {_error_text(exc)}")
+            raise ConnectionLost(f"connection lost: {_error_text(exc)}", started=False) from exc
+        if had_input:
+            # This call read packets, maybe for other channels: let their waiters look.
+            self._last_recv = time.monotonic()
+            self._wake()
+        again = _eagain(result)
+        if pending is not None:
+            pending.note(fn, args, again and self._blocked_outbound())
+        if not again and not had_input:
+            self._wake()
+        return result
+
+    def _blocked_outbound(self) -> bool:
+        return bool(self._session.block_directions() & LIBSSH2_SESSION_BLOCK_OUTBOUND)
+
+    async def _wait(self) -> None:
+        """Sleep until the socket is ready in the direction libssh2 is blocked on, another call
+        may have read our packets, or FALLBACK passes."""
+        if self._failure is not None:
+            return
+        if self._blocked_outbound():
+            if not self._writing:
+                self._loop.add_writer(self._fd, self._on_ready)
+                self._writing = True
+        else:
+            self._watch()
+        if self._timer is None:
+            self._timer = self._loop.call_later(FALLBACK, self._wake)
+        fut = self._loop.create_future()
+        self._waiters.append(fut)
+        await fut
+
+    async def _call(self, fn: Callable[..., T], *args: Any, pending: _Pending | None = None) -> T:
+        """A libssh2 call repeated until it does not return EAGAIN."""
+        while True:
+            result = self._attempt(fn, *args, pending=pending)
+            if not _eagain(result):
+                return result
+            await self._wait()
+
+    def _watch(self) -> None:
+        if not self._reading and self._failure is None:
+            self._loop.add_reader(self._fd, self._on_readable)
+            self._reading = True
+
+    def _on_readable(self) -> None:
+        # Level-triggered: stop watching until a reader has had a go, or this would spin.
+        self._loop.remove_reader(self._fd)
+        self._reading = False
+        self._last_recv = time.monotonic()
+        if self._waiters:
+            self._wake()
+        elif self._started:
+            # Nobody is reading: sshd's keepalive or a disconnect. Let libssh2 handle it.
+            self._spawn(self._probe())
+
+    def _on_ready(self) -> None:
+        self._loop.remove_writer(self._fd)
+        self._writing = False
+        self._wake()
+
+    def _wake(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _spawn(self, coro: Any) -> None:
+        task = self._loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ---- liveness
+
+    def start(self) -> None:
+        """The session is authenticated: watch the socket and keep the connection alive."""
+        self._started = True
+        self._watch()
+        if self._interval > 0:
+            self._spawn(self._keepalive())
+
+    async def _keepalive(self) -> None:
+        while self._failure is None:
+            await asyncio.sleep(self._interval)
+            silent = time.monotonic() - self._last_recv
+            if silent > self._dead_after:
+                self._shutdown(f"no answer from the host for {silent:.1f} s")
+                return
+            if silent >= self._interval:
+                self._spawn(self._probe())
+
+    async def _probe(self) -> None:
+        """Open and close a session channel: sshd's answer (open or refused) proves it alive,
+        and the calls let libssh2 read and answer whatever arrived meanwhile."""
+        if self._probing or self._failure is not None:
+            return
+        self._probing = True
+        try:
+            chan = await self._call(self._session.open_session)
+            await self._call(chan.close)
+        except (ConnectionLost, *_CHANNEL_ERRORS):
+            pass
+        finally:
+            self._probing = False
+
+    def is_alive(self) -> bool:
+        if self._failure is not None:
+            return False
+        return self._interval <= 0 or time.monotonic() - self._last_recv <= self._dead_after
+
+    # ---- commands
+
+    async def exec(
+        self, command: str, stdin: bytes | None, stdout: Capture, stderr: Capture
+    ) -> Exit:
+        pending = _Pending()
+        chan: Any = None
+        started = False
+        try:
+            try:
+                chan = await self._call(self._session.open_session, pending=pending)
+            except ssh2_errors.ChannelFailure as exc:
+                # MaxSessions: sshd answers the open with a failure ("open failed", code 2).
+                raise ChannelRefused(f"channel refused: {_error_text(exc)}") from exc
+            started = True
+            try:
+                await self._call(chan.execute, command, pending=pending)
+            except _CHANNEL_ERRORS as exc:
+                raise ChannelRefused(f"exec request refused: {_error_text(exc)}") from exc
+            await self._drain(chan, stdin, stdout, stderr, pending)
+            await self._call(chan.close, pending=pending)
+        except asyncio.CancelledError:
+            self._spawn(self._finish(chan, pending, started))
+            raise
+        except ConnectionLost as exc:
+            raise ConnectionLost(str(exc), started=started) from exc
+        except _CHANNEL_ERRORS as exc:
+            raise ConnectionLost(f"channel failed: {_error_text(exc)}", started=started) from exc
+        _, signal, _, _ = chan.get_exit_signal()
+        if signal:
+            return Exit(status=-1, signal=signal.decode(errors="replace"))
+        return Exit(status=chan.get_exit_status())
+
+    async def _drain(
+        self, chan: Any, stdin: bytes | None, stdout: Capture, stderr: Capture, pending: _Pending
+    ) -> None:
+        """Write stdin then EOF while reading stdout and stderr, until the remote EOF."""
+        data = stdin or b""
+        sent = 0
+        eof_sent = False
+        while True:
+            busy = False
+            for stream, capture in ((0, stdout), (STDERR, stderr)):
+                while True:
+                    size, chunk = self._attempt(chan.read_ex, CHUNK, stream, pending=pending)
+                    if size <= 0:
+                        break
+                    capture.feed(chunk)
+                    busy = True
+            if sent < len(data):
+                # After EAGAIN the same offset must be offered again (see _Pending).
+                _, written = self._attempt(chan.write, data[sent : sent + CHUNK], pending=pending)
+                sent += written
+                busy = busy or written > 0
+            elif not eof_sent:
+                eof_sent = not _eagain(self._attempt(chan.send_eof, pending=pending))
+                busy = busy or eof_sent
+            if chan.eof():  # remote EOF, and nothing left queued for this channel
+                return
+            if busy:
+                await asyncio.sleep(0)  # let the other channels have a turn
+            else:
+                await self._wait()
+
+    async def _finish(self, chan: Any, pending: _Pending, started: bool) -> None:
+        """After a cancel: complete libssh2's half-sent calls, then (best effort) the TERM
+        request and our CLOSE. sshd answers the CLOSE only once the command has exited, so
+        this does not wait for that."""
+        try:
+            async with asyncio.timeout(FINISH_TIMEOUT):
+                for fn, args in list(pending.calls.values()):
+                    result = await self._call(fn, *args)
+                    if chan is None and not isinstance(result, int):
+                        chan = result  # the channel open we were waiting for
+                if chan is None:
+                    return
+                if started:
+                    with contextlib.suppress(*_CHANNEL_ERRORS):
+                        await self._flush(chan.signal, "TERM")
+                with contextlib.suppress(*_CHANNEL_ERRORS):
+                    await self._flush(chan.close)
+        except TimeoutError:
+            self._shutdown("a cancelled command's channel could not be closed")
+        except (ConnectionLost, *_CHANNEL_ERRORS):
+            pass
+
+    async def _flush(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Call until the request is sent, without waiting for an answer."""
+        while _eagain(self._attempt(fn, *args)) and self._blocked_outbound():
+            await self._wait()
+
+    # ---- closing
+
+    def _shutdown(self, reason: str) -> None:
+        """Mark the connection down, wake everyone (they raise ConnectionLost) and close our
+        socket. libssh2's duplicate descriptor lives until the session is freed."""
+        if self._failure is not None:
+            return
+        self._failure = reason
+        if self._reading:
+            self._loop.remove_reader(self._fd)
+            self._reading = False
+        if self._writing:
+            self._loop.remove_writer(self._fd)
+            self._writing = False
+        self._wake()
+        with contextlib.suppress(Exception):
+            self._session.disconnect()
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+
+    async def close(self) -> None:
+        self._shutdown("connection closed")
+        tasks = [t for t in self._tasks if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Connecting
+
+
+async def _open_socket(host: str, port: int) -> socket.socket:
+    loop = asyncio.get_running_loop()
+    error: OSError = ConnectionRefusedError(f"no address for {host}")
+    for family, kind, proto, _, addr in await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        sock = socket.socket(family, kind, proto)
+        sock.setblocking(False)
+        try:
+            await loop.sock_connect(sock, addr)
+        except OSError as exc:
+            sock.close()
+            error = exc
+            continue
+        except BaseException:
+            sock.close()
+            raise
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+    raise error
+
+
+async def _handshake(conn: Ssh2Connection, session: Any, target: Target, lines: list[str]) -> None:
+    lib_fd = _LibFd(os.dup(conn._fd))
+    try:
+        await conn._call(session.handshake, lib_fd)
+    except ConnectionLost as exc:
+        # sshd drops connections past MaxStartups with a reset or EOF before its banner.
+        raise ConnectError(
+            f"{target}: connection dropped during handshake", retryable=True
+        ) from exc
+    key, _ = session.hostkey()
+    known = session.knownhost_init()
+    for line in lines:
+        # A line libssh2 cannot parse (a key type it lacks) cannot vouch for the key: skip it.
+        with contextlib.suppress(ssh2_errors.KnownHostError):
+            known.readline(line.encode())
+    try:
+        known.checkp(
+            target.host.encode(),
+            target.port,
+            key,
+            LIBSSH2_KNOWNHOST_TYPE_PLAIN | LIBSSH2_KNOWNHOST_KEYENC_RAW,
+        )
+    except ssh2_errors.KnownHostError as exc:
+        raise HostKeyMismatch(
+            f"{target}: host key not verified against {target.known_hosts}: {_error_text(exc)}"
+        ) from exc
+
+
+async def _authenticate(conn: Ssh2Connection, session: Any, target: Target) -> None:
+    refused: list[str] = []
+    for path in target.client_keys:
+        try:
+            await conn._call(session.userauth_publickey_fromfile, target.username, path)
+        except ConnectionLost as exc:
+            raise ConnectError(f"{target}: connection lost during authentication") from exc
+        except ssh2_errors.SSH2Error as exc:
+            refused.append(f"{path}: {_error_text(exc)}")
+            continue
+        return
+    raise AuthenticationFailed(f"{target}: no client key accepted ({'; '.join(refused)})")
+
+
+class Ssh2Backend:
+    name = "ssh2"
+
+    async def connect(self, target: Target) -> Ssh2Connection:
+        try:
+            lines = _known_host_lines(target)
+        except OSError as exc:
+            raise ConnectError(f"{target}: cannot read {target.known_hosts}: {exc}") from exc
+        if not lines:
+            # Fail closed before sending anything: there is no key to compare with.
+            raise HostKeyMismatch(f"{target}: {_known_host_name(target)} not in known_hosts")
+        conn: Ssh2Connection | None = None
+        try:
+            async with asyncio.timeout(target.limits.connect_timeout):
+                session = Session()
+                session.set_blocking(False)
+                offered = session.supported_algs(LIBSSH2_METHOD_HOSTKEY)
+                session.method_pref(LIBSSH2_METHOD_HOSTKEY, _hostkey_preference(lines, offered))
+                conn = Ssh2Connection(
+                    await _open_socket(target.host, target.port), session, target.limits
+                )
+                await _handshake(conn, session, target, lines)
+                await _authenticate(conn, session, target)
+        except BaseException as exc:
+            if conn is not None:
+                await conn.close()
+            if isinstance(exc, TimeoutError):
+                raise ConnectTimeout(
+                    f"{target}: no SSH session within {target.limits.connect_timeout} s"
+                ) from exc
+            if isinstance(exc, ConnectionRefusedError):
+                raise ConnectError(f"{target}: connection refused") from exc
+            if isinstance(exc, (ConnectionResetError, BrokenPipeError)):
+                raise ConnectError(f"{target}: {exc}", retryable=True) from exc
+            if isinstance(exc, OSError):
+                raise ConnectError(f"{target}: {exc}") from exc
+            if isinstance(exc, ssh2_errors.SSH2Error):
+                raise ConnectError(f"{target}: {_error_text(exc)}") from exc
+            raise
+        conn.start()
+        return conn
