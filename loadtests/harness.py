@@ -1,0 +1,261 @@
+"""What burst.py and sustained.py share inside Locust: the command-line options, the per-process
+recorder, moving records from workers to the master, generator CPU sampling, and writing the
+report when a test stops. Imported only by locustfiles (it imports gevent and locust)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import gevent
+import psutil
+from locust import events
+from locust.env import Environment
+from locust.runners import LocalRunner, MasterRunner, WorkerRunner
+
+from loadtests import report
+from loadtests.client import JobClient, Outcome, tokens
+from loadtests.records import DROPPED, Kind, Record, from_wire, to_wire
+
+DEFAULT_HOST = "http://127.0.0.1:8000"
+CPU_INTERVAL = 1.0
+
+
+def add_common_arguments(parser: Any) -> None:
+    group = parser.add_argument_group("sshapi load suite")
+    group.add_argument("--report-dir", default="reports", help="Where run directories go.")
+    group.add_argument("--ssh-host", default="local", help="The API's host name to run on.")
+    group.add_argument("--remote-command", default="hostname", help="argv to run (shell-split).")
+    group.add_argument(
+        "--subjects", type=int, default=64, help="Token subjects to spread requests over."
+    )
+    group.add_argument(
+        "--connection", choices=["keep-alive", "new"], default="keep-alive",
+        help="Reuse HTTP connections, or a new connection per request.",
+    )  # fmt: skip
+    group.add_argument("--request-timeout", type=float, default=60.0, help="Seconds per request.")
+    group.add_argument(
+        "--in-flight-cap", type=int, default=1000, help="Open model: most requests in flight."
+    )
+    group.add_argument(
+        "--run-meta", default="{}", help="JSON merged into the report's metadata (server side)."
+    )
+
+
+class Harness:
+    """One per process. On the master and a local runner it owns the run: tokens, the records of
+    every generator, the report. On a worker it records and ships its records at test stop."""
+
+    def __init__(self, name: str) -> None:
+        self.env = Environment()  # replaced by Locust's own at init
+        self.name = name
+        self.records: list[Record] = []
+        self.cpu: dict[str, list[float]] = {}
+        self.done = 0
+        self.t0 = time.time()
+        self.meta: dict[str, Any] = {}
+        self.exit_code = 0
+        self._sampler: gevent.Greenlet | None = None
+        self.describe: Callable[[], dict[str, Any]] = dict
+        events.test_start.add_listener(self._on_test_start)
+        events.test_stop.add_listener(self._on_test_stop)
+        events.quitting.add_listener(self._on_quitting)
+        events.init.add_listener(self._on_init)
+
+    # -- options and identity of this generator
+    @property
+    def options(self) -> Any:
+        return self.env.parsed_options
+
+    @property
+    def worker_label(self) -> str:
+        runner = self.env.runner
+        return f"worker{runner.worker_index}" if isinstance(runner, WorkerRunner) else "local"
+
+    def slot(self) -> tuple[int, int]:
+        """(index, count) of this process among the generators of the run."""
+        runner = self.env.runner
+        if isinstance(runner, WorkerRunner):
+            return runner.worker_index, int(self.options.sshapi_generators)
+        return 0, 1
+
+    def client(self) -> JobClient:
+        o = self.options
+        return JobClient(
+            self.env.host or DEFAULT_HOST,
+            o.ssh_host,
+            shlex.split(o.remote_command),
+            o.connection,
+            o.request_timeout,
+            pool_size=o.in_flight_cap,
+        )
+
+    def tokens(self) -> list[str]:
+        return list(self.options.sshapi_tokens)
+
+    # -- recording
+    def record(
+        self,
+        kind: Kind,
+        t: float,
+        latency_ms: float,
+        lateness_ms: float,
+        outcome: Outcome | None,
+        stage: int,
+        warmup: bool,
+        rate: float = 0.0,
+        burst_size: int = 0,
+        name: str = "/v1/jobs",
+    ) -> None:
+        """Keep one request's record and report it to Locust's own statistics too. `outcome`
+        None is an arrival dropped at the in-flight cap: recorded, never sent, so not in Locust's
+        table."""
+        o = outcome
+        self.records.append(
+            Record(
+                kind, t, latency_ms if o else 0.0, o.service_ms if o else 0.0, lateness_ms,
+                o.ok if o else False, o.status if o else 0, o.error if o else DROPPED, stage,
+                warmup, rate, burst_size, self.options.connection, self.slot()[0],
+                o.server if o else {},
+            )
+        )  # fmt: skip
+        if outcome is None:
+            return
+        self.env.events.request.fire(
+            request_type="POST",
+            name=name,
+            response_time=outcome.service_ms,
+            response_length=outcome.length,
+            exception=outcome.exception,
+            context={},
+        )
+
+    def generator_done(self) -> None:
+        runner = self.env.runner
+        if isinstance(runner, WorkerRunner):
+            runner.send_message("sshapi_done", {})
+        else:
+            self.done += 1
+
+    # -- lifecycle
+    def _on_init(self, environment: Environment, **_: Any) -> None:
+        self.env = environment
+        if not environment.host:
+            environment.host = DEFAULT_HOST
+        runner = environment.runner
+        if isinstance(runner, MasterRunner):
+            runner.register_message("sshapi_done", self._on_done_message)
+            runner.register_message("sshapi_records", self._on_records_message)
+
+    def _on_done_message(self, msg: Any, **_: Any) -> None:
+        self.done += 1
+
+    def _on_records_message(self, msg: Any, **_: Any) -> None:
+        self.records.extend(from_wire(msg.data["records"]))
+        self.cpu.update(msg.data["cpu"])
+
+    def _on_test_start(self, environment: Environment, **_: Any) -> None:
+        self.records = []
+        self.cpu = {}
+        self.done = 0
+        self.t0 = time.time()
+        runner = environment.runner
+        if not isinstance(runner, WorkerRunner):
+            # Set here, on the master, these travel to the workers with the spawn message.
+            o = self.options
+            o.sshapi_tokens = tokens(o.subjects)
+            o.sshapi_generators = runner.worker_count if isinstance(runner, MasterRunner) else 1
+            self.meta = self._meta_before()
+        if not isinstance(runner, MasterRunner):
+            self._sampler = gevent.spawn(self._sample_cpu, self.worker_label)
+
+    def _sample_cpu(self, label: str) -> None:
+        proc = psutil.Process(os.getpid())
+        proc.cpu_percent(None)
+        samples = self.cpu.setdefault(label, [])
+        while True:
+            gevent.sleep(CPU_INTERVAL)
+            samples.append(proc.cpu_percent(None))
+
+    def _on_test_stop(self, environment: Environment, **_: Any) -> None:
+        if self._sampler is not None:
+            self._sampler.kill(block=False)
+            self._sampler = None
+        runner = environment.runner
+        if isinstance(runner, WorkerRunner):
+            runner.send_message(
+                "sshapi_records", {"records": to_wire(self.records), "cpu": self.cpu}
+            )
+            self.records = []
+            return
+        if not self.records:
+            print("sshapi load suite: no requests were recorded, no report written")
+            self.exit_code = 1
+            return
+        meta = {**self.meta, **self._meta_after(), "duration_s": round(time.time() - self.t0, 1)}
+        out = report.run_dir(Path(self.options.report_dir), self.name)
+        summary = report.write_run(out, self.records, meta, self.cpu)
+        failed = sum(1 for r in self.records if not r.ok)
+        self.exit_code = 1 if failed else 0
+        v = summary["validity"]
+        lat = summary["latency_ms"]
+        print(
+            f"\nsshapi load suite: {summary['requests']} measured requests, {summary['failed']} "
+            f"failed ({summary['errors'] or 'no errors'}); latency ms p50 {lat['p50']} "
+            f"p90 {lat['p90']} p99 {lat['p99']} p99.9 {lat['p99.9']} max {lat['max']}\n"
+            f"run {'VALID' if v['valid'] else 'INVALID: ' + '; '.join(v['reasons'])}\n"
+            f"report: {out / 'report.md'}\n",
+            flush=True,
+        )
+
+    def _on_quitting(self, environment: Environment, **_: Any) -> None:
+        if isinstance(environment.runner, LocalRunner | MasterRunner) and self.exit_code:
+            environment.process_exit_code = self.exit_code
+
+    # -- metadata
+    def _hosts_info(self) -> Any:
+        import requests
+
+        o = self.options
+        try:
+            resp = requests.get(
+                f"{(self.env.host or DEFAULT_HOST).rstrip('/')}/v1/hosts/{o.ssh_host}",
+                headers={"Authorization": f"Bearer {o.sshapi_tokens[0]}"},
+                timeout=5,
+            )
+            return resp.json().get("pool", []) if resp.ok else f"http {resp.status_code}"
+        except (requests.RequestException, ValueError) as exc:
+            return f"unavailable: {type(exc).__name__}"
+
+    def _meta_before(self) -> dict[str, Any]:
+        o = self.options
+        runner = self.env.runner
+        return {
+            "title": self.name,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "api": self.env.host,
+            "ssh_host": o.ssh_host,
+            "remote_command": o.remote_command,
+            "connection": o.connection,
+            "subjects": len(o.sshapi_tokens),
+            "in_flight_cap": o.in_flight_cap,
+            "request_timeout_s": o.request_timeout,
+            "generators": o.sshapi_generators,
+            "distributed": isinstance(runner, MasterRunner),
+            "cpu_count": os.cpu_count(),
+            "load_average": os.getloadavg(),
+            "versions": report.versions(),
+            # Backend, sshd profile and pool settings live in the server: the experiment runner
+            # passes them here; run by hand, pass --run-meta '{"backend": ...}' to record them.
+            **json.loads(o.run_meta),
+            **self.describe(),
+            "pool_before": self._hosts_info(),
+        }
+
+    def _meta_after(self) -> dict[str, Any]:
+        return {"pool_after": self._hosts_info()}

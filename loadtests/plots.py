@@ -1,0 +1,111 @@
+"""The report's figures (matplotlib, Agg: no display). Each function writes one PNG and returns
+its file name, or None when the run has nothing to show in it."""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+from loadtests import hdr
+from loadtests.records import Record
+
+LINES = (("p50", "tab:blue"), ("p90", "tab:green"), ("p99", "tab:orange"), ("p99.9", "tab:red"))
+
+
+def _save(fig: Any, out: Path, name: str) -> str:
+    fig.tight_layout()
+    fig.savefig(out / name, dpi=110)
+    plt.close(fig)
+    return name
+
+
+def vs_offered_load(stages: Sequence[dict[str, Any]], out: Path) -> str | None:
+    rows = [s for s in stages if s["latency_ms"]["count"]]
+    if len(rows) < 2:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    rates = [s["offered_rate"] for s in rows]
+    for key, color in LINES:
+        ax.plot(rates, [s["latency_ms"][key] for s in rows], "o-", color=color, label=key)
+    ax.set(xlabel="offered load (requests/s)", ylabel="latency (ms, log)", yscale="log")
+    ax.set_title("Latency percentiles vs offered load (successes, from intended send time)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    return _save(fig, out, "percentiles_vs_load.png")
+
+
+def over_time(records: Sequence[Record], out: Path, window: float = 1.0) -> str | None:
+    if not records:
+        return None
+    t0 = min(r.t for r in records)
+    ok: dict[int, list[float]] = defaultdict(list)
+    failed: dict[int, int] = defaultdict(int)
+    for r in records:
+        slot = int((r.t - t0) / window)
+        if r.ok:
+            ok[slot].append(r.latency_ms)
+        else:
+            failed[slot] += 1
+    slots = sorted(set(ok) | set(failed))
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for key, color in LINES[:3]:
+        points = [(s * window, hdr.percentiles(hdr.histogram(ok[s]))[key]) for s in slots if ok[s]]
+        ax.plot([p[0] for p in points], [p[1] for p in points], color=color, label=key)
+    ax.set(xlabel="seconds since start (intended send time)", ylabel="latency (ms, log)")
+    ax.set_yscale("log")
+    ax.grid(True, which="both", alpha=0.3)
+    errors = ax.twinx()
+    errors.bar(
+        [s * window for s in slots], [failed[s] for s in slots], width=window, color="tab:red",
+        alpha=0.35, label="failed/dropped",
+    )  # fmt: skip
+    errors.set_ylabel("failed or dropped per window")
+    lines, labels = ax.get_legend_handles_labels()
+    bars, bar_labels = errors.get_legend_handles_labels()
+    ax.legend(lines + bars, labels + bar_labels, loc="upper left")
+    ax.set_title(f"Latency percentiles per {window:g} s window, with failures")
+    return _save(fig, out, "percentiles_over_time.png")
+
+
+def distribution(records: Sequence[Record], out: Path) -> str | None:
+    """The HdrHistogram percentile spectrum: latency against 1/(1-q) on a log axis, so the tail
+    (99%, 99.9%) gets as much room as the median."""
+    hist = hdr.histogram(r.latency_ms for r in records if r.ok)
+    if not hist.get_total_count():
+        return None
+    quantiles = [50, 75, 90, 95, 99, 99.5, 99.9, 99.95, 99.99, 100]
+    xs = [1 / (1 - q / 100) if q < 100 else 1e5 for q in quantiles]
+    ys = [hist.get_value_at_percentile(q) / 1000 for q in quantiles]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(xs, ys, "o-")
+    ax.set_xscale("log")
+    ax.set_xticks(xs, [f"{q:g}%" if q < 100 else "max" for q in quantiles], rotation=45)
+    ax.minorticks_off()
+    ax.set(xlabel="percentile", ylabel="latency (ms)", title="Latency distribution (successes)")
+    ax.grid(True, alpha=0.3)
+    return _save(fig, out, "latency_distribution.png")
+
+
+def burst_makespan(rows: Sequence[dict[str, Any]], out: Path) -> str | None:
+    if not rows:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    sizes = [r["size"] for r in rows]
+    for r in rows:
+        ax.scatter([r["size"]] * len(r["makespan_ms"]), r["makespan_ms"], color="tab:gray", s=12)
+    medians = [statistics.median(r["makespan_ms"]) for r in rows]
+    ax.plot(sizes, medians, "o-", color="tab:red", label="makespan (median; dots: each repeat)")
+    for key, color in LINES[:3]:
+        ax.plot(sizes, [r["latency_ms"][key] for r in rows], "o--", color=color, label=key)
+    ax.set(xlabel="burst size (simultaneous requests)", ylabel="ms", title="Burst size vs makespan")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    return _save(fig, out, "burst_makespan.png")

@@ -1,0 +1,139 @@
+"""From raw records to the numbers of a run: HdrHistogram percentiles (successes only, warm-up
+left out), errors by kind, per-stage and per-burst-size tables, Server-Timing stages, and the
+validity verdict. Pure functions over lists of Record."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+from loadtests import hdr
+from loadtests.records import DROPPED, Record
+
+# A send more than this after its intended time is late: the generator, not the server, set
+# the pace. Above LATE_FRACTION late sends, or any dropped arrival, or a busy generator CPU, the
+# run measured the generator and says so.
+LATE_MS = 10.0
+LATE_FRACTION = 0.01
+CPU_LIMIT = 80.0  # percent of one core, 90th percentile of the generator's samples
+
+
+def _pcts(values: Sequence[float]) -> dict[str, float | int | None]:
+    return hdr.percentiles(hdr.histogram(values))
+
+
+def _errors(records: Sequence[Record]) -> dict[str, int]:
+    return dict(Counter(r.error for r in records if not r.ok).most_common())
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)] if ordered else 0.0
+
+
+def validity(measured: Sequence[Record], cpu: dict[str, list[float]]) -> dict[str, Any]:
+    """valid + the reasons it is not. Closed-model runs are valid only as what they are: their
+    latency starts at the actual send, so a stalled server delays sends instead of showing."""
+    reasons: list[str] = []
+    sent = [r for r in measured if r.error != DROPPED]
+    late = sum(1 for r in sent if r.lateness_ms > LATE_MS)
+    dropped = sum(1 for r in measured if r.error == DROPPED)
+    cpu_p90 = {w: _quantile(samples, 0.9) for w, samples in cpu.items() if samples}
+    if sent and late / len(sent) > LATE_FRACTION:
+        reasons.append(
+            f"{late} of {len(sent)} requests ({100 * late / len(sent):.1f}%) were sent more than "
+            f"{LATE_MS:g} ms after their intended time: the generator fell behind"
+        )
+    if dropped:
+        reasons.append(
+            f"{dropped} arrivals dropped at the in-flight cap: their latency is missing, "
+            "percentiles are understated (the server saturated or the cap is too low)"
+        )
+    busy = {w: v for w, v in cpu_p90.items() if v > CPU_LIMIT}
+    if busy:
+        reasons.append(
+            "generator CPU p90 above "
+            f"{CPU_LIMIT:g}%: " + ", ".join(f"{w} {v:.0f}%" for w, v in sorted(busy.items()))
+        )
+    return {
+        "valid": not reasons,
+        "reasons": reasons,
+        "late": late,
+        "late_threshold_ms": LATE_MS,
+        "lateness_ms": _pcts([max(0.0, r.lateness_ms) for r in sent]) if sent else None,
+        "dropped": dropped,
+        "generator_cpu_p90": cpu_p90,
+    }
+
+
+def _group(records: Sequence[Record]) -> dict[str, Any]:
+    ok = [r for r in records if r.ok]
+    span = (max(r.t for r in records) - min(r.t for r in records)) if len(records) > 1 else 0.0
+    return {
+        "requests": len(records),
+        "ok": len(ok),
+        "failed": len(records) - len(ok),
+        "errors": _errors(records),
+        "latency_ms": _pcts([r.latency_ms for r in ok]),
+        "service_ms": _pcts([r.service_ms for r in ok]),
+        # Successes per second over the span of intended times (the achieved throughput).
+        "throughput": len(ok) / span if span > 0 else None,
+    }
+
+
+def server_timing(records: Sequence[Record]) -> dict[str, dict[str, float | int | None]]:
+    stages: dict[str, list[float]] = defaultdict(list)
+    for r in records:
+        if r.ok:
+            for name, ms in r.server.items():
+                stages[name].append(ms)
+    return {name: _pcts(values) for name, values in stages.items()}
+
+
+def summarize(
+    records: Sequence[Record], meta: dict[str, Any], cpu: dict[str, list[float]]
+) -> dict[str, Any]:
+    """The content of summary.json. `latency_hdr` (base64 HdrHistogram of the successful
+    measured latencies, microseconds) lets the experiment runner merge repeats exactly."""
+    measured = [r for r in records if not r.warmup]
+    ok = [r for r in measured if r.ok]
+    out: dict[str, Any] = {
+        "meta": meta,
+        "warmup_requests": len(records) - len(measured),
+        **_group(measured),
+        "server_timing_ms": server_timing(measured),
+        "validity": validity(measured, cpu),
+        "latency_hdr": hdr.encode(hdr.histogram(r.latency_ms for r in ok)),
+    }
+    stages: dict[int, list[Record]] = defaultdict(list)
+    for r in measured:
+        stages[r.stage].append(r)
+    if any(r.kind != "burst" for r in measured):
+        out["stages"] = [
+            {"stage": n, "offered_rate": group[0].rate, **_group(group)}
+            for n, group in sorted(stages.items())
+        ]
+    else:
+        out["bursts"] = bursts(measured)
+    return out
+
+
+def bursts(records: Sequence[Record]) -> list[dict[str, Any]]:
+    """Per burst size: latency percentiles over all its repeats, and the makespans (release to
+    the last answer, failures included) of each repeat."""
+    by_burst: dict[int, list[Record]] = defaultdict(list)
+    for r in records:
+        by_burst[r.stage].append(r)
+    by_size: dict[int, list[list[Record]]] = defaultdict(list)
+    for group in by_burst.values():
+        by_size[group[0].burst_size].append(group)
+    rows = []
+    for size, groups in sorted(by_size.items()):
+        flat = [r for g in groups for r in g]
+        makespans = [max(r.latency_ms for r in g) for g in groups]
+        rows.append(
+            {"size": size, **_group(flat), "makespan_ms": makespans, "repeats": len(groups)}
+        )
+    return rows
