@@ -237,15 +237,24 @@ class Api:
             headers["Idempotency-Key"] = key
         return await self.client.post(f"{self.url}/v1/jobs", json=body, headers=headers)
 
+    async def job(self, job_id: str, sub: str = "alice") -> Any:
+        r = await self.client.get(f"{self.url}/v1/jobs/{job_id}", headers=self.auth(sub))
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    async def wait_state(
+        self, job_id: str, states: tuple[str, ...], sub: str = "alice", timeout: float = 20
+    ) -> Any:
+        """Poll the job until its state is one of `states`; return it."""
+        async with asyncio.timeout(timeout):
+            while (job := await self.job(job_id, sub))["state"] not in states:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        return job
+
     async def until_final(self, job_id: str, sub: str = "alice", timeout: float = 20) -> Any:
         """Poll the job until it leaves queued/running."""
-        async with asyncio.timeout(timeout):
-            while True:
-                r = await self.client.get(f"{self.url}/v1/jobs/{job_id}", headers=self.auth(sub))
-                assert r.status_code == 200, r.text
-                if r.json()["state"] not in ("queued", "running"):
-                    return r.json()
-                await asyncio.sleep(0.05)
+        final = ("succeeded", "failed", "timed_out", "cancelled", "lost", "error")
+        return await self.wait_state(job_id, final, sub, timeout)
 
 
 @asynccontextmanager

@@ -1,0 +1,282 @@
+"""JWT validation: the rejection matrix, asymmetric keys, scopes, JWKS rotation and flood."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import jwt
+import pytest
+from api_helpers import (
+    AUDIENCE,
+    KEYS_ISS,
+    Api,
+    Keys,
+    config_toml,
+    free_port,
+    make_settings,
+    running_api,
+    serve,
+)
+from cryptography.hazmat.primitives.asymmetric import rsa
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from sshpool.local_host import LocalHost
+
+
+def b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def claims(**over: Any) -> dict[str, Any]:
+    now = int(time.time())
+    base: dict[str, Any] = {
+        "iss": "test-local",
+        "aud": AUDIENCE,
+        "sub": "alice",
+        "scope": "jobs:read",
+        "iat": now,
+        "exp": now + 300,
+    }
+    base.update(over)
+    return {k: v for k, v in base.items() if v is not None}
+
+
+def handmade(
+    header: dict[str, Any], payload: dict[str, Any], sign: Callable[[bytes], bytes]
+) -> str:
+    signing_input = f"{b64(json.dumps(header).encode())}.{b64(json.dumps(payload).encode())}"
+    return f"{signing_input}.{b64(sign(signing_input.encode()))}"
+
+
+def rejected_tokens(api: Api) -> dict[str, tuple[str, str]]:
+    """name -> (token, what the problem's detail must say)."""
+    now = int(time.time())
+    rsa_public_pem = Keys.public_pem(api.keys.rsa)
+    other_rsa = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    return {
+        "alg none": (
+            handmade({"alg": "none", "typ": "JWT"}, claims(), lambda _: b""),
+            "algorithm not allowed",
+        ),
+        "HS256 signed with the RSA public key": (
+            handmade(
+                {"alg": "HS256", "typ": "JWT"},
+                claims(iss=KEYS_ISS),
+                lambda m: hmac.new(rsa_public_pem, m, hashlib.sha256).digest(),
+            ),
+            "bad signature",
+        ),
+        "expired": (api.token(exp=now - 3600, iat=now - 7200), "expired"),
+        "not yet valid": (api.token(nbf=now + 3600), "not yet valid"),
+        "missing exp": (api.token(exp=None), "missing claim 'exp'"),
+        "missing iat": (api.token(iat=None), "missing claim 'iat'"),
+        "missing aud": (api.token(aud=None), "missing claim 'aud'"),
+        "missing iss": (api.token(iss=None), "issuer"),
+        "missing sub": (api.token(sub=None), "missing claim 'sub'"),
+        "wrong audience": (api.token(aud="someone-else"), "wrong audience"),
+        "unknown issuer": (api.token(iss="https://evil.example"), "issuer"),
+        "bad signature": (
+            api.token(key="another-secret-that-is-long-enough-to-sign-with"),
+            "bad signature",
+        ),
+        "RS256 from an unknown key": (
+            jwt.encode(claims(iss=KEYS_ISS), other_rsa, algorithm="RS256"),
+            "bad signature",
+        ),
+        "algorithm not configured": (
+            jwt.encode(claims(iss=KEYS_ISS), api.keys.rsa, algorithm="RS512"),
+            "algorithm not allowed",
+        ),
+        "garbage": ("not-a-token", "malformed"),
+        "three garbage parts": ("aaa.bbb.ccc", "malformed"),
+    }
+
+
+async def test_bad_tokens_are_401_with_www_authenticate(api: Api) -> None:
+    """Every token of the rejection matrix is 401 problem+json with a Bearer challenge."""
+    for name, (token, why) in rejected_tokens(api).items():
+        r = await api.client.get(f"{api.url}/v1/jobs", headers={"Authorization": f"Bearer {token}"})
+        assert r.status_code == 401, (name, r.text)
+        assert r.headers["WWW-Authenticate"].startswith("Bearer "), name
+        assert 'error="invalid_token"' in r.headers["WWW-Authenticate"], name
+        assert r.headers["content-type"] == "application/problem+json", name
+        assert why in r.json()["detail"], (name, r.json())
+
+
+async def test_missing_token_is_401_without_error_code(api: Api) -> None:
+    """No Authorization header: 401 with a bare Bearer challenge (RFC 6750 section 3.1)."""
+    r = await api.client.get(f"{api.url}/v1/jobs")
+    assert r.status_code == 401
+    assert r.headers["WWW-Authenticate"] == 'Bearer realm="sshapi"'
+
+
+@pytest.mark.parametrize("alg", ["RS256", "ES256", "EdDSA"])
+async def test_tokens_signed_with_configured_public_keys_are_accepted(api: Api, alg: str) -> None:
+    """RS256, ES256 and EdDSA tokens verify against the issuer's PEM public keys."""
+    key = {"RS256": api.keys.rsa, "ES256": api.keys.ec, "EdDSA": api.keys.ed}[alg]
+    token = jwt.encode(claims(iss=KEYS_ISS), key, algorithm=alg)
+    r = await api.client.get(f"{api.url}/v1/jobs", headers={"Authorization": f"Bearer {token}"})
+    assert r.status_code == 200, r.text
+
+
+async def test_identity_is_issuer_and_subject(api: Api) -> None:
+    """The same `sub` from two issuers is two people: neither sees the other's jobs."""
+    r = await api.submit({"host": "local", "argv": ["true"]}, sub="carol")
+    job_id = r.json()["id"]
+    token = jwt.encode(claims(iss=KEYS_ISS, sub="carol"), api.keys.rsa, algorithm="RS256")
+    r = await api.client.get(
+        f"{api.url}/v1/jobs/{job_id}", headers={"Authorization": f"Bearer {token}"}
+    )
+    assert r.status_code == 404
+
+
+async def test_read_scope_cannot_submit(api: Api) -> None:
+    """jobs:read alone may list but not submit: 403 insufficient-scope."""
+    headers = {"Authorization": f"Bearer {api.token(scope='jobs:read')}"}
+    r = await api.client.post(
+        f"{api.url}/v1/jobs", json={"host": "local", "argv": ["true"]}, headers=headers
+    )
+    assert r.status_code == 403
+    assert r.json()["type"].endswith("insufficient-scope")
+    assert (await api.client.get(f"{api.url}/v1/jobs", headers=headers)).status_code == 200
+
+
+async def test_token_without_scopes_cannot_read(api: Api) -> None:
+    """A valid token with no known scope is 403 on every job route."""
+    headers = {"Authorization": f"Bearer {api.token(scope='openid profile')}"}
+    assert (await api.client.get(f"{api.url}/v1/jobs", headers=headers)).status_code == 403
+
+
+class JwksServer:
+    """A JWKS endpoint whose keys a test can swap, counting its hits."""
+
+    def __init__(self) -> None:
+        self.keys: list[dict[str, Any]] = []
+        self.hits = 0
+        self.app = Starlette(routes=[Route("/jwks.json", self.jwks)])
+
+    async def jwks(self, request: Request) -> JSONResponse:
+        self.hits += 1
+        return JSONResponse({"keys": self.keys})
+
+    def publish(self, kid: str, key: rsa.RSAPrivateKey) -> None:
+        jwk = jwt.algorithms.RSAAlgorithm.to_jwk(key.public_key(), as_dict=True)
+        self.keys = [{**jwk, "kid": kid, "alg": "RS256", "use": "sig"}]
+
+
+@asynccontextmanager
+async def api_with_jwks(
+    url: str,
+    min_refresh: float,
+    tuned_host: LocalHost,
+    secret_file: Path,
+    secret: str,
+    keys: Keys,
+    tmp_path: Path,
+) -> AsyncIterator[Api]:
+    extra = f"""
+[[issuers]]
+issuer = "test-jwks"
+audience = "{AUDIENCE}"
+algorithms = ["RS256"]
+jwks_url = "{url}"
+jwks_min_refresh_seconds = {min_refresh}
+jwks_cache_seconds = 600
+"""
+    path = tmp_path / "jwks.toml"
+    path.write_text(config_toml(tuned_host, secret_file, keys, extra))
+    async with running_api(make_settings(tmp_path, path, "sqlite", None), keys, secret) as api:
+        yield api
+
+
+def jwks_token(key: rsa.RSAPrivateKey, kid: str) -> dict[str, str]:
+    token = jwt.encode(claims(iss="test-jwks"), key, algorithm="RS256", headers={"kid": kid})
+    return {"Authorization": f"Bearer {token}"}
+
+
+async def test_jwks_key_rotation_is_picked_up(
+    tuned_host: LocalHost, secret_file: Path, secret: str, keys: Keys, tmp_path: Path
+) -> None:
+    """After the IdP rotates keys, a token with the new kid triggers a refetch and verifies;
+    the retired key no longer does."""
+    jwks = JwksServer()
+    old = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    new = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    jwks.publish("old", old)
+    async with (
+        serve(jwks.app) as base,
+        api_with_jwks(
+            f"{base}/jwks.json", 0.2, tuned_host, secret_file, secret, keys, tmp_path
+        ) as api,
+    ):
+        url = f"{api.url}/v1/jobs"
+        assert (await api.client.get(url, headers=jwks_token(old, "old"))).status_code == 200
+        jwks.publish("new", new)
+        await asyncio.sleep(0.3)
+        assert (await api.client.get(url, headers=jwks_token(new, "new"))).status_code == 200
+        assert (await api.client.get(url, headers=jwks_token(old, "old"))).status_code == 401
+        assert jwks.hits == 2
+
+
+async def test_unknown_kid_flood_does_not_flood_the_jwks_server(
+    tuned_host: LocalHost, secret_file: Path, secret: str, keys: Keys, tmp_path: Path
+) -> None:
+    """200 tokens with made-up kids (concurrently) cause no refetch within the refresh
+    interval: the JWKS server is hit once, for the first token."""
+    jwks = JwksServer()
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    jwks.publish("real", key)
+    async with (
+        serve(jwks.app) as base,
+        api_with_jwks(
+            f"{base}/jwks.json", 30, tuned_host, secret_file, secret, keys, tmp_path
+        ) as api,
+    ):
+        url = f"{api.url}/v1/jobs"
+        assert (await api.client.get(url, headers=jwks_token(key, "real"))).status_code == 200
+        answers = await asyncio.gather(
+            *(api.client.get(url, headers=jwks_token(key, f"fake-{n}")) for n in range(200))
+        )
+        assert {r.status_code for r in answers} == {401}
+        assert jwks.hits == 1
+
+
+async def test_unreachable_jwks_fails_closed(
+    tuned_host: LocalHost, secret_file: Path, secret: str, keys: Keys, tmp_path: Path
+) -> None:
+    """With the JWKS URL unreachable and no cached key, tokens of that issuer are refused."""
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    url = f"http://127.0.0.1:{free_port()}/jwks.json"
+    async with api_with_jwks(url, 0, tuned_host, secret_file, secret, keys, tmp_path) as api:
+        r = await api.client.get(f"{api.url}/v1/jobs", headers=jwks_token(key, "k"))
+        assert r.status_code == 401
+
+
+async def test_placeholder_secret_is_refused() -> None:
+    """SSHAPI_JWT_SECRET=changeme (or anything short) does not even load."""
+    from pydantic import ValidationError
+
+    from api.settings import Settings
+
+    for bad in ("changeme", "short"):
+        with pytest.raises(ValidationError):
+            Settings(jwt_secret=bad)  # type: ignore[arg-type]
+
+
+async def test_unknown_route_is_problem_json(api: Api) -> None:
+    """A path that does not exist is a 404 problem, like every other error."""
+    r = await api.client.get(f"{api.url}/v2/nothing", headers=api.auth())
+    assert r.status_code == 404
+    assert r.headers["content-type"] == "application/problem+json"
