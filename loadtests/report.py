@@ -118,8 +118,9 @@ def render(summary: dict[str, Any], images: dict[str, str | None]) -> str:
         "",
         "## Validity",
         "",
-        f"- late sends (> {v['late_threshold_ms']:g} ms after intended): {v['late']}; "
-        f"lateness p99 {_ms(late.get('p99'))} ms, max {_ms(late.get('max'))} ms",
+        f"- late sends (open model, > {v['late_threshold_ms']:g} ms after intended): "
+        f"{v['late']}; send lateness (bursts: spread after the release) p99 "
+        f"{_ms(late.get('p99'))} ms, max {_ms(late.get('max'))} ms",
         f"- dropped arrivals (in-flight cap): {v['dropped']}",
         "- generator CPU p90: "
         + (", ".join(f"{w} {c:.0f}%" for w, c in v["generator_cpu_p90"].items()) or "-"),

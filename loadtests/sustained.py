@@ -1,8 +1,8 @@
 """Sustained load on POST /v1/jobs (DESIGN.md section 8).
 
-    locust -f loadtests/sustained.py --headless                    # profile smoke, open model
-    locust -f loadtests/sustained.py --headless --load-profile paper    # 50 then 90 requests/s
-    locust -f loadtests/sustained.py --headless --load-profile paper --model closed   # the paper's way
+    locust -f loadtests/sustained.py --headless                       # smoke, open model
+    locust -f loadtests/sustained.py --headless --load-profile paper  # 50 then 90 requests/s
+    locust -f loadtests/sustained.py --headless --load-profile paper --model closed  # the paper's
 
 Open model (the default, for headline numbers): requests leave at intended times 1/rate apart,
 whatever the answers do, and latency counts from the intended time, so a stalled server shows in
