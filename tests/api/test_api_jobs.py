@@ -104,7 +104,8 @@ async def test_cancel_kills_the_remote_process_tree(
     line = f"sleep {marker}1 & sh -c 'sleep {marker}2'; wait"
     r = await api.submit({"host": "local", "command": line}, wait=0)
     job_id = r.json()["id"]
-    await eventually(lambda: len(tuned_host.processes(f"sleep {marker}")) == 2)
+    # The two sleeps (child and grandchild); the unanchored pattern also finds the shells.
+    await eventually(lambda: len(tuned_host.processes(f"^sleep {marker}")) == 2)
     r = await api.client.delete(f"{api.url}/v1/jobs/{job_id}", headers=api.auth())
     assert r.status_code == 200, r.text
     assert r.json()["state"] == "cancelled"
