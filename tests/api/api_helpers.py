@@ -197,10 +197,10 @@ class Api:
 
     def token(
         self,
-        sub: str = "alice",
+        sub: str | None = "alice",
         scope: str = "jobs:read jobs:write",
         *,
-        iss: str = LOCAL_ISS,
+        iss: str | None = LOCAL_ISS,
         key: Any = None,
         alg: str = "HS256",
         headers: dict[str, Any] | None = None,
