@@ -76,7 +76,8 @@ def arrivals(stages: list[Stage]) -> list[Arrival]:
         if stage.rate < 0 or stage.duration < 0:
             raise ValueError("rates and durations must be >= 0")
         count = math.floor(stage.duration * stage.rate + 1e-9)
-        out.extend(Arrival(len(out) + i, start + i / stage.rate, n) for i in range(count))
+        first = len(out)
+        out.extend(Arrival(first + i, start + i / stage.rate, n) for i in range(count))
         start += stage.duration
     return out
 

@@ -1,0 +1,190 @@
+"""The load suite's pure parts: schedules, shapes, percentiles, validity, Server-Timing parsing.
+(Locust itself is never imported here: it monkey-patches the process with gevent.)"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from pathlib import Path
+
+import pytest
+
+from loadtests import hdr
+from loadtests.records import DROPPED, Record, error_kind, parse_server_timing, read_jsonl
+from loadtests.report import write_run
+from loadtests.schedule import (
+    PROFILES,
+    Stage,
+    arrivals,
+    burst_plan,
+    scaled,
+    share,
+    split,
+    stage_at,
+    total_duration,
+)
+from loadtests.summary import LATE_MS, summarize, validity
+
+
+def rec(latency: float = 10.0, **kw: object) -> Record:
+    fields: dict[str, object] = {
+        "kind": "open", "t": 1000.0, "latency_ms": latency, "service_ms": latency,
+        "lateness_ms": 0.0, "ok": True, "status": 201, "error": "", "stage": 0, "warmup": False,
+        "rate": 10.0, "burst_size": 0, "connection": "keep-alive", "worker": 0,
+    }  # fmt: skip
+    fields.update(kw)
+    return Record(**fields)  # type: ignore[arg-type]
+
+
+def test_arrivals_are_evenly_spaced_at_the_stage_rate() -> None:
+    """A 2 s stage at 5/s intends 10 sends 0.2 s apart, starting at 0."""
+    times = [a.t for a in arrivals([Stage(2.0, 5.0)])]
+    assert len(times) == 10
+    assert times[0] == 0.0
+    assert all(math.isclose(b - a, 0.2) for a, b in itertools.pairwise(times))
+
+
+def test_each_stage_starts_at_its_own_offset() -> None:
+    """The second stage's first arrival is at the end of the first stage, whatever its rate."""
+    items = arrivals([Stage(1.0, 3.0), Stage(2.0, 10.0)])
+    second = [a for a in items if a.stage == 1]
+    assert len(second) == 20
+    assert second[0].t == 1.0
+    assert [a.index for a in items] == list(range(23))
+
+
+def test_paper_profile_offers_50_then_90_per_second_after_warmup() -> None:
+    """`paper` has a warm-up, then the paper's two rates."""
+    stages = PROFILES["paper"]
+    assert stages[0].warmup
+    assert [s.rate for s in stages if not s.warmup] == [50.0, 90.0]
+
+
+def test_sweep_steps_up_past_the_paper_rates() -> None:
+    """`sweep` rates increase monotonically and go well beyond 90/s."""
+    rates = [s.rate for s in PROFILES["sweep"] if not s.warmup]
+    assert rates == sorted(rates)
+    assert rates[-1] > 2 * 90
+
+
+def test_scaled_changes_durations_not_rates() -> None:
+    """A duration factor shortens every stage and keeps the rates."""
+    short = scaled(PROFILES["paper"], 0.1)
+    assert [s.rate for s in short] == [s.rate for s in PROFILES["paper"]]
+    assert math.isclose(total_duration(short), total_duration(PROFILES["paper"]) * 0.1)
+    with pytest.raises(ValueError):
+        scaled(PROFILES["smoke"], 0)
+
+
+def test_shares_partition_the_schedule_exactly() -> None:
+    """Three generators together send every arrival once, each at a third of the rate."""
+    items = arrivals([Stage(3.0, 10.0)])
+    parts = [share(items, i, 3) for i in range(3)]
+    assert sorted(a.index for p in parts for a in p) == [a.index for a in items]
+    assert all(len(p) == 10 for p in parts)
+    with pytest.raises(ValueError):
+        share(items, 3, 3)
+
+
+def test_burst_plan_interleaves_sizes_across_repeats() -> None:
+    """Repeats cycle through all sizes rather than repeating one size back to back."""
+    plan = burst_plan([10, 50, 100], 2)
+    assert [b.size for b in plan] == [10, 50, 100, 10, 50, 100]
+    assert [b.repeat for b in plan] == [0, 0, 0, 1, 1, 1]
+    assert [b.index for b in plan] == list(range(6))
+
+
+def test_split_spreads_a_burst_over_generators() -> None:
+    """A burst of 10 over 3 generators fires 4, 3, 3."""
+    assert [split(10, i, 3) for i in range(3)] == [4, 3, 3]
+    assert sum(split(401, i, 4) for i in range(4)) == 401
+
+
+def test_stage_at_finds_the_running_stage() -> None:
+    """Times map to the stage that runs then; before 0 and after the end there is none."""
+    stages = [Stage(1.0, 1.0), Stage(2.0, 1.0)]
+    assert [stage_at(stages, t) for t in (-0.1, 0.0, 0.99, 1.0, 2.9, 3.0)] == [
+        None, 0, 0, 1, 1, None,
+    ]  # fmt: skip
+
+
+def test_server_timing_header_is_parsed_into_stages() -> None:
+    """Durations are read per metric; a metric without a valid duration is skipped."""
+    header = 'auth;dur=0.25, queue;desc="wait";dur=1.5, exec;dur=x, store'
+    assert parse_server_timing(header) == {"auth": 0.25, "queue": 1.5}
+    assert parse_server_timing(None) == {}
+
+
+def test_error_kind_unwraps_resets_and_timeouts() -> None:
+    """A reset wrapped in another exception is still a reset; socket timeouts are timeouts."""
+    wrapped = RuntimeError(ConnectionResetError(104, "Connection reset by peer"))
+    assert error_kind(wrapped) == "reset"
+    assert error_kind(TimeoutError()) == "timeout"
+    assert error_kind(ValueError("x")) == "ValueError"
+
+
+def test_percentiles_keep_three_significant_digits_and_merge() -> None:
+    """HDR percentiles are within 0.1% and two encoded histograms merge to the sum."""
+    values = [float(v) for v in range(1, 1001)]
+    p = hdr.percentiles(hdr.histogram(values))
+    assert p["count"] == 1000
+    assert abs(p["p99"] - 990.0) <= 1.0  # type: ignore[operator]
+    merged = hdr.merge([hdr.encode(hdr.histogram(values))] * 2)
+    assert merged.get_total_count() == 2000
+
+
+def test_summary_counts_successes_only_and_leaves_warmup_out() -> None:
+    """Failed and warm-up requests do not enter the latency percentiles."""
+    records = [rec(10.0), rec(20.0), rec(5000.0, ok=False, status=503, error="http 503")]
+    records.append(rec(9000.0, warmup=True))
+    s = summarize(records, {}, {})
+    assert s["requests"] == 3
+    assert s["failed"] == 1
+    assert s["errors"] == {"http 503": 1}
+    assert s["latency_ms"]["count"] == 2
+    assert s["latency_ms"]["max"] < 21
+    assert s["warmup_requests"] == 1
+
+
+def test_validity_flags_late_sends_drops_and_busy_cpu() -> None:
+    """Each of the three generator problems makes the run invalid with its own reason."""
+    ok = [rec() for _ in range(100)]
+    assert validity(ok, {"local": [10.0] * 10})["valid"]
+    late = [rec(lateness_ms=LATE_MS * 2) for _ in range(5)] + ok
+    dropped = [rec(ok=False, error=DROPPED), *ok]
+    v_late = validity(late, {})
+    v_drop = validity(dropped, {})
+    v_cpu = validity(ok, {"worker0": [95.0] * 10})
+    assert not v_late["valid"] and "intended time" in v_late["reasons"][0]
+    assert not v_drop["valid"] and v_drop["dropped"] == 1
+    assert not v_cpu["valid"] and "worker0" in v_cpu["reasons"][0]
+
+
+def test_burst_lateness_is_not_judged() -> None:
+    """A burst's release spread is reported but does not invalidate the run."""
+    records = [rec(kind="burst", lateness_ms=50.0, burst_size=10) for _ in range(10)]
+    assert validity(records, {})["valid"]
+
+
+def test_bursts_report_makespan_per_repeat() -> None:
+    """The makespan of a burst is its slowest request, failures included."""
+    records = [rec(kind="burst", stage=0, burst_size=2, latency_ms=v) for v in (10.0, 30.0)]
+    records += [rec(kind="burst", stage=1, burst_size=2, latency_ms=v) for v in (12.0, 15.0)]
+    records.append(rec(kind="burst", stage=1, burst_size=2, latency_ms=99.0, ok=False, error="x"))
+    (row,) = summarize(records, {}, {})["bursts"]
+    assert row["size"] == 2 and row["repeats"] == 2
+    assert row["makespan_ms"] == [30.0, 99.0]
+
+
+def test_write_run_writes_summary_records_report_and_plots(tmp_path: Path) -> None:
+    """A run directory holds summary.json, one JSON line per record, report.md and its plots."""
+    records = [rec(10.0 + i, t=1000.0 + i / 10, stage=i // 20, rate=10.0 * (1 + i // 20))
+               for i in range(60)]  # fmt: skip
+    summary = write_run(tmp_path, records, {"title": "t"}, {"local": [5.0]})
+    assert (tmp_path / "summary.json").is_file()
+    assert len(list(read_jsonl(tmp_path / "records.jsonl"))) == 60
+    text = (tmp_path / "report.md").read_text()
+    for png in ("percentiles_vs_load.png", "percentiles_over_time.png", "latency_distribution.png"):
+        assert (tmp_path / png).stat().st_size > 0
+        assert png in text
+    assert len(summary["stages"]) == 3
