@@ -48,6 +48,8 @@ class Running:
     row: JobRow
     owner: tuple[str, str]
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    # Set by the pool once the remote command runs (its wrapper's marker line arrived).
+    started: asyncio.Event = field(default_factory=asyncio.Event)
     runner: asyncio.Task[None] | None = None
     command: asyncio.Task[CommandResult] | None = None
     cancel_reason: str | None = None
@@ -181,9 +183,19 @@ class JobService:
         job = Running(row=row, owner=owner)
         self._running[row.id] = job
         self.metrics.jobs_active.labels(row.host).inc()
-        job.runner = asyncio.create_task(
-            self._run(job, grant, command, stdin, timeout, rule.max_output), name=f"job-{row.id}"
+        # Both tasks exist before we answer, so a DELETE right after a 202 can always cancel.
+        job.command = asyncio.create_task(
+            self.pool.run(
+                grant.target,
+                command,
+                stdin=stdin,
+                timeout=timeout,
+                acquire_timeout=api.queue_timeout,
+                max_output=rule.max_output,
+                on_started=job.started.set,
+            )
         )
+        job.runner = asyncio.create_task(self._run(job, timeout), name=f"job-{row.id}")
         return row, False
 
     def _command(self, grant: Grant, body: JobRequest) -> str | list[str]:
@@ -223,17 +235,9 @@ class JobService:
 
     # ---- running
 
-    async def _run(
-        self,
-        job: Running,
-        grant: Grant,
-        command: str | list[str],
-        stdin: bytes | None,
-        timeout: float,
-        max_output: int,
-    ) -> None:
-        row = job.row
-        started = asyncio.Event()
+    async def _run(self, job: Running, timeout: float) -> None:
+        row, started = job.row, job.started
+        assert job.command is not None
 
         async def mark_running() -> None:
             await started.wait()
@@ -243,17 +247,6 @@ class JobService:
             )
 
         marker = asyncio.create_task(mark_running())
-        job.command = asyncio.create_task(
-            self.pool.run(
-                grant.target,
-                command,
-                stdin=stdin,
-                timeout=timeout,
-                acquire_timeout=self.config.api.queue_timeout,
-                max_output=max_output,
-                on_started=started.set,
-            )
-        )
         values: dict[str, Any]
         try:
             result = await job.command
@@ -321,7 +314,7 @@ class JobService:
             raise _already_finished(row)
         job = self._running.get(job_id)
         if job is None or job.command is None:
-            # Another replica runs it (or it is just being launched): we cannot reach its task.
+            # Another replica runs it: we cannot reach its task.
             raise Problem(
                 409,
                 "job-not-here",

@@ -155,6 +155,11 @@ argv = ["grep", "-c", "--", "{pattern}", "/dev/null"]
 type = "str"
 
 [[policy]]
+subject = "anyhost"
+hosts = ["*"]
+shell_hosts = ["*"]
+
+[[policy]]
 subject = "noshell"
 hosts = ["local"]
 

@@ -184,3 +184,13 @@ async def test_timeout_kills_the_command_and_reports_timed_out(
     job = r.json()
     assert (job["state"], job["stdout"]) == ("timed_out", "begun\n")
     await eventually(lambda: not tuned_host.processes(f"sleep {marker}"))
+
+
+async def test_cancel_right_after_a_202_cancels(api_any_store: Api) -> None:
+    """A DELETE sent as soon as the 202 arrives (job possibly still queued) cancels it."""
+    api = api_any_store
+    r = await api.submit({"host": "local", "command": "sleep 30"}, wait=0)
+    assert r.status_code == 202
+    d = await api.client.delete(f"{api.url}/v1/jobs/{r.json()['id']}", headers=api.auth())
+    assert d.status_code == 200, d.text
+    assert d.json()["state"] == "cancelled"

@@ -1,0 +1,612 @@
+"""Batch jobs on Slurm over the pool: submit, find by idempotency key, cancel, track, read output.
+
+Everything runs as the pool's account on a login host through ``Pool.run`` with argv (each element
+quoted by sshpool, never pasted into a shell line); the batch script goes in on stdin.
+
+No duplicates. Every submission carries ``--comment=sshapi-key:<sha256 of the key>`` (a digest, so
+a client's key never shows in other users' ``squeue``). A submission whose outcome is unknown (the
+connection dropped after sbatch started, or it timed out and was killed) is resolved by looking
+the comment up with ``squeue --me --states=all``: a job found is adopted; only when none turns up
+within ``settle`` seconds is sbatch run again, once. A keyed submission also looks first, so a
+request retried after the API died right after sbatch adopts the job instead of making a second.
+Without a key, a random one is used: unknown outcomes stay resolvable.
+
+Lookups use squeue, not sacct: without slurmdbd there is no sacct. slurmctld keeps finished jobs
+for ``MinJobAge`` seconds (default 300; the local Slurm uses 3600): keys older than that are
+forgotten, and a tracked job that vanishes from squeue is reported ``lost``.
+
+Tracking costs one ``squeue --jobs=<all tracked ids>`` per poll (state and reason), plus one
+command running ``scontrol show job`` for the jobs that just became final (exit codes: squeue does
+not show them). At most two SSH commands per poll, whatever the number of jobs.
+
+Output: sbatch gets ``--output``/``--error`` of ``sshapi-%j.out|err`` in the job's working
+directory (its ``workdir``, else the account's home, where SSH sessions start), overriding any
+``#SBATCH --output`` in the script, so the paths are known without asking Slurm.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import re
+import secrets
+import shlex
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from sshpool import CommandResult, CommandTimeout, ConnectionLost, Pool, SSHPoolError, Target
+
+log = logging.getLogger("sshapi.scheduler")
+
+ApiState = Literal[
+    "queued", "running", "succeeded", "failed", "timed_out", "cancelled", "lost", "error"
+]
+Stream = Literal["stdout", "stderr"]
+
+# Slurm's job states (base states, as squeue %T and scontrol JobState print them) onto the API's.
+# COMPLETING is still running: the final state is known once epilogs end. NODE_FAIL, OOM and
+# preemption are failures the job did not survive; BOOT_FAIL means it never started.
+STATE_MAP: dict[str, ApiState] = {
+    "PENDING": "queued",
+    "REQUEUED": "queued",
+    "REQUEUE_HOLD": "queued",
+    "REQUEUE_FED": "queued",
+    "RESV_DEL_HOLD": "queued",
+    "CONFIGURING": "queued",
+    "RUNNING": "running",
+    "COMPLETING": "running",
+    "SUSPENDED": "running",
+    "STOPPED": "running",
+    "SIGNALING": "running",
+    "STAGE_OUT": "running",
+    "RESIZING": "running",
+    "COMPLETED": "succeeded",
+    "FAILED": "failed",
+    "NODE_FAIL": "failed",
+    "OUT_OF_MEMORY": "failed",
+    "PREEMPTED": "failed",
+    "SPECIAL_EXIT": "failed",
+    "CANCELLED": "cancelled",
+    "REVOKED": "cancelled",
+    "TIMEOUT": "timed_out",
+    "DEADLINE": "timed_out",
+    "BOOT_FAIL": "error",
+}
+FINAL_STATES: frozenset[ApiState] = frozenset(
+    {"succeeded", "failed", "timed_out", "cancelled", "lost", "error"}
+)
+
+NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+ENV_NAME_RE = r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"
+# Variables that would change sbatch itself (its input environment variables, the program
+# looked up, the loader), not the job: set them in the script instead.
+ENV_RESERVED = re.compile(r"^(SLURM_|SBATCH_|SALLOC_|SRUN_|LD_)|^PATH$")
+JOB_ID_RE = re.compile(r"^\d+$")
+MAX_SCRIPT = 1 << 20
+MAX_READ = 16 << 20
+# squeue --jobs takes a comma list; keep one argument well below any ARG_MAX.
+IDS_PER_SQUEUE = 5000
+
+
+class SchedulerError(Exception):
+    """A scheduler command failed: ``argv``, exit status and stderr say how."""
+
+    def __init__(self, message: str, *, stderr: str = "", exit_status: int | None = None) -> None:
+        super().__init__(message)
+        self.stderr = stderr
+        self.exit_status = exit_status
+
+
+class SubmitRejected(SchedulerError):
+    """sbatch refused the submission (unknown partition, limits, bad script): nothing was
+    submitted. The API answers 4xx with the scheduler's message."""
+
+
+class SubmissionUnknown(SchedulerError):
+    """sbatch may or may not have run and the key lookup could not tell (the host is
+    unreachable). The job is ``lost`` until a later ``find_by_key`` settles it."""
+
+
+class BatchOptions(BaseModel):
+    """sbatch options the API accepts, each validated and passed as one argument."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str | None = Field(default=None, pattern=NAME_RE, description="Job name (--job-name).")
+    partition: str | None = Field(
+        default=None, pattern=NAME_RE, description="Partition; the cluster's default if unset."
+    )
+    time_limit: int | None = Field(
+        default=None,
+        ge=1,
+        le=365 * 86400,
+        description="Seconds (--time); Slurm rounds up to whole minutes.",
+    )
+    nodes: int | None = Field(default=None, ge=1, le=100_000, description="--nodes")
+    ntasks: int | None = Field(default=None, ge=1, le=10_000_000, description="--ntasks")
+    workdir: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=4096,
+        description="Absolute working directory (--chdir); output files go there.",
+    )
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        max_length=256,
+        description="Added to the job's environment (which is the login environment).",
+    )
+
+    @field_validator("workdir")
+    @classmethod
+    def _absolute(cls, value: str | None) -> str | None:
+        if value is not None:
+            if not value.startswith("/"):
+                raise ValueError("workdir must be an absolute path")
+            if any(ord(c) < 32 or c == "\x7f" for c in value):
+                raise ValueError("workdir cannot contain control characters")
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, value: dict[str, str]) -> dict[str, str]:
+        for key, item in value.items():
+            if not re.match(ENV_NAME_RE, key):
+                raise ValueError(f"env name {key!r}: use letters, digits and '_'")
+            if ENV_RESERVED.match(key):
+                raise ValueError(f"env name {key!r} is reserved (it would change sbatch itself)")
+            if "\0" in item or len(item) > 65536:
+                raise ValueError(f"env {key}: no NUL bytes, at most 64 KiB")
+        return value
+
+    def sbatch_args(self) -> list[str]:
+        """The options as sbatch arguments, one element each."""
+        args: list[str] = []
+        if self.name is not None:
+            args.append(f"--job-name={self.name}")
+        if self.partition is not None:
+            args.append(f"--partition={self.partition}")
+        if self.time_limit is not None:
+            minutes, seconds = divmod(self.time_limit, 60)
+            hours, minutes = divmod(minutes, 60)
+            args.append(f"--time={hours}:{minutes:02d}:{seconds:02d}")
+        if self.nodes is not None:
+            args.append(f"--nodes={self.nodes}")
+        if self.ntasks is not None:
+            args.append(f"--ntasks={self.ntasks}")
+        if self.workdir is not None:
+            args.append(f"--chdir={self.workdir}")
+        if self.env:
+            # Values travel in sbatch's environment (set by `env`), so commas and quotes in them
+            # are safe; --export names them on top of the login environment.
+            args.append("--export=ALL," + ",".join(sorted(self.env)))
+        return args
+
+    def output_path(self, job_id: str, stream: Stream) -> str:
+        """Where the job's stdout or stderr goes (relative paths: from the account's home)."""
+        name = f"sshapi-{job_id}.{'out' if stream == 'stdout' else 'err'}"
+        return name if self.workdir is None else f"{self.workdir.rstrip('/')}/{name}"
+
+
+def validate_script(script: str) -> None:
+    """sbatch needs an interpreter line; the size cap keeps stdin bounded."""
+    if not script.startswith("#!"):
+        raise ValueError("the script must start with '#!' and an interpreter, e.g. #!/bin/bash")
+    if "\0" in script:
+        raise ValueError("the script cannot contain NUL bytes")
+    if len(script.encode()) > MAX_SCRIPT:
+        raise ValueError(f"the script is larger than {MAX_SCRIPT} bytes")
+
+
+def key_comment(key: str) -> str:
+    """What --comment holds for an idempotency key."""
+    return "sshapi-key:" + hashlib.sha256(key.encode()).hexdigest()
+
+
+def _check_job_id(job_id: str) -> str:
+    if not JOB_ID_RE.match(job_id):
+        raise ValueError(f"not a Slurm job id: {job_id!r}")
+    return job_id
+
+
+@dataclass(frozen=True, slots=True)
+class Submitted:
+    """A batch job in the scheduler: its id, whether an earlier submission was adopted, and
+    where its output goes."""
+
+    job_id: str
+    adopted: bool
+    stdout_path: str
+    stderr_path: str
+
+
+@dataclass(frozen=True, slots=True)
+class JobStatus:
+    """A job's state as the API sees it, with the scheduler's own beside it."""
+
+    job_id: str
+    state: ApiState
+    scheduler_state: str | None  # e.g. "TIMEOUT"; None when the scheduler no longer knows it
+    reason: str | None = None  # squeue's reason (why pending, NonZeroExitCode...)
+    exit_code: int | None = None  # the batch script's exit status, once final
+    signal: int | None = None  # the signal that ended it, if any
+
+    @property
+    def final(self) -> bool:
+        return self.state in FINAL_STATES
+
+
+@dataclass(frozen=True, slots=True)
+class OutputChunk:
+    """A byte range of an output file: ``data`` starts at ``offset``; ``size`` is the file's
+    size when read (None: the file does not exist yet)."""
+
+    data: bytes
+    offset: int
+    size: int | None
+
+    @property
+    def next_offset(self) -> int:
+        return self.offset + len(self.data)
+
+
+def api_state(scheduler_state: str) -> ApiState:
+    """The API state of a Slurm state (flags such as ``+`` suffixes or ``CANCELLED by 0``
+    ignored). An unknown state is ``lost``: its outcome cannot be told."""
+    base = re.split(r"[ +]", scheduler_state.strip(), maxsplit=1)[0].upper()
+    return STATE_MAP.get(base, "lost")
+
+
+def parse_exit_code(text: str) -> tuple[int | None, int | None]:
+    """``ExitCode=3:0`` -> (3, None); ``0:9`` -> (0, 9)."""
+    match = re.fullmatch(r"(\d+):(\d+)", text.strip())
+    if match is None:
+        return None, None
+    code, sig = int(match.group(1)), int(match.group(2))
+    return code, sig or None
+
+
+class SlurmClient:
+    """Slurm's commands on one login host, over the pool.
+
+    ``commands`` counts the SSH commands this client ran (for tests and metrics)."""
+
+    def __init__(
+        self,
+        pool: Pool,
+        target: Target,
+        *,
+        timeout: float = 30.0,
+        acquire_timeout: float | None = 10.0,
+        settle: float = 5.0,
+    ) -> None:
+        self.pool = pool
+        self.target = target
+        self.timeout = timeout
+        self.acquire_timeout = acquire_timeout
+        # How long an unknown-outcome sbatch may still land: looked up that long before a retry.
+        self.settle = settle
+        self.commands = 0
+
+    async def _run(
+        self, argv: str | Sequence[str], *, stdin: bytes | None = None, max_output: int = 1 << 20
+    ) -> CommandResult:
+        self.commands += 1
+        return await self.pool.run(
+            self.target,
+            argv,
+            stdin=stdin,
+            timeout=self.timeout,
+            acquire_timeout=self.acquire_timeout,
+            max_output=max_output,
+        )
+
+    # ---- submit
+
+    async def submit(
+        self, script: str, options: BatchOptions, idempotency_key: str | None = None
+    ) -> Submitted:
+        """Submit ``script`` with ``options``; the scheduler's job id.
+
+        Raises ValueError (bad script), SubmitRejected (sbatch said no: nothing submitted),
+        SubmissionUnknown (cannot tell whether it was submitted) or a pool error raised before
+        sbatch started (nothing submitted)."""
+        validate_script(script)
+        key = idempotency_key if idempotency_key is not None else secrets.token_hex(16)
+        if idempotency_key is not None:
+            found = await self.find_by_key(key)
+            if found is not None:
+                return self._submitted(found, options, adopted=True)
+        argv = self._sbatch_argv(options, key)
+        for attempt in (1, 2):
+            try:
+                result = await self._run(argv, stdin=script.encode())
+            except (ConnectionLost, CommandTimeout) as exc:
+                if isinstance(exc, ConnectionLost) and not exc.started:
+                    raise  # the pool retried once already; sbatch never ran
+                log.warning("sbatch outcome unknown (%s): looking key up", exc)
+                found = await self._resolve(key)
+                if found is not None:
+                    return self._submitted(found, options, adopted=True)
+                if attempt == 2:
+                    raise SubmissionUnknown(
+                        "sbatch outcome unknown twice and no job carries the key"
+                    ) from exc
+                continue
+            return self._submitted(self._parse_sbatch(result), options, adopted=False)
+        raise AssertionError("unreachable")
+
+    def _sbatch_argv(self, options: BatchOptions, key: str) -> list[str]:
+        env = [f"{name}={value}" for name, value in sorted(options.env.items())]
+        return [
+            *(["env", *env] if env else []),
+            "sbatch",
+            "--parsable",
+            f"--comment={key_comment(key)}",
+            "--output=" + options.output_path("%j", "stdout"),
+            "--error=" + options.output_path("%j", "stderr"),
+            *options.sbatch_args(),
+        ]
+
+    @staticmethod
+    def _submitted(job_id: str, options: BatchOptions, *, adopted: bool) -> Submitted:
+        return Submitted(
+            job_id=job_id,
+            adopted=adopted,
+            stdout_path=options.output_path(job_id, "stdout"),
+            stderr_path=options.output_path(job_id, "stderr"),
+        )
+
+    @staticmethod
+    def _parse_sbatch(result: CommandResult) -> str:
+        stderr = result.stderr.decode(errors="replace").strip()
+        if result.exit_status != 0:
+            raise SubmitRejected(
+                f"sbatch refused the job: {stderr or 'exit status ' + str(result.exit_status)}",
+                stderr=stderr,
+                exit_status=result.exit_status,
+            )
+        # --parsable prints "id" or "id;cluster".
+        first = result.stdout.decode(errors="replace").strip().split(";")[0]
+        if not JOB_ID_RE.match(first):
+            raise SchedulerError(f"sbatch printed no job id: {first!r}", stderr=stderr)
+        return first
+
+    async def _resolve(self, key: str) -> str | None:
+        """Look the key up until ``settle`` seconds have passed (an sbatch cut off mid-RPC may
+        land late). Raises SubmissionUnknown when the host cannot be asked."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settle
+        delay = 0.25
+        while True:
+            try:
+                found = await self.find_by_key(key)
+            except (SSHPoolError, SchedulerError) as exc:
+                if loop.time() >= deadline:
+                    raise SubmissionUnknown(f"cannot look the key up: {exc}") from exc
+                found = None
+            if found is not None or loop.time() >= deadline:
+                return found
+            await asyncio.sleep(min(delay, max(0.0, deadline - loop.time())))
+            delay *= 2
+
+    async def find_by_key(self, key: str) -> str | None:
+        """The id of the account's job submitted with this idempotency key, if slurmctld still
+        knows it (pending, running or finished less than MinJobAge ago); the oldest if several."""
+        result = await self._run(
+            ["squeue", "--me", "--states=all", "--noheader", "--format=%i|%k"]
+        )
+        self._check(result, "squeue")
+        comment = key_comment(key)
+        ids = []
+        for line in result.stdout.decode(errors="replace").splitlines():
+            job_id, _, found = line.partition("|")
+            if found.strip() == comment and JOB_ID_RE.match(job_id.strip()):
+                ids.append(int(job_id))
+        if len(ids) > 1:
+            log.error("key %s matches several jobs: %s", comment, ids)
+        return str(min(ids)) if ids else None
+
+    # ---- cancel, states, output
+
+    async def cancel(self, job_id: str) -> None:
+        """scancel the job (pending: removed; running: its processes are signalled). Cancelling a
+        finished job does nothing; check states() first to tell the caller."""
+        result = await self._run(["scancel", _check_job_id(job_id)])
+        self._check(result, "scancel")
+
+    async def states(self, job_ids: Iterable[str]) -> dict[str, JobStatus]:
+        """The status of every job id, from one squeue call (one per IDS_PER_SQUEUE ids), plus
+        one call for the exit codes of those that are final. Jobs the scheduler no longer knows
+        are ``lost``."""
+        ids = sorted({_check_job_id(j) for j in job_ids}, key=int)
+        statuses: dict[str, JobStatus] = {}
+        for start in range(0, len(ids), IDS_PER_SQUEUE):
+            chunk = ids[start : start + IDS_PER_SQUEUE]
+            result = await self._run(
+                [
+                    "squeue",
+                    "--states=all",
+                    "--noheader",
+                    "--format=%i|%T|%r",
+                    "--jobs=" + ",".join(chunk),
+                ],
+                max_output=64 * len(chunk) + 4096,
+            )
+            stderr = result.stderr.decode(errors="replace")
+            # One unknown id alone makes squeue fail with this; several unknown ids print nothing.
+            if result.exit_status != 0 and "Invalid job id" not in stderr:
+                self._check(result, "squeue")
+            for line in result.stdout.decode(errors="replace").splitlines():
+                parts = line.split("|")
+                if len(parts) != 3 or parts[0] not in chunk:
+                    continue
+                job_id, slurm_state, reason = (p.strip() for p in parts)
+                statuses[job_id] = JobStatus(
+                    job_id, api_state(slurm_state), slurm_state, None if reason == "None" else reason
+                )
+        final = [s.job_id for s in statuses.values() if s.final]
+        if final:
+            codes = await self._exit_codes(final)
+            for job_id, (code, sig) in codes.items():
+                old = statuses[job_id]
+                statuses[job_id] = JobStatus(
+                    job_id, old.state, old.scheduler_state, old.reason, code, sig
+                )
+        for job_id in ids:
+            statuses.setdefault(job_id, JobStatus(job_id, "lost", None, "unknown to squeue"))
+        return statuses
+
+    async def _exit_codes(self, job_ids: Sequence[str]) -> dict[str, tuple[int | None, int | None]]:
+        """Exit codes from ``scontrol show job`` (squeue has none): one SSH command for all,
+        a shell loop over ids that are digits only."""
+        loop = "for j in " + " ".join(shlex.quote(j) for j in job_ids)
+        loop += '; do scontrol --oneliner show job "$j"; done'
+        result = await self._run(loop, max_output=4096 * len(job_ids) + 4096)
+        codes: dict[str, tuple[int | None, int | None]] = {}
+        for line in result.stdout.decode(errors="replace").splitlines():
+            job = re.search(r"\bJobId=(\d+)", line)
+            code = re.search(r"\bExitCode=(\S+)", line)
+            if job is not None and code is not None:
+                codes[job.group(1)] = parse_exit_code(code.group(1))
+        return codes
+
+    async def read_output(self, path: str, offset: int = 0, limit: int = 1 << 20) -> OutputChunk:
+        """Bytes ``[offset, offset+limit)`` of an output file (a Submitted path), and its size."""
+        if offset < 0 or not 0 < limit <= MAX_READ:
+            raise ValueError(f"offset must be >= 0 and limit in 1..{MAX_READ}")
+        if not path or "\0" in path or "\n" in path:
+            raise ValueError("bad output path")
+        quoted = shlex.quote(path if path.startswith("/") else "./" + path)
+        # The size on the first line, then the range; tail seeks on regular files.
+        line = (
+            f"stat -c %s -- {quoted} || exit 3; "
+            f"tail -c +{offset + 1} -- {quoted} | head -c {limit}"
+        )
+        result = await self._run(line, max_output=limit + 64)
+        if result.exit_status == 3:
+            return OutputChunk(b"", offset, None)
+        self._check(result, "reading output")
+        size_line, _, data = result.stdout.partition(b"\n")
+        return OutputChunk(data, offset, int(size_line))
+
+    @staticmethod
+    def _check(result: CommandResult, what: str) -> None:
+        if result.exit_status != 0:
+            stderr = result.stderr.decode(errors="replace").strip()
+            raise SchedulerError(
+                f"{what} failed ({result.exit_status}): {stderr}",
+                stderr=stderr,
+                exit_status=result.exit_status,
+            )
+
+
+OnChange = Callable[[JobStatus], Awaitable[None] | None]
+
+
+class Tracker:
+    """Follows the jobs of one host with one ``states()`` call per interval.
+
+    The interval starts at ``interval``, doubles (up to ``max_interval``) after a poll where
+    nothing changed and drops back when something changes or a job is added. Final jobs are
+    reported once and dropped. ``commands`` counts the SSH commands its polls ran."""
+
+    def __init__(
+        self,
+        client: SlurmClient,
+        *,
+        interval: float = 1.0,
+        max_interval: float = 30.0,
+        on_change: OnChange | None = None,
+    ) -> None:
+        self.client = client
+        self.min_interval = interval
+        self.max_interval = max_interval
+        self.interval = interval
+        self.on_change = on_change
+        self.commands = 0
+        self.polls = 0
+        self._last: dict[str, JobStatus | None] = {}
+        self._final: dict[str, JobStatus] = {}
+        self._waiters: dict[str, list[asyncio.Future[JobStatus]]] = {}
+        self._wake = asyncio.Event()
+
+    @property
+    def tracked(self) -> list[str]:
+        return list(self._last)
+
+    def track(self, job_id: str) -> None:
+        _check_job_id(job_id)
+        if job_id not in self._last and job_id not in self._final:
+            self._last[job_id] = None
+            self.interval = self.min_interval
+            self._wake.set()
+
+    def status(self, job_id: str) -> JobStatus | None:
+        return self._final.get(job_id) or self._last.get(job_id)
+
+    async def wait(self, job_id: str, timeout: float | None = None) -> JobStatus:
+        """Track ``job_id`` and return its final status."""
+        self.track(job_id)
+        if job_id in self._final:
+            return self._final[job_id]
+        future: asyncio.Future[JobStatus] = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(job_id, []).append(future)
+        async with asyncio.timeout(timeout):
+            return await future
+
+    async def poll(self) -> list[JobStatus]:
+        """One poll of every tracked job; the statuses that changed."""
+        ids = list(self._last)
+        if not ids:
+            return []
+        before = self.client.commands
+        try:
+            current = await self.client.states(ids)
+        finally:
+            self.commands += self.client.commands - before
+            self.polls += 1
+        changed = []
+        for job_id, status in current.items():
+            if job_id not in self._last or self._last[job_id] == status:
+                continue
+            changed.append(status)
+            if status.final:
+                del self._last[job_id]
+                self._final[job_id] = status
+                for future in self._waiters.pop(job_id, []):
+                    if not future.done():
+                        future.set_result(status)
+            else:
+                self._last[job_id] = status
+        for status in changed:
+            if self.on_change is not None:
+                outcome = self.on_change(status)
+                if outcome is not None:
+                    await outcome
+        self.interval = (
+            self.min_interval if changed else min(self.interval * 2, self.max_interval)
+        )
+        return changed
+
+    async def run(self) -> None:
+        """Poll until cancelled; idle (no SSH at all) while nothing is tracked. A failed poll is
+        logged and retried at the next interval."""
+        while True:
+            if not self._last:
+                self._wake.clear()
+                await self._wake.wait()
+            try:
+                await self.poll()
+            except (SSHPoolError, SchedulerError) as exc:
+                log.warning("polling %d jobs failed: %s", len(self._last), exc)
+                self.interval = min(self.interval * 2, self.max_interval)
+            self._wake.clear()
+            try:
+                async with asyncio.timeout(self.interval):
+                    await self._wake.wait()
+            except TimeoutError:
+                pass

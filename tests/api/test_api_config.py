@@ -1,0 +1,72 @@
+"""Configuration checks that fail at start, not at request time; template rendering."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from api.config import Config, TemplateConfig
+from api.policy import render
+from api.problems import Problem
+
+ISSUER = {"issuer": "i", "audience": "a"}
+HOST = {"hostname": "h", "username": "u", "client_keys": ["k"], "known_hosts": "kh"}
+
+
+def config(**over: Any) -> Config:
+    return Config.model_validate({"issuers": [ISSUER], **over})
+
+
+def test_root_login_needs_allow_root() -> None:
+    """A host or policy account mapping to root is refused unless allow_root is set."""
+    with pytest.raises(ValidationError, match="allow_root"):
+        config(hosts={"h": {**HOST, "username": "root"}})
+    with pytest.raises(ValidationError, match="allow_root"):
+        config(
+            hosts={"h": HOST},
+            policy=[{"accounts": {"h": {"username": "root", "client_keys": ["k"]}}}],
+        )
+    config(hosts={"h": {**HOST, "username": "root", "allow_root": True}})
+
+
+def test_algorithm_none_and_unknown_algorithms_are_refused() -> None:
+    """`none` (or any unknown name) in an issuer's algorithm list fails validation."""
+    for algs in (["none"], ["HS256", "foo"]):
+        with pytest.raises(ValidationError):
+            config(issuers=[{**ISSUER, "algorithms": algs}])
+
+
+def test_asymmetric_issuer_needs_keys() -> None:
+    """RS256 without PEM keys or a JWKS URL is a configuration error."""
+    with pytest.raises(ValidationError, match="keys or JWKS"):
+        config(issuers=[{**ISSUER, "algorithms": ["RS256"]}])
+
+
+def test_unknown_keys_are_refused() -> None:
+    """A typo in the file fails the start instead of being ignored."""
+    with pytest.raises(ValidationError):
+        config(api={"wait_defualt": 3})
+
+
+def test_template_placeholders_must_be_declared_and_not_the_program() -> None:
+    """Every {name} needs a params entry; argv[0] cannot be a parameter."""
+    with pytest.raises(ValidationError, match="params"):
+        TemplateConfig(argv=["echo", "{x}"])
+    with pytest.raises(ValidationError, match="program"):
+        TemplateConfig.model_validate({"argv": ["{x}"], "params": {"x": {}}})
+
+
+def test_render_keeps_optional_params_out_and_embeds_values() -> None:
+    """An optional param left out drops its element; embedded placeholders are substituted."""
+    t = TemplateConfig.model_validate(
+        {
+            "argv": ["squeue", "--user={user}", "{state}"],
+            "params": {"user": {}, "state": {"required": False, "choices": ["R", "PD"]}},
+        }
+    )
+    assert render("t", t, {"user": "alice"}) == ["squeue", "--user=alice"]
+    assert render("t", t, {"user": "-x", "state": "R"}) == ["squeue", "--user=-x", "R"]
+    with pytest.raises(Problem):
+        render("t", t, {"user": "alice", "state": "X"})

@@ -1,0 +1,80 @@
+"""The job store on SQLite and PostgreSQL: ordering, idempotency keys, lost-at-start."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from sqlalchemy.exc import IntegrityError
+
+from api.store import JobRow, Store, new_id, utcnow
+
+
+def job(**over: Any) -> JobRow:
+    values: dict[str, Any] = {
+        "id": new_id(),
+        "owner_iss": "iss",
+        "owner_sub": "alice",
+        "replica": "r1",
+        "host": "local",
+        "target": "u@h:22",
+        "argv": ["true"],
+        "timeout": 10.0,
+        "state": "queued",
+        "created_at": utcnow(),
+        "timings": {},
+    }
+    values.update(over)
+    return JobRow(**values)
+
+
+async def test_ids_sort_by_creation_time() -> None:
+    """UUIDv7 ids made later sort after earlier ones (the list order and the cursor rely on it)."""
+    ids = []
+    for _ in range(5):
+        ids.append(new_id())
+        await asyncio.sleep(0.002)
+    assert ids == sorted(ids)
+    assert all(i[14] == "7" for i in ids)  # version nibble
+
+
+async def test_round_trip_keeps_bytes_and_json(store: Store) -> None:
+    """Output bytes (even invalid UTF-8) and JSON columns come back as stored."""
+    row = await store.insert(job(stdout=b"\xff\x00ok", stderr=b"", timings={"exec": 1.5}))
+    back = await store.get(row.id)
+    assert back is not None
+    assert (back.stdout, back.timings, back.argv) == (b"\xff\x00ok", {"exec": 1.5}, ["true"])
+
+
+async def test_idempotency_key_is_unique_per_owner(store: Store) -> None:
+    """The same key twice for one owner violates the constraint; for another owner it does not."""
+    await store.insert(job(idempotency_key="k"))
+    await store.insert(job(idempotency_key="k", owner_sub="bob"))
+    with pytest.raises(IntegrityError):
+        await store.insert(job(idempotency_key="k"))
+    found = await store.by_key("iss", "bob", "k")
+    assert found is not None and found.owner_sub == "bob"
+
+
+async def test_mark_lost_touches_only_this_replicas_active_jobs(store: Store) -> None:
+    """Start-up marks this replica's queued/running jobs lost, not finished ones, not others'."""
+    mine_running = await store.insert(job(state="running"))
+    mine_queued = await store.insert(job(state="queued"))
+    mine_done = await store.insert(job(state="succeeded"))
+    theirs = await store.insert(job(state="running", replica="r2"))
+    assert await store.mark_lost("r1") == 2
+    states = {
+        r.id: r.state
+        for r in await store.list_jobs(owner=None, state=None, host=None, limit=10, before=None)
+    }
+    assert states[mine_running.id] == states[mine_queued.id] == "lost"
+    assert (states[mine_done.id], states[theirs.id]) == ("succeeded", "running")
+
+
+async def test_update_only_active_never_overwrites_a_final_state(store: Store) -> None:
+    """A late `running` write after `cancelled` changes nothing."""
+    row = await store.insert(job(state="cancelled"))
+    assert await store.update(row.id, only_active=True, state="running") is False
+    back = await store.get(row.id)
+    assert back is not None and back.state == "cancelled"
