@@ -396,9 +396,7 @@ class SlurmClient:
     async def find_by_key(self, key: str) -> str | None:
         """The id of the account's job submitted with this idempotency key, if slurmctld still
         knows it (pending, running or finished less than MinJobAge ago); the oldest if several."""
-        result = await self._run(
-            ["squeue", "--me", "--states=all", "--noheader", "--format=%i|%k"]
-        )
+        result = await self._run(["squeue", "--me", "--states=all", "--noheader", "--format=%i|%k"])
         self._check(result, "squeue")
         comment = key_comment(key)
         ids = []
@@ -446,7 +444,10 @@ class SlurmClient:
                     continue
                 job_id, slurm_state, reason = (p.strip() for p in parts)
                 statuses[job_id] = JobStatus(
-                    job_id, api_state(slurm_state), slurm_state, None if reason == "None" else reason
+                    job_id,
+                    api_state(slurm_state),
+                    slurm_state,
+                    None if reason == "None" else reason,
                 )
         final = [s.job_id for s in statuses.values() if s.final]
         if final:
@@ -483,8 +484,7 @@ class SlurmClient:
         quoted = shlex.quote(path if path.startswith("/") else "./" + path)
         # The size on the first line, then the range; tail seeks on regular files.
         line = (
-            f"stat -c %s -- {quoted} || exit 3; "
-            f"tail -c +{offset + 1} -- {quoted} | head -c {limit}"
+            f"stat -c %s -- {quoted} || exit 3; tail -c +{offset + 1} -- {quoted} | head -c {limit}"
         )
         result = await self._run(line, max_output=limit + 64)
         if result.exit_status == 3:
@@ -530,7 +530,6 @@ class Tracker:
         self.commands = 0
         self.polls = 0
         self._last: dict[str, JobStatus | None] = {}
-        self._final: dict[str, JobStatus] = {}
         self._waiters: dict[str, list[asyncio.Future[JobStatus]]] = {}
         self._wake = asyncio.Event()
 
@@ -540,19 +539,19 @@ class Tracker:
 
     def track(self, job_id: str) -> None:
         _check_job_id(job_id)
-        if job_id not in self._last and job_id not in self._final:
+        if job_id not in self._last:
             self._last[job_id] = None
             self.interval = self.min_interval
             self._wake.set()
 
     def status(self, job_id: str) -> JobStatus | None:
-        return self._final.get(job_id) or self._last.get(job_id)
+        """The last status seen of a tracked job (None before its first poll)."""
+        return self._last.get(job_id)
 
     async def wait(self, job_id: str, timeout: float | None = None) -> JobStatus:
-        """Track ``job_id`` and return its final status."""
+        """Track ``job_id`` until final and return that status (a job already final is
+        reported by the next poll)."""
         self.track(job_id)
-        if job_id in self._final:
-            return self._final[job_id]
         future: asyncio.Future[JobStatus] = asyncio.get_running_loop().create_future()
         self._waiters.setdefault(job_id, []).append(future)
         async with asyncio.timeout(timeout):
@@ -576,7 +575,6 @@ class Tracker:
             changed.append(status)
             if status.final:
                 del self._last[job_id]
-                self._final[job_id] = status
                 for future in self._waiters.pop(job_id, []):
                     if not future.done():
                         future.set_result(status)
@@ -587,9 +585,7 @@ class Tracker:
                 outcome = self.on_change(status)
                 if outcome is not None:
                     await outcome
-        self.interval = (
-            self.min_interval if changed else min(self.interval * 2, self.max_interval)
-        )
+        self.interval = self.min_interval if changed else min(self.interval * 2, self.max_interval)
         return changed
 
     async def run(self) -> None:

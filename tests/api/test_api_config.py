@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
-from api.config import Config, TemplateConfig
+from api.config import Config, TemplateConfig, load_config
 from api.policy import render
 from api.problems import Problem
 
@@ -70,3 +71,16 @@ def test_render_keeps_optional_params_out_and_embeds_values() -> None:
     assert render("t", t, {"user": "-x", "state": "R"}) == ["squeue", "--user=-x", "R"]
     with pytest.raises(Problem):
         render("t", t, {"user": "alice", "state": "X"})
+
+
+def test_example_configuration_loads() -> None:
+    """api/sshapi.example.toml (quoted in the README) is a valid configuration."""
+    config = load_config(Path(__file__).parents[2] / "api" / "sshapi.example.toml")
+    assert list(config.hosts) == ["login1"]
+    assert config.policy[0].accounts["login1"].username == "alice"
+    assert render("squeue_me", config.templates["squeue_me"], {}) == [
+        "squeue",
+        "--me",
+        "--states=PENDING,RUNNING",
+        "--format=%i %j %T %M",
+    ]
