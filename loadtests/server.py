@@ -131,10 +131,12 @@ def main(argv: list[str]) -> None:
 
     spec = json.loads(Path(argv[0]).read_text())
     data = spec["config"]
+    for host in data["hosts"].values():
+        host["limits"].pop("reuse", None)  # not a key of the API's limits table
     config = Config.model_validate(data)
     if spec["pool_mode"] == "per-request":
         hosts = {
-            name: h.model_copy(update={"limits": PerRequestLimits(**data["hosts"][name]["limits"])})
+            name: h.model_copy(update={"limits": PerRequestLimits(**h.limits.model_dump())})
             for name, h in config.hosts.items()
         }
         config = config.model_copy(update={"hosts": hosts})
