@@ -30,6 +30,8 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-# The whole suite: lint, then every test (SSH, API, fault and slow ones included).
+# The whole suite: lint, then every test (SSH, API, fault and slow ones included). Each run gets
+# its own temp dir: pytest prunes /tmp/pytest-of-$USER to 3 runs, which would delete the sshd
+# files of a run still going.
 test: $(STAMP) sshd lint
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest --basetemp="$$(mktemp -d /tmp/sshapi-tests.XXXXXX)"
