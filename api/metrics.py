@@ -59,8 +59,8 @@ class Metrics:
         )
         self.latency = Histogram(
             "sshapi_http_request_duration_seconds",
-            "HTTP request latency by route template",
-            ["method", "route"],
+            "HTTP request latency by route template and status",
+            ["method", "route", "status"],
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )

@@ -75,7 +75,8 @@ class RequestContext:
             template = getattr(route, "path_format", None) or getattr(route, "path", "unmatched")
             method = scope["method"]
             self.metrics.requests.labels(method, template, str(status)).inc()
-            self.metrics.latency.labels(method, template).observe(time.perf_counter() - start)
+            elapsed = time.perf_counter() - start
+            self.metrics.latency.labels(method, template, str(status)).observe(elapsed)
 
 
 def _too_large(limit: int) -> Problem:

@@ -19,9 +19,9 @@ Tracking costs one ``squeue --jobs=<all tracked ids>`` per poll (state and reaso
 command running ``scontrol show job`` for the jobs that just became final (exit codes: squeue does
 not show them). At most two SSH commands per poll, whatever the number of jobs.
 
-Output: sbatch gets ``--output``/``--error`` of ``sshapi-%j.out|err`` in the job's working
-directory (its ``workdir``, else the account's home, where SSH sessions start), overriding any
-``#SBATCH --output`` in the script, so the paths are known without asking Slurm.
+Output: sbatch gets ``--output``/``--error`` of ``sshapi-%j-<key digest>.out|err`` in the job's
+working directory (its ``workdir``, else the account's home, where SSH sessions start),
+overriding any ``#SBATCH --output`` in the script, so the paths are known without asking Slurm.
 """
 
 from __future__ import annotations
@@ -185,9 +185,14 @@ class BatchOptions(BaseModel):
             args.append("--export=ALL," + ",".join(sorted(self.env)))
         return args
 
-    def output_path(self, job_id: str, stream: Stream) -> str:
-        """Where the job's stdout or stderr goes (relative paths: from the account's home)."""
-        name = f"sshapi-{job_id}.{'out' if stream == 'stdout' else 'err'}"
+    def output_path(self, job_id: str, key: str, stream: Stream) -> str:
+        """Where the job's stdout or stderr goes (relative paths: from the account's home).
+
+        The name holds the key's digest as well as the job id: job ids repeat across clusters
+        and after a controller loses its state, and a new job must never append to (or be read
+        as) an old job's file. A job adopted by key gets the same paths back."""
+        tag = key_digest(key)[:12]
+        name = f"sshapi-{job_id}-{tag}.{'out' if stream == 'stdout' else 'err'}"
         return name if self.workdir is None else f"{self.workdir.rstrip('/')}/{name}"
 
 
@@ -201,9 +206,13 @@ def validate_script(script: str) -> None:
         raise ValueError(f"the script is larger than {MAX_SCRIPT} bytes")
 
 
+def key_digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
 def key_comment(key: str) -> str:
     """What --comment holds for an idempotency key."""
-    return "sshapi-key:" + hashlib.sha256(key.encode()).hexdigest()
+    return "sshapi-key:" + key_digest(key)
 
 
 def _check_job_id(job_id: str) -> str:
@@ -319,7 +328,7 @@ class SlurmClient:
         if idempotency_key is not None:
             found = await self.find_by_key(key)
             if found is not None:
-                return self._submitted(found, options, adopted=True)
+                return self._submitted(found, options, key, adopted=True)
         argv = self._sbatch_argv(options, key)
         for attempt in (1, 2):
             try:
@@ -330,13 +339,13 @@ class SlurmClient:
                 log.warning("sbatch outcome unknown (%s): looking key up", exc)
                 found = await self._resolve(key)
                 if found is not None:
-                    return self._submitted(found, options, adopted=True)
+                    return self._submitted(found, options, key, adopted=True)
                 if attempt == 2:
                     raise SubmissionUnknown(
                         "sbatch outcome unknown twice and no job carries the key"
                     ) from exc
                 continue
-            return self._submitted(self._parse_sbatch(result), options, adopted=False)
+            return self._submitted(self._parse_sbatch(result), options, key, adopted=False)
         raise AssertionError("unreachable")
 
     def _sbatch_argv(self, options: BatchOptions, key: str) -> list[str]:
@@ -346,18 +355,18 @@ class SlurmClient:
             "sbatch",
             "--parsable",
             f"--comment={key_comment(key)}",
-            "--output=" + options.output_path("%j", "stdout"),
-            "--error=" + options.output_path("%j", "stderr"),
+            "--output=" + options.output_path("%j", key, "stdout"),
+            "--error=" + options.output_path("%j", key, "stderr"),
             *options.sbatch_args(),
         ]
 
     @staticmethod
-    def _submitted(job_id: str, options: BatchOptions, *, adopted: bool) -> Submitted:
+    def _submitted(job_id: str, options: BatchOptions, key: str, *, adopted: bool) -> Submitted:
         return Submitted(
             job_id=job_id,
             adopted=adopted,
-            stdout_path=options.output_path(job_id, "stdout"),
-            stderr_path=options.output_path(job_id, "stderr"),
+            stdout_path=options.output_path(job_id, key, "stdout"),
+            stderr_path=options.output_path(job_id, key, "stderr"),
         )
 
     @staticmethod

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from api_helpers import Api, eventually
@@ -194,3 +195,16 @@ async def test_cancel_right_after_a_202_cancels(api_any_store: Api) -> None:
     d = await api.client.delete(f"{api.url}/v1/jobs/{r.json()['id']}", headers=api.auth())
     assert d.status_code == 200, d.text
     assert d.json()["state"] == "cancelled"
+
+
+async def test_concurrent_requests_with_one_idempotency_key_make_one_job(
+    api_any_store: Api,
+) -> None:
+    """Five simultaneous submissions with the same key and body: one job, five equal answers."""
+    api = api_any_store
+    body = {"host": "local", "argv": ["echo", "once"]}
+    answers = await asyncio.gather(*(api.submit(body, key="race") for _ in range(5)))
+    assert {r.status_code for r in answers} == {201}
+    assert len({r.json()["id"] for r in answers}) == 1
+    listed = await api.client.get(f"{api.url}/v1/jobs", headers=api.auth())
+    assert len(listed.json()["items"]) == 1
