@@ -27,6 +27,7 @@ from api.routes_ops import router as ops_router
 from api.settings import Settings
 from api.store import Store
 from sshpool import Pool, SSHPoolError
+from sshpool.local_host import LocalHost
 
 log = logging.getLogger("sshapi")
 
@@ -44,18 +45,15 @@ Output is decoded as UTF-8 with invalid bytes replaced by U+FFFD.
 LOCAL_LIMITS = LimitsConfig(max_connections=4, min_connections=1, max_sessions=12, max_handshakes=8)
 
 
-def local_host_config(data_dir: Path, *, started: object = None) -> HostConfig | None:
+def local_host_config(data_dir: Path, *, started: LocalHost | None = None) -> HostConfig | None:
     """The `local` host of the data dir as configuration: from a started LocalHost, or from the
     files `sshapi dev` left (its remembered port); None when it was never set up."""
-    from sshpool.local_host import LocalHost
-
     host = started
     if host is None:
         port_file = data_dir / "hosts" / "local" / "port"
         if not port_file.exists():
             return None
         host = LocalHost("local", "tuned", data_dir=data_dir, port=int(port_file.read_text()))
-    assert isinstance(host, LocalHost)
     return HostConfig(
         hostname=host.address,
         port=host.port,

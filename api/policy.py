@@ -108,41 +108,33 @@ class RateLimiter:
             del self._buckets[k]
 
 
+def _invalid(detail: str) -> Problem:
+    return Problem(422, "invalid-param", "Invalid template parameter", detail)
+
+
 def _check(name: str, spec: ParamSpec, value: Any) -> str:
     """Validate one parameter value and render it as one argv string."""
-    bad = Problem(422, "invalid-param", "Invalid template parameter", None)
     if spec.type == "bool":
         if not isinstance(value, bool):
-            bad.detail = f"{name}: expected true or false"
-            raise bad
+            raise _invalid(f"{name}: expected true or false")
         return "true" if value else "false"
     if spec.type in ("int", "float"):
         ok = isinstance(value, int) if spec.type == "int" else isinstance(value, int | float)
-        if (
-            not ok
-            or isinstance(value, bool)
-            or (isinstance(value, float) and not math.isfinite(value))
-        ):
-            bad.detail = f"{name}: expected {spec.type}"
-            raise bad
-        if (spec.min is not None and value < spec.min) or (
-            spec.max is not None and value > spec.max
-        ):
-            bad.detail = f"{name}: must be between {spec.min} and {spec.max}"
-            raise bad
+        finite = not isinstance(value, float) or math.isfinite(value)
+        if not ok or isinstance(value, bool) or not finite:
+            raise _invalid(f"{name}: expected {spec.type}")
+        low, high = spec.min, spec.max
+        if (low is not None and value < low) or (high is not None and value > high):
+            raise _invalid(f"{name}: must be between {low} and {high}")
         return str(value)
     if not isinstance(value, str):
-        bad.detail = f"{name}: expected a string"
-        raise bad
+        raise _invalid(f"{name}: expected a string")
     if "\0" in value or len(value) > spec.max_length:
-        bad.detail = f"{name}: NUL byte or longer than {spec.max_length}"
-        raise bad
+        raise _invalid(f"{name}: NUL byte or longer than {spec.max_length}")
     if spec.choices is not None and value not in spec.choices:
-        bad.detail = f"{name}: one of {spec.choices}"
-        raise bad
+        raise _invalid(f"{name}: one of {spec.choices}")
     if spec.pattern is not None and not re.fullmatch(spec.pattern, value):
-        bad.detail = f"{name}: does not match {spec.pattern!r}"
-        raise bad
+        raise _invalid(f"{name}: does not match {spec.pattern!r}")
     return value
 
 
@@ -173,12 +165,7 @@ def render(name: str, template: TemplateConfig, params: dict[str, Any]) -> list[
         if lead and not after_dashdash:
             pname = lead.group(1)
             if values[pname].startswith("-") and not template.params[pname].allow_leading_dash:
-                raise Problem(
-                    422,
-                    "invalid-param",
-                    "Invalid template parameter",
-                    f"{pname}: may not start with '-' (it would be read as an option)",
-                )
+                raise _invalid(f"{pname}: may not start with '-' (it would be read as an option)")
         argv.append(PLACEHOLDER.sub(lambda m: values[m.group(1)], element))
         after_dashdash = after_dashdash or element == "--"
     return argv

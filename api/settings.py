@@ -1,7 +1,5 @@
-"""Process settings: `SSHAPI_*` environment variables (and a `.env`-free world: nothing is read
-from files here except the TOML configuration that `config.py` loads and the generated local
-secret). Hosts, identities and policy live in the TOML file; this class holds what differs per
-process or deployment."""
+"""Process settings from `SSHAPI_*` environment variables: what differs per process or
+deployment. Hosts, issuers and policy live in the TOML file that `config.py` loads."""
 
 from __future__ import annotations
 
