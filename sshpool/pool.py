@@ -19,6 +19,7 @@ import contextlib
 import copy
 import logging
 import random
+import time
 from collections import Counter, deque
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
@@ -188,7 +189,7 @@ class _HostPool:
 
     async def _connect(self) -> SSHPoolError | None:
         """Open one connection (the caller counted it in `connecting`); returns the error."""
-        start = self.loop.time()
+        start = time.perf_counter()
         try:
             try:
                 conn = await self.backend.connect(self.target)
@@ -219,7 +220,7 @@ class _HostPool:
         self.connecting -= 1
         self.counters["connects"] += 1
         self.breaker.success()
-        self.conns.append(_Conn(conn, self.limits.max_sessions, now, now - start))
+        self.conns.append(_Conn(conn, self.limits.max_sessions, now, time.perf_counter() - start))
         self._dispatch()
         return None
 
@@ -368,20 +369,21 @@ class Pool:
         line = wrap(command if isinstance(command, str) else command_line(command))
         host = self._host(target)
         loop = host.loop
-        t0 = loop.time()
-        deadline = None if acquire_timeout is None else t0 + acquire_timeout
+        # Stage timings use perf_counter: uvloop's loop.time() only ticks in milliseconds.
+        t0 = time.perf_counter()
+        deadline = None if acquire_timeout is None else loop.time() + acquire_timeout
         lost_retried = False
         refusals = 0
         started_at: list[float] = []
 
         def started() -> None:
-            started_at.append(loop.time())
+            started_at.append(time.perf_counter())
             if on_started is not None:
                 on_started()
 
         while True:
             c = await host.acquire(deadline)
-            t_leased = loop.time()
+            t_leased = time.perf_counter()
             timings = {"queue": t_leased - t0, "connect": 0.0}
             if c.leases == 0:
                 # This lease waited for the connection to be made: account that to connect.
@@ -414,7 +416,9 @@ class Pool:
             except TimeoutError:
                 host.counters["timeouts_command"] += 1
                 await self._kill(host, c, out.pgid)
-                result = self._result(None, out, err, timings, t_leased, started_at, loop.time())
+                result = self._result(
+                    None, out, err, timings, t_leased, started_at, time.perf_counter()
+                )
                 raise CommandTimeout(f"command ran past its {timeout} s timeout", result) from None
             except asyncio.CancelledError:
                 host.counters["cancelled"] += 1
@@ -430,7 +434,7 @@ class Pool:
                 c.clean_opens = 0
             host.counters["commands"] += 1
             host._release(c)
-            return self._result(end, out, err, timings, t_leased, started_at, loop.time())
+            return self._result(end, out, err, timings, t_leased, started_at, time.perf_counter())
 
     @staticmethod
     def _result(
