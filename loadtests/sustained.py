@@ -15,6 +15,7 @@ rate; latency counts from the actual send, as in Locust. Warm-up stages are left
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Any
 
@@ -28,6 +29,7 @@ from loadtests.harness import Harness, add_common_arguments
 from loadtests.schedule import PROFILES, Stage, arrivals, scaled, share, stage_at, total_duration
 
 HARNESS = Harness("sustained")
+REQUESTS = itertools.count()  # closed model: round-robin over the token subjects
 DRAIN_GRACE = 10.0  # seconds past the schedule and the request timeout before stopping anyway
 
 
@@ -119,7 +121,6 @@ class ClosedUser(User):
 
     def on_start(self) -> None:
         self.client = HARNESS.client()
-        self.n = 0
         self.started = time.perf_counter()
 
     def wait_time(self) -> float:
@@ -138,9 +139,8 @@ class ClosedUser(User):
         if n is None:
             return
         tokens = HARNESS.tokens()
-        self.n += 1
         self.started = time.perf_counter()
-        outcome = self.client.post(tokens[(id(self) + self.n) % len(tokens)])
+        outcome = self.client.post(tokens[next(REQUESTS) % len(tokens)])
         stage = stages[n]
         HARNESS.record(
             "closed", t, outcome.service_ms, 0.0, outcome, n, stage.warmup, stage.rate,
