@@ -30,6 +30,8 @@ it private to loopback:
   ``squeue --states=all`` / ``scontrol show job`` for ``MinJobAge`` seconds (set to an hour here;
   Slurm's default is 300).
 * ``KillWait=2``: a job past its time limit gets SIGKILL 2 s after SIGTERM, not 30 s.
+* ``SchedulerParameters=batch_sched_delay=0``: when jobs end, waiting ones start at the next
+  second, not up to 3 s later (100 short jobs on 16 CPUs: 18 s -> 6 s).
 
 Clients find the configuration through ``SLURM_CONF``; the local sshd sets it for every session
 (``sshd_overrides()``, sshd's ``SetEnv``), as ``/etc/slurm/slurm.conf`` does on a real login host.
@@ -164,12 +166,13 @@ def _signal_all(pids: Sequence[int], sig: signal.Signals) -> None:
 
 
 def _make_traversable(path: Path) -> None:
-    """Add o+x to ``path`` and its ancestors where missing: job accounts must reach slurm.conf
-    and munged's socket (pytest's /tmp/pytest-of-root is mode 700)."""
+    """Add search (x, never read) permission for everyone to ``path`` and its ancestors: job
+    accounts must reach slurm.conf and munged's socket (pytest's /tmp/pytest-of-root is mode
+    700), and munged refuses a socket below any directory without x for user, group and other."""
     for directory in [path, *path.parents]:
         mode = stat.S_IMODE(directory.stat().st_mode)
-        if not mode & stat.S_IXOTH:
-            os.chmod(directory, mode | stat.S_IXOTH)
+        if mode & 0o111 != 0o111:
+            os.chmod(directory, mode | 0o111)
 
 
 # Instances started by this process and not yet stopped: stopped at interpreter exit, so no
@@ -280,6 +283,7 @@ class LocalSlurm:
             "MpiDefault=none",
             "SwitchType=switch/none",
             "SchedulerType=sched/backfill",
+            "SchedulerParameters=batch_sched_delay=0",
             "SelectType=select/cons_tres",
             "SelectTypeParameters=CR_CPU",
             "SlurmdParameters=config_overrides",
@@ -311,6 +315,7 @@ class LocalSlurm:
         os.chmod(self.conf_path, 0o644)
         self._prepare_munge()
         _make_traversable(self.dir / "etc")
+        _make_traversable(self.munge_socket.parent)
 
     def _prepare_munge(self) -> None:
         """Our own key (made once), in a directory munged owns: munged refuses a key or socket
@@ -598,13 +603,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         install_packages()
         print("slurm and munge are installed")
         return 0
-    with LocalSlurm(args.name, data_dir=args.data_dir, cpus=args.cpus) as slurm:
-        print(f"{slurm!r}; export SLURM_CONF={slurm.conf_path}", flush=True)
-        with contextlib.suppress(KeyboardInterrupt):
-            signal.sigwait({signal.SIGINT, signal.SIGTERM})
+    # SIGTERM stops it like Ctrl-C. (Not by blocking signals and sigwait: the daemons would
+    # inherit the blocked mask and ignore our SIGTERM at stop.)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    cluster = LocalSlurm(args.name, data_dir=args.data_dir, cpus=args.cpus)
+    with contextlib.suppress(KeyboardInterrupt), cluster:
+        print(f"{cluster!r}; export SLURM_CONF={cluster.conf_path}", flush=True)
+        while True:
+            signal.pause()
     return 0
 
 
 if __name__ == "__main__":
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     raise SystemExit(main())
