@@ -15,7 +15,7 @@ from fastapi import FastAPI
 
 from api import problems
 from api.auth import Authenticator
-from api.config import Config, HostConfig, LimitsConfig, default_config, load_config
+from api.config import Config, HostConfig, default_config, load_config
 from api.deps import Services
 from api.jobs import JobService
 from api.metrics import Metrics
@@ -26,7 +26,7 @@ from api.routes_jobs import router as jobs_router
 from api.routes_ops import router as ops_router
 from api.settings import Settings
 from api.store import Store
-from sshpool import Pool, SSHPoolError
+from sshpool import Limits, Pool, SSHPoolError
 from sshpool.local_host import LocalHost
 
 log = logging.getLogger("sshapi")
@@ -42,7 +42,7 @@ Output is decoded as UTF-8 with invalid bytes replaced by U+FFFD.
 
 # The local host runs sshd_config.tuned (MaxSessions 16, MaxStartups 30:30:100): 12 channels per
 # connection leave room for the kill channel and for session slots sshd frees late.
-LOCAL_LIMITS = LimitsConfig(max_connections=4, min_connections=1, max_sessions=12, max_handshakes=8)
+LOCAL_LIMITS = Limits(max_connections=4, min_connections=1, max_sessions=12, max_handshakes=8)
 
 
 def local_host_config(data_dir: Path, *, started: LocalHost | None = None) -> HostConfig | None:

@@ -39,7 +39,7 @@ def serve() -> None:
     _serve(Settings())
 
 
-def _token(settings: Settings, config: Config, sub: str, scopes: list[str], ttl: float) -> str:
+def local_token(settings: Settings, config: Config, sub: str, scopes: list[str], ttl: float) -> str:
     issuer = next((i for i in config.issuers if "HS256" in i.algorithms), None)
     if issuer is None:
         raise typer.BadParameter("no HS256 issuer in the configuration: tokens come from your IdP")
@@ -59,7 +59,7 @@ def token(
 ) -> None:
     """Mint an HS256 token the local server accepts (same data dir secret and configuration)."""
     settings = Settings()
-    typer.echo(_token(settings, resolve_config(settings), sub, scope.split(), ttl))
+    typer.echo(local_token(settings, resolve_config(settings), sub, scope.split(), ttl))
 
 
 @hosts_app.command("check")
@@ -110,7 +110,7 @@ def dev(
     host.start()
     try:
         config = default_config(local_host_config(settings.data_dir, started=host))
-        tok = _token(settings, config, sub, ["jobs:read", "jobs:write"], 24 * 3600.0)
+        tok = local_token(settings, config, sub, ["jobs:read", "jobs:write"], 24 * 3600.0)
         body = '{"host": "local", "argv": ["echo", "hello from the local HPC host"]}'
         base = f"http://127.0.0.1:{port}"
         typer.echo(

@@ -79,25 +79,6 @@ class IssuerConfig(Strict):
         return bool(set(self.algorithms) & SYMMETRIC)
 
 
-class LimitsConfig(Strict):
-    max_connections: int = 4
-    min_connections: int = 0
-    max_sessions: int = 8
-    max_handshakes: int = 4
-    max_waiters: int = 1000
-    connect_timeout: float = 10.0
-    keepalive_interval: float = 15.0
-    keepalive_count_max: int = 3
-    idle_timeout: float = 300.0
-    max_lifetime: float = 3600.0
-    breaker_threshold: int = 3
-    breaker_backoff: float = 1.0
-    breaker_backoff_max: float = 30.0
-
-    def limits(self) -> Limits:
-        return Limits(**self.model_dump())
-
-
 class Account(Strict):
     """The remote account a policy maps an identity to on one host."""
 
@@ -115,7 +96,8 @@ class HostConfig(Strict):
     # Mapping anyone to root is refused unless the operator says so here.
     allow_root: bool = False
     description: str = ""
-    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    # sshpool's own Limits, validated by pydantic: unknown keys and bad values are refused.
+    limits: Limits = Field(default_factory=Limits)
 
     def target(self, account: Account | None = None) -> Target:
         username = account.username if account else self.username
@@ -126,7 +108,7 @@ class HostConfig(Strict):
             username=username,
             client_keys=tuple(keys),
             known_hosts=self.known_hosts,
-            limits=self.limits.limits(),
+            limits=self.limits,
         )
 
 

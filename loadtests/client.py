@@ -24,13 +24,15 @@ def tokens(subjects: int, ttl: float = 24 * 3600.0) -> list[str]:
     if given:
         return [given]
     from api.app import resolve_config
-    from api.cli import _token
+    from api.cli import local_token
     from api.settings import Settings
 
     settings = Settings()
     config = resolve_config(settings)
     scopes = ["jobs:read", "jobs:write"]
-    return [_token(settings, config, f"{SUBJECT_PREFIX}{n}", scopes, ttl) for n in range(subjects)]
+    return [
+        local_token(settings, config, f"{SUBJECT_PREFIX}{n}", scopes, ttl) for n in range(subjects)
+    ]
 
 
 @dataclass(frozen=True, slots=True)

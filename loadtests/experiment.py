@@ -16,6 +16,7 @@ cell merge the HdrHistograms of its repeats.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -85,7 +86,7 @@ def run_cell(cell: Cell, repeat: int, host: Any, args: argparse.Namespace) -> di
     work = args.out / "api" / f"{len(list((args.out / 'api').glob('*'))):03d}"
     lim = limits(cell.pool_mode, cell.sshd)
     meta = {**asdict(cell), "sshd_profile": cell.sshd, "repeat": repeat,
-            "pool_limits": lim.model_dump(), "sshd_port": host.port}  # fmt: skip
+            "pool_limits": dataclasses.asdict(lim), "sshd_port": host.port}  # fmt: skip
     proc, url = start_api(
         host, backend=cell.backend, pool_mode=cell.pool_mode, data_dir=work, log=work / "api.log"
     )

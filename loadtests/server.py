@@ -3,13 +3,13 @@ the experiment, served by the API's own `create_app` in a child process.
 
     python -m loadtests.server spec.json    # what start_api runs
 
-The configuration is built here rather than in a TOML file because the per-request-connection
-mode needs `Limits(reuse=False)`, which the API's `[hosts.*.limits]` table cannot express yet;
-`PerRequestLimits` carries it through the API's own config classes.
+The per-request-connection mode is `[hosts.*.limits] reuse = false` with one session per
+connection: the API's own configuration expresses it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -20,30 +20,25 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from api.config import LOCAL_AUDIENCE, LOCAL_ISSUER, Config, LimitsConfig
+from api.config import LOCAL_AUDIENCE, LOCAL_ISSUER, Config
+from sshpool import Limits
 
 POOL_MODES = ("pooled", "per-request")
 READY_TIMEOUT = 30.0
 
 
-class PerRequestLimits(LimitsConfig):
-    """The paper-era design: a new SSH connection per command, closed after it."""
-
-    reuse: bool = False
-
-
-def limits(mode: str, sshd_profile: str) -> LimitsConfig:
+def limits(mode: str, sshd_profile: str) -> Limits:
     """Pool limits per pool mode. `pooled` uses what the API uses for that sshd: the embedded
     host's limits for `tuned` (MaxSessions 16, MaxStartups 30:30:100), the pool's defaults for
     `stock`. `per-request` opens up to 64 connections at once, one command each, as the old
     design did (stock MaxStartups 10:30:100 starts refusing them at 10)."""
     if mode == "per-request":
-        return PerRequestLimits(max_connections=64, max_sessions=1, max_handshakes=64)
+        return Limits(max_connections=64, max_sessions=1, max_handshakes=64, reuse=False)
     if mode != "pooled":
         raise ValueError(f"pool mode {mode!r} is not one of {POOL_MODES}")
     from api.app import LOCAL_LIMITS
 
-    return LOCAL_LIMITS if sshd_profile == "tuned" else LimitsConfig()
+    return LOCAL_LIMITS if sshd_profile == "tuned" else Limits()
 
 
 def config_data(host: dict[str, Any]) -> dict[str, Any]:
@@ -82,7 +77,7 @@ def start_api(
         "username": local_host.username,
         "client_keys": [local_host.client_key],
         "known_hosts": local_host.known_hosts,
-        "limits": lim.model_dump(),
+        "limits": dataclasses.asdict(lim),
     }
     data_dir.mkdir(parents=True, exist_ok=True)
     spec = data_dir / "api-spec.json"
@@ -130,17 +125,7 @@ def main(argv: list[str]) -> None:
     from api.settings import Settings
 
     spec = json.loads(Path(argv[0]).read_text())
-    data = spec["config"]
-    for host in data["hosts"].values():
-        host["limits"].pop("reuse", None)  # not a key of the API's limits table
-    config = Config.model_validate(data)
-    if spec["pool_mode"] == "per-request":
-        hosts = {
-            name: h.model_copy(update={"limits": PerRequestLimits(**h.limits.model_dump())})
-            for name, h in config.hosts.items()
-        }
-        config = config.model_copy(update={"hosts": hosts})
-    _serve(Settings(), config)
+    _serve(Settings(), Config.model_validate(spec["config"]))
 
 
 if __name__ == "__main__":
