@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed-stamp
 # root installs OS packages directly; anyone else through sudo.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: run test lint sshd
+.PHONY: run test lint sshd slurm
 
 # Create or refresh .venv whenever pyproject.toml changes.
 $(STAMP): pyproject.toml
@@ -21,6 +21,10 @@ sshd:
 	  $(SUDO) apt-get update -q && \
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q openssh-server; }
 
+# The batch-job tests run a real single-node Slurm (munge, slurmctld, slurmd) from the OS packages.
+slurm: $(STAMP)
+	$(VENV)/bin/python -m sshpool.local_slurm install
+
 # Start the local HPC host (sshd on loopback, `tuned` profile) and the API on 127.0.0.1:8000.
 run: $(STAMP) sshd
 	$(VENV)/bin/sshapi dev
@@ -33,5 +37,5 @@ lint: $(STAMP)
 # The whole suite: lint, then every test (SSH, API, fault and slow ones included). Each run gets
 # its own temp dir: pytest prunes /tmp/pytest-of-$USER to 3 runs, which would delete the sshd
 # files of a run still going.
-test: $(STAMP) sshd lint
+test: $(STAMP) sshd slurm lint
 	$(VENV)/bin/pytest --basetemp="$$(mktemp -d /tmp/sshapi-tests.XXXXXX)"
