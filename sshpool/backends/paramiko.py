@@ -25,6 +25,7 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
@@ -222,7 +223,7 @@ class _Relay:
             capture.feed(data)
 
 
-def _send_signal(chan: Any, name: str) -> None:
+def _signal_message(chan: Any, name: str) -> Any:
     """The SSH "signal" channel request, which paramiko has no method for."""
     m = paramiko.Message()
     m.add_byte(cMSG_CHANNEL_REQUEST)
@@ -230,7 +231,27 @@ def _send_signal(chan: Any, name: str) -> None:
     m.add_string("signal")
     m.add_boolean(False)
     m.add_string(name)
-    chan.transport._send_user_message(m)
+    return m
+
+
+def _send_while_open(chan: Any, message: Callable[[], Any]) -> None:
+    """Send message() about `chan` unless the channel is closed, holding its lock while sending.
+
+    paramiko answers the remote CLOSE with its own, from the transport thread. A message of ours
+    sent after that reaches sshd for a channel it has freed, and sshd drops the whole connection
+    ("ieof packet referred to nonexistent channel"): paramiko's shutdown_write releases the lock
+    before sending, hence this. The lock is not taken while a key exchange is on, which needs
+    the transport thread (that may want the lock) to finish.
+    """
+    transport = chan.transport
+    while not transport.clear_to_send.is_set() and transport.is_active():
+        transport.clear_to_send.wait(POLL)
+    with chan.lock:
+        if chan.closed:
+            return
+        m = message()
+        if m is not None:
+            transport._send_user_message(m)
 
 
 def _retrieve(fut: asyncio.Future[Any]) -> None:
@@ -308,11 +329,16 @@ class ParamikoConnection:
             # MaxSessions: "open failed" (code 2) on OpenSSH 9, code 1 on older sshd.
             raise ChannelRefused(f"channel refused: {exc.text} (code {exc.code})") from exc
         except (paramiko.SSHException, EOFError, OSError) as exc:
+            if self.is_alive():
+                # paramiko keeps one saved exception per transport: when two opens fail at once,
+                # the second sees a bare SSHException instead of its ChannelException.
+                raise ChannelRefused(f"channel refused: {exc}") from exc
             raise ConnectionLost(f"cannot open a channel: {exc}", started=False) from exc
         try:
             return self._run(chan, command, stdin, stdout, stderr, relay, cancel)
         finally:
-            chan.close()
+            with contextlib.suppress(paramiko.SSHException, EOFError, OSError):
+                chan.close()
 
     def _run(
         self,
@@ -330,43 +356,60 @@ class ParamikoConnection:
             if self._transport.is_active():
                 raise ChannelRefused(f"exec request refused: {exc}") from exc
             raise ConnectionLost(f"connection lost at exec: {exc}", started=True) from exc
-        pending = memoryview(stdin or b"")
-        if not pending:
-            chan.shutdown_write()
-        ready = chan.fileno()  # readable whenever stdout or stderr has data, or on close
         try:
-            while True:
-                busy = False
-                while chan.recv_ready():
-                    busy = relay.put(stdout, chan.recv(CHUNK))
-                while chan.recv_stderr_ready():
-                    busy = relay.put(stderr, chan.recv_stderr(CHUNK))
-                if pending and chan.send_ready():
-                    sent = chan.send(pending[:CHUNK])
-                    pending = pending[sent:]
-                    if not pending:
-                        chan.shutdown_write()
-                    busy = True
-                if chan.exit_status_ready() and (chan.eof_received or chan.closed):
-                    if chan.recv_ready() or chan.recv_stderr_ready():
-                        continue
-                    break
-                if cancel.is_set():
-                    # Best effort: sshd delivers it to the login shell only; the pool kills the
-                    # process group.
-                    _send_signal(chan, "TERM")
-                    raise ConnectionLost("cancelled", started=True)
-                if not self.is_alive():
-                    raise ConnectionLost("connection lost while running", started=True)
-                if busy:
-                    continue
-                if chan.eof_received:
-                    # The readiness pipe stays readable after EOF: wait for the exit status.
-                    chan.status_event.wait(POLL)
-                else:
-                    select.select([ready], [], [], POLL_STDIN if pending else POLL)
+            return self._pump(chan, stdin, stdout, stderr, relay, cancel)
         except (paramiko.SSHException, EOFError, OSError) as exc:
             raise ConnectionLost(f"connection lost while running: {exc}", started=True) from exc
+
+    def _pump(
+        self,
+        chan: Any,
+        stdin: bytes | None,
+        stdout: Capture,
+        stderr: Capture,
+        relay: _Relay,
+        cancel: threading.Event,
+    ) -> Exit:
+        """Write stdin then EOF while reading stdout and stderr, until the exit status."""
+        pending = memoryview(stdin or b"")
+        if not pending:
+            _send_while_open(chan, chan._send_eof)
+        ready = chan.fileno()  # readable whenever stdout or stderr has data, or on close
+        while True:
+            busy = False
+            while chan.recv_ready():
+                busy = relay.put(stdout, chan.recv(CHUNK))
+            while chan.recv_stderr_ready():
+                busy = relay.put(stderr, chan.recv_stderr(CHUNK))
+            if pending and chan.send_ready():
+                try:
+                    pending = pending[chan.send(pending[:CHUNK]) :]
+                except OSError:
+                    if not chan.closed:
+                        raise
+                    pending = pending[:0]  # the command ended without reading all its stdin
+                else:
+                    if not pending:
+                        _send_while_open(chan, chan._send_eof)
+                busy = True
+            if chan.exit_status_ready() and (chan.eof_received or chan.closed):
+                if chan.recv_ready() or chan.recv_stderr_ready():
+                    continue
+                break
+            if cancel.is_set():
+                # Best effort: sshd delivers it to the login shell only; the pool kills the
+                # process group.
+                _send_while_open(chan, lambda: _signal_message(chan, "TERM"))
+                raise ConnectionLost("cancelled", started=True)
+            if not self.is_alive():
+                raise ConnectionLost("connection lost while running", started=True)
+            if busy:
+                continue
+            if chan.eof_received:
+                # The readiness pipe stays readable after EOF: wait for the exit status.
+                chan.status_event.wait(POLL)
+            else:
+                select.select([ready], [], [], POLL_STDIN if pending else POLL)
         signal = getattr(chan, "sshpool_exit_signal", None)
         if signal is not None:
             return Exit(status=-1, signal=signal)

@@ -76,8 +76,15 @@ FALLBACK = 0.05
 # send TERM and CLOSE before the connection is given up as stuck.
 FINISH_TIMEOUT = 5.0
 
-# Errors about one channel; every other libssh2 error means the transport is broken.
+# Errors about one channel, and a refused key: every other libssh2 error means the transport
+# is broken.
 _CHANNEL_ERRORS = (ssh2_errors.ChannelError, ssh2_errors.ChannelWindowFullError)
+_KEY_ERRORS = (
+    ssh2_errors.AuthenticationError,
+    ssh2_errors.KeyfileAuthFailedError,
+    ssh2_errors.FileError,
+    ssh2_errors.PublicKeyError,
+)
 
 
 def _eagain(result: object) -> bool:
@@ -206,13 +213,13 @@ class Ssh2Connection:
 
     def _attempt(self, fn: Callable[..., T], *args: Any, pending: _Pending | None = None) -> T:
         """One non-blocking libssh2 call. Raises ConnectionLost(started=False) once the transport
-        is down (callers fix `started`), and libssh2's channel errors as they are."""
+        is down (callers fix `started`), and libssh2's channel and key errors as they are."""
         if self._failure is not None:
             raise ConnectionLost(self._failure, started=False)
         had_input = self._input_waiting()
         try:
             result = fn(*args)
-        except _CHANNEL_ERRORS:
+        except (*_CHANNEL_ERRORS, *_KEY_ERRORS):
             self._wake()
             raise
         except ssh2_errors.SSH2Error as exc:
@@ -227,6 +234,8 @@ class Ssh2Connection:
             pending.note(fn, args, again and self._blocked_outbound())
         if not again and not had_input:
             self._wake()
+        # A reader that fired was disarmed (level-triggered): watch again for the next input.
+        self._watch()
         return result
 
     def _blocked_outbound(self) -> bool:
@@ -303,7 +312,8 @@ class Ssh2Connection:
 
     async def _keepalive(self) -> None:
         while self._failure is None:
-            await asyncio.sleep(self._interval)
+            # Half the interval: a probe goes out at most 1.5 intervals into a silence.
+            await asyncio.sleep(self._interval / 2)
             silent = time.monotonic() - self._last_recv
             if silent > self._dead_after:
                 self._shutdown(f"no answer from the host for {silent:.1f} s")
@@ -318,9 +328,15 @@ class Ssh2Connection:
             return
         self._probing = True
         try:
-            chan = await self._call(self._session.open_session)
+            try:
+                chan = await self._call(self._session.open_session)
+            except _CHANNEL_ERRORS:
+                self._last_recv = time.monotonic()  # refused: an answer all the same
+                return
+            # The answer may have been read within the call, unseen by the socket watch.
+            self._last_recv = time.monotonic()
             await self._call(chan.close)
-        except (ConnectionLost, *_CHANNEL_ERRORS):
+        except ConnectionLost:
             pass
         finally:
             self._probing = False
@@ -351,6 +367,9 @@ class Ssh2Connection:
                 raise ChannelRefused(f"exec request refused: {_error_text(exc)}") from exc
             await self._drain(chan, stdin, stdout, stderr, pending)
             await self._call(chan.close, pending=pending)
+            # libssh2's close returns after reading any packet: wait for sshd's CLOSE, which
+            # comes after the exit status.
+            await self._call(chan.wait_closed, pending=pending)
         except asyncio.CancelledError:
             self._spawn(self._finish(chan, pending, started))
             raise
@@ -509,7 +528,7 @@ async def _authenticate(conn: Ssh2Connection, session: Any, target: Target) -> N
             await conn._call(session.userauth_publickey_fromfile, target.username, path)
         except ConnectionLost as exc:
             raise ConnectError(f"{target}: connection lost during authentication") from exc
-        except ssh2_errors.SSH2Error as exc:
+        except _KEY_ERRORS as exc:
             refused.append(f"{path}: {_error_text(exc)}")
             continue
         return
