@@ -201,6 +201,10 @@ class Ssh2Connection:
         self._writing = False
         self._probing = False
         self._started = False
+        # libssh2 opens one channel at a time per session (the open's state is the session's),
+        # and whoever calls when the answer is in gets the channel: without a FIFO lock some
+        # callers lose that race again and again.
+        self._opening = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._last_recv = time.monotonic()
         self._interval = limits.keepalive_interval
@@ -329,7 +333,8 @@ class Ssh2Connection:
         self._probing = True
         try:
             try:
-                chan = await self._call(self._session.open_session)
+                async with self._opening:
+                    chan = await self._call(self._session.open_session)
             except _CHANNEL_ERRORS:
                 self._last_recv = time.monotonic()  # refused: an answer all the same
                 return
@@ -356,7 +361,8 @@ class Ssh2Connection:
         started = False
         try:
             try:
-                chan = await self._call(self._session.open_session, pending=pending)
+                async with self._opening:
+                    chan = await self._call(self._session.open_session, pending=pending)
             except ssh2_errors.ChannelFailure as exc:
                 # MaxSessions: sshd answers the open with a failure ("open failed", code 2).
                 raise ChannelRefused(f"channel refused: {_error_text(exc)}") from exc
