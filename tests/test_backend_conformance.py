@@ -9,9 +9,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -95,6 +97,16 @@ def sessions(host: LocalHost) -> list[psutil.Process]:
     return psutil.Process(host.pid).children(recursive=True)
 
 
+@pytest.mark.parametrize("name", ["paramiko", "ssh2"])
+def test_missing_library_names_the_extra(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Choosing a backend whose library is not installed says which extra to install."""
+    # For both, the backend, the library's import name and the extra share one name.
+    monkeypatch.setitem(sys.modules, name, None)  # makes `import <name>` fail
+    monkeypatch.delitem(sys.modules, f"sshpool.backends.{name}", raising=False)
+    with pytest.raises(ImportError, match=re.escape(f"pip install 'sshapi[{name}]'")):
+        load_backend(name)
+
+
 # ---- commands
 
 
@@ -126,6 +138,12 @@ async def test_stdin_is_written_then_closed(conn: Connection) -> None:
     end, out, _ = await run(conn, "cat; echo done >&2", stdin=data, cap=4 * MB)
     assert end == Exit(status=0)
     assert out.getvalue() == data
+
+
+async def test_command_that_stops_reading_stdin_still_returns(conn: Connection) -> None:
+    """A command that exits after reading 3 bytes of a 4 MB stdin returns normally."""
+    end, out, _ = await run(conn, "head -c 3", stdin=b"abc" + bytes(4 * MB))
+    assert (end, out.getvalue()) == (Exit(status=0), b"abc")
 
 
 async def test_no_stdin_means_eof_at_once(conn: Connection) -> None:
@@ -212,14 +230,16 @@ async def test_channels_past_maxsessions_are_refused(conn: Connection) -> None:
 async def test_cancel_signals_the_shell_and_frees_the_exec(
     conn: Connection, stock_host: LocalHost
 ) -> None:
-    """Cancelling exec returns at once, the TERM request ends the login shell, and the
-    connection keeps working."""
+    """Cancelling exec (in the middle of writing 4 MB of stdin the command does not read)
+    returns at once, the TERM request ends the login shell, and the connection keeps working."""
     word = marker()
     running = asyncio.Event()
     out = Capture(MB, marker=True, on_start=running.set)
-    task = asyncio.create_task(conn.exec(wrap(f"sleep 30; : {word}"), None, out, Capture(MB)))
+    stdin = bytes(4 * MB)
+    task = asyncio.create_task(conn.exec(wrap(f"sleep 30; : {word}"), stdin, out, Capture(MB)))
     await asyncio.wait_for(running.wait(), 10)
     assert out.pgid is not None
+    await asyncio.sleep(0.2)  # let the stdin writes fill the channel window
     started = time.monotonic()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -383,11 +403,15 @@ async def test_silent_server_is_a_connect_timeout(
 
 
 async def test_close_is_idempotent_and_ends_liveness(conn: Connection) -> None:
-    """close() twice is fine, and afterwards is_alive() is false."""
+    """close() twice is fine; afterwards is_alive() is false and exec raises
+    ConnectionLost(started=False)."""
     assert conn.is_alive()
     await conn.close()
     await conn.close()
     assert not conn.is_alive()
+    with pytest.raises(ConnectionLost) as info:
+        await run(conn, "true")
+    assert not info.value.started
 
 
 async def test_listener_restart_keeps_established_connections(

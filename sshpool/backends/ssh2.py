@@ -404,6 +404,9 @@ class Ssh2Connection:
                         break
                     capture.feed(chunk)
                     busy = True
+            if chan.eof():  # remote EOF, and nothing left queued for this channel
+                await self._flush_pending(pending)
+                return
             if sent < len(data):
                 # After EAGAIN the same offset must be offered again (see _Pending).
                 _, written = self._attempt(chan.write, data[sent : sent + CHUNK], pending=pending)
@@ -412,8 +415,6 @@ class Ssh2Connection:
             elif not eof_sent:
                 eof_sent = not _eagain(self._attempt(chan.send_eof, pending=pending))
                 busy = busy or eof_sent
-            if chan.eof():  # remote EOF, and nothing left queued for this channel
-                return
             if busy:
                 await asyncio.sleep(0)  # let the other channels have a turn
             else:
@@ -425,10 +426,8 @@ class Ssh2Connection:
         this does not wait for that."""
         try:
             async with asyncio.timeout(FINISH_TIMEOUT):
-                for fn, args in list(pending.calls.values()):
-                    result = await self._call(fn, *args)
-                    if chan is None and not isinstance(result, int):
-                        chan = result  # the channel open we were waiting for
+                # A channel open in flight is not ours to close: the next open returns it.
+                await self._flush_pending(pending)
                 if chan is None:
                     return
                 if started:
@@ -445,6 +444,13 @@ class Ssh2Connection:
         """Call until the request is sent, without waiting for an answer."""
         while _eagain(self._attempt(fn, *args)) and self._blocked_outbound():
             await self._wait()
+
+    async def _flush_pending(self, pending: _Pending) -> None:
+        """Repeat the calls that may have left a packet half sent until it is out: until then
+        no other packet can be sent on the session."""
+        for fn, args in list(pending.calls.values()):
+            await self._flush(fn, *args)
+        pending.calls.clear()
 
     # ---- closing
 
