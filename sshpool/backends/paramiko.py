@@ -13,6 +13,8 @@ What paramiko does not do and this module adds:
   asyncssh does.
 - exit-signal: paramiko drops it; we keep the signal name.
 - The SSH signal request on cancel.
+- No EOF or signal request after paramiko's automatic answer to sshd's CLOSE: sshd drops the
+  whole connection for a message about a channel it has freed.
 
 Every paramiko and socket error is translated into sshpool.errors in this module.
 """
@@ -45,7 +47,7 @@ from sshpool.target import Limits, Target
 try:
     import paramiko
     from paramiko.common import MSG_CHANNEL_REQUEST, cMSG_CHANNEL_REQUEST, cMSG_GLOBAL_REQUEST
-except ImportError as exc:  # pragma: no cover - depends on the installed extras
+except ImportError as exc:
     raise ImportError(
         "the paramiko SSH backend needs paramiko: pip install 'sshapi[paramiko]'"
     ) from exc

@@ -12,8 +12,8 @@ What makes this subtle, and how it is handled:
   So a call that found input waiting in the kernel wakes every waiter, and every waiter also
   wakes at least each FALLBACK seconds.
 - Only one packet can be half sent: a call that returned EAGAIN after starting to send must be
-  repeated until it finishes, or the session's output is stuck. When an exec is cancelled with
-  such a call in flight, a background task finishes it before sending TERM and closing.
+  repeated until it finishes, or the session's output is stuck. When an exec fails or is
+  cancelled with such a call in flight, a background task finishes it before closing.
 - libssh2 cannot read without a channel: an idle connection is probed (a session channel opened
   and closed) when input arrives (sshd's own keepalives, a disconnect) and after
   keepalive_interval of silence. The answer proves the peer alive; none for
@@ -62,7 +62,7 @@ try:
         LIBSSH2_SESSION_BLOCK_OUTBOUND,
         Session,
     )
-except ImportError as exc:  # pragma: no cover - depends on the installed extras
+except ImportError as exc:
     raise ImportError("the ssh2 SSH backend needs ssh2-python: pip install 'sshapi[ssh2]'") from exc
 
 T = TypeVar("T")
@@ -224,6 +224,9 @@ class Ssh2Connection:
         try:
             result = fn(*args)
         except (*_CHANNEL_ERRORS, *_KEY_ERRORS):
+            # An answer came back: nothing of this call is left half sent.
+            if pending is not None:
+                pending.note(fn, args, False)
             self._wake()
             raise
         except ssh2_errors.SSH2Error as exc:
@@ -376,13 +379,17 @@ class Ssh2Connection:
             # libssh2's close returns after reading any packet: wait for sshd's CLOSE, which
             # comes after the exit status.
             await self._call(chan.wait_closed, pending=pending)
-        except asyncio.CancelledError:
-            self._spawn(self._finish(chan, pending, started))
+        except BaseException as exc:
+            # Refused, lost or cancelled: finish what libssh2 half sent and close the channel
+            # in the background; a cancelled command also gets the TERM request.
+            cancelled = isinstance(exc, asyncio.CancelledError)
+            self._spawn(self._finish(chan, pending, terminate=started and cancelled))
+            if isinstance(exc, ConnectionLost):
+                raise ConnectionLost(str(exc), started=started) from exc
+            if isinstance(exc, _CHANNEL_ERRORS):
+                message = f"channel failed: {_error_text(exc)}"
+                raise ConnectionLost(message, started=started) from exc
             raise
-        except ConnectionLost as exc:
-            raise ConnectionLost(str(exc), started=started) from exc
-        except _CHANNEL_ERRORS as exc:
-            raise ConnectionLost(f"channel failed: {_error_text(exc)}", started=started) from exc
         _, signal, _, _ = chan.get_exit_signal()
         if signal:
             return Exit(status=-1, signal=signal.decode(errors="replace"))
@@ -420,17 +427,17 @@ class Ssh2Connection:
             else:
                 await self._wait()
 
-    async def _finish(self, chan: Any, pending: _Pending, started: bool) -> None:
-        """After a cancel: complete libssh2's half-sent calls, then (best effort) the TERM
-        request and our CLOSE. sshd answers the CLOSE only once the command has exited, so
-        this does not wait for that."""
+    async def _finish(self, chan: Any, pending: _Pending, terminate: bool) -> None:
+        """After an exec failed or was cancelled: complete libssh2's half-sent calls, then (best
+        effort) the TERM request and our CLOSE. sshd answers the CLOSE only once the command
+        has exited, so this does not wait for that."""
         try:
             async with asyncio.timeout(FINISH_TIMEOUT):
                 # A channel open in flight is not ours to close: the next open returns it.
                 await self._flush_pending(pending)
                 if chan is None:
                     return
-                if started:
+                if terminate:
                     with contextlib.suppress(*_CHANNEL_ERRORS):
                         await self._flush(chan.signal, "TERM")
                 with contextlib.suppress(*_CHANNEL_ERRORS):
