@@ -136,9 +136,13 @@ class Harness:
         )
 
     def generator_done(self) -> None:
+        """This generator sent its last request. A worker ships its records with the news: the
+        master's shape ends the run on it, so records sent any later (at test stop) would
+        arrive after the master wrote the report."""
         runner = self.env.runner
         if isinstance(runner, WorkerRunner):
-            runner.send_message("sshapi_done", {})
+            runner.send_message("sshapi_done", {"records": to_wire(self.records), "cpu": self.cpu})
+            self.records = []
         else:
             self.done += 1
 
@@ -150,14 +154,11 @@ class Harness:
         runner = environment.runner
         if isinstance(runner, MasterRunner):
             runner.register_message("sshapi_done", self._on_done_message)
-            runner.register_message("sshapi_records", self._on_records_message)
 
     def _on_done_message(self, msg: Any, **_: Any) -> None:
-        self.done += 1
-
-    def _on_records_message(self, msg: Any, **_: Any) -> None:
         self.records.extend(from_wire(msg.data["records"]))
         self.cpu.update(msg.data["cpu"])
+        self.done += 1
 
     def _on_test_start(self, environment: Environment, **_: Any) -> None:
         self.records = []
@@ -188,11 +189,7 @@ class Harness:
             self._sampler = None
         runner = environment.runner
         if isinstance(runner, WorkerRunner):
-            runner.send_message(
-                "sshapi_records", {"records": to_wire(self.records), "cpu": self.cpu}
-            )
-            self.records = []
-            return
+            return  # its records went to the master with generator_done
         if not self.records:
             print("sshapi load suite: no requests were recorded, no report written")
             self.exit_code = 1
