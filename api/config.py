@@ -96,6 +96,8 @@ class HostConfig(Strict):
     # Mapping anyone to root is refused unless the operator says so here.
     allow_root: bool = False
     description: str = ""
+    # The SSH library for this host; unset: SSHAPI_BACKEND.
+    backend: Literal["asyncssh", "paramiko", "ssh2"] | None = None
     # sshpool's own Limits, validated by pydantic: unknown keys and bad values are refused.
     limits: Limits = Field(default_factory=Limits)
 
@@ -109,6 +111,7 @@ class HostConfig(Strict):
             client_keys=tuple(keys),
             known_hosts=self.known_hosts,
             limits=self.limits,
+            backend=self.backend,
         )
 
 

@@ -287,6 +287,7 @@ class _HostPool:
         live = [c for c in self.conns if c.conn.is_alive()]
         return {
             "target": str(self.target),
+            "backend": self.backend.name,
             "connections": len(live),
             "channels_in_use": sum(c.in_use for c in self.conns),
             "capacity": sum(c.capacity for c in live if not c.expired),
@@ -308,6 +309,7 @@ class Pool:
 
     def __init__(self, backend: str | Backend = "asyncssh") -> None:
         self.backend = load_backend(backend) if isinstance(backend, str) else backend
+        self._backends: dict[str, Backend] = {self.backend.name: self.backend}
         self._hosts: dict[Target, _HostPool] = {}
         self._maintenance: asyncio.Task[None] | None = None
         self._closed = False
@@ -323,7 +325,10 @@ class Pool:
             raise RuntimeError("pool is closed")
         host = self._hosts.get(target)
         if host is None:
-            host = self._hosts[target] = _HostPool(target, self.backend)
+            name = target.backend or self.backend.name
+            if name not in self._backends:
+                self._backends[name] = load_backend(name)
+            host = self._hosts[target] = _HostPool(target, self._backends[name])
         if self._maintenance is None:
             self._maintenance = asyncio.create_task(self._maintain())
         return host

@@ -47,6 +47,8 @@ class Target:
     known_hosts: str
     port: int = 22
     limits: Limits = field(default_factory=Limits)
+    # The SSH library for this host ("asyncssh", "paramiko", "ssh2"); None: the pool's own.
+    backend: str | None = None
 
     def __post_init__(self) -> None:
         if not self.client_keys:
@@ -56,4 +58,5 @@ class Target:
             raise ValueError("a target needs a known_hosts file")
 
     def __str__(self) -> str:
-        return f"{self.username}@{self.host}:{self.port}"
+        where = f"{self.username}@{self.host}:{self.port}"
+        return f"{where} ({self.backend})" if self.backend else where

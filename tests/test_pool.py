@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import subprocess
 import time
@@ -278,3 +279,16 @@ async def test_prewarm_opens_min_connections(tuned_host: LocalHost) -> None:
         assert pool.stats()[str(target)]["connections"] > 2
         await asyncio.sleep(2.5)
         assert pool.stats()[str(target)]["connections"] == 2
+
+
+@pytest.mark.parametrize("backend", ["paramiko", "ssh2"])
+async def test_target_can_choose_its_own_backend(tuned_host: LocalHost, backend: str) -> None:
+    """A target naming a backend runs on that library, beside the pool's default."""
+    default, chosen = tuned_host.target(), dataclasses.replace(tuned_host.target(), backend=backend)
+    async with Pool() as pool:
+        results = await asyncio.gather(
+            pool.run(default, ["echo", "a"]), pool.run(chosen, ["echo", "b"])
+        )
+        stats = pool.stats()
+    assert [r.stdout for r in results] == [b"a\n", b"b\n"]
+    assert (stats[str(default)]["backend"], stats[str(chosen)]["backend"]) == ("asyncssh", backend)

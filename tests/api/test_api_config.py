@@ -84,3 +84,14 @@ def test_example_configuration_loads() -> None:
         "--states=PENDING,RUNNING",
         "--format=%i %j %T %M",
     ]
+
+
+def test_host_backend_and_limits_reach_the_target() -> None:
+    """A host's backend and pool limits from the TOML tables become its sshpool Target's."""
+    host = {**HOST, "backend": "ssh2", "limits": {"max_sessions": 6, "reuse": False}}
+    target = config(hosts={"h": host}).hosts["h"].target()
+    assert (target.backend, target.limits.max_sessions, target.limits.reuse) == ("ssh2", 6, False)
+    with pytest.raises(ValidationError, match="backend"):
+        config(hosts={"h": {**HOST, "backend": "libssh"}})
+    with pytest.raises(ValidationError, match="max_sesions"):
+        config(hosts={"h": {**HOST, "limits": {"max_sesions": 6}}})
