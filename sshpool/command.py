@@ -60,11 +60,6 @@ class Capture:
         self._buf = bytearray()
         self._head = bytearray()
 
-    @property
-    def started(self) -> bool:
-        """The remote shell has run (its marker line arrived)."""
-        return not self.marker or self.pgid is not None
-
     def feed(self, data: bytes) -> None:
         if self.marker and self.pgid is None:
             self._head += data

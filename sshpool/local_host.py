@@ -337,6 +337,17 @@ def _kill_tree(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
+def _terminate(proc: subprocess.Popen[bytes], timeout: float) -> None:
+    """SIGTERM a child we started, SIGKILL it if it outlives `timeout`, and reap it."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout)
+
+
 def _cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -611,7 +622,7 @@ class LocalHost:
             return
         if kill_sessions and proc.poll() is None:
             _kill_tree(proc.pid)
-        self._terminate(proc)
+        _terminate(proc, STOP_TIMEOUT)
         self.pid_path.unlink(missing_ok=True)
 
     def restart(self) -> Self:
@@ -828,15 +839,6 @@ class LocalHost:
         except OSError:
             return "(no log)"
         return "\n".join(text.splitlines()[-lines:]) or "(log empty)"
-
-    def _terminate(self, proc: subprocess.Popen[bytes]) -> None:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(STOP_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(STOP_TIMEOUT)
 
     def _kill_stale(self, *, kill_sessions: bool = False) -> None:
         """Stop an sshd of this host left by another process (a crashed run, another instance),

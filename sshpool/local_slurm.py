@@ -59,7 +59,14 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-from sshpool.local_host import REPO_ROOT, _free_port, _port_is_free, host_account
+from sshpool.local_host import (
+    REPO_ROOT,
+    _cmdline,
+    _free_port,
+    _port_is_free,
+    _terminate,
+    host_account,
+)
 
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 BINARIES = {
@@ -118,14 +125,6 @@ def install_packages() -> None:
 
 # --------------------------------------------------------------------------------------------
 # Processes
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
 
 
 def _environ_has(pid: int, entry: bytes) -> bool:
@@ -388,7 +387,7 @@ class LocalSlurm:
         for name in ("slurmd", "slurmctld", "munged"):
             proc = procs.get(name)
             if proc is not None:
-                self._terminate(proc)
+                _terminate(proc, STOP_TIMEOUT)
         # ...and kill whatever is left: stale daemons and job steps of this configuration.
         ours = [pid for pid in _pids() if pid != os.getpid() and self._is_ours(pid)]
         _signal_all(ours, signal.SIGTERM)
@@ -572,16 +571,6 @@ class LocalSlurm:
             text = path.read_text(errors="replace")
             return f"--- {path}\n" + "\n".join(text.splitlines()[-lines:])
         return ""
-
-    @staticmethod
-    def _terminate(proc: subprocess.Popen[bytes]) -> None:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(STOP_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(STOP_TIMEOUT)
 
 
 # --------------------------------------------------------------------------------------------
