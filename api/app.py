@@ -115,6 +115,8 @@ def create_app(
             http=http,
         )
         metrics.watch_pool(the_pool.stats)
+        metrics.watch_trackers(lambda: services.jobs.batch.trackers)
+        await services.jobs.batch.start(settings.replica)
         app.state.services = services
         warm = [
             asyncio.create_task(_prewarm(the_pool, name, host))

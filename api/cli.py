@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import shlex
 import time
@@ -13,7 +14,7 @@ import uvicorn
 
 from api.app import create_app, local_host_config, resolve_config
 from api.auth import mint
-from api.config import Config, default_config
+from api.config import Config, SchedulerConfig, default_config
 from api.settings import Settings
 from sshpool import Pool, SSHPoolError
 
@@ -100,22 +101,43 @@ def hosts_check(
 def dev(
     port: Annotated[int, typer.Option(help="API port on 127.0.0.1.")] = 8000,
     sub: Annotated[str, typer.Option(help="Subject of the printed token.")] = "dev",
+    slurm: Annotated[
+        bool,
+        typer.Option(
+            help="Also run a single-node Slurm for the local host (installed from the OS "
+            "packages when missing): `local` then takes batch jobs."
+        ),
+    ] = False,
 ) -> None:
     """Start the local HPC host (sshd, tuned profile) and the API on 127.0.0.1; print a token
     and a curl command. Ctrl-C stops both."""
     from sshpool.local_host import LocalHost
+    from sshpool.local_slurm import LocalSlurm, install_packages
 
     settings = Settings(host="127.0.0.1", port=port)
-    host = LocalHost("local", "tuned", data_dir=settings.data_dir)
-    host.start()
-    try:
-        config = default_config(local_host_config(settings.data_dir, started=host))
+    with contextlib.ExitStack() as stack:
+        overrides: dict[str, str] = {}
+        if slurm:
+            install_packages()
+            cluster = stack.enter_context(LocalSlurm("local", data_dir=settings.data_dir))
+            overrides = cluster.sshd_overrides()
+        host = LocalHost("local", "tuned", data_dir=settings.data_dir, overrides=overrides)
+        host.start()
+        stack.callback(host.stop, kill_sessions=True)
+        local = local_host_config(settings.data_dir, started=host)
+        if local is not None and slurm:
+            local = local.model_copy(update={"scheduler": SchedulerConfig()})
+        config = default_config(local)
         tok = local_token(settings, config, sub, ["jobs:read", "jobs:write"], 24 * 3600.0)
         body = '{"host": "local", "argv": ["echo", "hello from the local HPC host"]}'
+        if slurm:
+            script = "#!/bin/sh\\nhostname; date\\n"
+            body = f'{{"host": "local", "batch": {{"script": "{script}", "name": "hello"}}}}'
         base = f"http://127.0.0.1:{port}"
         typer.echo(
-            f"\nLocal HPC host: {host.username}@{host.address}:{host.port} (sshd, tuned profile)\n"
-            f"API:            {base}  (docs: {base}/docs)\n\n"
+            f"\nLocal HPC host: {host.username}@{host.address}:{host.port} (sshd, tuned profile"
+            + (", single-node Slurm)" if slurm else ")")
+            + f"\nAPI:            {base}  (docs: {base}/docs)\n\n"
             f"Token for {sub!r} (24 h; another: .venv/bin/sshapi token --sub NAME):\n\n"
             f"export TOKEN={tok}\n\n"
             "Try:\n\n"
@@ -123,5 +145,3 @@ def dev(
             f"     -d {shlex.quote(body)} {base}/v1/jobs\n"
         )
         _serve(settings, config)
-    finally:
-        host.stop(kill_sessions=True)

@@ -86,6 +86,17 @@ class Account(Strict):
     client_keys: list[str] = Field(min_length=1)
 
 
+class SchedulerConfig(Strict):
+    """The batch scheduler on a host's login node: its commands run over the host's pool."""
+
+    kind: Literal["slurm"] = "slurm"
+    # Tracking: one squeue per host per interval; doubles while nothing changes, up to the max.
+    poll_interval: float = Field(default=2.0, gt=0)
+    max_poll_interval: float = Field(default=30.0, gt=0)
+    # How long a submission whose outcome is unknown may still show up in the scheduler.
+    settle: float = Field(default=5.0, gt=0)
+
+
 class HostConfig(Strict):
     hostname: str
     port: int = Field(default=22, ge=1, le=65535)
@@ -100,6 +111,8 @@ class HostConfig(Strict):
     backend: Literal["asyncssh", "paramiko", "ssh2"] | None = None
     # sshpool's own Limits, validated by pydantic: unknown keys and bad values are refused.
     limits: Limits = Field(default_factory=Limits)
+    # Set: the host accepts batch jobs (`batch` in POST /v1/jobs).
+    scheduler: SchedulerConfig | None = None
 
     def target(self, account: Account | None = None) -> Target:
         username = account.username if account else self.username

@@ -10,6 +10,9 @@ then one task per job runs it:
 
 The pool.run call runs in its own inner task so that cancelling it (DELETE, shutdown) kills the
 remote process tree while the outer task still records the outcome, uncancelled.
+
+A batch job (`batch` in the body) is admitted the same way; its task runs sbatch only, and the
+scheduler owns the job from then on (api/batch.py).
 """
 
 from __future__ import annotations
@@ -27,10 +30,12 @@ from typing import Any
 from sqlalchemy.exc import IntegrityError
 
 from api.auth import Principal
+from api.batch import BatchJobs
 from api.config import Config
 from api.metrics import Metrics
 from api.policy import Grant, Policy, RateLimiter, render
 from api.problems import Problem, error_kind, retry_after, ssh_problem
+from api.scheduler import MAX_READ, OutputChunk, Stream
 from api.schemas import JobRequest
 from api.store import FINAL, JobRow, Store, new_id, utcnow
 from api.timing import stage
@@ -77,6 +82,7 @@ class JobService:
         self.metrics = metrics
         self.replica = replica
         self.rates = RateLimiter()
+        self.batch = BatchJobs(config, policy, store, pool, metrics)
         self._running: dict[str, Running] = {}
         self._active: Counter[tuple[str, str]] = Counter()
 
@@ -111,7 +117,11 @@ class JobService:
         """Admit and launch a job, or replay the one made with the same idempotency key.
         Returns (job, replayed)."""
         grant = self.policy.grant(who, body.host)
-        command = self._command(grant, body)
+        if body.batch is not None:
+            self.batch.require(body.host)
+            command: str | list[str] = []
+        else:
+            command = self._command(grant, body)
         api = self.config.api
         stdin = body.stdin.encode() if body.stdin is not None else None
         if stdin is not None and len(stdin) > api.max_stdin_bytes:
@@ -140,6 +150,7 @@ class JobService:
                 headers=retry_after(1),
             )
         timeout = min(body.timeout or api.default_timeout, rule.max_timeout)
+        batch = body.batch.model_dump() if body.batch is not None else None
         row = JobRow(
             id=new_id(),
             owner_iss=who.issuer,
@@ -163,6 +174,8 @@ class JobService:
             timings={},
             idempotency_key=idempotency_key,
             request_hash=digest,
+            kind="batch" if batch else "command",
+            batch=batch,
         )
         # Count the job before the first await so concurrent submissions see it.
         self._active[owner] += 1
@@ -183,6 +196,11 @@ class JobService:
         job = Running(row=row, owner=owner)
         self._running[row.id] = job
         self.metrics.jobs_active.labels(row.host).inc()
+        if body.batch is not None:
+            job.runner = asyncio.create_task(
+                self._submit_batch(job, grant, body), name=f"batch-{row.id}"
+            )
+            return row, False
         # Both tasks exist before we answer, so a DELETE right after a 202 can always cancel.
         job.command = asyncio.create_task(
             self.pool.run(
@@ -235,6 +253,27 @@ class JobService:
 
     # ---- running
 
+    async def _submit_batch(self, job: Running, grant: Grant, body: JobRequest) -> None:
+        """sbatch; counted as active (rate, concurrency cap) until the scheduler has the job."""
+        assert body.batch is not None
+        try:
+            await self.batch.submit(job.row, grant.target, body.batch)
+        except SSHPoolError as exc:
+            await self._record_outcome(job.row, _error_values(exc) | {"finished_at": utcnow()})
+        except Exception:
+            log.exception("batch job %s failed unexpectedly", job.row.id)
+            await self._record_outcome(job.row, _internal_error())
+        finally:
+            self._finish(job)
+
+    async def _record_outcome(self, row: JobRow, values: dict[str, Any]) -> None:
+        try:
+            await self.store.update(row.id, only_active=True, **values)
+        except Exception:
+            log.exception("could not record the outcome of job %s", row.id)
+        for name, value in values.items():
+            setattr(row, name, value)
+
     async def _run(self, job: Running, timeout: float) -> None:
         row, started = job.row, job.started
         assert job.command is not None
@@ -260,14 +299,9 @@ class JobService:
             values = _error_values(exc)
         except asyncio.CancelledError:
             values = {"state": "cancelled", "error": job.cancel_reason or "cancelled"}
-        except Exception as exc:
+        except Exception:
             log.exception("job %s failed unexpectedly", row.id)
-            values = {
-                "state": "error",
-                "error": f"internal error: {type(exc).__name__}",
-                "error_kind": "internal",
-                "idempotency_key": None,
-            }
+            values = _internal_error()
         finally:
             if started.is_set():
                 with contextlib.suppress(Exception):
@@ -275,12 +309,7 @@ class JobService:
             else:
                 marker.cancel()
         values["finished_at"] = utcnow()
-        try:
-            await self.store.update(row.id, only_active=True, **values)
-        except Exception:
-            log.exception("could not record the outcome of job %s", row.id)
-        for name, value in values.items():
-            setattr(row, name, value)
+        await self._record_outcome(row, values)
         self._finish(job)
 
     def _finish(self, job: Running) -> None:
@@ -290,21 +319,27 @@ class JobService:
         if self._active[job.owner] <= 0:
             del self._active[job.owner]
         self.metrics.jobs_active.labels(row.host).dec()
-        self.metrics.jobs.labels(row.host, row.state).inc()
+        if row.state in FINAL:  # a submitted batch job is counted when the scheduler ends it
+            self.metrics.jobs.labels(row.host, row.state).inc()
         for name, ms in (row.timings or {}).items():
             self.metrics.stage.labels(name).observe(ms / 1000.0)
         job.done.set()
 
-    async def wait(self, row: JobRow, seconds: float) -> JobRow:
-        """Hold until the job finishes or `seconds` pass; the freshest row this process has."""
+    async def wait(self, row: JobRow, seconds: float, *, batch_until_final: bool = True) -> JobRow:
+        """Hold until the job finishes or `seconds` pass; the freshest row this process has.
+        A batch job is done here once submitted; with `batch_until_final` the wait goes on
+        until the scheduler ends it."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
         job = self._running.get(row.id)
-        if job is None:
-            return row
-        if seconds > 0:
+        if job is not None and seconds > 0:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(seconds):
                     await job.done.wait()
-        return job.row
+        row = job.row if job is not None else row
+        if row.kind == "batch" and batch_until_final and row.state not in FINAL:
+            row = await self.batch.wait(row, deadline - loop.time())
+        return row
 
     # ---- cancelling
 
@@ -312,6 +347,12 @@ class JobService:
         row = await self.get(who, job_id)
         if row.state in FINAL:
             raise _already_finished(row)
+        if row.kind == "batch":
+            # Let a submission in progress here end first: sbatch itself is never interrupted.
+            row = await self.wait(row, CANCEL_WAIT, batch_until_final=False)
+            if row.state in FINAL:
+                raise _already_finished(row)
+            return await self.batch.cancel(row)
         job = self._running.get(job_id)
         if job is None or job.command is None:
             # Another replica runs it: we cannot reach its task.
@@ -331,8 +372,25 @@ class JobService:
             raise _already_finished(job.row)
         return job.row
 
+    # ---- output
+
+    async def output(
+        self, who: Principal, job_id: str, stream: Stream, offset: int, limit: int
+    ) -> tuple[JobRow, OutputChunk]:
+        """A byte range of a job's stdout or stderr: a batch job's output file, read over SSH;
+        a command's stored (capped) output."""
+        row = await self.get(who, job_id)
+        if row.kind == "batch":
+            return row, await self.batch.output(row, stream, offset, min(limit, MAX_READ))
+        stored = (row.stdout if stream == "stdout" else row.stderr) or b""
+        if row.state not in FINAL:
+            return row, OutputChunk(b"", offset, None)
+        return row, OutputChunk(stored[offset : offset + limit], offset, len(stored))
+
     async def close(self, grace: float) -> None:
-        """Let running jobs finish for up to `grace` seconds, then cancel (kill) the rest."""
+        """Let running jobs finish for up to `grace` seconds, then cancel (kill) the rest.
+        Batch jobs go on in the scheduler; their trackers stop."""
+        await self.batch.close()
         jobs = list(self._running.values())
         if not jobs:
             return
@@ -384,6 +442,16 @@ def _lost_or_error(exc: ConnectionLost) -> dict[str, Any]:
     return _error_values(exc)
 
 
+def _internal_error() -> dict[str, Any]:
+    return {
+        "state": "error",
+        "error": "internal error",
+        "error_kind": "internal",
+        "idempotency_key": None,
+        "finished_at": utcnow(),
+    }
+
+
 def _error_values(exc: SSHPoolError) -> dict[str, Any]:
     # Nothing ran, so a retry is safe: release the idempotency key so that the same key works.
     return {
@@ -394,8 +462,17 @@ def _error_values(exc: SSHPoolError) -> dict[str, Any]:
     }
 
 
+BATCH_ERRORS = {
+    "batch-rejected": (422, "The scheduler refused the batch job"),
+    "batch-not-submitted": (502, "The batch job did not reach the scheduler"),
+}
+
+
 def error_problem(row: JobRow) -> Problem:
     """The answer for a job in state `error`: the SSH failure's status, naming the job."""
     if row.error_kind == "internal":
         return Problem(500, "internal", "Internal error", row.error, job_id=row.id)
+    if row.error_kind in BATCH_ERRORS:
+        status, title = BATCH_ERRORS[row.error_kind]
+        return Problem(status, row.error_kind, title, row.error, job_id=row.id)
     return ssh_problem(None, row.error_kind, detail=row.error, job_id=row.id, job_state=row.state)

@@ -48,6 +48,31 @@ class PoolCollector(Collector):
         yield from counters.values()
 
 
+class TrackerCollector(Collector):
+    """Reads the batch trackers at scrape time: how many jobs each follows, and what that costs."""
+
+    def __init__(self, trackers: Callable[[], dict[str, Any]]) -> None:
+        self._trackers = trackers
+
+    def collect(self) -> Iterator[Any]:
+        tracked = GaugeMetricFamily(
+            "sshapi_batch_jobs_tracked", "Batch jobs followed per host", labels=["host"]
+        )
+        polls = CounterMetricFamily(
+            "sshapi_scheduler_polls", "Polls of the scheduler per host", labels=["host"]
+        )
+        commands = CounterMetricFamily(
+            "sshapi_scheduler_poll_commands",
+            "SSH commands the polls ran per host (squeue, scontrol)",
+            labels=["host"],
+        )
+        for host, tracker in self._trackers().items():
+            tracked.add_metric([host], float(len(tracker.tracked)))
+            polls.add_metric([host], float(tracker.polls))
+            commands.add_metric([host], float(tracker.commands))
+        yield from (tracked, polls, commands)
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -86,6 +111,9 @@ class Metrics:
 
     def watch_pool(self, stats: Callable[[], dict[str, dict[str, Any]]]) -> None:
         self.registry.register(PoolCollector(stats))
+
+    def watch_trackers(self, trackers: Callable[[], dict[str, Any]]) -> None:
+        self.registry.register(TrackerCollector(trackers))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

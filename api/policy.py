@@ -64,6 +64,18 @@ class Policy:
             )
         return Grant(host_name, host, rule, host.target(rule.accounts.get(host_name)))
 
+    def target_of(self, host_name: str, name: str) -> Target | None:
+        """The configured target whose `str()` is `name` (what a job records) on that host: to
+        act for a job later as the account that started it, whoever asks."""
+        host = self.config.hosts.get(host_name)
+        if host is None:
+            return None
+        accounts = [
+            None,
+            *(r.accounts[host_name] for r in self.config.policy if host_name in r.accounts),
+        ]
+        return next((t for t in map(host.target, accounts) if str(t) == name), None)
+
     def shell_allowed(self, who: Principal, host_name: str) -> bool:
         rule = self.rule_for(who)
         return rule is not None and _listed(host_name, rule.shell_hosts)

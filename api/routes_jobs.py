@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import re
 import uuid
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, Header, Query, Response
 
 from api.config import ApiConfig
 from api.deps import Reader, Svc, Writer
 from api.jobs import error_problem
-from api.problems import MEDIA_TYPE, Problem
+from api.problems import MEDIA_TYPE, Problem, retry_after
+from api.scheduler import MAX_READ
 from api.schemas import REQUEST_EXAMPLES, Job, JobList, JobRequest, State
 from api.store import FINAL, JobRow
 from api.timing import TIMING
@@ -43,11 +44,10 @@ SUBMIT_ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
-def wait_seconds(prefer: str | None, api: ApiConfig) -> float:
-    """RFC 7240 `Prefer: wait=N`, capped by configuration; absent: the configured default."""
+def wait_seconds(prefer: str | None, api: ApiConfig) -> float | None:
+    """RFC 7240 `Prefer: wait=N`, capped by configuration; None when absent."""
     match = PREFER_WAIT.search(prefer or "")
-    wanted = float(match.group(1)) if match else api.wait_default
-    return min(wanted, api.wait_max)
+    return min(float(match.group(1)), api.wait_max) if match else None
 
 
 def answer(row: JobRow, response: Response) -> Job:
@@ -91,9 +91,11 @@ async def submit(
         ),
     ] = None,
 ) -> Job:
-    wait = wait_seconds(prefer, svc.config.api)
+    asked = wait_seconds(prefer, svc.config.api)
+    wait = asked if asked is not None else svc.config.api.wait_default
     row, replayed = await svc.jobs.submit(who, body, idempotency_key)
-    row = await svc.jobs.wait(row, wait)
+    # Without Prefer, a batch job is answered once the scheduler has it, not when it ends.
+    row = await svc.jobs.wait(row, wait, batch_until_final=asked is not None)
     response.headers["Preference-Applied"] = f"wait={wait:g}"
     if replayed:
         response.headers["Idempotent-Replayed"] = "true"
@@ -124,6 +126,52 @@ async def list_jobs(
         who, state=state, host=host, limit=limit, cursor=cursor
     )
     return JobList(items=[Job.of(r) for r in rows], next_cursor=next_cursor)
+
+
+@router.get(
+    "/{job_id}/output",
+    responses={
+        200: {
+            "content": {"application/octet-stream": {}},
+            "description": "The bytes `[offset, offset + length)`; `X-Output-Size` is the whole "
+            "size when read, `X-Output-Next-Offset` where to go on from.",
+        },
+        **ERRORS,
+        404: _problem("No such job, or no output yet (then with `Retry-After`)."),
+    },
+    response_class=Response,
+    summary="A byte range of a job's stdout or stderr",
+)
+async def job_output(
+    job_id: str,
+    who: Reader,
+    svc: Svc,
+    stream: Literal["stdout", "stderr"] = "stdout",
+    offset: Annotated[int, Query(ge=0)] = 0,
+    limit: Annotated[int, Query(ge=1, le=MAX_READ)] = 1 << 20,
+) -> Response:
+    """A batch job's output file (read from the login host: grows while the job runs), or a
+    finished command's stored output (capped by the policy: see `stdout_truncated`)."""
+    row, chunk = await svc.jobs.output(who, job_id, stream, offset, limit)
+    if chunk.size is None:
+        active = row.state not in FINAL
+        raise Problem(
+            404,
+            "no-output-yet" if active else "no-output",
+            "No output yet" if active else "No output",
+            f"job {job_id} is {row.state}: no {stream} "
+            + ("yet" if active else "file (deleted, or the job never started)"),
+            headers=retry_after(2) if active else None,
+        )
+    return Response(
+        chunk.data,
+        media_type="application/octet-stream",
+        headers={
+            "X-Output-Size": str(chunk.size),
+            "X-Output-Offset": str(chunk.offset),
+            "X-Output-Next-Offset": str(chunk.next_offset),
+        },
+    )
 
 
 @router.delete(

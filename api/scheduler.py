@@ -32,9 +32,9 @@ import logging
 import re
 import secrets
 import shlex
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -196,6 +196,30 @@ class BatchOptions(BaseModel):
         return name if self.workdir is None else f"{self.workdir.rstrip('/')}/{name}"
 
 
+class BatchRequest(BatchOptions):
+    """A batch job as POST /v1/jobs takes it: the script (sent on sbatch's stdin) and options."""
+
+    script: str = Field(
+        min_length=2,
+        max_length=MAX_SCRIPT,
+        description="The batch script, starting with an interpreter line such as #!/bin/bash.",
+    )
+
+    @field_validator("script")
+    @classmethod
+    def _script(cls, value: str) -> str:
+        validate_script(value)
+        return value
+
+    def options(self) -> BatchOptions:
+        return batch_options(self.model_dump())
+
+
+def batch_options(data: Mapping[str, Any]) -> BatchOptions:
+    """The options of a batch request's dump (as a job stores it), the script left out."""
+    return BatchOptions.model_validate({k: v for k, v in data.items() if k != "script"})
+
+
 def validate_script(script: str) -> None:
     """sbatch needs an interpreter line; the size cap keeps stdin bounded."""
     if not script.startswith("#!"):
@@ -316,16 +340,24 @@ class SlurmClient:
     # ---- submit
 
     async def submit(
-        self, script: str, options: BatchOptions, idempotency_key: str | None = None
+        self,
+        script: str,
+        options: BatchOptions,
+        idempotency_key: str | None = None,
+        *,
+        look_first: bool = True,
     ) -> Submitted:
         """Submit ``script`` with ``options``; the scheduler's job id.
+
+        With a key and ``look_first``, a job already carrying the key is adopted instead; pass
+        ``look_first=False`` for a key known to be new (saves one SSH command).
 
         Raises ValueError (bad script), SubmitRejected (sbatch said no: nothing submitted),
         SubmissionUnknown (cannot tell whether it was submitted) or a pool error raised before
         sbatch started (nothing submitted)."""
         validate_script(script)
         key = idempotency_key if idempotency_key is not None else secrets.token_hex(16)
-        if idempotency_key is not None:
+        if idempotency_key is not None and look_first:
             found = await self.find_by_key(key)
             if found is not None:
                 return self._submitted(found, options, key, adopted=True)
@@ -577,11 +609,19 @@ class Tracker:
         finally:
             self.commands += self.client.commands - before
             self.polls += 1
-        changed = []
-        for job_id, status in current.items():
-            if job_id not in self._last or self._last[job_id] == status:
-                continue
-            changed.append(status)
+        changed = [
+            status
+            for job_id, status in current.items()
+            if job_id in self._last and self._last[job_id] != status
+        ]
+        # Recorded before waiters wake, so a waiter reading the store sees the new state.
+        for status in changed:
+            if self.on_change is not None:
+                outcome = self.on_change(status)
+                if outcome is not None:
+                    await outcome
+        for status in changed:
+            job_id = status.job_id
             if status.final:
                 del self._last[job_id]
                 for future in self._waiters.pop(job_id, []):
@@ -589,11 +629,6 @@ class Tracker:
                         future.set_result(status)
             else:
                 self._last[job_id] = status
-        for status in changed:
-            if self.on_change is not None:
-                outcome = self.on_change(status)
-                if outcome is not None:
-                    await outcome
         self.interval = self.min_interval if changed else min(self.interval * 2, self.max_interval)
         return changed
 

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from api.scheduler import BatchOptions, BatchRequest, batch_options
 from api.store import JobRow, aware
 
 State = Literal[
@@ -31,11 +32,26 @@ REQUEST_EXAMPLES = {
         "summary": "a command reading stdin",
         "value": {"host": "local", "argv": ["wc", "-c"], "stdin": "12345"},
     },
+    "batch": {
+        "summary": "a batch job for the host's scheduler (Slurm)",
+        "value": {
+            "host": "local",
+            "batch": {
+                "script": "#!/bin/bash\nsrun hostname\n",
+                "name": "hello",
+                "partition": "debug",
+                "time_limit": 600,
+                "nodes": 1,
+                "ntasks": 1,
+                "env": {"GREETING": "hi"},
+            },
+        },
+    },
 }
 
 
 class JobRequest(BaseModel):
-    """Exactly one of `argv`, `command` or `template` (with `params`)."""
+    """Exactly one of `argv`, `command`, `template` (with `params`) or `batch`."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -58,12 +74,21 @@ class JobRequest(BaseModel):
         default=None, gt=0, description="Seconds the command may run; capped by the policy."
     )
     stdin: str | None = Field(default=None, description="Sent to the command's stdin (UTF-8).")
+    batch: BatchRequest | None = Field(
+        default=None,
+        description="A batch script and its scheduler options, for a host with a scheduler. "
+        "The answer comes once the scheduler took it (202, `scheduler.job_id` set); "
+        "`Prefer: wait=N` also waits for the job to finish.",
+    )
 
     @model_validator(mode="after")
     def _one_kind(self) -> JobRequest:
-        given = [k for k in ("argv", "command", "template") if getattr(self, k) is not None]
+        kinds = ("argv", "command", "template", "batch")
+        given = [k for k in kinds if getattr(self, k) is not None]
         if len(given) != 1:
-            raise ValueError("give exactly one of argv, command or template")
+            raise ValueError("give exactly one of argv, command, template or batch")
+        if self.batch is not None and (self.timeout is not None or self.stdin is not None):
+            raise ValueError("a batch job takes batch.time_limit, not timeout; no stdin")
         if self.params is not None and self.template is None:
             raise ValueError("params go with a template")
         if self.argv is not None and any("\0" in a for a in self.argv):
@@ -73,8 +98,22 @@ class JobRequest(BaseModel):
         return self
 
 
+class SchedulerInfo(BaseModel):
+    """A batch job as the scheduler sees it."""
+
+    job_id: str | None = Field(description="The scheduler's job id; null until submitted.")
+    state: str | None = Field(
+        default=None, description="The scheduler's own state, e.g. PENDING, TIMEOUT, NODE_FAIL."
+    )
+    reason: str | None = Field(default=None, description="Why pending, or how it ended.")
+
+
 class Job(BaseModel):
     """A job: the request, its state and, once finished, its result.
+
+    A batch job (`kind` "batch") has `batch` (its options; the script is not echoed) and
+    `scheduler`; its output is in files read with `GET /v1/jobs/{id}/output`, and `exit_status`
+    is the batch script's.
 
     stdout and stderr are the command's bytes decoded as UTF-8; invalid sequences are replaced
     by U+FFFD (`encoding` says so). `stdout_bytes`/`stderr_bytes` count every byte the command
@@ -84,11 +123,14 @@ class Job(BaseModel):
     owner: str = Field(description="The token's `sub`.")
     issuer: str = Field(description="The token's `iss`: identity is (issuer, owner).")
     host: str
+    kind: Literal["command", "batch"] = "command"
     argv: list[str] | None = None
     command: str | None = None
     template: str | None = None
     params: dict[str, Any] | None = None
-    timeout: float
+    batch: BatchOptions | None = None
+    scheduler: SchedulerInfo | None = None
+    timeout: float | None = Field(description="Seconds the command may run (null: batch job).")
     state: State
     error: str | None = Field(default=None, description="Why the job is in `error` or `lost`.")
     exit_status: int | None = None
@@ -139,16 +181,26 @@ class Job(BaseModel):
 
     @classmethod
     def of(cls, row: JobRow) -> Job:
+        batch = row.kind == "batch" and row.batch is not None
         return cls(
             id=row.id,
             owner=row.owner_sub,
             issuer=row.owner_iss,
             host=row.host,
+            kind="batch" if batch else "command",
             argv=row.argv,
             command=row.command,
             template=row.template,
             params=row.params,
-            timeout=row.timeout,
+            batch=batch_options(row.batch or {}) if batch else None,
+            scheduler=SchedulerInfo(
+                job_id=row.scheduler_job_id,
+                state=row.scheduler_state,
+                reason=row.scheduler_reason,
+            )
+            if batch
+            else None,
+            timeout=None if batch else row.timeout,
             state=row.state,  # type: ignore[arg-type]
             error=row.error,
             exit_status=row.exit_status,

@@ -1,8 +1,9 @@
 """The job store: SQLAlchemy 2 async over SQLite (WAL, the default) or PostgreSQL (by URL).
 
-Tables are created on start (`create_all`; no migration tool yet: the schema is one table and a
-new column would come with a migration step documented in the README). Job ids are UUIDv7, so
-ordering by id is ordering by creation time and the list cursor is simply the last id seen.
+Tables are created on start (`create_all`), and columns added since are added then too (`ALTER
+TABLE ... ADD COLUMN`, all of them nullable): the schema only grows, so that is the whole migration
+story and an older database keeps working. Job ids are UUIDv7, so ordering by id is ordering by
+creation time and the list cursor is simply the last id seen.
 """
 
 from __future__ import annotations
@@ -26,10 +27,13 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
     event,
+    inspect,
+    or_,
     select,
     text,
     update,
 )
+from sqlalchemy.engine import Connection
 from sqlalchemy.engine.interfaces import DBAPIConnection
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -95,6 +99,13 @@ class JobRow(Base):
     timings: Mapped[dict[str, float]] = mapped_column(JSON, default=dict)
     idempotency_key: Mapped[str | None] = mapped_column(String(255), nullable=True)
     request_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # Batch jobs (kind "batch"): the request's script and options, and the scheduler's view. NULL
+    # kind is "command" (rows written before batch jobs existed).
+    kind: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    batch: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True), nullable=True)
+    scheduler_job_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    scheduler_state: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    scheduler_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
 def _sqlite_pragmas(dbapi_conn: DBAPIConnection, _record: ConnectionPoolEntry) -> None:
@@ -135,6 +146,7 @@ class Store:
                 quoted = engine.dialect.identifier_preparer.quote_identifier(self.schema)
                 await conn.execute(text(f"CREATE SCHEMA IF NOT EXISTS {quoted}"))
             await conn.run_sync(Base.metadata.create_all)
+            await conn.run_sync(_add_missing_columns)
         self._engine = engine
         self._sessions = async_sessionmaker(engine, expire_on_commit=False)
 
@@ -204,10 +216,12 @@ class Store:
             return list((await session.execute(query)).scalars())
 
     async def mark_lost(self, replica: str) -> int:
-        """Jobs this replica left queued or running when it died: their outcome is unknown."""
+        """Commands this replica left queued or running when it died: their outcome is unknown.
+        Batch jobs are not touched: the scheduler still knows them (see `active_batch`)."""
         query = (
             update(JobRow)
             .where(JobRow.replica == replica, JobRow.state.in_(ACTIVE))
+            .where(or_(JobRow.kind.is_(None), JobRow.kind != "batch"))
             .values(
                 state="lost",
                 error="the API restarted while the job was active",
@@ -217,6 +231,25 @@ class Store:
         async with self._session() as session, session.begin():
             result = await session.execute(query)
             return int(getattr(result, "rowcount", 0))
+
+    async def active_batch(self, replica: str) -> list[JobRow]:
+        """Batch jobs of this replica not final yet: tracked again (or resolved) on start."""
+        query = select(JobRow).where(
+            JobRow.replica == replica, JobRow.kind == "batch", JobRow.state.in_(ACTIVE)
+        )
+        async with self._session() as session:
+            return list((await session.execute(query)).scalars())
+
+
+def _add_missing_columns(conn: Connection) -> None:
+    """ADD COLUMN for every mapped column an existing table lacks (all added ones are nullable)."""
+    table = Base.metadata.tables[JobRow.__tablename__]
+    present = {c["name"] for c in inspect(conn).get_columns(table.name)}
+    for column in table.columns:
+        if column.name not in present:
+            kind = column.type.compile(dialect=conn.dialect)
+            quoted = conn.dialect.identifier_preparer.quote(column.name)
+            conn.execute(text(f"ALTER TABLE {table.name} ADD COLUMN {quoted} {kind}"))
 
 
 def aware(value: datetime | None) -> datetime | None:

@@ -2,6 +2,8 @@
 
 * ``stock_host`` / ``tuned_host``: one started LocalHost per profile for the whole session. Do not
   restart them or change their keys: use ``make_host`` for that.
+* ``slurm`` / ``slurm_host`` / ``workdir``: one single-node Slurm (``SLURM_CPUS`` CPUs), a login
+  host whose sessions use it, and a directory the job account owns for output files.
 * ``make_host(profile="stock", **kwargs)``: a fresh, started LocalHost of its own (own name, data
   dir, port and keys), stopped after the test. kwargs go to LocalHost (address, overrides...).
 """
@@ -17,8 +19,10 @@ from typing import Any
 import pytest
 
 from sshpool.local_host import LocalHost, LocalHostError, Profile, sshd_binary
+from sshpool.local_slurm import LocalSlurm, LocalSlurmError, install_packages
 
 MakeHost = Callable[..., LocalHost]
+SLURM_CPUS = 16
 
 
 def _require_sshd() -> None:
@@ -78,3 +82,47 @@ def make_host(tmp_path: Path) -> Iterator[MakeHost]:
     yield make
     for host in hosts:
         host.stop(kill_sessions=True)
+
+
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSlurm]:
+    try:
+        install_packages()
+    except LocalSlurmError as exc:
+        pytest.fail(
+            f"Slurm is not installed and could not be installed: {exc}\n"
+            "install it with `python -m sshpool.local_slurm install` "
+            "(apt-get install slurmctld slurmd slurm-client munge)",
+            pytrace=False,
+        )
+    cluster = LocalSlurm("test", data_dir=tmp_path_factory.mktemp("slurm"), cpus=SLURM_CPUS)
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def slurm_host(slurm: LocalSlurm, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalHost]:
+    host = LocalHost(
+        "slurm-login",
+        "tuned",
+        data_dir=tmp_path_factory.mktemp("login"),
+        overrides=slurm.sshd_overrides(),
+    )
+    host.start()
+    try:
+        yield host
+    finally:
+        host.stop(kill_sessions=True)
+
+
+@pytest.fixture(scope="session")
+def workdir(slurm_host: LocalHost, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A directory the job account owns, for the jobs' output files."""
+    path = tmp_path_factory.mktemp("jobs")
+    os.chown(path, slurm_host.account.uid, slurm_host.account.gid)
+    for directory in (path, path.parent):
+        directory.chmod(directory.stat().st_mode | 0o111)
+    return str(path)

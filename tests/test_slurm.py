@@ -1,17 +1,17 @@
 """Batch jobs against a real Slurm (sshpool.local_slurm) reached over a real sshd.
 
-One LocalSlurm for the session (16 CPUs on one node) and one LocalHost whose sessions see its
-SLURM_CONF. Slurm enforces time limits in whole minutes, checked every 30 s, so the time-limit job
-is submitted when this module starts and checked by the last test: the file takes about 90 s.
+One LocalSlurm for the session (``slurm``, 16 CPUs on one node, in tests/conftest.py) and one
+LocalHost whose sessions see its SLURM_CONF (``slurm_host``). A time limit exceeded (TIMEOUT ->
+timed_out, SIGTERM) is shown through the API, in tests/api/test_api_batch.py: Slurm needs 60-90 s
+for it, paid once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import os
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import psutil
@@ -28,58 +28,14 @@ from api.scheduler import (
 )
 from sshpool import CommandResult, ConnectionLost, Pool
 from sshpool.local_host import LocalHost
-from sshpool.local_slurm import LocalSlurm, LocalSlurmError, install_packages
+from sshpool.local_slurm import LocalSlurm
 
 pytestmark = pytest.mark.timeout(60)
 
-CPUS = 16
+CPUS = 16  # SLURM_CPUS of tests/conftest.py: the session's LocalSlurm
 # Two of these never run at once (2 x 9 > 16), and one runs beside the time-limit job.
 BIG = CPUS // 2 + 1
 SH = "#!/bin/sh\n"
-
-
-@pytest.fixture(scope="session")
-def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSlurm]:
-    try:
-        install_packages()
-    except LocalSlurmError as exc:
-        pytest.fail(
-            f"Slurm is not installed and could not be installed: {exc}\n"
-            "install it with `python -m sshpool.local_slurm install` "
-            "(apt-get install slurmctld slurmd slurm-client munge)",
-            pytrace=False,
-        )
-    cluster = LocalSlurm("test", data_dir=tmp_path_factory.mktemp("slurm"), cpus=CPUS)
-    cluster.start()
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
-
-
-@pytest.fixture(scope="session")
-def slurm_host(slurm: LocalSlurm, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalHost]:
-    host = LocalHost(
-        "slurm-login",
-        "tuned",
-        data_dir=tmp_path_factory.mktemp("login"),
-        overrides=slurm.sshd_overrides(),
-    )
-    host.start()
-    try:
-        yield host
-    finally:
-        host.stop(kill_sessions=True)
-
-
-@pytest.fixture(scope="session")
-def workdir(slurm_host: LocalHost, tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A directory the job account owns, for the jobs' output files."""
-    path = tmp_path_factory.mktemp("jobs")
-    os.chown(path, slurm_host.account.uid, slurm_host.account.gid)
-    for directory in (path, path.parent):
-        directory.chmod(directory.stat().st_mode | 0o111)
-    return str(path)
 
 
 @pytest.fixture
@@ -92,20 +48,6 @@ def opts(workdir: str) -> Callable[..., BatchOptions]:
 async def client(slurm_host: LocalHost) -> AsyncIterator[SlurmClient]:
     async with Pool() as pool:
         yield SlurmClient(pool, slurm_host.target(), settle=1.0)
-
-
-async def _submit_overtime(host: LocalHost, workdir: str) -> str:
-    async with Pool() as pool:
-        client = SlurmClient(pool, host.target())
-        options = BatchOptions(time_limit=5, workdir=workdir)
-        submitted = await client.submit(SH + "sleep 300\n", options)
-        return submitted.job_id
-
-
-@pytest.fixture(scope="module", autouse=True)
-def overtime_job(slurm_host: LocalHost, workdir: str) -> str:
-    """A job past its limit, submitted first so Slurm's minute-and-30-s clock runs meanwhile."""
-    return asyncio.run(_submit_overtime(slurm_host, workdir))
 
 
 async def _jobs_with_key(client: SlurmClient, key: str) -> list[str]:
@@ -476,16 +418,3 @@ async def test_script_without_interpreter_line_is_refused_before_ssh(
 
 # --------------------------------------------------------------------------------------------
 # Time limit (last: its job has been running since the module started)
-
-
-@pytest.mark.timeout(150)
-async def test_time_limit_exceeded_is_timed_out(client: SlurmClient, overtime_job: str) -> None:
-    """A job past its time limit ends TIMEOUT -> timed_out, killed by SIGTERM."""
-    tracker = Tracker(client, interval=1.0, max_interval=2.0)
-    runner = asyncio.create_task(tracker.run())
-    try:
-        status = await tracker.wait(overtime_job, timeout=130)
-    finally:
-        runner.cancel()
-    assert (status.state, status.scheduler_state) == ("timed_out", "TIMEOUT")
-    assert status.signal == 15

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
+import subprocess
+import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +34,7 @@ PG_URL = os.environ.get("SSHAPI_TEST_PG", "postgresql+asyncpg://postgres@127.0.0
 AUDIENCE = "sshapi-test"
 LOCAL_ISS = "test-local"
 KEYS_ISS = "test-keys"
+SSHAPI = str(Path(sys.executable).parent / "sshapi")
 
 
 async def eventually(predicate: Callable[[], object], timeout: float = 10.0) -> None:
@@ -295,3 +299,41 @@ def make_settings(tmp_path: Path, config_file: Path, db: str, schema: str | None
         replica="test-replica",
         shutdown_grace=0.5,
     )
+
+
+@contextmanager
+def server_process(settings: Settings) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """`sshapi serve` as its own process (to be SIGKILLed by a test), configured by `settings`
+    through SSHAPI_* variables; yields it and its base URL once /readyz answers 200. Killed on
+    exit if still running."""
+    port = free_port()
+    env = {
+        **os.environ,
+        "SSHAPI_DATA_DIR": str(settings.data_dir),
+        "SSHAPI_PORT": str(port),
+        "SSHAPI_REPLICA": settings.replica,
+        "SSHAPI_DATABASE_URL": settings.resolved_database_url,
+        "SSHAPI_LOG_LEVEL": "warning",
+    }
+    if settings.config is not None:
+        env["SSHAPI_CONFIG"] = str(settings.config)
+    if settings.database_schema:
+        env["SSHAPI_DATABASE_SCHEMA"] = settings.database_schema
+    proc = subprocess.Popen([SSHAPI, "serve"], env=env, stdin=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, "sshapi serve exited during startup"
+            assert time.monotonic() < deadline, "sshapi serve not ready within 30 s"
+            try:
+                if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)

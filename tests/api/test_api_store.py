@@ -6,8 +6,10 @@ import asyncio
 from typing import Any
 
 import pytest
+from sqlalchemy import text
 from sqlalchemy.exc import IntegrityError
 
+from api.settings import Settings
 from api.store import JobRow, Store, new_id, utcnow
 
 
@@ -78,3 +80,28 @@ async def test_update_only_active_never_overwrites_a_final_state(store: Store) -
     assert await store.update(row.id, only_active=True, state="running") is False
     back = await store.get(row.id)
     assert back is not None and back.state == "cancelled"
+
+
+async def test_a_database_from_before_batch_jobs_gets_the_new_columns_on_start(
+    store: Store, store_settings: Settings
+) -> None:
+    """An existing table lacking columns added since (here: the batch ones) is completed on
+    start: its rows read back as commands, and new rows use the new columns."""
+    old = job()
+    await store.insert(old)
+    added = ("kind", "batch", "scheduler_job_id", "scheduler_state", "scheduler_reason")
+    async with store._session() as session, session.begin():
+        for column in added:
+            await session.execute(text(f"ALTER TABLE sshapi_jobs DROP COLUMN {column}"))
+    await store.close()
+    again = Store(store_settings.resolved_database_url, schema=store_settings.database_schema)
+    await again.start()
+    try:
+        row = await again.get(old.id)
+        assert row is not None and row.kind is None and row.batch is None
+        new = job(kind="batch", batch={"script": "#!/bin/sh\n"}, scheduler_job_id="7")
+        await again.insert(new)
+        assert [r.id for r in await again.active_batch("r1")] == [new.id]
+        assert await again.mark_lost("r1") == 1  # the command; the batch job stays tracked
+    finally:
+        await again.close()

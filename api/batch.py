@@ -1,0 +1,301 @@
+"""Batch jobs: `POST /v1/jobs` with `batch` on a host whose configuration names a scheduler.
+
+The job service admits the request and inserts the job `queued` (durable, keyed by its id) before
+anything reaches the host; then, here:
+
+    submit:  sbatch, script on stdin, `--comment` = digest of the job id -> scheduler_job_id
+    track:   one Tracker per host: one squeue for all of the host's jobs per interval, backing off
+             while nothing changes -> state, scheduler_state, exit status, times
+    cancel:  scancel from any replica (the scheduler, not this process, owns the job)
+    output:  byte ranges of the job's output files, read over SSH as the job's account
+
+No duplicates: a client's retry with the same Idempotency-Key replays the job row, so the API
+never runs sbatch twice for one key; and sbatch's own unknown outcomes (connection lost, timeout)
+are settled by looking the job id up in the scheduler (`SlurmClient.submit`). A process that dies
+during sbatch leaves the row `queued` without a scheduler id: the next start of the same replica
+looks the id up (`recover`) and adopts the job, or records `error` (nothing ran; a retry is safe).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import signal
+from typing import Any
+
+from sqlalchemy import func
+
+from api.config import Config
+from api.metrics import Metrics
+from api.policy import Policy
+from api.problems import Problem, retry_after
+from api.scheduler import (
+    BatchRequest,
+    JobStatus,
+    OutputChunk,
+    SchedulerError,
+    SlurmClient,
+    Stream,
+    SubmissionUnknown,
+    SubmitRejected,
+    Tracker,
+    batch_options,
+)
+from api.store import FINAL, JobRow, Store, utcnow
+from sshpool import Pool, SSHPoolError, Target
+
+log = logging.getLogger("sshapi.batch")
+
+CANCEL_WAIT = 15.0  # seconds DELETE waits for the scheduler to report the job cancelled
+# A lookup that cannot reach the host is retried this long before the job is called `lost`.
+RESOLVE_FOR = 600.0
+
+ERRORS_SAYING = {
+    "timed_out": "the job exceeded its time limit",
+    "lost": "the scheduler no longer knows the job (finished too long ago, or purged)",
+}
+
+
+def signal_name(number: int | None) -> str | None:
+    if number is None:
+        return None
+    with contextlib.suppress(ValueError):
+        return signal.Signals(number).name.removeprefix("SIG")
+    return str(number)
+
+
+class BatchJobs:
+    """The batch jobs of every host with a scheduler, for one API process."""
+
+    def __init__(
+        self, config: Config, policy: Policy, store: Store, pool: Pool, metrics: Metrics
+    ) -> None:
+        self.config = config
+        self.policy = policy
+        self.store = store
+        self.pool = pool
+        self.metrics = metrics
+        self.trackers: dict[str, Tracker] = {}
+        # (host, scheduler job id) -> job id, for the jobs this process tracks.
+        self._jobs: dict[tuple[str, str], str] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def client(self, host_name: str, target: Target) -> SlurmClient:
+        scheduler = self.config.hosts[host_name].scheduler
+        assert scheduler is not None
+        return SlurmClient(
+            self.pool,
+            target,
+            acquire_timeout=self.config.api.queue_timeout,
+            settle=scheduler.settle,
+        )
+
+    def _background(self, coro: Any, name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ---- lifecycle
+
+    async def start(self, replica: str) -> None:
+        """A tracker per host with a scheduler (idle, no SSH, while it tracks nothing); the jobs
+        an earlier run of this replica left active are tracked again or resolved."""
+        for name, host in self.config.hosts.items():
+            if host.scheduler is None:
+                continue
+            tracker = Tracker(
+                self.client(name, host.target()),
+                interval=host.scheduler.poll_interval,
+                max_interval=host.scheduler.max_poll_interval,
+                on_change=functools.partial(self._record, name),
+            )
+            self.trackers[name] = tracker
+            self._background(tracker.run(), f"track-{name}")
+        for row in await self.store.active_batch(replica):
+            if row.host not in self.trackers:
+                await self._update(row, state="lost", error="the host has no scheduler any more")
+            elif row.scheduler_job_id is not None:
+                self._track(row.host, row.scheduler_job_id, row.id)
+            else:
+                self._background(self._resolve(row), f"resolve-{row.id}")
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # ---- submit
+
+    def require(self, host_name: str) -> None:
+        """422 unless the host takes batch jobs."""
+        if self.config.hosts[host_name].scheduler is None:
+            raise Problem(
+                422,
+                "no-scheduler",
+                "Host takes no batch jobs",
+                f"host {host_name!r} has no scheduler configured: send argv or a template",
+            )
+
+    async def submit(self, row: JobRow, target: Target, request: BatchRequest) -> None:
+        """Run sbatch for an admitted job and record the outcome in the store and in ``row``.
+        An SSHPoolError means sbatch never ran (the pool retries a connection lost before the
+        start; a later loss is settled here): the caller records it like any command's."""
+        client = self.client(row.host, target)
+        try:
+            submitted = await client.submit(
+                request.script, request.options(), row.id, look_first=False
+            )
+        except SubmitRejected as exc:
+            await self._update(row, **_rejected(exc))
+            return
+        except (SubmissionUnknown, SchedulerError) as exc:
+            # sbatch may have run: only the scheduler can tell, later.
+            log.warning("job %s: submission outcome unknown (%s); resolving", row.id, exc)
+            self._background(self._resolve(row), f"resolve-{row.id}")
+            return
+        await self._update(row, scheduler_job_id=submitted.job_id)
+        self._track(row.host, submitted.job_id, row.id)
+
+    async def _resolve(self, row: JobRow) -> None:
+        """Settle a submission whose outcome is unknown: adopt the scheduler's job carrying the
+        job id, or record that nothing ran. Retried while the host cannot be asked."""
+        client = self.client(row.host, self.target_of(row))
+        delay, waited = 1.0, 0.0
+        while True:
+            try:
+                found = await client.find_by_key(row.id)
+                break
+            except (SSHPoolError, SchedulerError) as exc:
+                if waited >= RESOLVE_FOR:
+                    await self._update(row, state="lost", error=f"submission unknown: {exc}")
+                    return
+                await asyncio.sleep(delay)
+                waited += delay
+                delay = min(delay * 2, 30.0)
+        if found is None:
+            await self._update(
+                row,
+                state="error",
+                error="sbatch did not go through (no scheduler job carries this job's id)",
+                error_kind="batch-not-submitted",
+                idempotency_key=None,
+                finished_at=utcnow(),
+            )
+            return
+        log.info("job %s: adopted scheduler job %s", row.id, found)
+        await self._update(row, scheduler_job_id=found)
+        self._track(row.host, found, row.id)
+
+    # ---- tracking
+
+    def _track(self, host: str, scheduler_job_id: str, job_id: str) -> None:
+        self._jobs[(host, scheduler_job_id)] = job_id
+        self.trackers[host].track(scheduler_job_id)
+
+    async def _record(self, host: str, status: JobStatus) -> None:
+        job_id = self._jobs.get((host, status.job_id))
+        if job_id is None:
+            return
+        values: dict[str, Any] = {
+            "state": status.state,
+            "scheduler_state": status.scheduler_state,
+            "scheduler_reason": status.reason,
+        }
+        if status.state != "queued":
+            values["started_at"] = func.coalesce(JobRow.started_at, utcnow())
+        if status.final:
+            del self._jobs[(host, status.job_id)]
+            values |= {
+                "exit_status": status.exit_code,
+                "exit_signal": signal_name(status.signal),
+                "finished_at": utcnow(),
+                "error": ERRORS_SAYING.get(status.state),
+            }
+        # only_active: a final state recorded first (by a cancel on any replica) stays.
+        changed = await self.store.update(job_id, only_active=True, **values)
+        if changed and status.final:
+            self.metrics.jobs.labels(host, status.state).inc()
+
+    async def wait(self, row: JobRow, seconds: float) -> JobRow:
+        """Hold until the scheduler reports the job final or ``seconds`` pass; the stored row."""
+        tracker = self.trackers.get(row.host)
+        if seconds <= 0 or row.scheduler_job_id is None or tracker is None:
+            return row
+        with contextlib.suppress(TimeoutError):
+            await tracker.wait(row.scheduler_job_id, seconds)
+        return await self.store.get(row.id) or row
+
+    # ---- cancel and output
+
+    def target_of(self, row: JobRow) -> Target:
+        target = self.policy.target_of(row.host, row.target)
+        if target is None:
+            raise Problem(
+                409,
+                "account-gone",
+                "The job's account is no longer configured",
+                f"host {row.host!r} has no account {row.target!r} in the configuration",
+            )
+        return target
+
+    async def cancel(self, row: JobRow) -> JobRow:
+        """scancel, then wait (bounded) for the scheduler to report the job final; 409 if it had
+        finished already or was not submitted yet."""
+        if row.scheduler_job_id is None:
+            raise Problem(
+                409,
+                "not-submitted-yet",
+                "Job not submitted yet",
+                f"job {row.id} has no scheduler job yet; try again",
+                headers=retry_after(1),
+            )
+        client = self.client(row.host, self.target_of(row))
+        job = row.scheduler_job_id
+        status = (await client.states([job]))[job]
+        if not status.final:
+            await client.cancel(job)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + CANCEL_WAIT
+            while not status.final and loop.time() < deadline:
+                await asyncio.sleep(0.2)
+                status = (await client.states([job]))[job]
+        if status.final:
+            self._jobs.setdefault((row.host, job), row.id)
+            await self._record(row.host, status)
+        fresh = await self.store.get(row.id) or row
+        if status.state != "cancelled":
+            raise Problem(
+                409,
+                "job-finished",
+                "Job already finished",
+                f"job {row.id} is {fresh.state} (scheduler: {status.scheduler_state})",
+            )
+        return fresh
+
+    async def output(self, row: JobRow, stream: Stream, offset: int, limit: int) -> OutputChunk:
+        if row.scheduler_job_id is None or row.batch is None:
+            return OutputChunk(b"", offset, None)
+        path = batch_options(row.batch).output_path(row.scheduler_job_id, row.id, stream)
+        client = self.client(row.host, self.target_of(row))
+        return await client.read_output(path, offset, limit)
+
+    async def _update(self, row: JobRow, **values: Any) -> None:
+        if values.get("state") in FINAL:
+            values.setdefault("finished_at", utcnow())
+        changed = await self.store.update(row.id, only_active=True, **values)
+        if changed and values.get("state") in FINAL:
+            self.metrics.jobs.labels(row.host, values["state"]).inc()
+        for name, value in values.items():
+            setattr(row, name, value)
+
+
+def _rejected(exc: SubmitRejected) -> dict[str, Any]:
+    # Nothing was submitted: release the key so that a corrected request may reuse it.
+    return {
+        "state": "error",
+        "error": str(exc),
+        "error_kind": "batch-rejected",
+        "idempotency_key": None,
+    }
