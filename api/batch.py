@@ -23,6 +23,7 @@ import contextlib
 import functools
 import logging
 import signal
+from collections.abc import Iterator
 from typing import Any
 
 from sqlalchemy import func
@@ -30,7 +31,7 @@ from sqlalchemy import func
 from api.config import Config
 from api.metrics import Metrics
 from api.policy import Policy
-from api.problems import Problem, retry_after
+from api.problems import Problem, retry_after, ssh_problem
 from api.scheduler import (
     BatchRequest,
     JobStatus,
@@ -243,6 +244,10 @@ class BatchJobs:
     async def cancel(self, row: JobRow) -> JobRow:
         """scancel, then wait (bounded) for the scheduler to report the job final; 409 if it had
         finished already or was not submitted yet."""
+        with answered_as_problem(row):
+            return await self._cancel(row)
+
+    async def _cancel(self, row: JobRow) -> JobRow:
         if row.scheduler_job_id is None:
             raise Problem(
                 409,
@@ -279,7 +284,8 @@ class BatchJobs:
             return OutputChunk(b"", offset, None)
         path = batch_options(row.batch).output_path(row.scheduler_job_id, row.id, stream)
         client = self.client(row.host, self.target_of(row))
-        return await client.read_output(path, offset, limit)
+        with answered_as_problem(row):
+            return await client.read_output(path, offset, limit)
 
     async def _update(self, row: JobRow, **values: Any) -> None:
         if values.get("state") in FINAL:
@@ -289,6 +295,19 @@ class BatchJobs:
             self.metrics.jobs.labels(row.host, values["state"]).inc()
         for name, value in values.items():
             setattr(row, name, value)
+
+
+@contextlib.contextmanager
+def answered_as_problem(row: JobRow) -> Iterator[None]:
+    """SSH and scheduler failures of a request about a job, as its HTTP answer."""
+    try:
+        yield
+    except SSHPoolError as exc:
+        raise ssh_problem(exc, job_id=row.id) from exc
+    except SchedulerError as exc:
+        raise Problem(
+            502, "scheduler-error", "The scheduler command failed", str(exc), job_id=row.id
+        ) from exc
 
 
 def _rejected(exc: SubmitRejected) -> dict[str, Any]:

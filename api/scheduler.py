@@ -523,9 +523,11 @@ class SlurmClient:
         if not path or "\0" in path or "\n" in path:
             raise ValueError("bad output path")
         quoted = shlex.quote(path if path.startswith("/") else "./" + path)
-        # The size on the first line, then the range; tail seeks on regular files.
+        # The size on the first line, then the range; tail seeks on regular files. The pipeline's
+        # status is head's (dash has no pipefail), so readability is checked before.
         line = (
-            f"stat -c %s -- {quoted} || exit 3; tail -c +{offset + 1} -- {quoted} | head -c {limit}"
+            f"stat -c %s -- {quoted} || exit 3; test -r {quoted} || exit 4; "
+            f"tail -c +{offset + 1} -- {quoted} | head -c {limit}"
         )
         result = await self._run(line, max_output=limit + 64)
         if result.exit_status == 3:

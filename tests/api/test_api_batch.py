@@ -8,6 +8,7 @@ the module starts and checked by its last test.
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import signal
 import time
@@ -20,7 +21,7 @@ import pytest
 from api_helpers import Api, Keys, config_toml, eventually, make_settings, server_process
 
 from api.config import load_config
-from api.scheduler import key_comment
+from api.scheduler import BatchOptions, key_comment
 from api.settings import Settings
 from sshpool import Pool
 from sshpool.local_host import LocalHost
@@ -315,3 +316,16 @@ async def test_time_limit_exceeded_is_timed_out(api: Api, overtime_job: str) -> 
     job = await api.until_final(overtime_job, timeout=110)
     assert (job["state"], job["scheduler"]["state"]) == ("timed_out", "TIMEOUT")
     assert job["exit_signal"] == "TERM" and "time limit" in job["error"]
+
+
+async def test_an_unreadable_output_file_is_a_502_not_empty_bytes(
+    api: Api, workdir: str, slurm_host: LocalHost
+) -> None:
+    r = await api.submit(batch(workdir, "echo secret\n"), wait=30)
+    job = r.json()
+    assert job["state"] == "succeeded", r.text
+    path = BatchOptions(workdir=workdir).output_path(job["scheduler"]["job_id"], job["id"], "stdout")
+    os.chmod(path, 0)
+    answer = await output(api, job["id"])
+    assert answer.status_code == 502
+    assert answer.json()["type"].endswith(":scheduler-error")
