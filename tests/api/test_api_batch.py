@@ -324,7 +324,8 @@ async def test_an_unreadable_output_file_is_a_502_not_empty_bytes(
     r = await api.submit(batch(workdir, "echo secret\n"), wait=30)
     job = r.json()
     assert job["state"] == "succeeded", r.text
-    path = BatchOptions(workdir=workdir).output_path(job["scheduler"]["job_id"], job["id"], "stdout")
+    options = BatchOptions(workdir=workdir)
+    path = options.output_path(job["scheduler"]["job_id"], job["id"], "stdout")
     os.chmod(path, 0)
     answer = await output(api, job["id"])
     assert answer.status_code == 502
