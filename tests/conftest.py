@@ -40,10 +40,11 @@ def _require_sshd() -> None:
 
 
 def _session_host(
-    tmp_path_factory: pytest.TempPathFactory, profile: Profile
+    tmp_path_factory: pytest.TempPathFactory, profile: Profile, name: str = "", **kwargs: Any
 ) -> Iterator[LocalHost]:
     _require_sshd()
-    host = LocalHost(f"{profile}-session", profile, data_dir=tmp_path_factory.mktemp("data"))
+    data_dir = tmp_path_factory.mktemp("data")
+    host = LocalHost(name or f"{profile}-session", profile, data_dir=data_dir, **kwargs)
     host.start()
     try:
         yield host
@@ -105,17 +106,9 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSlurm]:
 
 @pytest.fixture(scope="session")
 def slurm_host(slurm: LocalSlurm, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalHost]:
-    host = LocalHost(
-        "slurm-login",
-        "tuned",
-        data_dir=tmp_path_factory.mktemp("login"),
-        overrides=slurm.sshd_overrides(),
+    yield from _session_host(
+        tmp_path_factory, "tuned", "slurm-login", overrides=slurm.sshd_overrides()
     )
-    host.start()
-    try:
-        yield host
-    finally:
-        host.stop(kill_sessions=True)
 
 
 @pytest.fixture(scope="session")
