@@ -21,6 +21,7 @@ from api.jobs import JobService
 from api.metrics import Metrics
 from api.middleware import RequestContext
 from api.policy import Policy
+from api.quota import make_quota
 from api.routes_hosts import router as hosts_router
 from api.routes_jobs import router as jobs_router
 from api.routes_ops import router as ops_router
@@ -110,7 +111,15 @@ def create_app(
             auth=Authenticator(config.issuers, settings.hs256_secret, http),
             store=the_store,
             pool=the_pool,
-            jobs=JobService(config, policy, the_store, the_pool, metrics, settings.replica),
+            jobs=JobService(
+                config,
+                policy,
+                the_store,
+                the_pool,
+                metrics,
+                settings.replica,
+                make_quota(settings.redis_url),
+            ),
             metrics=metrics,
             http=http,
         )
@@ -133,6 +142,7 @@ def create_app(
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.gather(*warm, return_exceptions=True)
             await services.jobs.close(settings.shutdown_grace)
+            await services.jobs.quota.close()
             if own_pool:
                 await the_pool.close()
             await http.aclose()

@@ -13,6 +13,15 @@ remote process tree while the outer task still records the outcome, uncancelled.
 
 A batch job (`batch` in the body) is admitted the same way; its task runs sbatch only, and the
 scheduler owns the job from then on (api/batch.py).
+
+Cancelling a job another replica runs (several replicas share PostgreSQL): the store records the
+remote process group id when the command starts, so the replica that gets the DELETE marks the
+row `cancel_requested` and kills the group itself, over its own pool, as the owner's account. The
+owner then sees its command end and, finding the mark, records `cancelled` (not `failed`). A job
+still queued on its owner has no process group yet: the owner's `running` write is conditional on
+no mark, so it finds the mark there and cancels its own task. One of the two always happens: both
+writes are single-row updates the database orders. No replica polls for cancel requests; only the
+DELETE itself re-reads the row (backing off) until the owner has recorded the outcome.
 """
 
 from __future__ import annotations
@@ -23,7 +32,6 @@ import hashlib
 import json
 import logging
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,8 +41,9 @@ from api.auth import Principal
 from api.batch import BatchJobs
 from api.config import Config
 from api.metrics import Metrics
-from api.policy import Grant, Policy, RateLimiter, render
-from api.problems import Problem, error_kind, retry_after, ssh_problem
+from api.policy import Grant, Policy, render
+from api.problems import Problem, error_kind, ssh_problem
+from api.quota import LocalQuota, Quota
 from api.scheduler import MAX_READ, OutputChunk, Stream
 from api.schemas import JobRequest
 from api.store import FINAL, JobRow, Store, new_id, utcnow
@@ -44,6 +53,8 @@ from sshpool import CommandResult, CommandTimeout, ConnectionLost, Pool, SSHPool
 log = logging.getLogger("sshapi.jobs")
 
 CANCEL_WAIT = 15.0  # seconds DELETE waits for the runner to record `cancelled`
+# A DELETE of another replica's job re-reads the row from this delay up to the cap, doubling.
+CANCEL_POLL = (0.02, 0.5)
 
 
 @dataclass(slots=True)
@@ -55,9 +66,14 @@ class Running:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     # Set by the pool once the remote command runs (its wrapper's marker line arrived).
     started: asyncio.Event = field(default_factory=asyncio.Event)
+    pgid: int | None = None
     runner: asyncio.Task[None] | None = None
     command: asyncio.Task[CommandResult] | None = None
     cancel_reason: str | None = None
+
+    def on_started(self, pgid: int) -> None:
+        self.pgid = pgid
+        self.started.set()
 
 
 def request_hash(body: JobRequest) -> str:
@@ -74,6 +90,7 @@ class JobService:
         pool: Pool,
         metrics: Metrics,
         replica: str,
+        quota: Quota | None = None,
     ) -> None:
         self.config = config
         self.policy = policy
@@ -81,10 +98,9 @@ class JobService:
         self.pool = pool
         self.metrics = metrics
         self.replica = replica
-        self.rates = RateLimiter()
+        self.quota = quota or LocalQuota()
         self.batch = BatchJobs(config, policy, store, pool, metrics)
         self._running: dict[str, Running] = {}
-        self._active: Counter[tuple[str, str]] = Counter()
 
     # ---- reading
 
@@ -139,20 +155,16 @@ class JobService:
             if replay is not None:
                 return replay, True
         rule = grant.rule
-        self.rates.take(who, rule.rate, rule.burst)
         owner = key_of(who)
-        if self._active[owner] >= rule.max_concurrent:
-            raise Problem(
-                429,
-                "too-many-jobs",
-                "Too many active jobs",
-                f"at most {rule.max_concurrent} jobs at once",
-                headers=retry_after(1),
-            )
+        await self.quota.take(owner, rule.rate, rule.burst)
         timeout = min(body.timeout or api.default_timeout, rule.max_timeout)
         batch = body.batch.model_dump() if body.batch is not None else None
+        job_id = new_id()
+        # Counted before the insert so concurrent submissions see it; never active for longer
+        # than it can wait for a channel and run, plus a margin for the kill and the store.
+        await self.quota.enter(owner, job_id, rule.max_concurrent, api.queue_timeout + timeout + 60)
         row = JobRow(
-            id=new_id(),
+            id=job_id,
             owner_iss=who.issuer,
             owner_sub=who.subject,
             replica=self.replica,
@@ -177,13 +189,11 @@ class JobService:
             kind="batch" if batch else "command",
             batch=batch,
         )
-        # Count the job before the first await so concurrent submissions see it.
-        self._active[owner] += 1
         try:
             with stage("store"):
                 await self.store.insert(row)
         except IntegrityError:
-            self._active[owner] -= 1
+            await self.quota.leave(owner, job_id)
             # A concurrent request with the same key won the insert: answer as its replay.
             assert idempotency_key is not None
             replay = await self._replay(who, idempotency_key, digest)
@@ -191,7 +201,7 @@ class JobService:
                 raise
             return replay, True
         except BaseException:
-            self._active[owner] -= 1
+            await self.quota.leave(owner, job_id)
             raise
         job = Running(row=row, owner=owner)
         self._running[row.id] = job
@@ -210,7 +220,7 @@ class JobService:
                 timeout=timeout,
                 acquire_timeout=api.queue_timeout,
                 max_output=rule.max_output,
-                on_started=job.started.set,
+                on_started=job.on_started,
             )
         )
         job.runner = asyncio.create_task(self._run(job, timeout), name=f"job-{row.id}")
@@ -264,7 +274,7 @@ class JobService:
             log.exception("batch job %s failed unexpectedly", job.row.id)
             await self._record_outcome(job.row, _internal_error())
         finally:
-            self._finish(job)
+            await self._finish(job)
 
     async def _record_outcome(self, row: JobRow, values: dict[str, Any]) -> None:
         try:
@@ -280,10 +290,17 @@ class JobService:
 
         async def mark_running() -> None:
             await started.wait()
-            row.state, row.started_at = "running", utcnow()
-            await self.store.update(
-                row.id, only_active=True, state="running", started_at=row.started_at
-            )
+            row.state, row.started_at, row.pgid = "running", utcnow(), job.pgid
+            if not await self.store.update(
+                row.id,
+                only_active=True,
+                unless_cancel_requested=True,
+                state="running",
+                started_at=row.started_at,
+                pgid=job.pgid,
+            ):
+                # Another replica asked to cancel it before it started (see the docstring).
+                await self._apply_cancel_request(job)
 
         marker = asyncio.create_task(mark_running())
         values: dict[str, Any]
@@ -309,15 +326,19 @@ class JobService:
             else:
                 marker.cancel()
         values["finished_at"] = utcnow()
+        if values["state"] in ("failed", "lost"):
+            # Killed by another replica's cancel? Then it is `cancelled`, not a failure.
+            with contextlib.suppress(Exception):  # unreadable: record what we saw
+                current = await self.store.get(row.id)
+                if current is not None and current.cancel_requested is not None:
+                    values.update(state="cancelled", error=current.cancel_requested)
         await self._record_outcome(row, values)
-        self._finish(job)
+        await self._finish(job)
 
-    def _finish(self, job: Running) -> None:
+    async def _finish(self, job: Running) -> None:
         row = job.row
+        await self.quota.leave(job.owner, row.id)
         self._running.pop(row.id, None)
-        self._active[job.owner] -= 1
-        if self._active[job.owner] <= 0:
-            del self._active[job.owner]
         self.metrics.jobs_active.labels(row.host).dec()
         if row.state in FINAL:  # a submitted batch job is counted when the scheduler ends it
             self.metrics.jobs.labels(row.host, row.state).inc()
@@ -355,14 +376,7 @@ class JobService:
             return await self.batch.cancel(row)
         job = self._running.get(job_id)
         if job is None or job.command is None:
-            # Another replica runs it: we cannot reach its task.
-            raise Problem(
-                409,
-                "job-not-here",
-                "Job runs elsewhere",
-                f"job {job_id} is {row.state} on replica {row.replica!r}; cancel it there",
-                headers=retry_after(1),
-            )
+            return await self._cancel_elsewhere(who, row)
         job.cancel_reason = f"cancelled by {who.subject}"
         job.command.cancel()
         with contextlib.suppress(TimeoutError):
@@ -371,6 +385,46 @@ class JobService:
         if job.row.state != "cancelled":
             raise _already_finished(job.row)
         return job.row
+
+    async def _apply_cancel_request(self, job: Running) -> None:
+        current = await self.store.get(job.row.id)
+        if current is not None and current.state not in FINAL and job.command is not None:
+            job.cancel_reason = current.cancel_requested or "cancelled"
+            job.command.cancel()
+
+    async def _cancel_elsewhere(self, who: Principal, row: JobRow) -> JobRow:
+        """Cancel a job another replica runs (see the module docstring). A running job is
+        killed here and answered once its owner recorded `cancelled` (still active after
+        CANCEL_WAIT: its owner is down; it turns `cancelled` when that replica restarts). A
+        queued job is answered at once, as it is: its owner cancels it when it would start."""
+        reason = f"cancelled by {who.subject}"
+        with stage("store"):
+            marked = await self.store.update(row.id, only_active=True, cancel_requested=reason)
+            current = await self.store.get(row.id)
+        if current is None or not marked:
+            raise _already_finished(current or row)
+        if current.pgid is None:
+            return current
+        target = self.policy.target_of(current.host, current.target)
+        if target is None:  # its host or account left the configuration: nothing to reach
+            return current
+        try:
+            await self.pool.kill(target, current.pgid)
+        except SSHPoolError as exc:
+            raise ssh_problem(exc, job_id=row.id) from exc
+        except TimeoutError as exc:
+            detail = f"the kill of job {row.id} did not finish in time; retry"
+            raise ssh_problem(None, "pool-timeout", detail=detail, job_id=row.id) from exc
+        delay, cap = CANCEL_POLL
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(CANCEL_WAIT):
+                while current.state not in FINAL:
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, cap)
+                    current = await self.store.get(row.id) or current
+        if current.state in FINAL and current.state != "cancelled":
+            raise _already_finished(current)
+        return current
 
     # ---- output
 

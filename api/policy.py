@@ -1,17 +1,16 @@
-"""Who may run what where: identity -> policy rule, per-identity token buckets, templates."""
+"""Who may run what where: identity -> policy rule, templates. (Rates and caps: api/quota.py.)"""
 
 from __future__ import annotations
 
 import math
 import re
-import time
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any
 
 from api.auth import Principal
 from api.config import PLACEHOLDER, Config, HostConfig, ParamSpec, PolicyRule, TemplateConfig
-from api.problems import Problem, retry_after
+from api.problems import Problem
 from sshpool.target import Target
 
 
@@ -82,42 +81,6 @@ class Policy:
 
     def template_allowed(self, grant: Grant, name: str) -> bool:
         return _listed(name, grant.rule.templates)
-
-
-class RateLimiter:
-    """Token buckets per identity (per replica: N replicas allow N times the rate)."""
-
-    MAX_BUCKETS = 100_000
-
-    def __init__(self) -> None:
-        # identity -> (tokens, last refill time)
-        self._buckets: dict[tuple[str, str], tuple[float, float]] = {}
-
-    def take(self, who: Principal, rate: float, burst: int) -> None:
-        """Spend one token or raise 429 with the seconds until the next one."""
-        key = (who.issuer, who.subject)
-        now = time.monotonic()
-        tokens, last = self._buckets.get(key, (float(burst), now))
-        tokens = min(float(burst), tokens + (now - last) * rate)
-        if tokens < 1.0:
-            self._buckets[key] = (tokens, now)
-            wait = (1.0 - tokens) / rate
-            raise Problem(
-                429,
-                "rate-limited",
-                "Too many requests",
-                f"at most {rate:g} jobs/s (burst {burst}); retry in {wait:.1f} s",
-                headers=retry_after(wait),
-            )
-        self._buckets[key] = (tokens - 1.0, now)
-        if len(self._buckets) > self.MAX_BUCKETS:
-            self._prune(now)
-
-    def _prune(self, now: float) -> None:
-        # A bucket idle for an hour is (nearly always) full again: forgetting it costs nothing.
-        idle = [k for k, (_, last) in self._buckets.items() if now - last > 3600]
-        for k in idle:
-            del self._buckets[k]
 
 
 def _invalid(detail: str) -> Problem:

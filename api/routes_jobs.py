@@ -177,8 +177,16 @@ async def job_output(
 @router.delete(
     "/{job_id}",
     response_model=Job,
-    responses={**ERRORS, 409: _problem("The job already finished.")},
+    responses={
+        **ERRORS,
+        202: {"description": "Another replica runs the job; the cancel is recorded, not done yet."},
+        409: _problem("The job already finished."),
+    },
     summary="Cancel a job: kill its remote process tree",
 )
-async def cancel_job(job_id: str, who: Writer, svc: Svc) -> Job:
-    return Job.of(await svc.jobs.cancel(who, job_id))
+async def cancel_job(job_id: str, who: Writer, svc: Svc, response: Response) -> Job:
+    row = await svc.jobs.cancel(who, job_id)
+    if row.state not in FINAL:
+        # Another replica owns it and has not recorded the cancel yet (busy, or down).
+        response.status_code = 202
+    return Job.of(row)

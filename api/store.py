@@ -26,6 +26,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    case,
     event,
     inspect,
     or_,
@@ -106,6 +107,10 @@ class JobRow(Base):
     scheduler_job_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
     scheduler_state: Mapped[str | None] = mapped_column(String(64), nullable=True)
     scheduler_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # The remote process group of a started command (the wrapper's `$$`), so that any replica
+    # can kill it; and why a replica other than the owner asked to cancel it.
+    pgid: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    cancel_requested: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
 def _sqlite_pragmas(dbapi_conn: DBAPIConnection, _record: ConnectionPoolEntry) -> None:
@@ -183,12 +188,22 @@ class Store:
             row: JobRow | None = (await session.execute(query)).scalar_one_or_none()
             return row
 
-    async def update(self, job_id: str, *, only_active: bool = False, **values: Any) -> bool:
+    async def update(
+        self,
+        job_id: str,
+        *,
+        only_active: bool = False,
+        unless_cancel_requested: bool = False,
+        **values: Any,
+    ) -> bool:
         """Set columns of one job; with only_active, only while it is queued or running (so a
-        late writer never overwrites a final state). True if a row changed."""
+        late writer never overwrites a final state); with unless_cancel_requested, only while
+        no other replica asked to cancel it. True if a row changed."""
         query = update(JobRow).where(JobRow.id == job_id).values(**values)
         if only_active:
             query = query.where(JobRow.state.in_(ACTIVE))
+        if unless_cancel_requested:
+            query = query.where(JobRow.cancel_requested.is_(None))
         async with self._session() as session, session.begin():
             result = await session.execute(query)
             return bool(getattr(result, "rowcount", 0))
@@ -216,15 +231,20 @@ class Store:
             return list((await session.execute(query)).scalars())
 
     async def mark_lost(self, replica: str) -> int:
-        """Commands this replica left queued or running when it died: their outcome is unknown.
-        Batch jobs are not touched: the scheduler still knows them (see `active_batch`)."""
+        """Commands this replica left queued or running when it died: their outcome is unknown,
+        except those another replica cancelled (and killed) meanwhile. Batch jobs are not
+        touched: the scheduler still knows them (see `active_batch`)."""
+        cancelled = JobRow.cancel_requested.is_not(None)
         query = (
             update(JobRow)
             .where(JobRow.replica == replica, JobRow.state.in_(ACTIVE))
             .where(or_(JobRow.kind.is_(None), JobRow.kind != "batch"))
             .values(
-                state="lost",
-                error="the API restarted while the job was active",
+                state=case((cancelled, "cancelled"), else_="lost"),
+                error=case(
+                    (cancelled, JobRow.cancel_requested),
+                    else_="the API restarted while the job was active",
+                ),
                 finished_at=utcnow(),
             )
         )

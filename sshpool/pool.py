@@ -363,13 +363,14 @@ class Pool:
         timeout: float | None = None,
         acquire_timeout: float | None = None,
         max_output: int = 1 << 20,
-        on_started: Callable[[], None] | None = None,
+        on_started: Callable[[int], None] | None = None,
     ) -> CommandResult:
         """Run `command` (argv, quoted for the remote shell, or a raw shell line) on `target`.
 
         Raises PoolTimeout, PoolFull, HostUnavailable, ConnectTimeout, ConnectError,
         CommandTimeout (with the partial result) or ConnectionLost(started=True). Cancelling the
-        caller kills the remote process group.
+        caller kills the remote process group. `on_started(pgid)` is called once the remote
+        command runs, with its process group id (what `kill` takes).
         """
         line = wrap(command if isinstance(command, str) else command_line(command))
         host = self._host(target)
@@ -383,8 +384,8 @@ class Pool:
 
         def started() -> None:
             started_at.append(time.perf_counter())
-            if on_started is not None:
-                on_started()
+            if on_started is not None and out.pgid is not None:
+                on_started(out.pgid)
 
         while True:
             c = await host.acquire(deadline)
@@ -483,6 +484,19 @@ class Pool:
             finally:
                 host._release(other)
         host.counters["killed"] += 1
+
+    async def kill(self, target: Target, pgid: int) -> None:
+        """Kill a process group on `target` that was started elsewhere (by another process
+        sharing the account, e.g. another API replica): TERM, then KILL after a grace period.
+        Raises PoolTimeout, PoolFull, HostUnavailable, ConnectError or TimeoutError."""
+        host = self._host(target)
+        c = await host.acquire(host.loop.time() + KILL_TIMEOUT)
+        try:
+            async with asyncio.timeout(KILL_TIMEOUT):
+                await c.conn.exec(kill_group_line(pgid), None, Capture(4096), Capture(4096))
+            host.counters["killed"] += 1
+        finally:
+            host._release(c)
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per target: connections, channels in use, waiters, handshakes in flight, counters."""

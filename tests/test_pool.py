@@ -124,7 +124,9 @@ async def test_cancel_kills_the_remote_process_tree(stock_host: LocalHost) -> No
     async with Pool() as pool:
         started: asyncio.Event = asyncio.Event()
         task = asyncio.create_task(
-            pool.run(stock_host.target(), f"sleep 60 # {word}", on_started=started.set)
+            pool.run(
+                stock_host.target(), f"sleep 60 # {word}", on_started=lambda _pgid: started.set()
+            )
         )
         await asyncio.wait_for(started.wait(), 10)
         assert stock_host.processes(word)

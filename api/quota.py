@@ -1,0 +1,201 @@
+"""Per-identity admission limits: a token bucket (jobs per second, with a burst) and a cap on
+active (queued + running) jobs. Two implementations of one interface:
+
+- `LocalQuota` (the default): in this process. N replicas allow N times the rate and the cap.
+- `RedisQuota` (SSHAPI_REDIS_URL): shared by every replica, each check one atomic Lua script.
+  Time comes from Redis (`TIME`), so replicas' clocks do not matter.
+
+Active jobs are kept in Redis as a sorted set per identity: member = job id, score = the latest
+time the job can still be active (created + queue timeout + command timeout + a margin). A
+replica that dies without releasing its jobs therefore cannot block their owner for longer than
+those jobs could have run anyway; no heartbeat, no cleanup task.
+
+Redis down or slow (every call is bounded by REDIS_TIMEOUT): we fail *open to the local limits*,
+not closed. The limits protect fairness between users, not the hosts (the pool's own caps and
+queue do that), and failing closed would turn a Redis outage into an outage of the whole API.
+While Redis is unreachable each replica enforces the limits on its own, so the worst case is the
+single-process behaviour: N replicas allow N times the rate.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Protocol
+
+from api.problems import Problem, retry_after
+
+log = logging.getLogger("sshapi.quota")
+
+Identity = tuple[str, str]
+REDIS_TIMEOUT = 0.25  # seconds per Redis call before falling back to the local limits
+PREFIX = "sshapi:"
+
+
+def rate_limited(rate: float, burst: int, wait: float) -> Problem:
+    return Problem(
+        429,
+        "rate-limited",
+        "Too many requests",
+        f"at most {rate:g} jobs/s (burst {burst}); retry in {wait:.1f} s",
+        headers=retry_after(wait),
+    )
+
+
+def too_many_jobs(cap: int) -> Problem:
+    return Problem(
+        429,
+        "too-many-jobs",
+        "Too many active jobs",
+        f"at most {cap} jobs at once",
+        headers=retry_after(1),
+    )
+
+
+class Quota(Protocol):
+    async def take(self, who: Identity, rate: float, burst: int) -> None:
+        """Spend one token of who's bucket or raise 429 `rate-limited` with Retry-After."""
+
+    async def enter(self, who: Identity, job_id: str, cap: int, ttl: float) -> None:
+        """Count job_id as active for who (at most `ttl` seconds) or raise 429 `too-many-jobs`."""
+
+    async def leave(self, who: Identity, job_id: str) -> None:
+        """The job is no longer active."""
+
+    async def close(self) -> None: ...
+
+
+class LocalQuota:
+    """Token buckets and active-job sets in this process."""
+
+    MAX_BUCKETS = 100_000
+
+    def __init__(self) -> None:
+        # identity -> (tokens, last refill time)
+        self._buckets: dict[Identity, tuple[float, float]] = {}
+        self._active: dict[Identity, set[str]] = {}
+
+    async def take(self, who: Identity, rate: float, burst: int) -> None:
+        now = time.monotonic()
+        tokens, last = self._buckets.get(who, (float(burst), now))
+        tokens = min(float(burst), tokens + (now - last) * rate)
+        if tokens < 1.0:
+            self._buckets[who] = (tokens, now)
+            raise rate_limited(rate, burst, (1.0 - tokens) / rate)
+        self._buckets[who] = (tokens - 1.0, now)
+        if len(self._buckets) > self.MAX_BUCKETS:
+            # A bucket idle for an hour is (nearly always) full again: forgetting it costs nothing.
+            for k in [k for k, (_, t) in self._buckets.items() if now - t > 3600]:
+                del self._buckets[k]
+
+    async def enter(self, who: Identity, job_id: str, cap: int, ttl: float) -> None:
+        jobs = self._active.setdefault(who, set())
+        if len(jobs) >= cap:
+            raise too_many_jobs(cap)
+        jobs.add(job_id)
+
+    async def leave(self, who: Identity, job_id: str) -> None:
+        jobs = self._active.get(who)
+        if jobs is not None:
+            jobs.discard(job_id)
+            if not jobs:
+                del self._active[who]
+
+    async def close(self) -> None:
+        pass
+
+
+# KEYS[1] bucket hash; ARGV rate, burst. Returns {allowed, seconds to wait (string)}.
+TAKE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local rate, burst = tonumber(ARGV[1]), tonumber(ARGV[2])
+local b = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
+local tokens, ts = tonumber(b[1]) or burst, tonumber(b[2]) or now
+tokens = math.min(burst, tokens + math.max(0, now - ts) * rate)
+local ok = 0
+if tokens >= 1 then tokens = tokens - 1; ok = 1 end
+redis.call('HSET', KEYS[1], 'tokens', tokens, 'ts', now)
+redis.call('EXPIRE', KEYS[1], math.ceil(burst / rate) + 1)
+return {ok, tostring((1 - tokens) / rate)}
+"""
+
+# KEYS[1] active-job sorted set; ARGV job id, cap, ttl. Returns 1 if admitted.
+ENTER = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[2]) then return 0 end
+local until_ = now + tonumber(ARGV[3])
+redis.call('ZADD', KEYS[1], until_, ARGV[1])
+local last = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
+redis.call('EXPIREAT', KEYS[1], math.ceil(tonumber(last[2])) + 1)
+return 1
+"""
+
+
+class RedisQuota:
+    """The limits shared by every replica through Redis; the local limits while it is down."""
+
+    def __init__(self, url: str) -> None:
+        import redis.asyncio as aioredis
+
+        self._redis: Any = aioredis.from_url(
+            url, socket_timeout=REDIS_TIMEOUT, socket_connect_timeout=REDIS_TIMEOUT
+        )
+        self._take = self._redis.register_script(TAKE)
+        self._enter = self._redis.register_script(ENTER)
+        self.fallback = LocalQuota()
+        self._down_since: float | None = None
+
+    def _failed(self, exc: Exception) -> None:
+        if self._down_since is None:
+            self._down_since = time.monotonic()
+            log.warning(
+                "Redis unreachable (%s): enforcing limits per replica until it is back", exc
+            )
+
+    def _ok(self) -> None:
+        if self._down_since is not None:
+            self._down_since = None
+            log.warning("Redis is back: limits are shared by all replicas again")
+
+    @staticmethod
+    def _key(kind: str, who: Identity) -> str:
+        # A NUL separates issuer and subject: neither holds one in practice, so keys never clash.
+        return f"{PREFIX}{kind}:{who[0]}\0{who[1]}"
+
+    async def take(self, who: Identity, rate: float, burst: int) -> None:
+        try:
+            ok, wait = await self._take(keys=[self._key("rate", who)], args=[rate, burst])
+        except Exception as exc:  # any Redis or network failure: the local limits apply
+            self._failed(exc)
+            return await self.fallback.take(who, rate, burst)
+        self._ok()
+        if not ok:
+            raise rate_limited(rate, burst, float(wait))
+
+    async def enter(self, who: Identity, job_id: str, cap: int, ttl: float) -> None:
+        try:
+            ok = await self._enter(keys=[self._key("active", who)], args=[job_id, cap, ttl])
+        except Exception as exc:
+            self._failed(exc)
+            return await self.fallback.enter(who, job_id, cap, ttl)
+        self._ok()
+        if not ok:
+            raise too_many_jobs(cap)
+
+    async def leave(self, who: Identity, job_id: str) -> None:
+        # The job may have been counted by either side (Redis went down or came back meanwhile).
+        await self.fallback.leave(who, job_id)
+        try:
+            await self._redis.zrem(self._key("active", who), job_id)
+        except Exception as exc:
+            self._failed(exc)  # the entry expires at its deadline by itself
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+
+def make_quota(redis_url: str | None) -> Quota:
+    return RedisQuota(redis_url) if redis_url else LocalQuota()
