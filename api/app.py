@@ -15,7 +15,7 @@ from fastapi import FastAPI
 
 from api import problems
 from api.auth import Authenticator
-from api.config import Config, HostConfig, default_config, load_config
+from api.config import Config, HostConfig, SshdLimits, default_config, load_config
 from api.deps import Services
 from api.jobs import JobService
 from api.metrics import Metrics
@@ -63,6 +63,7 @@ def local_host_config(data_dir: Path, *, started: LocalHost | None = None) -> Ho
         known_hosts=host.known_hosts,
         description="The embedded local HPC host (OpenSSH sshd on loopback, tuned profile)",
         limits=LOCAL_LIMITS,
+        sshd=SshdLimits(max_startups=30, per_source_max_startups=16, max_sessions=16),
     )
 
 
@@ -123,6 +124,9 @@ def create_app(
             metrics=metrics,
             http=http,
         )
+        for name, host in config.hosts.items():
+            for problem in host.ssh_budget(settings.replicas):
+                log.warning("SSH budget of host %s: %s", name, problem)
         metrics.watch_pool(the_pool.stats)
         metrics.watch_trackers(lambda: services.jobs.batch.trackers)
         await services.jobs.batch.start(settings.replica)

@@ -97,6 +97,20 @@ class SchedulerConfig(Strict):
     settle: float = Field(default=5.0, gt=0)
 
 
+class SshdLimits(Strict):
+    """What the host's sshd (and site) allow, to check the pools of all replicas against."""
+
+    # MaxStartups' first number: unauthenticated connections at once before sshd drops some.
+    max_startups: int = Field(default=10, ge=1)
+    # PerSourceMaxStartups (OpenSSH >= 8.5), when replicas share one source address (one
+    # machine, or behind NAT); unset: not configured on the host.
+    per_source_max_startups: int | None = Field(default=None, ge=1)
+    # MaxSessions: channels per connection.
+    max_sessions: int = Field(default=10, ge=1)
+    # Sessions the account may hold at once (a site limit: pam_limits maxlogins, nproc, policy).
+    max_total_sessions: int | None = Field(default=None, ge=1)
+
+
 class HostConfig(Strict):
     hostname: str
     port: int = Field(default=22, ge=1, le=65535)
@@ -113,6 +127,42 @@ class HostConfig(Strict):
     limits: Limits = Field(default_factory=Limits)
     # Set: the host accepts batch jobs (`batch` in POST /v1/jobs).
     scheduler: SchedulerConfig | None = None
+    # The host's side (OpenSSH defaults): see ssh_budget.
+    sshd: SshdLimits = Field(default_factory=SshdLimits)
+
+    def ssh_budget(self, replicas: int) -> list[str]:
+        """Where `replicas` API processes, each with this pool, would exceed the host's limits.
+        Each replica has its own pool, so the host sees the sum: handshakes in flight up to
+        replicas x max_handshakes, which must stay below MaxStartups' first number (beyond it
+        sshd drops connections at random); sessions up to replicas x max_connections x
+        max_sessions. Per connection, max_sessions stays below MaxSessions: the kill of a
+        cancelled command needs a spare channel, and sshd frees a slot only after the command
+        exits."""
+        lim, sshd = self.limits, self.sshd
+        found = []
+        if replicas * lim.max_handshakes >= sshd.max_startups:
+            found.append(
+                f"{replicas} replica(s) x max_handshakes {lim.max_handshakes} >= MaxStartups "
+                f"{sshd.max_startups}: sshd will drop handshakes"
+            )
+        per_source = sshd.per_source_max_startups
+        if per_source is not None and replicas * lim.max_handshakes > per_source:
+            found.append(
+                f"{replicas} replica(s) x max_handshakes {lim.max_handshakes} > "
+                f"PerSourceMaxStartups {per_source}: sshd will drop handshakes from one address"
+            )
+        if lim.max_sessions >= sshd.max_sessions:
+            found.append(
+                f"max_sessions {lim.max_sessions} >= MaxSessions {sshd.max_sessions}: "
+                "no spare channel per connection"
+            )
+        sessions = replicas * lim.max_connections * lim.max_sessions
+        if sshd.max_total_sessions is not None and sessions > sshd.max_total_sessions:
+            found.append(
+                f"{replicas} replica(s) x max_connections {lim.max_connections} x max_sessions "
+                f"{lim.max_sessions} = {sessions} > max_total_sessions {sshd.max_total_sessions}"
+            )
+        return found
 
     def target(self, account: Account | None = None) -> Target:
         username = account.username if account else self.username

@@ -46,6 +46,9 @@ class Settings(BaseSettings):
     # Stable name of this replica: on start it marks its own unfinished jobs `lost`, and only its
     # own, so replicas sharing a database must have distinct names.
     replica: str = Field(default_factory=socket.gethostname)
+    # How many replicas share the hosts: the start checks each host's SSH budget for all of
+    # them together (HostConfig.ssh_budget) and warns when they would exceed sshd's limits.
+    replicas: int = Field(default=1, ge=1)
     # redis://host:6379/0: rate limits and concurrent-job caps shared by all replicas. Unset:
     # counted per process (N replicas allow N times the rate). See api/quota.py.
     redis_url: str | None = None

@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from api.config import Config, TemplateConfig, load_config
 from api.policy import render
 from api.problems import Problem
+from sshpool import Limits
 
 ISSUER = {"issuer": "i", "audience": "a"}
 HOST = {"hostname": "h", "username": "u", "client_keys": ["k"], "known_hosts": "kh"}
@@ -95,3 +96,17 @@ def test_host_backend_and_limits_reach_the_target() -> None:
         config(hosts={"h": {**HOST, "backend": "libssh"}})
     with pytest.raises(ValidationError, match="max_sesions"):
         config(hosts={"h": {**HOST, "limits": {"max_sesions": 6}}})
+
+
+def test_ssh_budget_counts_the_pools_of_all_replicas() -> None:
+    """The example host (4 handshakes, 4 x 8 sessions; stock MaxStartups 10) fits 2 replicas;
+    3 would exceed MaxStartups and the site's 64 sessions, each named with its arithmetic."""
+    host = load_config(Path(__file__).parents[2] / "api" / "sshapi.example.toml").hosts["login1"]
+    assert host.ssh_budget(1) == []
+    assert host.ssh_budget(2) == []
+    problems = host.ssh_budget(3)
+    assert any("3 replica(s) x max_handshakes 4 >= MaxStartups 10" in p for p in problems)
+    assert any("= 96 > max_total_sessions 64" in p for p in problems)
+    assert host.model_copy(update={"limits": Limits(max_sessions=10)}).ssh_budget(1) == [
+        "max_sessions 10 >= MaxSessions 10: no spare channel per connection"
+    ]
