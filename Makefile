@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed-stamp
 # root installs OS packages directly; anyone else through sudo.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: run test lint sshd slurm
+.PHONY: run test lint sshd slurm deploy-tools
 
 # Create or refresh .venv whenever pyproject.toml changes.
 $(STAMP): pyproject.toml
@@ -20,6 +20,14 @@ sshd:
 	  echo "installing openssh-server (the local HPC host runs a real sshd)"; \
 	  $(SUDO) apt-get update -q && \
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q openssh-server; }
+
+# The deploy/ tests run nginx in front of two replicas and check the systemd units. RUNLEVEL=1
+# keeps the package from starting a system nginx on port 80.
+deploy-tools:
+	@test -x /usr/sbin/nginx && command -v systemd-analyze >/dev/null || { \
+	  echo "installing nginx and systemd (deploy/ tests: reverse proxy, unit checks)"; \
+	  $(SUDO) apt-get update -q && \
+	  RUNLEVEL=1 DEBIAN_FRONTEND=noninteractive $(SUDO) -E apt-get install -y -q nginx systemd; }
 
 # The batch-job tests run a real single-node Slurm (munge, slurmctld, slurmd) from the OS packages.
 slurm: $(STAMP)
@@ -37,5 +45,5 @@ lint: $(STAMP)
 # The whole suite: lint, then every test (SSH, API, fault and slow ones included). Each run gets
 # its own temp dir: pytest prunes /tmp/pytest-of-$USER to 3 runs, which would delete the sshd
 # files of a run still going.
-test: $(STAMP) sshd slurm lint
+test: $(STAMP) sshd slurm deploy-tools lint
 	$(VENV)/bin/pytest --basetemp="$$(mktemp -d /tmp/sshapi-tests.XXXXXX)"

@@ -67,9 +67,11 @@ def start_api(
     data_dir: Path,
     port: int | None = None,
     log: Path | None = None,
+    env: dict[str, str] | None = None,
 ) -> tuple[subprocess.Popen[bytes], str]:
     """Start the API on 127.0.0.1 against a started LocalHost; returns the process and its base
-    URL once /readyz answers. The caller stops the process."""
+    URL once /readyz answers. `env` adds SSHAPI_* settings (a shared database, a replica name).
+    The caller stops the process."""
     lim = limits(pool_mode, local_host.profile)
     host = {
         "hostname": local_host.address,
@@ -83,18 +85,19 @@ def start_api(
     spec = data_dir / "api-spec.json"
     spec.write_text(json.dumps({"config": config_data(host), "pool_mode": pool_mode}))
     port = port or free_port()
-    env = {
+    child = {
         **os.environ,
         "SSHAPI_BACKEND": backend,
         "SSHAPI_DATA_DIR": str(data_dir),
         "SSHAPI_HOST": "127.0.0.1",
         "SSHAPI_PORT": str(port),
         "SSHAPI_LOG_LEVEL": "warning",
+        **(env or {}),
     }
-    env.pop("SSHAPI_CONFIG", None)
+    child.pop("SSHAPI_CONFIG", None)
     with log.open("ab") if log else open(os.devnull, "wb") as out:  # the child keeps its copy
         proc = subprocess.Popen(
-            [sys.executable, "-m", "loadtests.server", str(spec)], env=env, stdout=out, stderr=out
+            [sys.executable, "-m", "loadtests.server", str(spec)], env=child, stdout=out, stderr=out
         )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + READY_TIMEOUT
