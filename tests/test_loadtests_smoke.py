@@ -7,13 +7,16 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from loadtests.records import read_jsonl
 from loadtests.schedule import PROFILES, arrivals, scaled
-from loadtests.server import start_api, stop_api
+from loadtests.server import free_port, start_api, stop_api
+from loadtests.summary import summarize
 from sshpool.local_host import LocalHost
 
 REPO = Path(__file__).resolve().parent.parent
@@ -64,3 +67,57 @@ def test_headless_sustained_smoke_run_writes_a_complete_report(
         len((run / "records.jsonl").read_text().splitlines())
         == summary["requests"] + (summary["warmup_requests"])
     )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_distributed_master_and_two_workers_merge_like_one_process(
+    api: tuple[str, Path], tmp_path: Path
+) -> None:
+    """`--master --expect-workers 2` and two `--worker` processes run sustained.py: both workers
+    send, the master's summary holds every measured arrival once, and its percentiles are those
+    the single-process method computes from the merged records."""
+    url, data = api
+    reports = tmp_path / "reports"
+    env = {**os.environ, "SSHAPI_DATA_DIR": str(data)}
+    env.pop("SSHAPI_TOKEN", None)
+    env.pop("SSHAPI_CONFIG", None)
+    port = free_port()
+    base = [str(LOCUST), "-f", str(REPO / "loadtests" / "sustained.py")]
+    master = subprocess.Popen(
+        [*base, "--headless", "--master", "--expect-workers", "2", "-H", url,
+         "--master-bind-host", "127.0.0.1", "--master-bind-port", str(port),
+         "--duration-factor", str(FACTOR), "--report-dir", str(reports)],
+        env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    workers = [
+        subprocess.Popen(
+            [*base, "--worker", "--master-host", "127.0.0.1", "--master-port", str(port)],
+            env=env,
+            cwd=tmp_path,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        for _ in range(2)
+    ]
+    try:
+        output, _ = master.communicate(timeout=100)
+    finally:
+        for w in workers:
+            try:
+                w.wait(timeout=15)  # a worker quits when its master does
+            except subprocess.TimeoutExpired:
+                w.kill()
+                w.wait()
+    assert master.returncode == 0, output[-3000:]
+    (run,) = reports.iterdir()
+    summary = json.loads((run / "summary.json").read_text())
+    records = list(read_jsonl(run / "records.jsonl"))
+    measured = [a for a in arrivals(scaled(PROFILES["smoke"], FACTOR)) if a.stage == 1]
+    assert summary["requests"] == summary["ok"] == len(measured)
+    assert summary["meta"]["generators"] == 2
+    per_worker = Counter(r.worker for r in records if not r.warmup)
+    assert sorted(per_worker.values()) == [len(measured) // 2] * 2
+    single = summarize(records, summary["meta"], {})
+    assert summary["latency_ms"] == single["latency_ms"]
+    assert summary["latency_hdr"] == single["latency_hdr"]
