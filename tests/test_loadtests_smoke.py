@@ -90,14 +90,11 @@ def test_distributed_master_and_two_workers_merge_like_one_process(
          "--duration-factor", str(FACTOR), "--report-dir", str(reports)],
         env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
+    worker = [*base, "--worker", "--master-host", "127.0.0.1", "--master-port", str(port)]
     workers = [
         subprocess.Popen(
-            [*base, "--worker", "--master-host", "127.0.0.1", "--master-port", str(port)],
-            env=env,
-            cwd=tmp_path,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+            worker, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         for _ in range(2)
     ]
     try:
