@@ -1,8 +1,8 @@
 """Several API replicas on one PostgreSQL schema behind nginx, all on loopback: what
 tests/test_deploy.py runs, and the measurement behind the README's two-replica figures.
 
-    python -m loadtests.replicas                                  # 1 then 2 replicas, sweep x0.25
-    python -m loadtests.replicas --replicas 1 2 --load-profile paper --duration-factor 0.5
+    python -m loadtests.replicas                       # 1, 2, 1, 2 replicas; sweep profile x0.5
+    python -m loadtests.replicas --replicas 1 2 --load-profile paper --duration-factor 1
 
 nginx runs from the OS package with deploy/nginx-sshapi.conf itself (listen and upstream ports
 rewritten), as an unprivileged-port process whose pid, logs and temp files live in a work dir.
@@ -187,39 +187,46 @@ def finish(proc: subprocess.Popen[str], report_dir: Path, timeout: float) -> dic
     return summary
 
 
-def measure(replicas: int, profile: str, factor: float, workdir: Path, host: LocalHost) -> str:
-    """One sustained run through nginx in front of `replicas` replicas; a Markdown table row."""
-    with cluster(host, workdir / f"x{replicas}", replicas) as c:
-        reports = workdir / f"reports-x{replicas}"
-        env = {"SSHAPI_DATA_DIR": str(workdir / f"x{replicas}" / "r1"), **c.env}
+def measure(
+    replicas: int, profile: str, factor: float, workdir: Path, host: LocalHost
+) -> list[str]:
+    """One sustained run through nginx in front of `replicas` replicas; Markdown table rows, one
+    per measured stage: offered and achieved rate, percentiles of the successes, errors."""
+    with cluster(host, workdir / "cluster", replicas) as c:
+        env = {"SSHAPI_DATA_DIR": str(workdir / "cluster" / "r1"), **c.env}
         args = ("--load-profile", profile, "--duration-factor", str(factor))
+        reports = workdir / "reports"
         s = finish(locust("sustained.py", c.url, env, reports, *args), reports, 3600)
-    stages = s.get("stages", [])
-    best = max((st["throughput"] or 0.0 for st in stages), default=0.0)
-    lat = s["latency_ms"]
-    errors = ", ".join(f"{k}: {v}" for k, v in s["errors"].items()) or "-"
-    return (
-        f"| {replicas} | {s['requests']} | {s['ok']} | {best:.1f} | {lat['p50']} | {lat['p99']} "
-        f"| {errors} | {'valid' if s['validity']['valid'] else 'INVALID'} | {s['run_dir']} |"
-    )
+    verdict = "valid" if s["validity"]["valid"] else "INVALID"
+    rows = []
+    for st in s.get("stages", []):
+        lat = st["latency_ms"]
+        errors = ", ".join(f"{k}: {v}" for k, v in st["errors"].items()) or "-"
+        rows.append(
+            f"| {replicas} | {st['offered_rate']:g} | {st['requests']} | {st['ok']} "
+            f"| {st['throughput'] or 0:.1f} | {lat['p50']} | {lat['p99']} | {errors} | {verdict} |"
+        )
+    print(f"replicas={replicas}: {s['run_dir']}", flush=True)
+    return rows
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
+    parser.add_argument(
+        "--replicas", type=int, nargs="+", default=[1, 2, 1, 2], help="Replica counts, in order."
+    )
     parser.add_argument("--load-profile", default="sweep")
-    parser.add_argument("--duration-factor", type=float, default=0.25)
+    parser.add_argument("--duration-factor", type=float, default=0.5)
     o = parser.parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="sshapi-replicas-"))
     rows = []
     with LocalHost("replicas", "tuned", data_dir=workdir / "host") as host:
-        for n in o.replicas:
-            rows.append(measure(n, o.load_profile, o.duration_factor, workdir, host))
-            print(rows[-1], flush=True)
-    print(f"\n{o.load_profile} x{o.duration_factor}, through nginx, {os.cpu_count()} CPUs:\n")
-    print(
-        "| replicas | requests | ok | best stage ok/s | p50 ms | p99 ms | errors | run | report |"
-    )
+        for n, count in enumerate(o.replicas):
+            rows += measure(
+                count, o.load_profile, o.duration_factor, workdir / f"{n}-x{count}", host
+            )
+    print(f"\n{o.load_profile} x{o.duration_factor:g}, through nginx, {os.cpu_count()} CPUs:\n")
+    print("| replicas | offered/s | requests | ok | ok/s | p50 ms | p99 ms | errors | run |")
     print("|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
 
