@@ -74,6 +74,22 @@ async def test_mark_lost_touches_only_this_replicas_active_jobs(store: Store) ->
     assert (states[mine_done.id], states[theirs.id]) == ("succeeded", "running")
 
 
+async def test_mark_lost_records_cancelled_for_jobs_another_replica_cancelled(
+    store: Store,
+) -> None:
+    """A job another replica killed (cancel requested) while its owner was down comes back
+    `cancelled` with the reason, not `lost`."""
+    killed = await store.insert(job(state="running", pgid=4242))
+    assert await store.update(killed.id, only_active=True, cancel_requested="cancelled by bob")
+    assert not await store.update(
+        killed.id, only_active=True, unless_cancel_requested=True, state="running"
+    )
+    assert await store.mark_lost("r1") == 1
+    back = await store.get(killed.id)
+    assert back is not None
+    assert (back.state, back.error, back.pgid) == ("cancelled", "cancelled by bob", 4242)
+
+
 async def test_update_only_active_never_overwrites_a_final_state(store: Store) -> None:
     """A late `running` write after `cancelled` changes nothing."""
     row = await store.insert(job(state="cancelled"))
