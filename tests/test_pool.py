@@ -118,6 +118,22 @@ async def test_timeout_kills_the_remote_process_tree(stock_host: LocalHost) -> N
         assert pool.stats()[str(stock_host.target())]["counters"]["killed"] == 1
 
 
+async def test_another_pool_kills_a_process_group_by_its_id(stock_host: LocalHost) -> None:
+    """pool.kill(target, pgid) from a second pool (another API replica) ends a command the
+    first pool runs, with no signal request on its channel: the run ends killed by TERM."""
+    word = marker()
+    async with Pool() as owner, Pool() as other:
+        pgid: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(
+            owner.run(stock_host.target(), f"sleep 60 # {word}", on_started=pgid.set_result)
+        )
+        await other.kill(stock_host.target(), await asyncio.wait_for(pgid, 10))
+        result = await asyncio.wait_for(task, 10)
+        assert result.exit_signal == "TERM"
+        assert await gone(stock_host, word)
+        assert other.stats()[str(stock_host.target())]["counters"]["killed"] == 1
+
+
 async def test_cancel_kills_the_remote_process_tree(stock_host: LocalHost) -> None:
     """Cancelling the task awaiting run() leaves no process of the command on the host."""
     word = marker()
