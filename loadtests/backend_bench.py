@@ -63,8 +63,10 @@ async def handshakes(backend_name: str, target: Target, count: int) -> Row:
     return Row(backend_name, "handshake", None, stats["p50"], stats["p99"], len(times), errors)
 
 
-async def closed_loop(pool: Pool, target: Target, concurrency: int, duration: float) -> Row:
-    """`concurrency` callers, each running `true` again as soon as its last one returned."""
+async def closed_loop(
+    pool: Pool, target: Target, concurrency: int, duration: float, argv: tuple[str, ...] = ("true",)
+) -> Row:
+    """`concurrency` callers, each running `argv` again as soon as its last one returned."""
     times: list[float] = []
     errors = 0
     end = time.perf_counter() + duration
@@ -74,7 +76,7 @@ async def closed_loop(pool: Pool, target: Target, concurrency: int, duration: fl
         while time.perf_counter() < end:
             started = time.perf_counter()
             try:
-                await pool.run(target, ["true"], timeout=30)
+                await pool.run(target, list(argv), timeout=30)
             except Exception:
                 errors += 1
                 continue

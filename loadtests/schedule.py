@@ -51,6 +51,21 @@ PROFILES: dict[str, list[Stage]] = {
     "paper": [Stage(5.0, 20.0, warmup=True), Stage(30.0, 50.0), Stage(30.0, 90.0)],
     "sweep": _stepped([25.0, 50.0, 100.0, 150.0, 200.0, 300.0, 400.0], step=20.0, warmup=5.0),
     "soak": [Stage(10.0, 20.0, warmup=True), Stage(1800.0, 30.0)],
+    # loadtests.bench: a low rate (the API's own overhead), the paper's two rates held longer,
+    # then steps past this box's knee; per-request connections saturate far lower.
+    "bench": [
+        Stage(5.0, 20.0, warmup=True),
+        Stage(15.0, 10.0),
+        Stage(20.0, 50.0),
+        Stage(20.0, 90.0),
+        *(Stage(10.0, r) for r in (150.0, 200.0, 250.0, 300.0, 350.0, 400.0, 500.0, 600.0)),
+    ],
+    "bench-per-request": [
+        Stage(5.0, 5.0, warmup=True),
+        *(Stage(10.0, r) for r in (5.0, 10.0, 20.0, 30.0)),
+        Stage(20.0, 50.0),
+        Stage(20.0, 90.0),
+    ],
 }
 
 

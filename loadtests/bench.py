@@ -1,0 +1,282 @@
+"""The benchmark: the API against the raw SSH ceiling and the connection-per-request design, in
+one run, against the local HPC host (`stock` and `tuned` sshd).
+
+    .venv/bin/python -m loadtests.bench                          # asyncssh, stock + tuned, ~10 min
+    .venv/bin/python -m loadtests.bench --sshd tuned --duration-factor 0.3   # a quick look
+
+Per sshd profile:
+1. raw ceiling: `sshpool` alone (no HTTP) with the pool limits the API uses for that sshd, in a
+   closed loop at 1 caller (the low-load p50) and at --raw-concurrency callers (saturation:
+   commands/s, p50/p99). `backend_bench.closed_loop`.
+2. API: a fresh API process, the open-model generator (`loadtests/sustained.py`, profile
+   `bench`): 10/s, the paper's 50 and 90/s, then steps to 600/s. The knee is the highest step
+   with no failure and p99 <= 100 ms.
+3. per-request: the same through a pool that opens a new SSH connection per request (the
+   paper-era design; profile `bench-per-request`, which stops at 90/s).
+4. burst: --burst-size simultaneous requests (`loadtests/burst.py`) on a fresh API, repeated:
+   failures and makespan.
+Every Locust run goes through `experiment.run_cell`, so each keeps its own report under
+`<out>/<time>-bench/runs/`. The figures, ratios and target verdicts go to `bench.json` there
+and print as a table. Latency is in ms from the intended send time (open model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from loadtests.backend_bench import BACKENDS, closed_loop
+from loadtests.experiment import Cell, run_cell
+from loadtests.report import run_dir, versions
+from loadtests.server import limits
+from sshpool import Pool
+from sshpool.local_host import LocalHost, sshd_version
+
+KNEE_P99_MS = 100.0
+PAPER_RATES = (50.0, 90.0)
+LOW_RATE = 10.0
+COMMAND = ("hostname",)  # what loadtests/sustained.py runs by default (--remote-command)
+
+
+async def raw_ceiling(
+    host: LocalHost, backend: str, concurrency: int, duration: float
+) -> dict[str, Any]:
+    """sshpool alone with the API's limits for this sshd: low-load p50 and saturation."""
+    target = host.target(**dataclasses.asdict(limits("pooled", host.profile)))
+    async with Pool(backend=backend) as pool:
+        await pool.prewarm(target)
+        await closed_loop(
+            pool, target, concurrency, min(1.0, duration / 5), COMMAND
+        )  # warm every slot
+        low = await closed_loop(pool, target, 1, duration, COMMAND)
+        sat = await closed_loop(pool, target, concurrency, duration, COMMAND)
+    return {
+        "concurrency": concurrency,
+        "commands_per_s": sat.rate,
+        "p50_ms": sat.p50_ms,
+        "p99_ms": sat.p99_ms,
+        "low_load_p50_ms": low.p50_ms,
+        "errors": low.errors + sat.errors,
+    }
+
+
+def sustained(summary: dict[str, Any]) -> dict[str, Any]:
+    """Per offered rate: p50/p90/p99, failures, achieved rate; and the knee."""
+    stages = {
+        st["offered_rate"]: {
+            "p50_ms": st["latency_ms"]["p50"],
+            "p90_ms": st["latency_ms"]["p90"],
+            "p99_ms": st["latency_ms"]["p99"],
+            "failed": st["failed"],
+            "errors": st["errors"],
+            "achieved_per_s": st["throughput"],
+        }
+        for st in summary["stages"]
+    }
+    held = [
+        rate
+        for rate, st in stages.items()
+        if st["failed"] == 0 and st["p99_ms"] is not None and st["p99_ms"] <= KNEE_P99_MS
+    ]
+    return {
+        "knee_per_s": max(held, default=0.0),
+        "valid": summary["validity"]["valid"],
+        "invalid_reasons": summary["validity"]["reasons"],
+        "server_timing_p99_ms": {k: v["p99"] for k, v in summary["server_timing_ms"].items()},
+        "stages": {f"{rate:g}": st for rate, st in stages.items()},
+    }
+
+
+def burst(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    rows = [s["bursts"][0] for s in summaries]
+    makespans = sorted(m for r in rows for m in r["makespan_ms"])
+    return {
+        "size": rows[0]["size"] if rows else 0,
+        "repeats": len(rows),
+        "requests": sum(r["requests"] for r in rows),
+        "failed": sum(r["failed"] for r in rows),
+        "errors": {k: sum(r["errors"].get(k, 0) for r in rows) for r in rows for k in r["errors"]},
+        "makespan_ms": makespans,
+        "makespan_max_ms": max(makespans, default=None),
+    }
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def ratios(fig: dict[str, Any]) -> dict[str, float | None]:
+    raw, api, per = fig["raw"], fig["api"], fig["per_request"]
+    at50 = f"{PAPER_RATES[0]:g}"
+    return {
+        "api_knee_over_raw_ceiling": _ratio(api["knee_per_s"], raw["commands_per_s"]),
+        "api_knee_over_per_request_knee": _ratio(api["knee_per_s"], per["knee_per_s"]),
+        "per_request_p50_over_api_p50_at_50": _ratio(
+            per["stages"][at50]["p50_ms"], api["stages"][at50]["p50_ms"]
+        ),
+        "api_overhead_low_load_ms": (
+            api["stages"][f"{LOW_RATE:g}"]["p50_ms"] - raw["low_load_p50_ms"]
+            if api["stages"][f"{LOW_RATE:g}"]["p50_ms"] is not None and raw["low_load_p50_ms"]
+            else None
+        ),
+    }
+
+
+# (name, where in the figures, comparison, goal). The issue's targets for this box.
+TARGETS: list[tuple[str, tuple[str, ...], str, float]] = [
+    ("90/s p99 ms", ("api", "stages", "90", "p99_ms"), "<=", 25.0),
+    ("50/s p90 ms", ("api", "stages", "50", "p90_ms"), "<=", 12.0),
+    ("knee / raw ceiling", ("ratios", "api_knee_over_raw_ceiling"), ">=", 0.6),
+    ("knee / per-request knee", ("ratios", "api_knee_over_per_request_knee"), ">=", 20.0),
+    ("API overhead at 10/s ms", ("ratios", "api_overhead_low_load_ms"), "<=", 2.0),
+    ("burst failures (stock)", ("burst", "failed"), "<=", 0.0),
+    ("burst makespan ms (stock)", ("burst", "makespan_max_ms"), "<=", 1500.0),
+]
+
+
+def verdicts(fig: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for name, path, op, goal in TARGETS:
+        if path[0] == "burst" and fig["sshd"] != "stock":
+            continue
+        value: Any = fig
+        for key in path:
+            value = value.get(key) if isinstance(value, dict) else None
+        met = value is not None and (value <= goal if op == "<=" else value >= goal)
+        out.append({"target": name, "goal": f"{op} {goal:g}", "value": value, "met": met})
+    return out
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.2f}" if abs(v) < 10 else f"{v:.1f}" if abs(v) < 1000 else f"{v:.0f}"
+    return str(v)
+
+
+def table(figures: list[dict[str, Any]]) -> str:
+    lines = [
+        "| sshd | design | rate | p50 | p90 | p99 | failed | notes |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for f in figures:
+        raw = f["raw"]
+        lines.append(
+            f"| {f['sshd']} | raw sshpool | {_fmt(raw['commands_per_s'])}/s at "
+            f"{raw['concurrency']} callers | {_fmt(raw['p50_ms'])} | - | {_fmt(raw['p99_ms'])} "
+            f"| {raw['errors']} | 1 caller p50 {_fmt(raw['low_load_p50_ms'])} |"
+        )
+        for design in ("api", "per_request"):
+            d = f[design]
+            for rate, st in d["stages"].items():
+                lines.append(
+                    f"| {f['sshd']} | {design.replace('_', '-')} | {rate}/s | {_fmt(st['p50_ms'])} "
+                    f"| {_fmt(st['p90_ms'])} | {_fmt(st['p99_ms'])} | {st['failed']} | "
+                    f"achieved {_fmt(st['achieved_per_s'])}/s |"
+                )
+            lines.append(
+                f"| {f['sshd']} | {design.replace('_', '-')} | knee {_fmt(d['knee_per_s'])}/s "
+                f"| | | | | p99 <= {KNEE_P99_MS:g} ms{'' if d['valid'] else '; run INVALID'} |"
+            )
+        b = f.get("burst")
+        if b:
+            lines.append(
+                f"| {f['sshd']} | burst {b['size']} x {b['repeats']} | | | | | {b['failed']} | "
+                f"makespan ms {', '.join(_fmt(m) for m in b['makespan_ms'])} |"
+            )
+    lines += ["", "| sshd | ratio | value |", "|---|---|---|"]
+    for f in figures:
+        lines += [f"| {f['sshd']} | {k} | {_fmt(v)} |" for k, v in f["ratios"].items()]
+    lines += ["", "| sshd | target | goal | value | met |", "|---|---|---|---|---|"]
+    for f in figures:
+        lines += [
+            f"| {f['sshd']} | {t['target']} | {t['goal']} | {_fmt(t['value'])} | "
+            f"{'yes' if t['met'] else 'NO'} |"
+            for t in f["targets"]
+        ]
+    return "\n".join(lines)
+
+
+def _run(cell: Cell, host: LocalHost, args: argparse.Namespace, repeat: int = 0) -> dict[str, Any]:
+    print(f"  {cell.label}", flush=True)
+    result = run_cell(cell, repeat, host, args)
+    if "summary" not in result:
+        raise RuntimeError(f"{cell.label}: {result['error']}")
+    summary: dict[str, Any] = result["summary"]
+    return summary
+
+
+def bench_profile(host: LocalHost, args: argparse.Namespace) -> dict[str, Any]:
+    sshd = host.profile
+    print(f"sshd {sshd}: raw ceiling ({args.raw_duration:g} s per level)", flush=True)
+    fig: dict[str, Any] = {"sshd": sshd, "backend": args.backend}
+    fig["raw"] = asyncio.run(
+        raw_ceiling(host, args.backend, args.raw_concurrency, args.raw_duration)
+    )
+    fig["api"] = sustained(_run(Cell(args.backend, sshd, "pooled", "bench"), host, args))
+    fig["per_request"] = sustained(
+        _run(Cell(args.backend, sshd, "per-request", "bench-per-request"), host, args)
+    )
+    if sshd == "stock" or args.burst_all:
+        cell = Cell(args.backend, sshd, "pooled", "burst")
+        fig["burst"] = burst([_run(cell, host, args, r) for r in range(args.burst_repeats)])
+    fig["ratios"] = ratios(fig)
+    fig["targets"] = verdicts(fig)
+    return fig
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--backend", choices=BACKENDS, default="asyncssh")
+    p.add_argument("--sshd", nargs="+", choices=["stock", "tuned"], default=["stock", "tuned"])
+    p.add_argument("--duration-factor", type=float, default=1.0, help="Scale the load stages.")
+    p.add_argument("--raw-duration", type=float, default=5.0, help="Seconds per raw level.")
+    p.add_argument("--raw-concurrency", type=int, default=32, help="Raw callers at saturation.")
+    p.add_argument("--burst-size", type=int, default=400)
+    p.add_argument("--burst-repeats", type=int, default=3)
+    p.add_argument("--burst-all", action="store_true", help="Burst the tuned sshd too.")
+    p.add_argument("--run-timeout", type=float, default=900.0, help="Seconds per Locust run.")
+    p.add_argument("--out", type=Path, default=Path("reports"))
+    args = p.parse_args(argv)
+    # What experiment.run_cell reads besides the above.
+    args.connection = "keep-alive"
+    args.burst_sizes = [args.burst_size]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    args.out = run_dir(args.out, "bench")
+    (args.out / "api").mkdir()
+    started = time.time()
+    figures = []
+    for profile in args.sshd:
+        host = LocalHost(f"bench-{profile}", profile, data_dir=args.out / "hosts").start()
+        try:
+            figures.append(bench_profile(host, args))
+        finally:
+            host.stop(kill_sessions=True)
+    meta = {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "versions": versions(),
+        "sshd": ".".join(map(str, sshd_version())),
+        "cpu_count": os.cpu_count(),
+        "load_average_end": os.getloadavg(),
+        "duration_s": round(time.time() - started),
+    }
+    (args.out / "bench.json").write_text(json.dumps({"figures": figures, "meta": meta}, indent=2))
+    text = table(figures)
+    (args.out / "bench.md").write_text(f"# Benchmark\n\n{text}\n")
+    print(f"\n{text}\n\nfigures: {args.out / 'bench.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
