@@ -4,13 +4,22 @@ Tables are created on start (`create_all`), and columns added since are added th
 TABLE ... ADD COLUMN`, all of them nullable): the schema only grows, so that is the whole migration
 story and an older database keeps working. Job ids are UUIDv7, so ordering by id is ordering by
 creation time and the list cursor is simply the last id seen.
+
+Writes go through one writer task with group commit: whatever insert and update calls arrive
+while a transaction commits are applied together in the next one, and each caller's await
+returns only once the transaction holding its write has committed. So durability is per call as
+before, but a burst of jobs costs a few commits instead of one each, and SQLite never sees two
+writers fighting for its lock (which made the losers sleep in its busy handler for seconds).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import secrets
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -36,11 +45,17 @@ from sqlalchemy import (
 )
 from sqlalchemy.engine import Connection
 from sqlalchemy.engine.interfaces import DBAPIConnection
-from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
+from sqlalchemy.ext.asyncio import (
+    AsyncEngine,
+    AsyncSession,
+    async_sessionmaker,
+    create_async_engine,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.pool import ConnectionPoolEntry
 
 ACTIVE = ("queued", "running")
+MAX_BATCH = 256  # writes per transaction: bounds the time one commit holds the lock
 FINAL = ("succeeded", "failed", "timed_out", "cancelled", "lost", "error")
 
 
@@ -123,12 +138,17 @@ def _sqlite_pragmas(dbapi_conn: DBAPIConnection, _record: ConnectionPoolEntry) -
     cursor.close()
 
 
+Write = Callable[[AsyncSession], Awaitable[Any]]
+
+
 class Store:
     def __init__(self, url: str, *, schema: str | None = None) -> None:
         self.url = url
         self.schema = schema
         self._engine: AsyncEngine | None = None
         self._sessions: async_sessionmaker[Any] | None = None
+        self._writes: asyncio.Queue[tuple[Write, asyncio.Future[Any]]] = asyncio.Queue()
+        self._writer: asyncio.Task[None] | None = None
 
     @property
     def dialect(self) -> str:
@@ -154,8 +174,15 @@ class Store:
             await conn.run_sync(_add_missing_columns)
         self._engine = engine
         self._sessions = async_sessionmaker(engine, expire_on_commit=False)
+        self._writer = asyncio.create_task(self._write_loop(), name="store-writer")
 
     async def close(self) -> None:
+        if self._writer is not None:
+            await self._writes.join()  # every accepted write is committed (or failed) first
+            self._writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._writer
+            self._writer = None
         if self._engine is not None:
             await self._engine.dispose()
             self._engine = None
@@ -169,10 +196,52 @@ class Store:
         async with self._session() as session:
             await session.execute(text("SELECT 1"))
 
+    async def _write(self, write: Write) -> Any:
+        """Queue a write for the writer; returns its result once its transaction committed."""
+        if self._writer is None:
+            raise RuntimeError("store not started")
+        done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._writes.put_nowait((write, done))
+        return await done
+
+    async def _write_loop(self) -> None:
+        while True:
+            batch = [await self._writes.get()]
+            while len(batch) < MAX_BATCH and not self._writes.empty():
+                batch.append(self._writes.get_nowait())
+            try:
+                await self._commit(batch)
+            except Exception:
+                # One bad write (a duplicate idempotency key) must not fail the others: apply
+                # each in its own transaction so that only it gets the error.
+                for item in batch:
+                    with contextlib.suppress(Exception):
+                        await self._commit([item])
+            finally:
+                for _ in batch:
+                    self._writes.task_done()
+
+    async def _commit(self, batch: list[tuple[Write, asyncio.Future[Any]]]) -> None:
+        """Apply `batch` in one transaction; results (or, for a batch of one, the error) go to
+        the callers only after the commit."""
+        try:
+            async with self._session() as session, session.begin():
+                results = [await write(session) for write, _ in batch]
+        except Exception as exc:
+            if len(batch) == 1 and not batch[0][1].done():
+                batch[0][1].set_exception(exc)
+            raise
+        for (_, done), result in zip(batch, results, strict=True):
+            if not done.done():  # the caller may have been cancelled meanwhile
+                done.set_result(result)
+
     async def insert(self, row: JobRow) -> JobRow:
         """Insert a job; IntegrityError on a duplicate (owner, idempotency key)."""
-        async with self._session() as session, session.begin():
-            session.add(row)
+
+        async def add(session: AsyncSession) -> None:
+            session.add(row)  # the commit inserts every added row of the batch at once
+
+        await self._write(add)
         return row
 
     async def get(self, job_id: str) -> JobRow | None:
@@ -204,9 +273,13 @@ class Store:
             query = query.where(JobRow.state.in_(ACTIVE))
         if unless_cancel_requested:
             query = query.where(JobRow.cancel_requested.is_(None))
-        async with self._session() as session, session.begin():
+
+        async def execute(session: AsyncSession) -> bool:
             result = await session.execute(query)
             return bool(getattr(result, "rowcount", 0))
+
+        changed: bool = await self._write(execute)
+        return changed
 
     async def list_jobs(
         self,
