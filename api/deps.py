@@ -38,7 +38,9 @@ class Services:
     ready: bool = False
 
 
-def get_services(request: Request) -> Services:
+# async, though it never awaits: FastAPI runs a plain `def` dependency in a worker thread,
+# one thread hop per request for an attribute read.
+async def get_services(request: Request) -> Services:
     services: Services = request.app.state.services
     return services
 
@@ -48,7 +50,7 @@ bearer = HTTPBearer(auto_error=False, description="A JWT from your identity prov
 
 
 async def get_principal(
-    request: Request,
+    svc: Annotated[Services, Depends(get_services)],
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
 ) -> Principal:
     if credentials is None:
@@ -60,7 +62,7 @@ async def get_principal(
             headers={"WWW-Authenticate": 'Bearer realm="sshapi"'},
         )
     with stage("auth"):
-        return await get_services(request).auth.authenticate(credentials.credentials)
+        return await svc.auth.authenticate(credentials.credentials)
 
 
 def require(scope: str) -> Callable[..., Coroutine[Any, Any, Principal]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Depends, Response
 from fastapi.security import HTTPAuthorizationCredentials
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -32,12 +32,11 @@ async def readyz(svc: Svc) -> dict[str, str]:
 
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response)
 async def metrics(
-    request: Request,
     svc: Svc,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
 ) -> Response:
     if svc.config.api.metrics_require_admin:
-        who = await get_principal(request, credentials)
+        who = await get_principal(svc, credentials)
         if not who.is_admin:
             raise Problem(403, "insufficient-scope", "Insufficient scope", "metrics need admin")
     return Response(svc.metrics.render(), media_type=CONTENT_TYPE_LATEST)
