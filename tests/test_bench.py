@@ -1,0 +1,68 @@
+"""`python -m loadtests.bench` end to end with tiny durations: it ends by itself, prints the
+table, and its bench.json holds every figure, consistent ratios and a verdict per target."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loadtests.bench import TARGETS
+from loadtests.schedule import PROFILES
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def rates(profile: str) -> set[str]:
+    return {f"{s.rate:g}" for s in PROFILES[profile] if not s.warmup}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_bench_smoke_run_writes_every_figure(tmp_path: Path) -> None:
+    """One stock-sshd run: raw ceiling, API and per-request sweeps, a burst; figures add up."""
+    done = subprocess.run(
+        [sys.executable, "-m", "loadtests.bench", "--sshd", "stock", "--duration-factor", "0.02",
+         "--raw-duration", "0.5", "--burst-size", "50", "--burst-repeats", "1",
+         "--out", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=140,
+    )  # fmt: skip
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    (run,) = tmp_path.glob("*-bench")
+    assert f"figures: {run / 'bench.json'}" in output
+    assert "| stock | raw sshpool |" in output
+    (fig,) = json.loads((run / "bench.json").read_text())["figures"]
+
+    raw = fig["raw"]
+    assert raw["commands_per_s"] > 0 and raw["errors"] == 0
+    assert raw["low_load_p50_ms"] > 0 and 0 < raw["p50_ms"] <= raw["p99_ms"]
+    for design, profile in (("api", "bench"), ("per_request", "bench-per-request")):
+        assert set(fig[design]["stages"]) == rates(profile)
+        for st in fig[design]["stages"].values():
+            assert {"p50_ms", "p90_ms", "p99_ms", "failed", "achieved_per_s"} <= set(st)
+        assert fig[design]["knee_per_s"] in {0.0, *map(float, rates(profile))}
+    # A fresh SSH connection per request costs a handshake: never cheaper than an exec on a
+    # warm connection.
+    assert fig["per_request"]["stages"]["5"]["p50_ms"] > raw["low_load_p50_ms"]
+
+    b = fig["burst"]
+    assert (b["size"], b["repeats"], b["requests"]) == (50, 1, 50)
+    assert len(b["makespan_ms"]) == 1 and b["makespan_max_ms"] == b["makespan_ms"][0]
+
+    r = fig["ratios"]
+    api, per = fig["api"], fig["per_request"]
+    assert math.isclose(r["api_knee_over_raw_ceiling"], api["knee_per_s"] / raw["commands_per_s"])
+    if per["knee_per_s"]:
+        assert math.isclose(
+            r["api_knee_over_per_request_knee"], api["knee_per_s"] / per["knee_per_s"]
+        )
+    assert math.isclose(
+        r["api_overhead_low_load_ms"], api["stages"]["10"]["p50_ms"] - raw["low_load_p50_ms"]
+    )
+    assert [t["target"] for t in fig["targets"]] == [name for name, *_ in TARGETS]
+    assert all(isinstance(t["met"], bool) for t in fig["targets"])
