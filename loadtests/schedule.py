@@ -69,12 +69,12 @@ PROFILES: dict[str, list[Stage]] = {
 }
 
 
-def scaled(stages: list[Stage], factor: float) -> list[Stage]:
+def scaled(stages: list[Stage], factor: float, rate_factor: float = 1.0) -> list[Stage]:
     """The same profile with every stage `factor` times as long (short runs in tests and
-    experiment matrices); rates unchanged."""
-    if factor <= 0:
-        raise ValueError("the duration factor must be positive")
-    return [Stage(s.duration * factor, s.rate, s.warmup) for s in stages]
+    experiment matrices) and `rate_factor` times the rate (a soak at another rate)."""
+    if factor <= 0 or rate_factor <= 0:
+        raise ValueError("the duration and rate factors must be positive")
+    return [Stage(s.duration * factor, s.rate * rate_factor, s.warmup) for s in stages]
 
 
 def total_duration(stages: list[Stage]) -> float:

@@ -42,12 +42,13 @@ def _arguments(parser: Any) -> None:
     group.add_argument(
         "--duration-factor", type=float, default=1.0, help="Scale every stage's duration."
     )
+    group.add_argument("--rate-factor", type=float, default=1.0, help="Scale every stage's rate.")
     group.add_argument("--closed-users", type=int, default=20, help="Users of the closed model.")
 
 
 def _stages() -> list[Stage]:
     o = HARNESS.options
-    return scaled(PROFILES[o.load_profile], o.duration_factor)
+    return scaled(PROFILES[o.load_profile], o.duration_factor, o.rate_factor)
 
 
 def _describe() -> dict[str, Any]:
