@@ -494,7 +494,11 @@ def _result_values(result: CommandResult, state: str) -> dict[str, Any]:
 
 def _lost_or_error(exc: ConnectionLost) -> dict[str, Any]:
     if exc.started:
-        return {"state": "lost", "error": f"connection lost after the command started: {exc}"}
+        error = f"connection lost after the command started: {exc}"
+        if exc.remote_pgid is not None:
+            # The command may outlive its connection: tell the operator where to look.
+            error += f"; its remote process group {exc.remote_pgid} may still be running"
+        return {"state": "lost", "error": error}
     return _error_values(exc)
 
 

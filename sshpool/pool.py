@@ -415,6 +415,7 @@ class Pool:
                 host.counters["connections_lost"] += 1
                 host._discard(c)
                 exc.started = exc.started or out.pgid is not None
+                exc.remote_pgid = out.pgid
                 if exc.started or lost_retried:
                     raise
                 lost_retried = True

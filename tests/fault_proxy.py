@@ -1,0 +1,68 @@
+"""A TCP proxy on 127.0.0.1 for fault tests: forwards to a real server until told to black-hole
+(keep every socket open, forward nothing: a cut network path) or to cut (reset every connection
+and refuse new ones: the server is gone)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from types import TracebackType
+from typing import Self
+
+
+class Proxy:
+    def __init__(self, host: str, port: int) -> None:
+        self.upstream = (host, port)
+        self.port = 0
+        self.connections = 0
+        self.holed = False
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    async def __aenter__(self) -> Self:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType
+    ) -> None:
+        await self.cut()
+
+    def blackhole(self) -> None:
+        """From now on, bytes in either direction are read and dropped; nothing is closed."""
+        self.holed = True
+
+    async def cut(self) -> None:
+        """Reset every connection and stop listening (connects are refused)."""
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        for writer in list(self._writers):
+            writer.transport.abort()
+        self._writers.clear()
+
+    async def restore(self) -> None:
+        """Listen again on the same port, forwarding."""
+        self.holed = False
+        if self._server is None:
+            self._server = await asyncio.start_server(self._accept, "127.0.0.1", self.port)
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*self.upstream)
+        except OSError:
+            writer.transport.abort()
+            return
+        self._writers |= {writer, up_writer}
+        await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError):
+            while data := await reader.read(65536):
+                if not self.holed:
+                    writer.write(data)
+                    await writer.drain()
+        writer.transport.abort()
+        self._writers.discard(writer)
