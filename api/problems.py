@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sshpool.errors import (
@@ -85,6 +86,19 @@ def unauthorized(detail: str, *, error: str = "invalid_token") -> Problem:
     return Problem(
         401, "unauthorized", "Unauthorized", detail, headers={"WWW-Authenticate": challenge}
     )
+
+
+# Seconds a client is told to wait when the job store cannot be reached.
+STORE_RETRY_AFTER = 5
+
+
+def store_is_down(exc: Exception) -> bool:
+    """A connection-level failure of the job store (refused, reset, gone), not a query bug. The
+    store is the only thing a request reaches over the network outside SSH, whose errors the
+    backends translate."""
+    if isinstance(exc, DBAPIError):
+        return isinstance(exc, (OperationalError, InterfaceError)) or exc.connection_invalidated
+    return isinstance(exc, OSError)
 
 
 def retry_after(seconds: float) -> dict[str, str]:
@@ -162,6 +176,17 @@ def install(app: FastAPI) -> None:
         return problem.response(request.url.path)
 
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        if store_is_down(exc):
+            # Every job is written before it is launched, so nothing ran: a retry is safe.
+            log.warning("job store unavailable on %s %s: %r", request.method, request.url, exc)
+            problem = Problem(
+                503,
+                "store-unavailable",
+                "Job store unavailable",
+                "the job store cannot be reached; nothing was run, retry later",
+                headers=retry_after(STORE_RETRY_AFTER),
+            )
+            return problem.response(request.url.path)
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return Problem(500, "internal", "Internal server error").response(request.url.path)
 
