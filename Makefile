@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed-stamp
 # root installs OS packages directly; anyone else through sudo.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: run test lint sshd slurm deploy-tools
+.PHONY: run test lint sshd slurm deploy-tools shells
 
 # Create or refresh .venv whenever pyproject.toml changes.
 $(STAMP): pyproject.toml
@@ -29,6 +29,13 @@ deploy-tools:
 	  $(SUDO) apt-get update -q && \
 	  RUNLEVEL=1 DEBIAN_FRONTEND=noninteractive $(SUDO) -E apt-get install -y -q nginx systemd; }
 
+# The argv round-trip tests log in through each login shell an HPC site may give its users.
+shells:
+	@test -x /bin/zsh -a -x /bin/tcsh || { \
+	  echo "installing zsh and tcsh (argv quoting is tested through every login shell)"; \
+	  $(SUDO) apt-get update -q && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q zsh tcsh; }
+
 # The batch-job tests run a real single-node Slurm (munge, slurmctld, slurmd) from the OS packages.
 slurm: $(STAMP)
 	$(VENV)/bin/python -m sshpool.local_slurm install
@@ -45,5 +52,5 @@ lint: $(STAMP)
 # The whole suite: lint, then every test (SSH, API, fault and slow ones included). Each run gets
 # its own temp dir: pytest prunes /tmp/pytest-of-$USER to 3 runs, which would delete the sshd
 # files of a run still going.
-test: $(STAMP) sshd slurm deploy-tools lint
+test: $(STAMP) sshd shells slurm deploy-tools lint
 	$(VENV)/bin/pytest --basetemp="$$(mktemp -d /tmp/sshapi-tests.XXXXXX)"

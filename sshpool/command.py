@@ -13,14 +13,30 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 
+# Bytes every login shell (sh, bash, zsh, tcsh...) passes through single quotes untouched.
+_INERT = frozenset(range(0x20, 0x7F)) - frozenset(b"'!\\%")
+
+
 def command_line(argv: Sequence[str]) -> str:
-    """Quote argv for a POSIX shell so that every element arrives byte-exact."""
+    """Quote argv for the remote login shell so that every element arrives byte-exact.
+
+    POSIX quoting (shlex) is enough for sh, bash and zsh. csh-family shells (tcsh) end a
+    command at a newline and expand `!` even inside single quotes, so an argument holding them
+    could run as a command of its own. Such a line is handed to /bin/sh as printf escapes
+    instead, made only of bytes every shell leaves alone inside single quotes; `exec` keeps the
+    login shell's process id (the pool's process group)."""
     if not argv:
         raise ValueError("argv must not be empty")
     for arg in argv:
         if "\0" in arg:
             raise ValueError("arguments cannot contain NUL bytes")
-    return shlex.join(argv)
+    line = shlex.join(argv)
+    if "\n" not in line and "!" not in line:
+        return line
+    escaped = "".join(
+        "%%" if b == 0x25 else chr(b) if b in _INERT else f"\\{b:03o}" for b in line.encode()
+    )
+    return f"""exec /bin/sh -c 'eval "$(printf "$0")"' '{escaped}'"""
 
 
 def wrap(command: str) -> str:

@@ -20,7 +20,8 @@ Keys are made once and reused across restarts and runs.
 The account: sshd runs unprivileged, as the account it logs in. Run as a normal user, that is the
 current user (an unprivileged sshd can only log in the user it runs as). Run as root, it is the
 dedicated account ``sshapi-hpc`` (created with ``useradd`` when missing, shell ``/bin/sh``, its own
-home), never root.
+home), never root. ``shell="/bin/tcsh"`` (root only) logs in ``sshapi-hpc-tcsh`` instead, whose
+login shell is that one: quoting is tested through every shell a site may give its users.
 
 Profiles: ``stock`` sets only what running unprivileged on a loopback port needs and leaves
 everything that matters to load at OpenSSH's defaults (MaxStartups 10:30:100, MaxSessions 10,
@@ -173,26 +174,28 @@ class Account:
         return self.uid == os.geteuid()
 
 
-_account_cache: Account | None = None
-
-
-def host_account() -> Account:
-    """The current user when not root; else the dedicated ``sshapi-hpc`` account, created once."""
-    global _account_cache
-    if _account_cache is not None:
-        return _account_cache
+@functools.cache
+def host_account(shell: str | None = None) -> Account:
+    """The current user when not root; else the dedicated ``sshapi-hpc`` account, created once.
+    With a login ``shell`` other than /bin/sh (to test quoting through bash, zsh, tcsh...), the
+    account is ``sshapi-hpc-<shell name>``; that needs root."""
     if os.geteuid() != 0:
         account = Account.from_pwd(pwd.getpwuid(os.geteuid()))
-    else:
+        if shell is not None and shell != account.shell:
+            raise LocalHostError(f"a login shell other than {account.shell} needs root")
+    elif shell is None or shell == ACCOUNT_SHELL:
         account = _ensure_account(ACCOUNT)
+    else:
+        if not os.access(shell, os.X_OK):
+            raise LocalHostError(f"login shell {shell} is not installed")
+        account = _ensure_account(f"{ACCOUNT}-{Path(shell).name}", shell)
     if account.uid == 0:
         # Root logins have signal requests refused before OpenSSH 10, and we never want root.
         raise LocalHostError(f"the local host account {account.name!r} must not be root (uid 0)")
-    _account_cache = account
     return account
 
 
-def _ensure_account(name: str) -> Account:
+def _ensure_account(name: str, shell: str = ACCOUNT_SHELL) -> Account:
     try:
         return Account.from_pwd(pwd.getpwnam(name))
     except KeyError:
@@ -203,7 +206,7 @@ def _ensure_account(name: str) -> Account:
             useradd,
             "--create-home",
             "--shell",
-            ACCOUNT_SHELL,
+            shell,
             "--user-group",
             "--comment",
             "sshapi local HPC host",
@@ -384,6 +387,7 @@ class LocalHost:
         port: int | None = None,
         data_dir: Path | str | None = None,
         overrides: Mapping[str, str] | None = None,
+        shell: str | None = None,
     ) -> None:
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
             raise ValueError(f"host name {name!r}: use letters, digits, '.', '_' and '-'")
@@ -398,7 +402,7 @@ class LocalHost:
         self._sshd_dir = self._host_dir / "sshd"
         self._client_dir = self._host_dir / "client"
         self.overrides: dict[str, str] = dict(overrides or {})
-        self._account = host_account()
+        self._account = host_account(shell)
         self._port = port if port is not None else self._pick_port()
         self._proc: subprocess.Popen[bytes] | None = None
         #: Keywords of sshd_config.tuned left out because the installed sshd is too old.
