@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import hmac
 import json
 import time
+import warnings
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -18,6 +20,7 @@ import pytest
 from api_helpers import (
     AUDIENCE,
     KEYS_ISS,
+    LOCAL_ISS,
     Api,
     Keys,
     config_toml,
@@ -130,6 +133,45 @@ async def test_tokens_signed_with_configured_public_keys_are_accepted(api: Api, 
     token = jwt.encode(claims(iss=KEYS_ISS), key, algorithm=alg)
     r = await api.client.get(f"{api.url}/v1/jobs", headers={"Authorization": f"Bearer {token}"})
     assert r.status_code == 200, r.text
+
+
+def joserfc_token(api: Api, alg: str, **over: Any) -> str:
+    """A token minted by joserfc, a JOSE implementation independent of the PyJWT we verify with."""
+    from joserfc import jwk
+    from joserfc import jwt as jose_jwt
+    from joserfc.errors import SecurityWarning
+
+    keys: dict[str, Any] = {
+        "HS256": jwk.OctKey.import_key(api.secret),
+        "RS256": jwk.RSAKey.import_key(api.keys.rsa),
+        "ES256": jwk.ECKey.import_key(api.keys.ec),
+        "EdDSA": jwk.OKPKey.import_key(api.keys.ed),
+    }
+    issuer = LOCAL_ISS if alg == "HS256" else KEYS_ISS
+    with warnings.catch_warnings():
+        # joserfc flags "EdDSA" as superseded by "Ed25519" (RFC 9864); identity providers and
+        # our configuration still use "EdDSA".
+        warnings.simplefilter("ignore", SecurityWarning)
+        return jose_jwt.encode(
+            {"alg": alg}, claims(iss=issuer, **over), keys[alg], algorithms=[alg]
+        )
+
+
+@pytest.mark.parametrize("alg", ["HS256", "RS256", "ES256", "EdDSA"])
+async def test_tokens_minted_by_another_jose_library_interoperate(api: Api, alg: str) -> None:
+    """joserfc's tokens verify for every configured algorithm, and its expired or
+    wrong-audience tokens are refused like PyJWT's: the checks are the standard's, not one
+    library's."""
+    url = f"{api.url}/v1/jobs"
+
+    async def status(token: str) -> int:
+        r = await api.client.get(url, headers={"Authorization": f"Bearer {token}"})
+        return r.status_code
+
+    now = int(time.time())
+    assert await status(joserfc_token(api, alg)) == 200
+    assert await status(joserfc_token(api, alg, exp=now - 3600, iat=now - 7200)) == 401
+    assert await status(joserfc_token(api, alg, aud="someone-else")) == 401
 
 
 async def test_identity_is_issuer_and_subject(api: Api) -> None:
@@ -263,6 +305,36 @@ async def test_unreachable_jwks_fails_closed(
     async with api_with_jwks(url, 0, tuned_host, secret_file, secret, keys, tmp_path) as api:
         r = await api.client.get(f"{api.url}/v1/jobs", headers=jwks_token(key, "k"))
         assert r.status_code == 401
+
+
+async def test_jwks_server_down_keeps_cached_keys_and_fails_closed_for_new_ones(
+    tuned_host: LocalHost, secret_file: Path, secret: str, keys: Keys, tmp_path: Path
+) -> None:
+    """The identity provider's JWKS endpoint goes down: tokens signed with a key fetched
+    before keep working from the cache; a token naming a key id never seen is refused."""
+    jwks = JwksServer()
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    unseen = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    jwks.publish("known", key)
+    idp = serve(jwks.app)
+    base = await idp.__aenter__()
+    try:
+        async with api_with_jwks(
+            f"{base}/jwks.json", 0.1, tuned_host, secret_file, secret, keys, tmp_path
+        ) as api:
+            url = f"{api.url}/v1/jobs"
+            assert (await api.client.get(url, headers=jwks_token(key, "known"))).status_code == 200
+            await idp.__aexit__(None, None, None)
+            await asyncio.sleep(0.2)  # past the refresh interval: a refetch would be tried
+            for _ in range(3):
+                r = await api.client.get(url, headers=jwks_token(key, "known"))
+                assert r.status_code == 200
+            r = await api.client.get(url, headers=jwks_token(unseen, "rotated-in"))
+            assert r.status_code == 401
+            assert r.headers["WWW-Authenticate"].startswith("Bearer")
+    finally:
+        with contextlib.suppress(Exception):  # already closed in the normal path
+            await idp.__aexit__(None, None, None)
 
 
 async def test_placeholder_secret_is_refused() -> None:
