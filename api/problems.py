@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as StorePoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sshpool.errors import (
@@ -93,9 +94,12 @@ STORE_RETRY_AFTER = 5
 
 
 def store_is_down(exc: Exception) -> bool:
-    """A connection-level failure of the job store (refused, reset, gone), not a query bug. The
+    """The job store cannot take the request: unreachable (refused, reset, gone) or saturated
+    (SQLite "database is locked", no free store connection), as opposed to a query bug. The
     store is the only thing a request reaches over the network outside SSH, whose errors the
     backends translate."""
+    if isinstance(exc, StorePoolTimeout):
+        return True
     if isinstance(exc, DBAPIError):
         return isinstance(exc, (OperationalError, InterfaceError)) or exc.connection_invalidated
     return isinstance(exc, OSError)
@@ -178,7 +182,7 @@ def install(app: FastAPI) -> None:
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         if store_is_down(exc):
             # Every job is written before it is launched, so nothing ran: a retry is safe.
-            log.warning("job store unavailable on %s %s: %r", request.method, request.url, exc)
+            log.warning("job store unavailable on %s %s: %r", request.method, request.url.path, exc)
             problem = Problem(
                 503,
                 "store-unavailable",

@@ -6,6 +6,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from api.config import Config, TemplateConfig, load_config
@@ -110,3 +112,25 @@ def test_ssh_budget_counts_the_pools_of_all_replicas() -> None:
     assert host.model_copy(update={"limits": Limits(max_sessions=10)}).ssh_budget(1) == [
         "max_sessions 10 >= MaxSessions 10: no spare channel per connection"
     ]
+
+
+_DASH_TEMPLATE = TemplateConfig.model_validate(
+    {"argv": ["grep", "-c", "{pattern}", "--", "{path}"], "params": {"pattern": {}, "path": {}}}
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(pattern=st.text(), path=st.text())
+def test_template_values_never_become_options_or_extra_arguments(pattern: str, path: str) -> None:
+    """Property: a value before `--` that starts with '-' is refused (422); any other value,
+    whatever it holds (spaces, quotes, newlines), is exactly one argv element, where the
+    operator put it."""
+    if "\0" in pattern + path:
+        return  # NUL is refused earlier, by the request schema
+    if pattern.startswith("-"):
+        with pytest.raises(Problem) as refused:
+            render("grep", _DASH_TEMPLATE, {"pattern": pattern, "path": path})
+        assert refused.value.status == 422
+        return
+    argv = render("grep", _DASH_TEMPLATE, {"pattern": pattern, "path": path})
+    assert argv == ["grep", "-c", pattern, "--", path]
