@@ -92,9 +92,7 @@ def verdict(samples: list[Sample], max_growth: float) -> dict[str, Any]:
 class Sampler(threading.Thread):
     """Samples the API process, its pool and the sshd listener every `interval` seconds."""
 
-    def __init__(
-        self, api_pid: int, sshd_pid: int, url: str, token: str, interval: float
-    ) -> None:
+    def __init__(self, api_pid: int, sshd_pid: int, url: str, token: str, interval: float) -> None:
         super().__init__(daemon=True)
         self.api = psutil.Process(api_pid)
         self.sshd = psutil.Process(sshd_pid)
@@ -206,9 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"soak: {args.rate:g} req/s for {args.minutes:g} min, {len(sampler.samples)} samples")
     print(f"requests: {errors}")
     for name, v in result.get("series", {}).items():
+        state = "flat" if v["flat"] else "GROWING"
         print(
-            f"  {name:14} start {v['start']:8.1f}  end {v['end']:8.1f}  growth {v['growth_pct']:6.1f}%"
-            f"  range {v['min']:g}..{v['max']:g}  {'flat' if v['flat'] else 'GROWING'}"
+            f"  {name:14} start {v['start']:8.1f}  end {v['end']:8.1f}  growth "
+            f"{v['growth_pct']:6.1f}%  range {v['min']:g}..{v['max']:g}  {state}"
         )
     print(f"verdict: {'OK' if ok else 'FAIL'}")
     print(f"soak report: {out / 'soak.json'}")

@@ -12,7 +12,6 @@ import shlex
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-
 # Bytes every login shell (sh, bash, zsh, tcsh...) passes through single quotes untouched.
 _INERT = frozenset(range(0x20, 0x7F)) - frozenset(b"'!\\%")
 

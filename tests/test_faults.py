@@ -191,9 +191,7 @@ async def test_handshake_storm_against_strict_maxstartups_has_no_failures(
     `MaxStartups 10:30:60` and `PerSourceMaxStartups 10` (every replica is the same source,
     127.0.0.1): the handshake gate (4 per replica) keeps sshd from shedding, and what it
     sheds the pool retries; no caller sees a failure."""
-    host = make_host(
-        "stock", overrides={"MaxStartups": "10:30:60", "PerSourceMaxStartups": "10"}
-    )
+    host = make_host("stock", overrides={"MaxStartups": "10:30:60", "PerSourceMaxStartups": "10"})
     target = host.target()
     outcomes: Counter[str] = Counter()
 

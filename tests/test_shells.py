@@ -25,7 +25,7 @@ SHELLS = ["sh", "bash", "zsh", "tcsh"]
 # (not representable in UTF-8, so never in a JSON request).
 ARG = st.text(st.characters(exclude_categories=["Cs"], exclude_characters="\0"), max_size=40)
 # The characters shells treat specially, over-represented so every example is adversarial.
-NASTY = st.text(st.sampled_from(list("'\"\\$`!*?[]{}()<>|&;#~%^= \t\n\r-") + ["é", "\u202e"]))
+NASTY = st.text(st.sampled_from([*"'\"\\$`!*?[]{}()<>|&;#~%^= \t\n\r-", "é", "\u202e"]))
 
 
 @pytest.fixture(scope="module", params=SHELLS)

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 import schemathesis
-from api_helpers import Api, Keys, config_toml, free_port, make_settings, running_api, serve_process
+from api_helpers import Api, Keys, config_toml, make_settings, running_api, server_process
 from hypothesis import HealthCheck, given, settings
 
 from api.config import load_config
@@ -26,7 +26,9 @@ def figure(name: str, value: object) -> None:
     print(f"FIGURE {name}: {value}")
 
 
-def fuzz(raw: dict[str, Any], url: str, token: str, examples: int) -> tuple[list[str], Counter[str]]:
+def fuzz(
+    raw: dict[str, Any], url: str, token: str, examples: int
+) -> tuple[list[str], Counter[str]]:
     """Every operation of the schema with generated inputs, each sent with a valid token, with
     none and with a forged one. Returns what went wrong, and the statuses seen."""
     schema = schemathesis.openapi.from_dict(raw)
@@ -75,11 +77,12 @@ async def test_openapi_fuzzing_finds_no_5xx_and_no_unauthenticated_access(
     answered 5xx, and every operation but the public probes answers 401 without a token or
     with a forged one."""
     settings_ = make_settings(tmp_path, config_file, "sqlite", None)
-    async with serve_process(settings_, free_port()) as url, httpx.AsyncClient() as client:
-        api = Api(url, client, secret, load_config(config_file), settings_, keys)
-        raw = (await client.get(f"{url}/openapi.json")).json()
-        token = api.token("fuzzer", "jobs:read jobs:write")
-        wrong, seen = await asyncio.to_thread(fuzz, raw, url, token, 30)
+    with server_process(settings_) as (_, url):
+        async with httpx.AsyncClient() as client:
+            api = Api(url, client, secret, load_config(config_file), settings_, keys)
+            raw = (await client.get(f"{url}/openapi.json")).json()
+            token = api.token("fuzzer", "jobs:read jobs:write")
+            wrong, seen = await asyncio.to_thread(fuzz, raw, url, token, 30)
     figure("schemathesis: requests sent", sum(seen.values()))
     figure("schemathesis: answers with a valid token", sorted(k for k in seen if "valid" in k))
     figure("schemathesis: 5xx or unauthenticated access", len(wrong))
@@ -126,7 +129,8 @@ max_concurrent = 8
     b_codes = Counter(code for code, _ in alone + during)
     figure("burst: tenant-a statuses", dict(a_codes))
     figure("burst: tenant-b statuses", dict(b_codes))
+    change = (p95(during) / p95(alone) - 1) * 100
     figure("burst: tenant-b p95 alone / during a's burst (ms)",
-           f"{p95(alone):.1f} / {p95(during):.1f} ({(p95(during) / p95(alone) - 1) * 100:+.0f} %)")  # fmt: skip
+           f"{p95(alone):.1f} / {p95(during):.1f} ({change:+.0f} %)")  # fmt: skip
     assert a_codes[429] > 0
     assert set(b_codes) == {201}
