@@ -44,18 +44,20 @@ def wrap(command: str) -> str:
 
 
 def kill_group_line(pgid: int, grace: float = 1.0) -> str:
-    """A shell line that sends TERM to a process group, waits up to `grace`, then KILLs it.
+    """A line that sends TERM to a process group, waits up to `grace`, then KILLs it.
 
     No `--` before the negative id: dash (Debian's /bin/sh, a common login shell for service
     accounts) rejects `kill -TERM -- -PGID` ("Illegal number: -"); `kill -TERM -PGID` works in
-    dash, bash and zsh alike."""
+    dash, bash and zsh alike. It runs under /bin/sh whatever the login shell: csh-family shells
+    (tcsh) know none of this syntax."""
     steps = max(1, int(grace / 0.05))
     g = f"-{int(pgid)}"
-    return (
+    script = (
         f"kill -TERM {g} 2>/dev/null || exit 0; i=0; "
         f"while [ $i -lt {steps} ] && kill -0 {g} 2>/dev/null; do sleep 0.05; i=$((i+1)); done; "
         f"kill -KILL {g} 2>/dev/null; exit 0"
     )
+    return f"exec /bin/sh -c '{script}'"
 
 
 class Capture:

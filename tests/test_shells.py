@@ -10,6 +10,7 @@ argument it received followed by a NUL: the received argv, exactly.
 from __future__ import annotations
 
 import asyncio
+import random
 import shutil
 from collections.abc import Iterator
 
@@ -17,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from sshpool import CommandResult, Pool, Target
+from sshpool import CommandResult, CommandTimeout, Pool, Target
 from sshpool.local_host import LocalHost
 
 SHELLS = ["sh", "bash", "zsh", "tcsh"]
@@ -58,12 +59,16 @@ def pool(runner: asyncio.Runner) -> Iterator[Pool]:
 
 
 def run(
-    runner: asyncio.Runner, pool: Pool, target: Target, command: str | list[str]
+    runner: asyncio.Runner,
+    pool: Pool,
+    target: Target,
+    command: str | list[str],
+    timeout: float = 20,
 ) -> tuple[CommandResult, bool]:
     """The result, and whether the remote command started (the shell ran the pool's wrapper)."""
     started: list[bool] = []
     result = runner.run(
-        pool.run(target, command, timeout=20, on_started=lambda: started.append(True))
+        pool.run(target, command, timeout=timeout, on_started=lambda: started.append(True))
     )
     return result, bool(started)
 
@@ -92,3 +97,26 @@ def test_argv_round_trips_byte_exact(
     result, started = run(runner, pool, shell_host.target(), ["printf", "%s\\0", *args])
     expected = b"".join(a.encode() + b"\0" for a in args)
     assert (result.exit_status, result.stdout, started) == (0, expected, True), result.stderr
+
+
+def test_timeout_kills_the_remote_command(
+    shell_host: LocalHost, runner: asyncio.Runner, pool: Pool
+) -> None:
+    """The pool's kill line (TERM, then KILL, of the remote process group) works whatever the
+    login shell, so a timeout leaves no command behind on a tcsh account either, even one that
+    ignores TERM."""
+    seconds = str(random.randrange(10**6, 10**7))  # names the remote sleep for pgrep
+    word = f"sleep {seconds}"
+    with pytest.raises(CommandTimeout):
+        # TERM ignored (and inherited by sleep): only the kill line's KILL ends it.
+        command = ["sh", "-c", f"trap '' TERM; {word}; true"]
+        run(runner, pool, shell_host.target(), command, timeout=1)
+
+    async def gone() -> bool:
+        for _ in range(60):
+            if not shell_host.processes(word):
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    assert runner.run(gone())
