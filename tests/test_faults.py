@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from fault_proxy import Proxy
+from faults import Proxy, figure
 
 from sshpool import (
     CommandTimeout,
@@ -34,10 +34,6 @@ MakeHost = Callable[..., LocalHost]
 # The window is 30 s; CI uses a shorter one with the same behaviour (breaker open,
 # attempts bounded, recovery within the back-off cap). SSHAPI_FAULT_DOWN_SECONDS=30 for the figure.
 DOWN_SECONDS = float(os.environ.get("SSHAPI_FAULT_DOWN_SECONDS", "6"))
-
-
-def figure(name: str, value: object) -> None:
-    print(f"FIGURE {name}: {value}")
 
 
 def connect_attempts(pool: Pool, target: Target) -> int:

@@ -12,7 +12,7 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,8 @@ from sshpool.local_host import LocalHost
 
 PG_URL = os.environ.get("SSHAPI_TEST_PG", "postgresql+asyncpg://postgres@127.0.0.1:5432/test")
 AUDIENCE = "sshapi-test"
+# The `api_with_own_host` fixture: name -> (the API, the host of that name).
+OwnHostApi = Callable[[str], AbstractAsyncContextManager[tuple["Api", LocalHost]]]
 LOCAL_ISS = "test-local"
 KEYS_ISS = "test-keys"
 SSHAPI = str(Path(sys.executable).parent / "sshapi")

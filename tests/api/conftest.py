@@ -6,11 +6,21 @@ loop, in front of the real sshd of `tuned_host`; tokens; a store on SQLite or Po
 from __future__ import annotations
 
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
-from api_helpers import Api, Keys, config_toml, make_settings, pg_schema, running_api
+from api_helpers import (
+    Api,
+    Keys,
+    OwnHostApi,
+    config_toml,
+    host_toml,
+    make_settings,
+    pg_schema,
+    running_api,
+)
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
 
 from api.settings import Settings
@@ -101,3 +111,27 @@ async def store(store_settings: Settings) -> AsyncIterator[Store]:
         yield s
     finally:
         await s.close()
+
+
+@pytest.fixture
+def api_with_own_host(
+    make_host: Callable[..., LocalHost],
+    tuned_host: LocalHost,
+    secret_file: Path,
+    secret: str,
+    keys: Keys,
+    tmp_path: Path,
+) -> OwnHostApi:
+    """`async with api_with_own_host(name) as (api, host)`: the API (SQLite) with one more host
+    `name`, a tuned sshd of the test's own that it may kill, restart or re-key. Policy subject
+    `anyhost` may use it."""
+
+    @asynccontextmanager
+    async def start(name: str) -> AsyncIterator[tuple[Api, LocalHost]]:
+        host = make_host("tuned")
+        path = tmp_path / f"{name}.toml"
+        path.write_text(config_toml(tuned_host, secret_file, keys) + host_toml(name, host))
+        async with running_api(make_settings(tmp_path, path, "sqlite", None), keys, secret) as api:
+            yield api, host
+
+    return start

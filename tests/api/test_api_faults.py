@@ -9,7 +9,6 @@ import contextlib
 import signal
 import uuid
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,41 +19,26 @@ from api_helpers import (
     PG_URL,
     Api,
     Keys,
-    config_toml,
-    host_toml,
+    OwnHostApi,
     make_settings,
     pg_schema,
     running_api,
     server_process,
 )
-from fault_proxy import Proxy
+from faults import Proxy, figure
 
 from api.config import load_config
 from sshpool.local_host import LocalHost
 
-MakeHost = Callable[..., LocalHost]
-
-
-def figure(name: str, value: object) -> None:
-    print(f"FIGURE {name}: {value}")
-
 
 async def test_killed_sshd_session_makes_the_job_lost_and_names_the_orphan(
-    make_host: MakeHost,
-    secret_file: Path,
-    secret: str,
-    keys: Keys,
-    tmp_path: Path,
-    tuned_host: LocalHost,
+    api_with_own_host: OwnHostApi,
 ) -> None:
     """SIGKILL of the sshd process serving a running command: the job ends `lost` with no exit
     status (never `succeeded`), its error names the remote process group, and the orphaned
     command is found running in that group."""
-    fragile = make_host("tuned")
-    path = tmp_path / "fragile.toml"
-    path.write_text(config_toml(tuned_host, secret_file, keys) + host_toml("fragile", fragile))
     word = f"orphan-{uuid.uuid4().hex[:8]}"
-    async with running_api(make_settings(tmp_path, path, "sqlite", None), keys, secret) as api:
+    async with api_with_own_host("fragile") as (api, fragile):
         r = await api.submit(
             {"host": "fragile", "command": f"sleep 300 # {word}"}, sub="anyhost", wait=0
         )
@@ -81,21 +65,11 @@ async def test_killed_sshd_session_makes_the_job_lost_and_names_the_orphan(
            (job["state"], len(orphans)))  # fmt: skip
 
 
-async def test_replaced_host_key_runs_nothing_and_is_502(
-    make_host: MakeHost,
-    secret_file: Path,
-    secret: str,
-    keys: Keys,
-    tmp_path: Path,
-    tuned_host: LocalHost,
-) -> None:
+async def test_replaced_host_key_runs_nothing_and_is_502(api_with_own_host: OwnHostApi) -> None:
     """The host comes back with another host key: the next job is 502 host-key-mismatch with a
     detail that says so, the job is `error`, and the command never ran."""
-    rekeyed = make_host("tuned")
-    path = tmp_path / "rekeyed.toml"
-    path.write_text(config_toml(tuned_host, secret_file, keys) + host_toml("rekeyed", rekeyed))
     flag = f"ran-{uuid.uuid4().hex[:8]}"
-    async with running_api(make_settings(tmp_path, path, "sqlite", None), keys, secret) as api:
+    async with api_with_own_host("rekeyed") as (api, rekeyed):
         ok = await api.submit({"host": "rekeyed", "argv": ["true"]}, sub="anyhost")
         assert ok.status_code == 201
         rekeyed.stop(kill_sessions=True)

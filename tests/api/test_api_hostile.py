@@ -14,16 +14,13 @@ import httpx
 import pytest
 import schemathesis
 from api_helpers import Api, Keys, config_toml, make_settings, running_api, server_process
+from faults import figure
 from hypothesis import HealthCheck, given, settings
 
 from api.config import load_config
 from sshpool.local_host import LocalHost
 
 PUBLIC = {"/healthz", "/readyz", "/metrics"}
-
-
-def figure(name: str, value: object) -> None:
-    print(f"FIGURE {name}: {value}")
 
 
 def fuzz(

@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from pathlib import Path
 
-from api_helpers import Api, Keys, config_toml, host_toml, make_settings, running_api
-
-from sshpool.local_host import LocalHost
+from api_helpers import Api, OwnHostApi
 
 
 async def test_rate_limit_is_429_with_retry_after(api: Api) -> None:
@@ -75,21 +71,10 @@ async def test_unreachable_host_is_502_then_503_once_the_breaker_opens(api: Api)
     assert hosts.json()["health"] == "down"
 
 
-async def test_connection_dropped_after_start_is_lost(
-    make_host: Callable[..., LocalHost],
-    secret_file: Path,
-    secret: str,
-    keys: Keys,
-    tmp_path: Path,
-    tuned_host: LocalHost,
-) -> None:
+async def test_connection_dropped_after_start_is_lost(api_with_own_host: OwnHostApi) -> None:
     """The host dies (sshd and its sessions killed) while a command runs: the job ends `lost`
     (answered as a job, 201), because it may have had effects; it is never re-run."""
-    fragile = make_host("tuned")
-    path = tmp_path / "fragile.toml"
-    path.write_text(config_toml(tuned_host, secret_file, keys) + host_toml("fragile", fragile))
-    settings = make_settings(tmp_path, path, "sqlite", None)
-    async with running_api(settings, keys, secret) as api:
+    async with api_with_own_host("fragile") as (api, fragile):
         r = await api.submit({"host": "fragile", "command": "sleep 30"}, sub="anyhost", wait=0)
         job_id = r.json()["id"]
         await api.wait_state(job_id, ("running",), sub="anyhost")

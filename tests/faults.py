@@ -1,6 +1,5 @@
-"""A TCP proxy on 127.0.0.1 for fault tests: forwards to a real server until told to black-hole
-(keep every socket open, forward nothing: a cut network path) or to cut (reset every connection
-and refuse new ones: the server is gone)."""
+"""What the fault and hostile-input tests share: a TCP proxy that can fail on command, and the
+`FIGURE name: value` lines RELIABILITY.md quotes (`pytest -s ... | grep FIGURE`)."""
 
 from __future__ import annotations
 
@@ -10,7 +9,15 @@ from types import TracebackType
 from typing import Self
 
 
+def figure(name: str, value: object) -> None:
+    print(f"FIGURE {name}: {value}")
+
+
 class Proxy:
+    """A TCP proxy on 127.0.0.1: forwards to a real server until told to black-hole (keep every
+    socket open, forward nothing: a cut network path) or to cut (reset every connection and
+    refuse new ones: the server is gone)."""
+
     def __init__(self, host: str, port: int) -> None:
         self.upstream = (host, port)
         self.port = 0
