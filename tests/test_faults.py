@@ -100,7 +100,7 @@ async def test_black_holed_connection_is_detected_and_nothing_hangs(
         assert (await pool.run(target, ["echo", "up"])).stdout == b"up\n"
         started = asyncio.Event()
         running = asyncio.create_task(
-            pool.run(target, ["sleep", "30"], timeout=60, on_started=started.set)
+            pool.run(target, ["sleep", "30"], timeout=60, on_started=lambda _pgid: started.set())
         )
         await started.wait()
         proxy.blackhole()

@@ -68,7 +68,7 @@ def run(
     """The result, and whether the remote command started (the shell ran the pool's wrapper)."""
     started: list[bool] = []
     result = runner.run(
-        pool.run(target, command, timeout=timeout, on_started=lambda: started.append(True))
+        pool.run(target, command, timeout=timeout, on_started=lambda _pgid: started.append(True))
     )
     return result, bool(started)
 
