@@ -180,21 +180,28 @@ def install(app: FastAPI) -> None:
         return problem.response(request.url.path)
 
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
-        if store_is_down(exc):
-            # Every job is written before it is launched, so nothing ran: a retry is safe.
-            log.warning("job store unavailable on %s %s: %r", request.method, request.url.path, exc)
-            problem = Problem(
-                503,
-                "store-unavailable",
-                "Job store unavailable",
-                "the job store cannot be reached; nothing was run, retry later",
-                headers=retry_after(STORE_RETRY_AFTER),
-            )
-            return problem.response(request.url.path)
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return Problem(500, "internal", "Internal server error").response(request.url.path)
+
+    async def on_store_error(request: Request, exc: Exception) -> JSONResponse:
+        if not store_is_down(exc):
+            return await on_unexpected(request, exc)
+        # Every job is written before it is launched, so nothing ran: a retry is safe.
+        log.warning("job store unavailable on %s %s: %r", request.method, request.url.path, exc)
+        problem = Problem(
+            503,
+            "store-unavailable",
+            "Job store unavailable",
+            "the job store cannot be reached; nothing was run, retry later",
+            headers=retry_after(STORE_RETRY_AFTER),
+        )
+        return problem.response(request.url.path)
 
     app.add_exception_handler(Problem, on_problem)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)
+    # Registered by class, not under `Exception`: Starlette re-raises what its catch-all handler
+    # answered, and the server would log every store outage as a crash.
+    for store_error in (DBAPIError, StorePoolTimeout, OSError):
+        app.add_exception_handler(store_error, on_store_error)
     app.add_exception_handler(Exception, on_unexpected)
