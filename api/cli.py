@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import shlex
+import signal
 import time
 from typing import Annotated
 
@@ -97,6 +98,10 @@ def hosts_check(
         raise typer.Exit(1)
 
 
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 @app.command()
 def dev(
     port: Annotated[int, typer.Option(help="API port on 127.0.0.1.")] = 8000,
@@ -115,6 +120,9 @@ def dev(
     from sshpool.local_slurm import LocalSlurm, install_packages
 
     settings = Settings(host="127.0.0.1", port=port)
+    # uvicorn re-raises SIGTERM after its graceful shutdown; with the default handler the process
+    # would die there, before the local host and Slurm below are stopped. Exit through Python.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     with contextlib.ExitStack() as stack:
         overrides: dict[str, str] = {}
         if slurm:
