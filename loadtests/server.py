@@ -100,18 +100,27 @@ def start_api(
             [sys.executable, "-m", "loadtests.server", str(spec)], env=child, stdout=out, stderr=out
         )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + READY_TIMEOUT
+    wait_ready(proc, url, log=log)
+    return proc, url
+
+
+def wait_ready(
+    proc: subprocess.Popen[bytes], url: str, timeout: float = READY_TIMEOUT, log: Path | None = None
+) -> None:
+    """Return once the API process at `url` answers /readyz with 200; RuntimeError (the process
+    killed) if it exits or is not ready within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"the API exited with {proc.returncode} (log: {log})")
         try:
             with urllib.request.urlopen(f"{url}/readyz", timeout=1) as resp:
                 if resp.status == 200:
-                    return proc, url
+                    return
         except OSError:
             time.sleep(0.2)
     proc.kill()
-    raise RuntimeError(f"the API did not get ready in {READY_TIMEOUT:g} s (log: {log})")
+    raise RuntimeError(f"the API did not get ready in {timeout:g} s (log: {log})")
 
 
 def stop_api(proc: subprocess.Popen[bytes]) -> None:

@@ -28,6 +28,7 @@ from starlette.types import ASGIApp
 from api.app import create_app
 from api.config import Config, load_config
 from api.settings import Settings
+from loadtests.server import wait_ready
 from sshpool.local_host import LocalHost
 
 PG_URL = os.environ.get("SSHAPI_TEST_PG", "postgresql+asyncpg://postgres@127.0.0.1:5432/test")
@@ -324,16 +325,7 @@ def server_process(settings: Settings) -> Iterator[tuple[subprocess.Popen[bytes]
     proc = subprocess.Popen([SSHAPI, "serve"], env=env, stdin=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert proc.poll() is None, "sshapi serve exited during startup"
-            assert time.monotonic() < deadline, "sshapi serve not ready within 30 s"
-            try:
-                if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
+        wait_ready(proc, url)
         yield proc, url
     finally:
         if proc.poll() is None:

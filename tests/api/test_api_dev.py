@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
-import httpx
 import psutil
 from api_helpers import SSHAPI, free_port
+
+from loadtests.server import wait_ready
 
 
 def test_dev_answers_and_a_sigterm_stops_the_local_host_too(tmp_path: Path) -> None:
@@ -23,15 +23,7 @@ def test_dev_answers_and_a_sigterm_stops_the_local_host_too(tmp_path: Path) -> N
         [SSHAPI, "dev", "--port", str(port)], env=env, stdout=subprocess.DEVNULL
     )
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "dev did not come up"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
+        wait_ready(proc, f"http://127.0.0.1:{port}")
 
         def sshd_of_data_dir() -> list[psutil.Process]:
             found = []
