@@ -38,7 +38,7 @@ shells:
 
 # The batch-job tests run a real single-node Slurm (munge, slurmctld, slurmd) from the OS packages.
 slurm: $(STAMP)
-	$(VENV)/bin/python -m sshpool.local_slurm install
+	$(VENV)/bin/python -m sshpool.devhost.slurm install
 
 # Start the local HPC host (sshd on loopback, `tuned` profile) and the API on 127.0.0.1:8000.
 run: $(STAMP) sshd

@@ -16,7 +16,7 @@ POOL_GAUGES = ("connections", "channels_in_use", "capacity", "waiters", "handsha
 class PoolCollector(Collector):
     """Reads pool.stats() at scrape time: gauges per target, the breaker, the pool's counters."""
 
-    def __init__(self, stats: Callable[[], dict[str, dict[str, Any]]]) -> None:
+    def __init__(self, stats: Callable[[], dict[Any, dict[str, Any]]]) -> None:
         self._stats = stats
 
     def collect(self) -> Iterator[Any]:
@@ -29,7 +29,8 @@ class PoolCollector(Collector):
             "sshpool_breaker_open", "1 while the host's circuit breaker is open", labels=["target"]
         )
         counters: dict[str, CounterMetricFamily] = {}
-        for target, s in stats.items():
+        for key, s in stats.items():
+            target = str(key)
             for name, family in gauges.items():
                 value = s.get(name)
                 if isinstance(value, int | float):
@@ -109,7 +110,7 @@ class Metrics:
             registry=self.registry,
         )
 
-    def watch_pool(self, stats: Callable[[], dict[str, dict[str, Any]]]) -> None:
+    def watch_pool(self, stats: Callable[[], dict[Any, dict[str, Any]]]) -> None:
         self.registry.register(PoolCollector(stats))
 
     def watch_trackers(self, trackers: Callable[[], dict[str, Any]]) -> None:

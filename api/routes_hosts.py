@@ -16,7 +16,9 @@ router = APIRouter(prefix="/v1/hosts", tags=["hosts"])
 def _info(svc: Services, name: str, shell: bool) -> HostInfo:
     host = svc.config.hosts[name]
     suffix = f"@{host.hostname}:{host.port}"
-    pools: list[dict[str, Any]] = [s for t, s in svc.pool.stats().items() if t.endswith(suffix)]
+    pools: list[dict[str, Any]] = [
+        s for t, s in svc.pool.stats().items() if str(t).endswith(suffix)
+    ]
     if any(p.get("breaker") == "open" for p in pools):
         health = "down"
     elif any(p.get("connections", 0) > 0 for p in pools):

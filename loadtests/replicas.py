@@ -1,5 +1,5 @@
 """Several API replicas on one PostgreSQL schema behind nginx, all on loopback: what
-tests/test_deploy.py runs, and the measurement behind the README's two-replica figures.
+tests/deploy/test_deploy.py runs, and the measurement behind the README's two-replica figures.
 
     python -m loadtests.replicas                       # 1, 2, 1, 2 replicas; sweep profile x0.5
     python -m loadtests.replicas --replicas 1 2 --load-profile paper --duration-factor 1
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtests.server import free_port, start_api, stop_api
-from sshpool.local_host import LocalHost
+from sshpool.devhost.host import LocalHost
 
 REPO = Path(__file__).resolve().parent.parent
 NGINX = "/usr/sbin/nginx"

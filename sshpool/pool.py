@@ -499,9 +499,10 @@ class Pool:
         finally:
             host._release(c)
 
-    def stats(self) -> dict[str, dict[str, Any]]:
-        """Per target: connections, channels in use, waiters, handshakes in flight, counters."""
-        return {str(t): h.stats() for t, h in self._hosts.items()}
+    def stats(self) -> dict[Target, dict[str, Any]]:
+        """Per target: connections, channels in use, waiters, handshakes in flight, counters.
+        Keyed by the Target itself: two targets that differ only in key or limits stay apart."""
+        return {t: h.stats() for t, h in self._hosts.items()}
 
     def __repr__(self) -> str:
         s = list(self.stats().values())

@@ -1,4 +1,4 @@
-"""Shared fixtures. Tests run against real OpenSSH sshd instances on loopback (sshpool.local_host).
+"""Shared fixtures. Tests run against real OpenSSH sshd instances on loopback (sshpool.devhost).
 
 * ``stock_host`` / ``tuned_host``: one started LocalHost per profile for the whole session. Do not
   restart them or change their keys: use ``make_host`` for that.
@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from sshpool.local_host import LocalHost, LocalHostError, Profile, sshd_binary
-from sshpool.local_slurm import LocalSlurm, LocalSlurmError, install_packages
+from sshpool.devhost.host import LocalHost, LocalHostError, Profile, sshd_binary
+from sshpool.devhost.slurm import LocalSlurm, LocalSlurmError, install_packages
 
 MakeHost = Callable[..., LocalHost]
 SLURM_CPUS = 16
@@ -92,7 +92,7 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSlurm]:
     except LocalSlurmError as exc:
         pytest.fail(
             f"Slurm is not installed and could not be installed: {exc}\n"
-            "install it with `python -m sshpool.local_slurm install` "
+            "install it with `python -m sshpool.devhost.slurm install` "
             "(apt-get install slurmctld slurmd slurm-client munge)",
             pytrace=False,
         )

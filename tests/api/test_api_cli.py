@@ -12,7 +12,7 @@ from api_helpers import serve
 
 from api.app import create_app
 from api.settings import Settings
-from sshpool.local_host import LocalHost
+from sshpool.devhost.host import LocalHost
 
 SSHAPI = str(Path(sys.executable).parent / "sshapi")
 

@@ -24,7 +24,7 @@ from sshpool import (
     PoolFull,
     PoolTimeout,
 )
-from sshpool.local_host import LocalHost
+from sshpool.devhost.host import LocalHost
 
 MakeHost = Callable[..., LocalHost]
 
@@ -74,7 +74,7 @@ async def test_thousand_commands_reuse_connections(tuned_host: LocalHost) -> Non
                 return (await pool.run(target, ["echo", str(i)])).stdout
 
         outs = await asyncio.gather(*(one(i) for i in range(1000)))
-        stats = pool.stats()[str(target)]
+        stats = pool.stats()[target]
     assert outs == [f"{i}\n".encode() for i in range(1000)]
     assert stats["counters"]["connects"] <= 4
     assert stats["counters"]["commands"] == 1000
@@ -91,7 +91,7 @@ async def test_cold_burst_of_200_on_stock_sshd_has_no_failures(
         results = await asyncio.gather(
             *(pool.run(target, ["echo", str(i)]) for i in range(200)), return_exceptions=True
         )
-        stats = pool.stats()[str(target)]
+        stats = pool.stats()[target]
     failures = [r for r in results if isinstance(r, BaseException)]
     assert failures == []
     assert [r.stdout for r in results] == [f"{i}\n".encode() for i in range(200)]  # type: ignore[union-attr]
@@ -115,7 +115,7 @@ async def test_timeout_kills_the_remote_process_tree(stock_host: LocalHost) -> N
         assert time.monotonic() - started < 4
         assert info.value.result.stdout == b"partial\n"
         assert await gone(stock_host, word)
-        assert pool.stats()[str(stock_host.target())]["counters"]["killed"] == 1
+        assert pool.stats()[stock_host.target()]["counters"]["killed"] == 1
 
 
 async def test_another_pool_kills_a_process_group_by_its_id(stock_host: LocalHost) -> None:
@@ -131,7 +131,7 @@ async def test_another_pool_kills_a_process_group_by_its_id(stock_host: LocalHos
         result = await asyncio.wait_for(task, 10)
         assert result.exit_signal == "TERM"
         assert await gone(stock_host, word)
-        assert other.stats()[str(stock_host.target())]["counters"]["killed"] == 1
+        assert other.stats()[stock_host.target()]["counters"]["killed"] == 1
 
 
 async def test_cancel_kills_the_remote_process_tree(stock_host: LocalHost) -> None:
@@ -202,7 +202,7 @@ async def test_wrong_client_key_fails_once_without_retry_loop(
     async with Pool() as pool:
         with pytest.raises(AuthenticationFailed):
             await pool.run(bad, ["true"], acquire_timeout=10)
-        assert pool.stats()[str(bad)]["counters"]["connects_failed"] == 1
+        assert pool.stats()[bad]["counters"]["connects_failed"] == 1
 
 
 async def test_host_down_fails_fast_then_breaker_opens(make_host: MakeHost) -> None:
@@ -219,8 +219,8 @@ async def test_host_down_fails_fast_then_breaker_opens(make_host: MakeHost) -> N
         with pytest.raises(HostUnavailable) as info:
             await pool.run(target, ["true"], acquire_timeout=10)
         assert 0 < info.value.retry_after <= 5
-        assert pool.stats()[str(target)]["breaker"] == "open"
-        assert pool.stats()[str(target)]["counters"]["connects_failed"] == 3
+        assert pool.stats()[target]["breaker"] == "open"
+        assert pool.stats()[target]["counters"]["connects_failed"] == 3
 
 
 async def test_breaker_recovers_when_sshd_returns(make_host: MakeHost) -> None:
@@ -236,7 +236,7 @@ async def test_breaker_recovers_when_sshd_returns(make_host: MakeHost) -> None:
         host.start()
         await asyncio.sleep(0.6)
         assert (await pool.run(target, ["echo", "back"])).stdout == b"back\n"
-        assert pool.stats()[str(target)]["breaker"] == "closed"
+        assert pool.stats()[target]["breaker"] == "closed"
 
 
 async def test_sshd_restart_with_idle_connections(make_host: MakeHost) -> None:
@@ -280,11 +280,11 @@ async def test_stats_and_repr_describe_the_pool(tuned_host: LocalHost) -> None:
     async with Pool() as pool:
         task = asyncio.create_task(pool.run(target, "sleep 1"))
         await asyncio.sleep(0.3)
-        stats = pool.stats()[str(target)]
+        stats = pool.stats()[target]
         assert (stats["connections"], stats["channels_in_use"], stats["waiters"]) == (1, 1, 0)
         assert "channels_in_use=1" in repr(pool)
         await task
-        assert pool.stats()[str(target)]["counters"]["commands"] == 1
+        assert pool.stats()[target]["counters"]["commands"] == 1
 
 
 async def test_prewarm_opens_min_connections(tuned_host: LocalHost) -> None:
@@ -292,11 +292,11 @@ async def test_prewarm_opens_min_connections(tuned_host: LocalHost) -> None:
     target = tuned_host.target(min_connections=2, idle_timeout=0.5)
     async with Pool() as pool:
         await pool.prewarm(target)
-        assert pool.stats()[str(target)]["connections"] == 2
+        assert pool.stats()[target]["connections"] == 2
         await asyncio.gather(*(pool.run(target, "sleep 0.3") for _ in range(30)))
-        assert pool.stats()[str(target)]["connections"] > 2
+        assert pool.stats()[target]["connections"] > 2
         await asyncio.sleep(2.5)
-        assert pool.stats()[str(target)]["connections"] == 2
+        assert pool.stats()[target]["connections"] == 2
 
 
 @pytest.mark.parametrize("backend", ["paramiko", "ssh2"])
@@ -309,4 +309,4 @@ async def test_target_can_choose_its_own_backend(tuned_host: LocalHost, backend:
         )
         stats = pool.stats()
     assert [r.stdout for r in results] == [b"a\n", b"b\n"]
-    assert (stats[str(default)]["backend"], stats[str(chosen)]["backend"]) == ("asyncssh", backend)
+    assert (stats[default]["backend"], stats[chosen]["backend"]) == ("asyncssh", backend)

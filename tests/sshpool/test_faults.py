@@ -1,9 +1,10 @@
 """Faults injected into real processes under the pool: sshd restarted under load, a black-holed
 network path, sshd down for a while, handshake storms against strict MaxStartups.
 
-Each test prints its figures as `FIGURE name: value` lines (`pytest -s tests/test_faults.py |
-grep FIGURE`); RELIABILITY.md quotes them. Assertions check behaviour, with generous bounds
-where time is involved (the box is shared): the figures are what to compare.
+Each test prints its figures as `FIGURE name: value` lines
+(`pytest -s tests/sshpool/test_faults.py | grep FIGURE`); RELIABILITY.md quotes them. Assertions
+check behaviour, with generous bounds where time is involved (the box is shared): the figures are
+what to compare.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from sshpool import (
     SSHPoolError,
     Target,
 )
-from sshpool.local_host import LocalHost
+from sshpool.devhost.host import LocalHost
 
 MakeHost = Callable[..., LocalHost]
 # The issue's window is 30 s; CI uses a shorter one with the same behaviour (breaker open,
@@ -37,7 +38,7 @@ DOWN_SECONDS = float(os.environ.get("SSHAPI_FAULT_DOWN_SECONDS", "6"))
 
 
 def connect_attempts(pool: Pool, target: Target) -> int:
-    counters = pool.stats()[str(target)]["counters"]
+    counters = pool.stats()[target]["counters"]
     return int(
         counters.get("connects", 0)
         + counters.get("connects_failed", 0)
@@ -75,7 +76,7 @@ async def test_sshd_restarted_under_load_fails_no_request(make_host: MakeHost) -
 
     async with Pool() as pool, asyncio.timeout(60):
         await asyncio.gather(in_flight(), restarts(), *(caller(n) for n in range(24)))
-        connections = pool.stats()[str(target)]["counters"]["connects"]
+        connections = pool.stats()[target]["counters"]["connects"]
     figure("sshd restart x3 under load: requests, failed", (sum(outcomes.values()), outcomes))
     figure("sshd restart x3 under load: connections opened", connections)
     assert set(outcomes) == {"ok"}, outcomes
@@ -202,7 +203,7 @@ async def test_handshake_storm_against_strict_maxstartups_has_no_failures(
     try:
         async with asyncio.timeout(60):
             await asyncio.gather(*(one(p) for p in pools for _ in range(200)))
-        retries = sum(p.stats()[str(target)]["counters"].get("connect_retries", 0) for p in pools)
+        retries = sum(p.stats()[target]["counters"].get("connect_retries", 0) for p in pools)
     finally:
         for p in pools:
             await p.close()

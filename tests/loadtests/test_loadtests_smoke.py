@@ -17,9 +17,9 @@ from loadtests.records import read_jsonl
 from loadtests.schedule import PROFILES, arrivals, scaled
 from loadtests.server import free_port, start_api, stop_api
 from loadtests.summary import summarize
-from sshpool.local_host import LocalHost
+from sshpool.devhost.host import LocalHost
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 LOCUST = Path(sys.executable).parent / "locust"
 FACTOR = 0.5  # the smoke profile at half length: 1 s warm-up, 5 s measured
 

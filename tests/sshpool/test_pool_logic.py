@@ -124,7 +124,7 @@ async def test_channel_refusal_is_never_surfaced_and_shrinks_capacity() -> None:
     t = target(max_connections=1, max_sessions=8)
     async with Pool(backend) as pool:
         results = await asyncio.gather(*(pool.run(t, ["true"]) for _ in range(40)))
-        stats = pool.stats()[str(t)]
+        stats = pool.stats()[t]
     assert all(r.ok for r in results)
     assert stats["counters"]["channel_refused"] >= 1
     assert stats["capacity"] == 5
@@ -167,7 +167,7 @@ async def test_reset_before_banner_is_retried_once() -> None:
     backend = FakeBackend(connect_failures=[ConnectError("reset", retryable=True)])
     async with Pool(backend) as pool:
         assert (await pool.run(target(), ["true"])).ok
-        assert pool.stats()[str(target())]["counters"]["connect_retries"] == 1
+        assert pool.stats()[target()]["counters"]["connect_retries"] == 1
 
 
 async def test_expired_connection_drains_then_closes() -> None:

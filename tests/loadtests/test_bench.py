@@ -14,7 +14,7 @@ import pytest
 from loadtests.bench import TARGETS
 from loadtests.schedule import PROFILES
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def rates(profile: str) -> set[str]:

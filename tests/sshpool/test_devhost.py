@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from sshpool.local_host import (
+from sshpool.devhost.host import (
     TUNED_CONFIG,
     LocalHost,
     LocalHostError,

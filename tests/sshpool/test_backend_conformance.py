@@ -37,7 +37,7 @@ from sshpool import (
 )
 from sshpool.backends.base import Backend, Connection, Exit, load_backend
 from sshpool.command import Capture, wrap
-from sshpool.local_host import LocalHost
+from sshpool.devhost.host import LocalHost
 
 MakeHost = Callable[..., LocalHost]
 BACKENDS = ["asyncssh", "paramiko", "ssh2"]
@@ -280,7 +280,7 @@ async def test_cold_burst_of_200_on_stock_sshd_has_no_failures(
             results = await asyncio.gather(
                 *(pool.run(target, ["echo", str(i)]) for i in range(200)), return_exceptions=True
             )
-        stats = pool.stats()[str(target)]
+        stats = pool.stats()[target]
     assert [r for r in results if isinstance(r, BaseException)] == []
     assert [r.stdout for r in results] == [f"{i}\n".encode() for i in range(200)]  # type: ignore[union-attr]
     assert stats["counters"].get("connects_failed", 0) == 0

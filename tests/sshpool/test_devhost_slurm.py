@@ -1,4 +1,4 @@
-"""Batch jobs against a real Slurm (sshpool.local_slurm) reached over a real sshd.
+"""Batch jobs against a real Slurm (sshpool.devhost.slurm) reached over a real sshd.
 
 One LocalSlurm for the session (``slurm``, 16 CPUs on one node, in tests/conftest.py) and one
 LocalHost whose sessions see its SLURM_CONF (``slurm_host``). A time limit exceeded (TIMEOUT ->
@@ -27,8 +27,8 @@ from api.scheduler import (
     key_comment,
 )
 from sshpool import CommandResult, ConnectionLost, Pool
-from sshpool.local_host import LocalHost
-from sshpool.local_slurm import LocalSlurm
+from sshpool.devhost.host import LocalHost
+from sshpool.devhost.slurm import LocalSlurm
 
 pytestmark = pytest.mark.timeout(60)
 
