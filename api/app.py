@@ -28,7 +28,7 @@ from api.routes_ops import router as ops_router
 from api.settings import Settings
 from api.store import Store
 from sshpool import Limits, Pool, SSHPoolError
-from sshpool.devhost.host import LocalHost
+from sshpool.devhost import LocalHost
 
 log = logging.getLogger("sshapi")
 

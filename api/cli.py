@@ -116,8 +116,7 @@ def dev(
 ) -> None:
     """Start the local HPC host (sshd, tuned profile) and the API on 127.0.0.1; print a token
     and a curl command. Ctrl-C stops both."""
-    from sshpool.devhost.host import LocalHost
-    from sshpool.devhost.slurm import LocalSlurm, install_packages
+    from sshpool.devhost import LocalHost, LocalSlurm, install_packages
 
     settings = Settings(host="127.0.0.1", port=port)
     # uvicorn re-raises SIGTERM after its graceful shutdown; with the default handler the process

@@ -27,7 +27,7 @@ from importlib.metadata import PackageNotFoundError, version
 from loadtests import hdr
 from sshpool import Pool, Target
 from sshpool.backends.base import load_backend
-from sshpool.devhost.host import LocalHost, sshd_version
+from sshpool.devhost import LocalHost, sshd_version
 
 BACKENDS = ["asyncssh", "paramiko", "ssh2"]
 DISTRIBUTIONS = {"asyncssh": "asyncssh", "paramiko": "paramiko", "ssh2": "ssh2-python"}

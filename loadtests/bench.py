@@ -36,7 +36,7 @@ from loadtests.experiment import Cell, run_cell
 from loadtests.report import run_dir, versions
 from loadtests.server import limits
 from sshpool import Pool
-from sshpool.devhost.host import LocalHost, sshd_version
+from sshpool.devhost import LocalHost, sshd_version
 
 KNEE_P99_MS = 100.0
 PAPER_RATES = (50.0, 90.0)

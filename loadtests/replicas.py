@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtests.server import free_port, start_api, stop_api
-from sshpool.devhost.host import LocalHost
+from sshpool.devhost import LocalHost
 
 REPO = Path(__file__).resolve().parent.parent
 NGINX = "/usr/sbin/nginx"

@@ -28,7 +28,7 @@ def versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             continue
     try:
-        from sshpool.devhost.host import sshd_version
+        from sshpool.devhost import sshd_version
 
         out["openssh"] = ".".join(map(str, sshd_version()))
     except Exception:  # no sshd on the generator machine: the server side reports its own

@@ -152,7 +152,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from sshpool.devhost.host import LocalHost
+    from sshpool.devhost import LocalHost
 
     args = parse(argv)
     out = run_dir(args.out, "soak")

@@ -18,8 +18,15 @@ from typing import Any
 
 import pytest
 
-from sshpool.devhost.host import LocalHost, LocalHostError, Profile, sshd_binary
-from sshpool.devhost.slurm import LocalSlurm, LocalSlurmError, install_packages
+from sshpool.devhost import (
+    LocalHost,
+    LocalHostError,
+    LocalSlurm,
+    LocalSlurmError,
+    Profile,
+    install_packages,
+    sshd_binary,
+)
 
 MakeHost = Callable[..., LocalHost]
 SLURM_CPUS = 16

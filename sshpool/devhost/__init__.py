@@ -1,5 +1,40 @@
-"""The development rig: a local HPC host (a real OpenSSH sshd on loopback) and a single-node
-Slurm beside it, for `sshapi dev`, the tests and the benchmarks.
+"""The development rig: a local HPC host (a real OpenSSH sshd on loopback), a single-node Slurm
+beside it, and a fake backend, for `sshapi dev`, the tests and the benchmarks.
 
-Nothing in the core of `sshpool` imports this package.
+* `host.py`: `LocalHost`, one sshd with its keys, account and profile (`stock` or `tuned`).
+* `slurm.py`: `LocalSlurm`, munged + slurmctld + slurmd on loopback
+  (`python -m sshpool.devhost.slurm install` installs the OS packages).
+* `procs.py`: the processes, ports and at-exit clean-up both share.
+* `fake.py`: `FakeBackend`, a backend without SSH for pool-logic tests.
+
+Everything here takes its data dir, sshd binary and tuned config from the caller and reads no
+environment variable of the API. It may import the sshpool core (`target`, `errors`, `command`,
+`backends.base`); nothing in the core imports it, so `import sshpool` loads none of it.
 """
+
+from sshpool.devhost.fake import FakeBackend, FakeConnection
+from sshpool.devhost.host import (
+    TUNED_CONFIG,
+    LocalHost,
+    LocalHostError,
+    Profile,
+    sshd_binary,
+    sshd_version,
+    tuned_settings,
+)
+from sshpool.devhost.slurm import LocalSlurm, LocalSlurmError, install_packages
+
+__all__ = [
+    "TUNED_CONFIG",
+    "FakeBackend",
+    "FakeConnection",
+    "LocalHost",
+    "LocalHostError",
+    "LocalSlurm",
+    "LocalSlurmError",
+    "Profile",
+    "install_packages",
+    "sshd_binary",
+    "sshd_version",
+    "tuned_settings",
+]

@@ -2,13 +2,13 @@
 benchmarks (DESIGN.md section 7).
 
 ```python
-with LocalHost("hpc1", profile="stock") as host:
+with LocalHost("hpc1", profile="stock", data_dir=Path(".data")) as host:
     target = host.target(max_sessions=8)   # an sshpool Target: address, port, user, keys
     ...
 ```
 
-Everything lives under ``<data_dir>/hosts/<name>/`` (data_dir: ``SSHAPI_DATA_DIR`` or the
-repository's ``.data``):
+Everything lives under ``<data_dir>/hosts/<name>/``; the caller chooses ``data_dir`` (the API
+passes its own data dir, the tests a temporary one):
 
 * ``sshd/``: sshd's own files, owned by the host account: ``sshd_config``, the ed25519 host key,
   ``authorized_keys`` (the client public key), ``sshd.pid``, ``sshd.log``.
@@ -27,7 +27,8 @@ Profiles: ``stock`` sets only what running unprivileged on a loopback port needs
 everything that matters to load at OpenSSH's defaults (MaxStartups 10:30:100, MaxSessions 10,
 LoginGraceTime 120, no ClientAlive; on OpenSSH >= 9.8 that includes PerSourcePenalties, so
 repeated failed logins from 127.0.0.1 get it refused for a while). ``tuned`` adds the settings of
-the top-level ``sshd_config.tuned``, minus keywords the installed sshd is too old to know.
+``tuned_config`` (default ``TUNED_CONFIG``: the repository's ``sshd_config.tuned``, shipped in
+this package), minus keywords the installed sshd is too old to know.
 ``overrides`` (any sshd_config keywords) apply last.
 
 ``stop()`` ends only the sshd listener, as ``systemctl restart ssh`` does: established connections
@@ -37,12 +38,10 @@ and their commands live on (each is its own sshd process) until the client close
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import functools
 import os
 import pwd
-import random
 import re
 import shutil
 import signal
@@ -56,12 +55,14 @@ from pathlib import Path
 from types import TracebackType
 from typing import Literal, Self
 
+from sshpool.devhost import procs
 from sshpool.target import Limits, Target
 
 Profile = Literal["stock", "tuned"]
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-TUNED_CONFIG = REPO_ROOT / "sshd_config.tuned"
+# The tuned profile's settings, shipped inside the package (a symlink to the repository's
+# top-level sshd_config.tuned in a checkout, the file itself in a wheel).
+TUNED_CONFIG = Path(__file__).with_name("sshd_config.tuned")
 # The account sshd runs as (and logs in) when we are root.
 ACCOUNT = "sshapi-hpc"
 ACCOUNT_SHELL = "/bin/sh"
@@ -88,9 +89,9 @@ class LocalHostError(RuntimeError):
 # sshd binary, version, config parsing
 
 
-def sshd_binary() -> str:
-    """Path of the sshd binary: ``SSHAPI_SSHD``, else ``sshd`` on PATH or in /usr/sbin, /sbin."""
-    explicit = os.environ.get("SSHAPI_SSHD")
+def sshd_binary(explicit: str | None = None) -> str:
+    """Path of the sshd binary: ``explicit`` when given, else ``sshd`` on PATH or in /usr/sbin,
+    /sbin."""
     if explicit:
         return explicit
     search = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/usr/local/sbin", "/sbin"])
@@ -136,8 +137,8 @@ def parse_sshd_config(text: str) -> list[tuple[str, str]]:
 def tuned_settings(
     version: tuple[int, int] | None = None, path: Path = TUNED_CONFIG
 ) -> tuple[list[tuple[str, str]], list[str]]:
-    """The settings of ``sshd_config.tuned`` that sshd ``version`` knows, and the keywords
-    left out."""
+    """The settings of the tuned config ``path`` that sshd ``version`` (default: the installed
+    sshd's) knows, and the keywords left out."""
     current = version if version is not None else sshd_version()
     kept: list[tuple[str, str]] = []
     skipped: list[str] = []
@@ -230,40 +231,6 @@ def _ensure_account(name: str, shell: str = ACCOUNT_SHELL) -> Account:
 # Helpers
 
 
-# Ports handed out by this process (and to which host dir), so two hosts made before either
-# starts never share one.
-_reserved_ports: dict[tuple[str, int], Path] = {}
-# Picked below Linux's ephemeral range (32768-60999), where outgoing connections and other
-# programs' bind(0) take their ports: a port of ours stays free while its sshd restarts.
-PORT_RANGE = (20000, 32000)
-
-
-def _free_port(address: str, owner: Path) -> int:
-    rng = random.SystemRandom()
-    for _ in range(200):
-        port = rng.randrange(*PORT_RANGE)
-        if (address, port) not in _reserved_ports and _port_is_free(address, port):
-            _reserved_ports[address, port] = owner
-            return port
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.bind((address, 0))
-        found: int = sock.getsockname()[1]
-    _reserved_ports[address, found] = owner
-    return found
-
-
-def _port_is_free(address: str, port: int) -> bool:
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((address, port))
-        except OSError:
-            return False
-    return True
-
-
 def _read_banner(address: str, port: int, timeout: float = 1.0) -> bytes | None:
     """The SSH identification line the server sends first, or None when it does not."""
     try:
@@ -307,70 +274,6 @@ def _public_key(private: Path) -> str:
     return f"{key_type} {key_data}"
 
 
-def _children(pid: int) -> list[int]:
-    """All descendants of ``pid`` (from /proc), deepest last."""
-    parents: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parents.setdefault(int(fields[1]), []).append(int(entry))
-    found: list[int] = []
-    queue = [pid]
-    while queue:
-        for child in parents.get(queue.pop(0), []):
-            found.append(child)
-            queue.append(child)
-    return found
-
-
-def _kill_tree(pid: int) -> None:
-    """SIGKILL a process and all its descendants. It is stopped first, so it forks no new child
-    (an sshd listener accepting one more connection) while its tree is read."""
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGSTOP)
-    for child in _children(pid):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(child, signal.SIGKILL)
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
-
-
-def _terminate(proc: subprocess.Popen[bytes], timeout: float) -> None:
-    """SIGTERM a child we started, SIGKILL it if it outlives `timeout`, and reap it."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout)
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-# Hosts started by this process and not yet stopped: held (a running host is never garbage
-# collected with its sshd left behind) and stopped at interpreter exit.
-_started: set[LocalHost] = set()
-
-
-@atexit.register
-def _stop_all() -> None:
-    for host in list(_started):
-        with contextlib.suppress(Exception):
-            host.stop()
-
-
 # --------------------------------------------------------------------------------------------
 # The host
 
@@ -385,10 +288,15 @@ class LocalHost:
         *,
         address: str = "127.0.0.1",
         port: int | None = None,
-        data_dir: Path | str | None = None,
+        data_dir: Path | str,
         overrides: Mapping[str, str] | None = None,
         shell: str | None = None,
+        sshd: str | None = None,
+        tuned_config: Path = TUNED_CONFIG,
     ) -> None:
+        """``data_dir``: where the host keeps its files (``<data_dir>/hosts/<name>/``).
+        ``sshd``: the sshd binary (default: ``sshd`` on PATH or in /usr/sbin, /sbin).
+        ``tuned_config``: the sshd_config fragment of the ``tuned`` profile."""
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
             raise ValueError(f"host name {name!r}: use letters, digits, '.', '_' and '-'")
         if profile not in ("stock", "tuned"):
@@ -396,12 +304,13 @@ class LocalHost:
         self.name = name
         self.profile: Profile = profile
         self._address = address
-        base = data_dir or os.environ.get("SSHAPI_DATA_DIR") or REPO_ROOT / ".data"
-        self._data_dir = Path(base).absolute()
+        self._data_dir = Path(data_dir).absolute()
         self._host_dir = self._data_dir / "hosts" / name
         self._sshd_dir = self._host_dir / "sshd"
         self._client_dir = self._host_dir / "client"
         self.overrides: dict[str, str] = dict(overrides or {})
+        self._sshd = sshd
+        self.tuned_config = tuned_config
         self._account = host_account(shell)
         self._port = port if port is not None else self._pick_port()
         self._proc: subprocess.Popen[bytes] | None = None
@@ -409,6 +318,11 @@ class LocalHost:
         self.skipped_settings: list[str] = []
 
     # ---- paths and identity
+
+    @property
+    def sshd_binary(self) -> str:
+        """The sshd this host runs (resolved at each use: a missing sshd fails at start)."""
+        return sshd_binary(self._sshd)
 
     @property
     def address(self) -> str:
@@ -543,7 +457,9 @@ class LocalHost:
         put("Subsystem", "sftp internal-sftp")
         put("LogLevel", "VERBOSE")
         if self.profile == "tuned":
-            kept, self.skipped_settings = tuned_settings()
+            kept, self.skipped_settings = tuned_settings(
+                sshd_version(self.sshd_binary), self.tuned_config
+            )
             for keyword, value in kept:
                 put(keyword, value)
         else:
@@ -558,9 +474,10 @@ class LocalHost:
             "# Rewritten at every start: change the profile or the overrides instead.",
         ]
         if self.skipped_settings:
+            version = ".".join(map(str, sshd_version(self.sshd_binary)))
             lines.append(
-                f"# Left out of sshd_config.tuned (sshd {'.'.join(map(str, sshd_version()))} is "
-                f"too old): {', '.join(self.skipped_settings)}"
+                f"# Left out of {self.tuned_config.name} (sshd {version} is too old): "
+                f"{', '.join(self.skipped_settings)}"
             )
         lines += [f"{keyword} {value}" for keyword, value in self.settings()]
         return "\n".join(lines) + "\n"
@@ -569,7 +486,7 @@ class LocalHost:
         """sshd's own view of the configuration (``sshd -T``), keywords lower-case. Keywords
         given several times (HostKey, ListenAddress...) map to their values joined by newlines."""
         self._prepare()
-        done = self._run_as_account([sshd_binary(), "-T", "-f", str(self.config_path)])
+        done = self._run_as_account([self.sshd_binary, "-T", "-f", str(self.config_path)])
         if done.returncode != 0:
             raise LocalHostError(f"sshd -T failed: {done.stderr.strip()}")
         config: dict[str, str] = {}
@@ -586,19 +503,19 @@ class LocalHost:
             return self
         self._prepare()
         self._kill_stale()
-        check = self._run_as_account([sshd_binary(), "-t", "-f", str(self.config_path)])
+        check = self._run_as_account([self.sshd_binary, "-t", "-f", str(self.config_path)])
         if check.returncode != 0:
             raise LocalHostError(
                 f"{self!r}: sshd refuses its configuration {self.config_path}: "
                 f"{(check.stderr or check.stdout).strip()}"
             )
-        if not _port_is_free(self._address, self._port):
+        if not procs.port_is_free(self._address, self._port):
             raise LocalHostError(f"{self!r}: {self._address}:{self._port} is already in use")
         log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         user, group, extra_groups = self._switch_user()
         with open(self.log_path, "ab") as log:
             self._proc = subprocess.Popen(
-                [sshd_binary(), "-D", "-f", str(self.config_path), "-E", str(self.log_path)],
+                [self.sshd_binary, "-D", "-f", str(self.config_path), "-E", str(self.log_path)],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=log,
@@ -609,7 +526,7 @@ class LocalHost:
                 group=group,
                 extra_groups=extra_groups,
             )
-        _started.add(self)
+        procs.stop_at_exit(self)
         self._wait_ready(log_offset)
         return self
 
@@ -620,13 +537,13 @@ class LocalHost:
         as a real ``systemctl restart ssh`` does, and end when their client closes them. With
         ``kill_sessions`` they are killed too (SIGKILL), like a host that goes down."""
         proc, self._proc = self._proc, None
-        _started.discard(self)
+        procs.forget_at_exit(self)
         if proc is None:
             self._kill_stale(kill_sessions=kill_sessions)
             return
         if kill_sessions and proc.poll() is None:
-            _kill_tree(proc.pid)
-        _terminate(proc, STOP_TIMEOUT)
+            procs.kill_tree(proc.pid)
+        procs.terminate(proc, STOP_TIMEOUT)
         self.pid_path.unlink(missing_ok=True)
 
     def restart(self) -> Self:
@@ -700,14 +617,7 @@ class LocalHost:
     def _pick_port(self) -> int:
         """A free port, preferring the one this host used last (so known_hosts and configs
         that name it stay valid across runs)."""
-        remembered = self._host_dir / "port"
-        with contextlib.suppress(OSError, ValueError):
-            last = int(remembered.read_text())
-            key = (self._address, last)
-            if _reserved_ports.get(key, self._host_dir) == self._host_dir and _port_is_free(*key):
-                _reserved_ports[key] = self._host_dir
-                return last
-        return _free_port(self._address, self._host_dir)
+        return procs.pick_port(self._address, self._host_dir, self._host_dir / "port")
 
     def _switch_user(self) -> tuple[int | None, int | None, list[int] | None]:
         """Popen's (user, group, extra_groups) that run a child as the host account, with the
@@ -819,7 +729,7 @@ class LocalHost:
         while True:
             if proc.poll() is not None:
                 self._proc = None
-                _started.discard(self)
+                procs.forget_at_exit(self)
                 raise LocalHostError(
                     f"{self!r}: sshd exited with status {proc.returncode} at start; "
                     f"log {self.log_path}:\n{self._log_since(log_offset)}"
@@ -851,17 +761,17 @@ class LocalHost:
             pid = int(self.pid_path.read_text().split()[0])
         except (OSError, ValueError, IndexError):
             return
-        if str(self.config_path) not in _cmdline(pid):
+        if str(self.config_path) not in procs.cmdline(pid):
             self.pid_path.unlink(missing_ok=True)
             return
         if kill_sessions:
-            _kill_tree(pid)
+            procs.kill_tree(pid)
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + STOP_TIMEOUT
-        while _cmdline(pid) and time.monotonic() < deadline:
+        while procs.cmdline(pid) and time.monotonic() < deadline:
             time.sleep(0.02)
-        if _cmdline(pid):
+        if procs.cmdline(pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         self.pid_path.unlink(missing_ok=True)
@@ -882,7 +792,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--profile", choices=["stock", "tuned"], default="tuned")
     parser.add_argument("--address", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=None)
-    parser.add_argument("--data-dir", default=None)
+    parser.add_argument(
+        "--data-dir", type=Path, default=Path(".data"), help="default: .data in this directory"
+    )
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEYWORD=VALUE", help="an sshd override"
     )

@@ -1,12 +1,12 @@
 """A single-node Slurm for the local HPC host, from the OS packages, configured by this code.
 
 ```python
-with LocalSlurm() as slurm:                     # munged, slurmctld, slurmd; a trivial job ran
-    host = LocalHost("hpc1", overrides=slurm.sshd_overrides())   # sessions see SLURM_CONF
+with LocalSlurm(data_dir=data) as slurm:        # munged, slurmctld, slurmd; a trivial job ran
+    host = LocalHost("hpc1", data_dir=data, overrides=slurm.sshd_overrides())  # sees SLURM_CONF
     ...                                         # sbatch/squeue/scancel work over SSH
 ```
 
-Everything lives under ``<data_dir>/slurm/<name>/`` (data_dir as for LocalHost):
+Everything lives under ``<data_dir>/slurm/<name>/`` (``data_dir``: the caller's, as for LocalHost):
 
 * ``etc/slurm.conf``: written at every start (readable by everyone: clients need it).
 * ``munge/``: our own munge key (made once), munged's socket, pid, log and seed. Slurm finds the
@@ -42,7 +42,6 @@ munge``: ``python -m sshpool.devhost.slurm install`` installs them when missing.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import pwd
@@ -59,14 +58,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-from sshpool.devhost.host import (
-    REPO_ROOT,
-    _cmdline,
-    _free_port,
-    _port_is_free,
-    _terminate,
-    host_account,
-)
+from sshpool.devhost import procs
+from sshpool.devhost.host import host_account
 
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 BINARIES = {
@@ -124,44 +117,7 @@ def install_packages() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Processes
-
-
-def _environ_has(pid: int, entry: bytes) -> bool:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            return entry in f.read().split(b"\0")
-    except OSError:
-        return False
-
-
-def _pids() -> list[int]:
-    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
-
-
-def _wait_gone(pids: Sequence[int], timeout: float) -> list[int]:
-    """Wait until none of ``pids`` is alive; the ones still alive at the deadline."""
-    deadline = time.monotonic() + timeout
-    alive = list(pids)
-    while alive and time.monotonic() < deadline:
-        time.sleep(0.05)
-        alive = [pid for pid in alive if _alive(pid)]
-    return alive
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            # A zombie is dead for our purpose; its parent reaps it.
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _signal_all(pids: Sequence[int], sig: signal.Signals) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
+# Files
 
 
 def _make_traversable(path: Path) -> None:
@@ -172,18 +128,6 @@ def _make_traversable(path: Path) -> None:
         mode = stat.S_IMODE(directory.stat().st_mode)
         if mode & 0o111 != 0o111:
             os.chmod(directory, mode | 0o111)
-
-
-# Instances started by this process and not yet stopped: stopped at interpreter exit, so no
-# daemon or job outlives a test run.
-_started: set[LocalSlurm] = set()
-
-
-@atexit.register
-def _stop_all() -> None:
-    for slurm in list(_started):
-        with contextlib.suppress(Exception):
-            slurm.stop()
 
 
 # --------------------------------------------------------------------------------------------
@@ -198,7 +142,7 @@ class LocalSlurm:
         self,
         name: str = "local",
         *,
-        data_dir: Path | str | None = None,
+        data_dir: Path | str,
         cpus: int = 16,
         account: str | None = None,
     ) -> None:
@@ -208,8 +152,7 @@ class LocalSlurm:
             raise ValueError("cpus must be at least 1")
         self.name = name
         self.cpus = cpus
-        base = data_dir or os.environ.get("SSHAPI_DATA_DIR") or REPO_ROOT / ".data"
-        self.dir = Path(base).absolute() / "slurm" / name
+        self.dir = Path(data_dir).absolute() / "slurm" / name
         self.node = f"{name}-node"
         # The account whose trivial job proves the cluster works (the one sshd logs in).
         self.account = account or host_account().name
@@ -343,11 +286,7 @@ class LocalSlurm:
     def _pick_port(self, daemon: str) -> int:
         """A free port for ``daemon``, preferring the one it used last."""
         remembered = self.dir / f"{daemon}.port"
-        with contextlib.suppress(OSError, ValueError):
-            last = int(remembered.read_text())
-            if _port_is_free("127.0.0.1", last):
-                return last
-        port = _free_port("127.0.0.1", self.dir)
+        port = procs.pick_port("127.0.0.1", self.dir, remembered)
         remembered.parent.mkdir(parents=True, exist_ok=True)
         remembered.write_text(f"{port}\n")
         return port
@@ -361,7 +300,7 @@ class LocalSlurm:
             return self
         self.stop()
         self._prepare()
-        _started.add(self)
+        procs.stop_at_exit(self)
         try:
             self._start_munged()
             self._start_daemon("slurmctld", ["slurmctld", "-D", "-f", str(self.conf_path)])
@@ -379,20 +318,20 @@ class LocalSlurm:
     def stop(self) -> None:
         """Cancel every job, stop slurmd, slurmctld and munged (ours, or left over by a crashed
         run of this data dir). Idempotent."""
-        procs, self._procs = self._procs, {}
-        _started.discard(self)
-        if procs.get("slurmctld") is not None and procs["slurmctld"].poll() is None:
+        daemons, self._procs = self._procs, {}
+        procs.forget_at_exit(self)
+        if daemons.get("slurmctld") is not None and daemons["slurmctld"].poll() is None:
             # Job steps are daemons of their own (slurmstepd): cancel through Slurm first...
             self._client(["scancel", "--full", f"--user={self.account}"], timeout=5)
         for name in ("slurmd", "slurmctld", "munged"):
-            proc = procs.get(name)
+            proc = daemons.get(name)
             if proc is not None:
-                _terminate(proc, STOP_TIMEOUT)
+                procs.terminate(proc, STOP_TIMEOUT)
         # ...and kill whatever is left: stale daemons and job steps of this configuration.
-        ours = [pid for pid in _pids() if pid != os.getpid() and self._is_ours(pid)]
-        _signal_all(ours, signal.SIGTERM)
-        _signal_all(_wait_gone(ours, 3.0), signal.SIGKILL)
-        _wait_gone(ours, 2.0)
+        ours = [pid for pid in procs.pids() if pid != os.getpid() and self._is_ours(pid)]
+        procs.signal_all(ours, signal.SIGTERM)
+        procs.signal_all(procs.wait_gone(ours, 3.0), signal.SIGKILL)
+        procs.wait_gone(ours, 2.0)
         self.munge_socket.unlink(missing_ok=True)
 
     def __enter__(self) -> Self:
@@ -506,10 +445,10 @@ class LocalSlurm:
 
     def _is_ours(self, pid: int) -> bool:
         """A daemon of this configuration or one of its job steps (they inherit SLURM_CONF)."""
-        cmdline = _cmdline(pid)
+        cmdline = procs.cmdline(pid)
         if str(self.conf_path) in cmdline or str(self.munge_socket) in cmdline:
             return True
-        return cmdline.startswith("slurmstepd") and _environ_has(
+        return cmdline.startswith("slurmstepd") and procs.environ_has(
             pid, f"SLURM_CONF={self.conf_path}".encode()
         )
 
@@ -585,7 +524,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("install", help="install Slurm and munge from the OS packages when missing")
     run = sub.add_parser("run", help="run the local Slurm in the foreground until interrupted")
     run.add_argument("--name", default="local")
-    run.add_argument("--data-dir", default=None)
+    run.add_argument(
+        "--data-dir", type=Path, default=Path(".data"), help="default: .data in this directory"
+    )
     run.add_argument("--cpus", type=int, default=16)
     args = parser.parse_args(argv)
     if args.command == "install":

@@ -29,7 +29,7 @@ from api.app import create_app
 from api.config import Config, load_config
 from api.settings import Settings
 from loadtests.server import wait_ready
-from sshpool.devhost.host import LocalHost
+from sshpool.devhost import LocalHost
 
 PG_URL = os.environ.get("SSHAPI_TEST_PG", "postgresql+asyncpg://postgres@127.0.0.1:5432/test")
 AUDIENCE = "sshapi-test"

@@ -25,7 +25,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
 
 from api.settings import Settings
 from api.store import Store
-from sshpool.devhost.host import LocalHost
+from sshpool.devhost import LocalHost
 
 
 @pytest.fixture(scope="session")

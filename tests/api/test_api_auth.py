@@ -35,7 +35,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from sshpool.devhost.host import LocalHost
+from sshpool.devhost import LocalHost
 
 
 def b64(data: bytes) -> str:

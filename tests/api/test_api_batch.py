@@ -24,8 +24,7 @@ from api.config import load_config
 from api.scheduler import BatchOptions, key_comment
 from api.settings import Settings
 from sshpool import Pool
-from sshpool.devhost.host import LocalHost
-from sshpool.devhost.slurm import LocalSlurm
+from sshpool.devhost import LocalHost, LocalSlurm
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -12,7 +12,7 @@ from api_helpers import serve
 
 from api.app import create_app
 from api.settings import Settings
-from sshpool.devhost.host import LocalHost
+from sshpool.devhost import LocalHost
 
 SSHAPI = str(Path(sys.executable).parent / "sshapi")
 

@@ -28,7 +28,7 @@ from api_helpers import (
 from faults import Proxy, figure
 
 from api.config import load_config
-from sshpool.devhost.host import LocalHost
+from sshpool.devhost import LocalHost
 
 
 async def test_killed_sshd_session_makes_the_job_lost_and_names_the_orphan(

@@ -18,7 +18,7 @@ from faults import figure
 from hypothesis import HealthCheck, given, settings
 
 from api.config import load_config
-from sshpool.devhost.host import LocalHost
+from sshpool.devhost import LocalHost
 
 PUBLIC = {"/healthz", "/readyz", "/metrics"}
 

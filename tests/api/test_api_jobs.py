@@ -7,7 +7,7 @@ import time
 
 from api_helpers import Api, eventually
 
-from sshpool.devhost.host import LocalHost
+from sshpool.devhost import LocalHost
 
 
 async def test_submit_returns_201_with_the_result(api_any_store: Api) -> None:

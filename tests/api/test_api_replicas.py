@@ -17,7 +17,7 @@ from api_helpers import running_api as run_one
 
 from api.problems import Problem
 from api.quota import PREFIX, RedisQuota
-from sshpool.devhost.host import LocalHost
+from sshpool.devhost import LocalHost
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 

@@ -11,7 +11,7 @@ import pytest
 from api_helpers import Api, Keys, make_settings, pg_schema, running_api, server_process
 
 from api.config import load_config
-from sshpool.devhost.host import LocalHost
+from sshpool.devhost import LocalHost
 
 
 @pytest.mark.parametrize("db", ["sqlite", "postgresql"])

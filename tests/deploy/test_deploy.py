@@ -21,7 +21,7 @@ import pytest
 from api.settings import Settings
 from loadtests.records import read_jsonl
 from loadtests.replicas import PG_URL, cluster, finish, locust
-from sshpool.devhost.host import LocalHost, tuned_settings
+from sshpool.devhost import LocalHost, tuned_settings
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"

@@ -17,7 +17,7 @@ from loadtests.records import read_jsonl
 from loadtests.schedule import PROFILES, arrivals, scaled
 from loadtests.server import free_port, start_api, stop_api
 from loadtests.summary import summarize
-from sshpool.devhost.host import LocalHost
+from sshpool.devhost import LocalHost
 
 REPO = Path(__file__).resolve().parents[2]
 LOCUST = Path(sys.executable).parent / "locust"

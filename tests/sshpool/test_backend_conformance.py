@@ -37,7 +37,7 @@ from sshpool import (
 )
 from sshpool.backends.base import Backend, Connection, Exit, load_backend
 from sshpool.command import Capture, wrap
-from sshpool.devhost.host import LocalHost
+from sshpool.devhost import LocalHost
 
 MakeHost = Callable[..., LocalHost]
 BACKENDS = ["asyncssh", "paramiko", "ssh2"]

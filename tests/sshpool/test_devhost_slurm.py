@@ -27,8 +27,7 @@ from api.scheduler import (
     key_comment,
 )
 from sshpool import CommandResult, ConnectionLost, Pool
-from sshpool.devhost.host import LocalHost
-from sshpool.devhost.slurm import LocalSlurm
+from sshpool.devhost import LocalHost, LocalSlurm
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -29,7 +29,7 @@ from sshpool import (
     SSHPoolError,
     Target,
 )
-from sshpool.devhost.host import LocalHost
+from sshpool.devhost import LocalHost
 
 MakeHost = Callable[..., LocalHost]
 # The window is 30 s; CI uses a shorter one with the same behaviour (breaker open,

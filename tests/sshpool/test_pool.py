@@ -24,7 +24,7 @@ from sshpool import (
     PoolFull,
     PoolTimeout,
 )
-from sshpool.devhost.host import LocalHost
+from sshpool.devhost import LocalHost
 
 MakeHost = Callable[..., LocalHost]
 

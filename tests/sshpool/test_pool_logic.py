@@ -1,85 +1,17 @@
-"""Pool logic that needs no real SSH: queue order, connect pacing, retries. A fake backend stands
-in for the library; the same behaviours are exercised against real sshd in test_pool.py."""
+"""Pool logic that needs no real SSH: queue order, connect pacing, retries. A fake backend
+(sshpool.devhost.FakeBackend) stands in for the library; the same behaviours are exercised
+against real sshd in test_pool.py."""
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
 
 import pytest
 
 from sshpool import ConnectionLost, Limits, Pool, Target
-from sshpool.backends.base import Exit
 from sshpool.breaker import Breaker
-from sshpool.command import Capture
-from sshpool.errors import ChannelRefused, ConnectError
-
-
-@dataclass
-class FakeConn:
-    backend: FakeBackend
-    number: int
-    alive: bool = True
-    running: int = 0
-    execs: int = 0
-
-    def is_alive(self) -> bool:
-        return self.alive
-
-    async def exec(
-        self, command: str, stdin: bytes | None, stdout: Capture, stderr: Capture
-    ) -> Exit:
-        b = self.backend
-        if self.running >= b.sshd_max_sessions:
-            raise ChannelRefused("open failed")
-        if b.lose and b.lose[0] == "before":
-            b.lose.pop(0)
-            self.alive = False
-            raise ConnectionLost("reset", started=False)
-        self.running += 1
-        self.execs += 1
-        b.order.append(command)
-        try:
-            stdout.feed(b"4242\n")
-            if b.lose and b.lose[0] == "after":
-                b.lose.pop(0)
-                self.alive = False
-                raise ConnectionLost("reset while running", started=True)
-            await asyncio.sleep(b.exec_time)
-            stdout.feed(f"conn{self.number}".encode())
-            return Exit(0)
-        finally:
-            self.running -= 1
-
-    async def close(self) -> None:
-        self.alive = False
-
-
-@dataclass
-class FakeBackend:
-    name: str = "fake"
-    connect_time: float = 0.05
-    exec_time: float = 0.01
-    sshd_max_sessions: int = 100
-    connect_failures: list[Exception] = field(default_factory=list)
-    lose: list[str] = field(default_factory=list)
-    order: list[str] = field(default_factory=list)
-    conns: list[FakeConn] = field(default_factory=list)
-    in_flight: int = 0
-    max_in_flight: int = 0
-
-    async def connect(self, target: Target) -> FakeConn:
-        self.in_flight += 1
-        self.max_in_flight = max(self.max_in_flight, self.in_flight)
-        try:
-            await asyncio.sleep(self.connect_time)
-            if self.connect_failures:
-                raise self.connect_failures.pop(0)
-        finally:
-            self.in_flight -= 1
-        conn = FakeConn(self, len(self.conns))
-        self.conns.append(conn)
-        return conn
+from sshpool.devhost import FakeBackend
+from sshpool.errors import ConnectError
 
 
 def target(**limits: object) -> Target:

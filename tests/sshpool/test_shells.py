@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from sshpool import CommandResult, CommandTimeout, Pool, Target
-from sshpool.devhost.host import LocalHost
+from sshpool.devhost import LocalHost
 
 SHELLS = ["sh", "bash", "zsh", "tcsh"]
 # Any text but NUL (refused with a clear error before anything is sent) and lone surrogates

@@ -1,0 +1,108 @@
+"""A fake SSH backend for testing pool logic without SSH, as httpcore ships its mock backend.
+
+```python
+backend = FakeBackend(sshd_max_sessions=5, exec_time=0.05)
+async with Pool(backend) as pool:
+    result = await pool.run(target, ["true"])   # stdout b"conn0": the connection that ran it
+```
+
+It keeps the contract of `sshpool.backends.base` and plays the parts of sshd the pool reacts to:
+a per-connection channel limit (ChannelRefused past `sshd_max_sessions`), connect failures in
+order (`connect_failures`), connections that drop before or after the command started (`lose`).
+What it records (`order`, `conns`, `max_in_flight`) is what the tests assert on.
+
+Every exec prints ``4242\\n`` first, read by the pool as the remote process group id, then
+``conn<number>`` once it ran `exec_time` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Literal
+
+from sshpool.backends.base import Exit
+from sshpool.command import Capture
+from sshpool.errors import ChannelRefused, ConnectionLost
+from sshpool.target import Target
+
+# The process group id every fake command reports.
+FAKE_PGID = 4242
+
+
+@dataclass
+class FakeConnection:
+    """One fake connection: `alive` until closed or lost; counts running and finished execs."""
+
+    backend: FakeBackend
+    number: int
+    alive: bool = True
+    running: int = 0
+    execs: int = 0
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+    async def exec(
+        self, command: str, stdin: bytes | None, stdout: Capture, stderr: Capture
+    ) -> Exit:
+        b = self.backend
+        if self.running >= b.sshd_max_sessions:
+            raise ChannelRefused("open failed")
+        if b.lose and b.lose[0] == "before":
+            b.lose.pop(0)
+            self.alive = False
+            raise ConnectionLost("reset", started=False)
+        self.running += 1
+        self.execs += 1
+        b.order.append(command)
+        try:
+            stdout.feed(f"{FAKE_PGID}\n".encode())
+            if b.lose and b.lose[0] == "after":
+                b.lose.pop(0)
+                self.alive = False
+                raise ConnectionLost("reset while running", started=True)
+            await asyncio.sleep(b.exec_time)
+            stdout.feed(f"conn{self.number}".encode())
+            return Exit(0)
+        finally:
+            self.running -= 1
+
+    async def close(self) -> None:
+        self.alive = False
+
+
+@dataclass
+class FakeBackend:
+    """A backend whose connections are `FakeConnection`s.
+
+    Knobs: `connect_time` and `exec_time` (seconds), `sshd_max_sessions` (channels per connection
+    before ChannelRefused), `connect_failures` (raised by the next connects, in order), `lose`
+    ("before" / "after": the next execs lose their connection before or after the start).
+    Records: `order` (every command line run, in order), `conns` (every connection made),
+    `in_flight` and `max_in_flight` (connects at once).
+    """
+
+    name: str = "fake"
+    connect_time: float = 0.05
+    exec_time: float = 0.01
+    sshd_max_sessions: int = 100
+    connect_failures: list[Exception] = field(default_factory=list)
+    lose: list[Literal["before", "after"]] = field(default_factory=list)
+    order: list[str] = field(default_factory=list)
+    conns: list[FakeConnection] = field(default_factory=list)
+    in_flight: int = 0
+    max_in_flight: int = 0
+
+    async def connect(self, target: Target) -> FakeConnection:
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            await asyncio.sleep(self.connect_time)
+            if self.connect_failures:
+                raise self.connect_failures.pop(0)
+        finally:
+            self.in_flight -= 1
+        conn = FakeConnection(self, len(self.conns))
+        self.conns.append(conn)
+        return conn
