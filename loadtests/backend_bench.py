@@ -26,7 +26,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from loadtests import hdr
 from sshpool import Pool, Target
-from sshpool.backends.base import load_backend
+from sshpool.backends import load_backend
 from sshpool.devhost import LocalHost, sshd_version
 
 BACKENDS = ["asyncssh", "paramiko", "ssh2"]

@@ -24,7 +24,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
-from sshpool.backends.base import Backend, Connection, Exit, load_backend
+from sshpool.backends import Backend, Connection, Exit, load_backend
 from sshpool.breaker import Breaker
 from sshpool.command import Capture, CommandResult, command_line, kill_group_line, wrap
 from sshpool.errors import (

@@ -1,6 +1,13 @@
 """The asyncssh backend: native asyncio, one SSH connection multiplexes many session channels.
 
-Every asyncssh error is translated into sshpool.errors here and nowhere else.
+asyncssh does nearly everything itself (known_hosts, host key preference, keepalives and dead
+peer detection, exit signals). What it does not do and this module adds:
+- A liveness flag that needs no I/O (`is_alive`), from the connection_lost callback.
+- `started` on a lost connection: whether the exec request may have reached sshd.
+- The SSH signal request (TERM) on cancel, best effort.
+
+Every asyncssh error is translated into sshpool.errors here (its table) and in
+`sshpool.backends.translate` (the shared rules), nowhere else.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ from typing import Any
 
 import asyncssh
 
+from sshpool.backends import translate
 from sshpool.backends.base import Exit
 from sshpool.command import Capture
 from sshpool.errors import (
@@ -18,30 +26,23 @@ from sshpool.errors import (
     ChannelRefused,
     ConnectError,
     ConnectionLost,
-    ConnectTimeout,
     HostKeyMismatch,
     SSHPoolError,
 )
 from sshpool.target import Target
 
 
-def translate_connect_error(exc: BaseException, target: Target) -> SSHPoolError:
-    """The one mapping from asyncssh/OS connect failures to the sshpool tree."""
-    where = str(target)
+def _connect_table(exc: BaseException, target: Target) -> SSHPoolError | None:
+    """asyncssh's exceptions in our tree; the shared rules (translate.connect_error) do the rest."""
     if isinstance(exc, asyncssh.HostKeyNotVerifiable):
-        return HostKeyMismatch(f"{where}: host key not in {target.known_hosts}: {exc.reason}")
+        return HostKeyMismatch(f"{target}: host key not in {target.known_hosts}: {exc.reason}")
     if isinstance(exc, asyncssh.PermissionDenied):
-        return AuthenticationFailed(f"{where}: no client key accepted: {exc.reason}")
-    if isinstance(exc, TimeoutError):
-        return ConnectTimeout(f"{where}: no SSH session within {target.limits.connect_timeout} s")
-    if isinstance(exc, ConnectionRefusedError):
-        return ConnectError(f"{where}: connection refused")
-    if isinstance(exc, (ConnectionResetError, asyncssh.ConnectionLost, BrokenPipeError)):
-        # sshd drops connections past MaxStartups with a reset or EOF before its banner.
-        return ConnectError(f"{where}: connection dropped during handshake: {exc}", retryable=True)
+        return AuthenticationFailed(f"{target}: no client key accepted: {exc.reason}")
+    if isinstance(exc, asyncssh.ConnectionLost):
+        return translate.dropped(target, exc)
     if isinstance(exc, asyncssh.DisconnectError):
-        return ConnectError(f"{where}: disconnected during handshake: {exc.reason}")
-    return ConnectError(f"{where}: {type(exc).__name__}: {exc}")
+        return ConnectError(f"{target}: disconnected during handshake: {exc.reason}")
+    return None
 
 
 class _Client(asyncssh.SSHClient):
@@ -155,5 +156,5 @@ class AsyncsshBackend:
                 target.host, target.port, client_factory=lambda: client, **options
             )
         except (asyncssh.Error, OSError, TimeoutError) as exc:
-            raise translate_connect_error(exc, target) from exc
+            raise translate.connect_error(exc, target, _connect_table) from exc
         return AsyncsshConnection(conn, client)

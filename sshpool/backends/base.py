@@ -1,7 +1,10 @@
 """The backend interface: the little the pool needs from an SSH library.
 
 A backend connects a Target; a connection runs one command per channel, many at once. Backends
-raise only sshpool.errors exceptions: each translates its library's errors in one place.
+raise only sshpool.errors exceptions: each translates its library's errors in one place (its own
+table, plus the shared rules of `sshpool.backends.translate`).
+
+Only the interface lives here; `sshpool.backends.load_backend` finds a backend by name.
 """
 
 from __future__ import annotations
@@ -52,20 +55,3 @@ class Backend(Protocol):
         with target.client_keys, within target.limits.connect_timeout. Sets TCP_NODELAY and
         keepalives from target.limits. Raises ConnectTimeout or a ConnectError."""
         ...
-
-
-def load_backend(name: str) -> Backend:
-    """The backend called `name`, importing its library only now."""
-    if name == "asyncssh":
-        from sshpool.backends.asyncssh import AsyncsshBackend
-
-        return AsyncsshBackend()
-    if name == "paramiko":
-        from sshpool.backends.paramiko import ParamikoBackend
-
-        return ParamikoBackend()
-    if name == "ssh2":
-        from sshpool.backends.ssh2 import Ssh2Backend
-
-        return Ssh2Backend()
-    raise ValueError(f"unknown SSH backend {name!r}: choose asyncssh, paramiko or ssh2")

@@ -10,13 +10,14 @@ What paramiko does not do and this module adds:
 - Dead peer detection: paramiko's keepalive wants no reply, so it cannot notice a silent peer.
   We send a want-reply global request after keepalive_interval without sending anything, and
   declare the peer dead after keepalive_count_max + 1 intervals without receiving anything, as
-  asyncssh does.
+  asyncssh does (translate.peer_dead).
 - exit-signal: paramiko drops it; we keep the signal name.
 - The SSH signal request on cancel.
 - No EOF or signal request after paramiko's automatic answer to sshd's CLOSE: sshd drops the
   whole connection for a message about a channel it has freed.
 
-Every paramiko and socket error is translated into sshpool.errors in this module.
+Every paramiko and socket error is translated into sshpool.errors in this module (its table) and
+in `sshpool.backends.translate` (the shared rules).
 """
 
 from __future__ import annotations
@@ -31,12 +32,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
+from sshpool.backends import translate
 from sshpool.backends.base import Exit
 from sshpool.command import Capture
 from sshpool.errors import (
     AuthenticationFailed,
     ChannelRefused,
-    ConnectError,
     ConnectionLost,
     ConnectTimeout,
     HostKeyMismatch,
@@ -66,23 +67,14 @@ POLL_STDIN = 0.005
 CANCEL_GRACE = 2.0
 
 
-def _translate_connect_error(exc: BaseException, target: Target, deadline: float) -> SSHPoolError:
-    """The one mapping from paramiko/OS connect failures to the sshpool tree."""
-    where = str(target)
-    if isinstance(exc, SSHPoolError):
-        return exc
-    if isinstance(exc, TimeoutError) or time.monotonic() >= deadline:
-        return ConnectTimeout(f"{where}: no SSH session within {target.limits.connect_timeout} s")
+def _connect_table(exc: BaseException, target: Target) -> SSHPoolError | None:
+    """paramiko's exceptions in our tree; the shared rules (translate.connect_error) do the rest."""
     if isinstance(exc, paramiko.AuthenticationException):
-        return AuthenticationFailed(f"{where}: no client key accepted: {exc}")
-    if isinstance(exc, ConnectionRefusedError):
-        return ConnectError(f"{where}: connection refused")
-    if isinstance(exc, (ConnectionResetError, BrokenPipeError, EOFError)) or (
-        isinstance(exc, paramiko.SSHException) and "protocol banner" in str(exc)
-    ):
-        # sshd drops connections past MaxStartups with a reset or EOF before its banner.
-        return ConnectError(f"{where}: connection dropped during handshake: {exc}", retryable=True)
-    return ConnectError(f"{where}: {type(exc).__name__}: {exc}")
+        return AuthenticationFailed(f"{target}: no client key accepted: {exc}")
+    if isinstance(exc, paramiko.SSHException) and "protocol banner" in str(exc):
+        # paramiko's word for a connection closed before sshd's banner (MaxStartups).
+        return translate.dropped(target, exc)
+    return None
 
 
 class _WatchedSocket(socket.socket):
@@ -132,36 +124,25 @@ def _open_socket(host: str, port: int, deadline: float) -> _WatchedSocket:
     raise error
 
 
-def _known_host_name(target: Target) -> str:
-    return target.host if target.port == 22 else f"[{target.host}]:{target.port}"
-
-
 def _connect_blocking(target: Target, deadline: float) -> tuple[Any, _WatchedSocket]:
     """Connect, verify the host key, authenticate; in a thread. Raises sshpool errors only."""
-    name = _known_host_name(target)
+    name = translate.known_host_name(target)
     sock: _WatchedSocket | None = None
     transport: Any = None
     try:
         try:
             host_keys = paramiko.HostKeys(target.known_hosts)
         except OSError as exc:
-            raise ConnectError(f"{target}: cannot read {target.known_hosts}: {exc}") from exc
+            raise translate.unreadable_known_hosts(target, exc) from exc
         known = host_keys.lookup(name)
         if not known:
-            # Fail closed before sending anything: there is no key to compare with.
-            raise HostKeyMismatch(f"{target}: {name} is not in {target.known_hosts}")
+            raise translate.unknown_host(target)
         sock = _open_socket(target.host, target.port, deadline)
         transport = _Transport(sock)
         remaining = max(0.001, deadline - time.monotonic())
         transport.banner_timeout = transport.handshake_timeout = remaining
         options = transport.get_security_options()
-        # Offer first the key types known_hosts has for this host, as OpenSSH does, so a host
-        # with several host keys does not present one we cannot check.
-        types = set(known.keys())
-        if "ssh-rsa" in types:
-            types |= {"rsa-sha2-512", "rsa-sha2-256"}
-        first = [t for t in options.key_types if t in types]
-        options.key_types = first + [t for t in options.key_types if t not in types]
+        options.key_types = translate.hostkey_preference(options.key_types, known.keys())
         transport.start_client(timeout=remaining)
         if not transport.initial_kex_done:
             raise ConnectTimeout(f"{target}: no key exchange within {remaining:.1f} s")
@@ -178,9 +159,10 @@ def _connect_blocking(target: Target, deadline: float) -> tuple[Any, _WatchedSoc
             transport.close()
         if sock is not None:
             sock.close()
-        if isinstance(exc, Exception):
-            raise _translate_connect_error(exc, target, deadline) from exc
-        raise
+        if isinstance(exc, SSHPoolError) or not isinstance(exc, Exception):
+            raise
+        timed_out = time.monotonic() >= deadline
+        raise translate.connect_error(exc, target, _connect_table, timed_out=timed_out) from exc
 
 
 def _authenticate(transport: Any, target: Target, deadline: float) -> None:
@@ -270,16 +252,13 @@ class ParamikoConnection:
         self._sock = sock
         self._executor = executor
         self._closed = False
+        self._limits = limits
         interval = limits.keepalive_interval
-        # asyncssh's rule: dead after count_max unanswered keepalives, one interval apart.
-        self._dead_after = interval * (limits.keepalive_count_max + 1) if interval > 0 else 0.0
         if interval > 0:
             transport.packetizer.set_keepalive(interval, self._keepalive)
 
     def _silent_too_long(self) -> bool:
-        return bool(self._dead_after) and (
-            time.monotonic() - self._sock.last_recv > self._dead_after
-        )
+        return translate.peer_dead(self._limits, time.monotonic() - self._sock.last_recv)
 
     def _keepalive(self) -> None:
         """In paramiko's transport thread, after keepalive_interval without sending."""

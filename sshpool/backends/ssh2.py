@@ -41,15 +41,17 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from sshpool.backends import translate
 from sshpool.backends.base import Exit
+from sshpool.backends.translate import describe
 from sshpool.command import Capture
 from sshpool.errors import (
     AuthenticationFailed,
     ChannelRefused,
     ConnectError,
     ConnectionLost,
-    ConnectTimeout,
     HostKeyMismatch,
+    SSHPoolError,
 )
 from sshpool.target import Limits, Target
 
@@ -94,12 +96,6 @@ def _eagain(result: object) -> bool:
     return isinstance(result, int) and result == EAGAIN
 
 
-def _error_text(exc: BaseException) -> str:
-    # ssh2-python's exceptions often carry no message: the class name says what failed.
-    detail = " ".join(str(a) for a in exc.args if a)
-    return f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__
-
-
 class _LibFd:
     """The descriptor libssh2 uses: a duplicate of the connection's socket, closed when the
     libssh2 session holding it is freed (Cython releases it after __dealloc__), because freeing
@@ -118,10 +114,6 @@ class _LibFd:
 
 # --------------------------------------------------------------------------------------------
 # known_hosts: which key types to ask for (libssh2's knownhost API does the verification)
-
-
-def _known_host_name(target: Target) -> str:
-    return target.host if target.port == 22 else f"[{target.host}]:{target.port}"
 
 
 def _host_matches(patterns: str, name: str) -> bool:
@@ -146,7 +138,7 @@ def _glob(pattern: str) -> re.Pattern[str]:
 def _known_host_lines(target: Target) -> list[str]:
     """The known_hosts lines for the target (plain or hashed names). Marker lines
     (@cert-authority, @revoked) are not supported: they never vouch for a key here."""
-    name = _known_host_name(target)
+    name = translate.known_host_name(target)
     with open(target.known_hosts) as f:
         return [
             line.strip()
@@ -155,16 +147,6 @@ def _known_host_lines(target: Target) -> list[str]:
             and not fields[0].startswith(("#", "@"))
             and _host_matches(fields[0], name)
         ]
-
-
-def _hostkey_preference(lines: list[str], offered: list[str]) -> str:
-    """libssh2's host key algorithms, those known_hosts can check first: libssh2 prefers ECDSA,
-    so a host with several keys would otherwise present one we have no entry for."""
-    wanted = {line.split()[1] for line in lines}
-    if "ssh-rsa" in wanted:
-        wanted |= {"rsa-sha2-512", "rsa-sha2-256"}
-    first = [a for a in offered if a in wanted]
-    return ",".join(first + [a for a in offered if a not in wanted])
 
 
 # --------------------------------------------------------------------------------------------
@@ -207,8 +189,8 @@ class Ssh2Connection:
         self._opening = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._last_recv = time.monotonic()
+        self._limits = limits
         self._interval = limits.keepalive_interval
-        self._dead_after = self._interval * (limits.keepalive_count_max + 1)
 
     # ---- waiting for the socket
 
@@ -230,8 +212,8 @@ class Ssh2Connection:
             self._wake()
             raise
         except ssh2_errors.SSH2Error as exc:
-            self._shutdown(f"connection lost: {_error_text(exc)}")
-            raise ConnectionLost(f"connection lost: {_error_text(exc)}", started=False) from exc
+            self._shutdown(f"connection lost: {describe(exc)}")
+            raise ConnectionLost(f"connection lost: {describe(exc)}", started=False) from exc
         if had_input:
             # This call read packets, maybe for other channels: let their waiters look.
             self._last_recv = time.monotonic()
@@ -322,7 +304,7 @@ class Ssh2Connection:
             # Half the interval: a probe goes out at most 1.5 intervals into a silence.
             await asyncio.sleep(self._interval / 2)
             silent = time.monotonic() - self._last_recv
-            if silent > self._dead_after:
+            if translate.peer_dead(self._limits, silent):
                 self._shutdown(f"no answer from the host for {silent:.1f} s")
                 return
             if silent >= self._interval:
@@ -352,7 +334,7 @@ class Ssh2Connection:
     def is_alive(self) -> bool:
         if self._failure is not None:
             return False
-        return self._interval <= 0 or time.monotonic() - self._last_recv <= self._dead_after
+        return not translate.peer_dead(self._limits, time.monotonic() - self._last_recv)
 
     # ---- commands
 
@@ -368,12 +350,12 @@ class Ssh2Connection:
                     chan = await self._call(self._session.open_session, pending=pending)
             except ssh2_errors.ChannelFailure as exc:
                 # MaxSessions: sshd answers the open with a failure ("open failed", code 2).
-                raise ChannelRefused(f"channel refused: {_error_text(exc)}") from exc
+                raise ChannelRefused(f"channel refused: {describe(exc)}") from exc
             started = True
             try:
                 await self._call(chan.execute, command, pending=pending)
             except _CHANNEL_ERRORS as exc:
-                raise ChannelRefused(f"exec request refused: {_error_text(exc)}") from exc
+                raise ChannelRefused(f"exec request refused: {describe(exc)}") from exc
             await self._drain(chan, stdin, stdout, stderr, pending)
             await self._call(chan.close, pending=pending)
             # libssh2's close returns after reading any packet: wait for sshd's CLOSE, which
@@ -387,7 +369,7 @@ class Ssh2Connection:
             if isinstance(exc, ConnectionLost):
                 raise ConnectionLost(str(exc), started=started) from exc
             if isinstance(exc, _CHANNEL_ERRORS):
-                message = f"channel failed: {_error_text(exc)}"
+                message = f"channel failed: {describe(exc)}"
                 raise ConnectionLost(message, started=started) from exc
             raise
         _, signal, _, _ = chan.get_exit_signal()
@@ -518,9 +500,7 @@ async def _handshake(conn: Ssh2Connection, session: Any, target: Target, lines: 
         await conn._call(session.handshake, lib_fd)
     except ConnectionLost as exc:
         # sshd drops connections past MaxStartups with a reset or EOF before its banner.
-        raise ConnectError(
-            f"{target}: connection dropped during handshake", retryable=True
-        ) from exc
+        raise translate.dropped(target) from exc
     key, _ = session.hostkey()
     known = session.knownhost_init()
     for line in lines:
@@ -536,7 +516,7 @@ async def _handshake(conn: Ssh2Connection, session: Any, target: Target, lines: 
         )
     except ssh2_errors.KnownHostError as exc:
         raise HostKeyMismatch(
-            f"{target}: host key not verified against {target.known_hosts}: {_error_text(exc)}"
+            f"{target}: host key not verified against {target.known_hosts}: {describe(exc)}"
         ) from exc
 
 
@@ -548,10 +528,16 @@ async def _authenticate(conn: Ssh2Connection, session: Any, target: Target) -> N
         except ConnectionLost as exc:
             raise ConnectError(f"{target}: connection lost during authentication") from exc
         except _KEY_ERRORS as exc:
-            refused.append(f"{path}: {_error_text(exc)}")
+            refused.append(f"{path}: {describe(exc)}")
             continue
         return
     raise AuthenticationFailed(f"{target}: no client key accepted ({'; '.join(refused)})")
+
+
+def _connect_table(exc: BaseException, target: Target) -> SSHPoolError | None:
+    """libssh2's own failures are translated where they happen (handshake, known_hosts, keys):
+    an SSH2Error left over is a plain ConnectError, the shared rules' default."""
+    return None
 
 
 class Ssh2Backend:
@@ -561,17 +547,19 @@ class Ssh2Backend:
         try:
             lines = _known_host_lines(target)
         except OSError as exc:
-            raise ConnectError(f"{target}: cannot read {target.known_hosts}: {exc}") from exc
+            raise translate.unreadable_known_hosts(target, exc) from exc
         if not lines:
-            # Fail closed before sending anything: there is no key to compare with.
-            raise HostKeyMismatch(f"{target}: {_known_host_name(target)} not in known_hosts")
+            raise translate.unknown_host(target)
         conn: Ssh2Connection | None = None
         try:
             async with asyncio.timeout(target.limits.connect_timeout):
                 session = Session()
                 session.set_blocking(False)
                 offered = session.supported_algs(LIBSSH2_METHOD_HOSTKEY)
-                session.method_pref(LIBSSH2_METHOD_HOSTKEY, _hostkey_preference(lines, offered))
+                # libssh2 prefers ECDSA: offer first what known_hosts can check.
+                known_types = [line.split()[1] for line in lines]
+                preference = translate.hostkey_preference(offered, known_types)
+                session.method_pref(LIBSSH2_METHOD_HOSTKEY, ",".join(preference))
                 conn = Ssh2Connection(
                     await _open_socket(target.host, target.port), session, target.limits
                 )
@@ -580,18 +568,8 @@ class Ssh2Backend:
         except BaseException as exc:
             if conn is not None:
                 await conn.close()
-            if isinstance(exc, TimeoutError):
-                raise ConnectTimeout(
-                    f"{target}: no SSH session within {target.limits.connect_timeout} s"
-                ) from exc
-            if isinstance(exc, ConnectionRefusedError):
-                raise ConnectError(f"{target}: connection refused") from exc
-            if isinstance(exc, (ConnectionResetError, BrokenPipeError)):
-                raise ConnectError(f"{target}: {exc}", retryable=True) from exc
-            if isinstance(exc, OSError):
-                raise ConnectError(f"{target}: {exc}") from exc
-            if isinstance(exc, ssh2_errors.SSH2Error):
-                raise ConnectError(f"{target}: {_error_text(exc)}") from exc
+            if isinstance(exc, (OSError, ssh2_errors.SSH2Error)):
+                raise translate.connect_error(exc, target, _connect_table) from exc
             raise
         conn.start()
         return conn

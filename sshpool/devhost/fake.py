@@ -21,7 +21,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Literal
 
-from sshpool.backends.base import Exit
+from sshpool.backends import Exit
 from sshpool.command import Capture
 from sshpool.errors import ChannelRefused, ConnectionLost
 from sshpool.target import Target

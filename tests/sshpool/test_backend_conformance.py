@@ -35,7 +35,7 @@ from sshpool import (
     Pool,
     Target,
 )
-from sshpool.backends.base import Backend, Connection, Exit, load_backend
+from sshpool.backends import Backend, Connection, Exit, load_backend
 from sshpool.command import Capture, wrap
 from sshpool.devhost import LocalHost
 
