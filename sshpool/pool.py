@@ -4,6 +4,11 @@ Per target (`_HostPool`), all mutable state lives in one place and changes only 
 methods (`_dispatch`, `_maybe_grow`, `_release`, ...), so no two coroutines interleave inside a
 state change. I/O (connect, exec, close) happens outside them.
 
+A command holds a lease (`async with host.lease(deadline)`), one channel slot on one
+connection; the lease decides what becomes of the slot when the command ends: released after a
+clean exec, shrunk when sshd refused the channel, discarded when the connection failed, and after
+a timeout or cancellation released only once the remote process group was killed.
+
 Invariants of a host pool:
 - 0 <= conn.in_use <= conn.capacity <= limits.max_sessions for every pooled connection;
 - len(conns) + connecting <= limits.max_connections;
@@ -21,7 +26,7 @@ import logging
 import random
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any
 
 from sshpool.backends import Backend, Connection, Exit, load_backend
@@ -81,6 +86,75 @@ class _Conn:
 
     def has_room(self) -> bool:
         return not self.expired and self.in_use < self.capacity and self.conn.is_alive()
+
+
+class _Lease:
+    """One channel slot on a pooled connection, held for one exec (see `_HostPool.lease`), with
+    that exec's captures and stage timings."""
+
+    __slots__ = ("conn", "err", "out", "t_leased", "t_started", "timings")
+
+    def __init__(self, conn: _Conn, since: float) -> None:
+        self.conn = conn
+        self.t_leased = time.perf_counter()
+        self.timings = {"queue": self.t_leased - since, "connect": 0.0}
+        if conn.leases == 0:
+            # This lease waited for the connection to be made: account that to connect.
+            self.timings["connect"] = min(conn.connect_time, self.timings["queue"])
+            self.timings["queue"] -= self.timings["connect"]
+        conn.leases += 1
+        self.out: Capture | None = None
+        self.err: Capture | None = None
+        self.t_started: float | None = None
+
+    @property
+    def pgid(self) -> int | None:
+        """The remote process group of the exec, once the command has started."""
+        return None if self.out is None else self.out.pgid
+
+    async def exec(
+        self,
+        line: str,
+        stdin: bytes | None,
+        max_output: int,
+        on_started: Callable[[int], None] | None,
+    ) -> Exit:
+        """Run `line` on this slot. A lost connection counts as started once the command
+        reported its process group, and carries that group."""
+
+        def started() -> None:
+            self.t_started = time.perf_counter()
+            if on_started is not None and out.pgid is not None:
+                on_started(out.pgid)
+
+        out = self.out = Capture(max_output, marker=True, on_start=started)
+        self.err = Capture(max_output)
+        try:
+            return await self.conn.conn.exec(line, stdin, out, self.err)
+        except ConnectionLost as exc:
+            exc.started = exc.started or out.pgid is not None
+            exc.remote_pgid = out.pgid
+            raise
+
+    def result(self, end: Exit | None) -> CommandResult:
+        """The exec's result (`end` None: it did not end on its own), with its timings."""
+        assert self.out is not None and self.err is not None
+        t_end = time.perf_counter()
+        result = CommandResult.from_captures(
+            end.status if end else None, end.signal if end else None, self.out, self.err
+        )
+        t_started = self.t_started if self.t_started is not None else t_end
+        result.timings = {
+            **self.timings,
+            "open": t_started - self.t_leased,
+            "exec": t_end - t_started,
+        }
+        return result
+
+
+async def _kill_exec(conn: Connection, pgid: int) -> None:
+    """The one kill: TERM the remote process group, KILL it after a grace period."""
+    await conn.exec(kill_group_line(pgid), None, Capture(4096), Capture(4096))
 
 
 class _HostPool:
@@ -174,6 +248,13 @@ class _HostPool:
         self.counters["channel_refused"] += 1
         self._dispatch()
 
+    def _regrow(self, c: _Conn) -> None:
+        """A clean channel open: after REGROW_AFTER of them a shrunk connection grows by one."""
+        c.clean_opens += 1
+        if c.capacity < self.limits.max_sessions and c.clean_opens >= REGROW_AFTER:
+            c.capacity += 1
+            c.clean_opens = 0
+
     def _fail_waiters(self, exc: SSHPoolError) -> None:
         while self.waiters:
             fut = self.waiters.popleft()
@@ -257,6 +338,89 @@ class _HostPool:
                 self.counters["timeouts_queue"] += 1
                 raise PoolTimeout(f"{self.target}: no channel free before the deadline") from None
             raise
+
+    @contextlib.asynccontextmanager
+    async def lease(self, deadline: float | None, since: float) -> AsyncIterator[_Lease]:
+        """A channel slot for one exec (`since`: when the caller started, for the queue time).
+        How the body ends decides what becomes of the slot:
+
+        - cleanly: released (and a shrunk connection earns back capacity);
+        - ChannelRefused: the connection shrinks to what it holds now;
+        - ConnectionLost or any other failure: the connection is discarded;
+        - TimeoutError (the command's timeout): the remote group is killed, then released;
+        - cancelled: killed and released in the background, so the caller returns at once.
+        """
+        lease = _Lease(await self.acquire(deadline), since)
+        c = lease.conn
+        try:
+            yield lease
+        except ChannelRefused:
+            self._shrink(c)
+            raise
+        except ConnectionLost:
+            self.counters["connections_lost"] += 1
+            self._discard(c)
+            raise
+        except TimeoutError:
+            self.counters["timeouts_command"] += 1
+            await self._kill(c, lease.pgid)
+            raise
+        except asyncio.CancelledError:
+            self.counters["cancelled"] += 1
+            self.spawn(self._kill(c, lease.pgid))
+            raise
+        except BaseException:
+            self._discard(c)
+            raise
+        self._regrow(c)
+        self._release(c)
+
+    async def _kill(self, c: _Conn, pgid: int | None) -> None:
+        """Kill the remote process group, then give the lease back (its sshd session slot stays
+        taken until the remote command exits)."""
+        try:
+            if pgid is not None:
+                async with asyncio.timeout(KILL_TIMEOUT):
+                    try:
+                        # The lease's own connection has a spare sshd session slot
+                        # (max_sessions < MaxSessions).
+                        await _kill_exec(c.conn, pgid)
+                    except (ChannelRefused, ConnectionLost):
+                        other = await self.acquire(None)
+                        try:
+                            await _kill_exec(other.conn, pgid)
+                        finally:
+                            self._release(other)
+                    self.counters["killed"] += 1
+        except (SSHPoolError, TimeoutError) as exc:
+            self.counters["kill_failed"] += 1
+            log.warning("could not kill process group %s on %s: %s", pgid, self.target, exc)
+        finally:
+            self._release(c)
+
+    async def kill(self, pgid: int) -> None:
+        """Kill a process group started elsewhere, on a slot of its own, within KILL_TIMEOUT."""
+        c = await self.acquire(self.loop.time() + KILL_TIMEOUT)
+        try:
+            async with asyncio.timeout(KILL_TIMEOUT):
+                await _kill_exec(c.conn, pgid)
+            self.counters["killed"] += 1
+        finally:
+            self._release(c)
+
+    async def prewarm(self) -> None:
+        """Open limits.min_connections now, through the handshake gate; raises the connect
+        error if one failed."""
+        while (missing := self.limits.min_connections - len(self.conns) - self.connecting) > 0:
+            n = min(missing, self.limits.max_handshakes - self.connecting)
+            if n <= 0:
+                await asyncio.sleep(0.05)
+                continue
+            self.connecting += n
+            errors = await asyncio.gather(*(self._connect() for _ in range(n)))
+            for error in errors:
+                if error is not None:
+                    raise error
 
     async def close(self) -> None:
         self._fail_waiters(PoolTimeout("pool closed"))
@@ -342,17 +506,7 @@ class Pool:
     async def prewarm(self, target: Target) -> None:
         """Open target.limits.min_connections now, through the handshake gate; raises the
         connect error if one failed."""
-        host = self._host(target)
-        while (missing := target.limits.min_connections - len(host.conns) - host.connecting) > 0:
-            n = min(missing, target.limits.max_handshakes - host.connecting)
-            if n <= 0:
-                await asyncio.sleep(0.05)
-                continue
-            host.connecting += n
-            errors = await asyncio.gather(*(host._connect() for _ in range(n)))
-            for error in errors:
-                if error is not None:
-                    raise error
+        await self._host(target).prewarm()
 
     async def run(
         self,
@@ -374,36 +528,17 @@ class Pool:
         """
         line = wrap(command if isinstance(command, str) else command_line(command))
         host = self._host(target)
-        loop = host.loop
         # Stage timings use perf_counter: uvloop's loop.time() only ticks in milliseconds.
         t0 = time.perf_counter()
-        deadline = None if acquire_timeout is None else loop.time() + acquire_timeout
+        deadline = None if acquire_timeout is None else host.loop.time() + acquire_timeout
         lost_retried = False
         refusals = 0
-        started_at: list[float] = []
-
-        def started() -> None:
-            started_at.append(time.perf_counter())
-            if on_started is not None and out.pgid is not None:
-                on_started(out.pgid)
-
         while True:
-            c = await host.acquire(deadline)
-            t_leased = time.perf_counter()
-            timings = {"queue": t_leased - t0, "connect": 0.0}
-            if c.leases == 0:
-                # This lease waited for the connection to be made: account that to connect.
-                timings["connect"] = min(c.connect_time, timings["queue"])
-                timings["queue"] -= timings["connect"]
-            c.leases += 1
-            started_at.clear()
-            out = Capture(max_output, marker=True, on_start=started)
-            err = Capture(max_output)
             try:
-                async with asyncio.timeout(timeout):
-                    end = await c.conn.exec(line, stdin, out, err)
+                async with host.lease(deadline, since=t0) as lease:
+                    async with asyncio.timeout(timeout):
+                        end = await lease.exec(line, stdin, max_output, on_started)
             except ChannelRefused:
-                host._shrink(c)
                 refusals += 1
                 if refusals >= MAX_REFUSALS:
                     raise ConnectionLost(
@@ -412,92 +547,22 @@ class Pool:
                 await asyncio.sleep(0.005 * refusals)
                 continue
             except ConnectionLost as exc:
-                host.counters["connections_lost"] += 1
-                host._discard(c)
-                exc.started = exc.started or out.pgid is not None
-                exc.remote_pgid = out.pgid
                 if exc.started or lost_retried:
                     raise
-                lost_retried = True
+                lost_retried = True  # it never ran: once more, on a fresh connection
                 continue
             except TimeoutError:
-                host.counters["timeouts_command"] += 1
-                await self._kill(host, c, out.pgid)
-                result = self._result(
-                    None, out, err, timings, t_leased, started_at, time.perf_counter()
-                )
+                # The lease killed the remote group before letting go of the slot.
+                result = lease.result(None)
                 raise CommandTimeout(f"command ran past its {timeout} s timeout", result) from None
-            except asyncio.CancelledError:
-                host.counters["cancelled"] += 1
-                # Cancelled callers must return at once: kill and release in the background.
-                host.spawn(self._kill(host, c, out.pgid))
-                raise
-            except BaseException:
-                host._discard(c)
-                raise
-            c.clean_opens += 1
-            if c.capacity < target.limits.max_sessions and c.clean_opens >= REGROW_AFTER:
-                c.capacity += 1
-                c.clean_opens = 0
             host.counters["commands"] += 1
-            host._release(c)
-            return self._result(end, out, err, timings, t_leased, started_at, time.perf_counter())
-
-    @staticmethod
-    def _result(
-        end: Exit | None,
-        out: Capture,
-        err: Capture,
-        timings: dict[str, float],
-        t_leased: float,
-        started_at: list[float],
-        t_end: float,
-    ) -> CommandResult:
-        result = CommandResult.from_captures(
-            end.status if end else None, end.signal if end else None, out, err
-        )
-        t_started = started_at[0] if started_at else t_end
-        result.timings = {**timings, "open": t_started - t_leased, "exec": t_end - t_started}
-        return result
-
-    async def _kill(self, host: _HostPool, c: _Conn, pgid: int | None) -> None:
-        """Kill the remote process group, then give the lease back (its sshd session slot stays
-        taken until the remote command exits)."""
-        try:
-            if pgid is not None:
-                async with asyncio.timeout(KILL_TIMEOUT):
-                    await self._run_kill(host, c, pgid)
-        except (SSHPoolError, TimeoutError) as exc:
-            host.counters["kill_failed"] += 1
-            log.warning("could not kill process group %s on %s: %s", pgid, host.target, exc)
-        finally:
-            host._release(c)
-
-    async def _run_kill(self, host: _HostPool, c: _Conn, pgid: int) -> None:
-        line = kill_group_line(pgid)
-        try:
-            # The lease's own connection has a spare sshd session slot (max_sessions < MaxSessions).
-            await c.conn.exec(line, None, Capture(4096), Capture(4096))
-        except (ChannelRefused, ConnectionLost):
-            other = await host.acquire(None)
-            try:
-                await other.conn.exec(line, None, Capture(4096), Capture(4096))
-            finally:
-                host._release(other)
-        host.counters["killed"] += 1
+            return lease.result(end)
 
     async def kill(self, target: Target, pgid: int) -> None:
         """Kill a process group on `target` that was started elsewhere (by another process
         sharing the account, e.g. another API replica): TERM, then KILL after a grace period.
         Raises PoolTimeout, PoolFull, HostUnavailable, ConnectError or TimeoutError."""
-        host = self._host(target)
-        c = await host.acquire(host.loop.time() + KILL_TIMEOUT)
-        try:
-            async with asyncio.timeout(KILL_TIMEOUT):
-                await c.conn.exec(kill_group_line(pgid), None, Capture(4096), Capture(4096))
-            host.counters["killed"] += 1
-        finally:
-            host._release(c)
+        await self._host(target).kill(pgid)
 
     def stats(self) -> dict[Target, dict[str, Any]]:
         """Per target: connections, channels in use, waiters, handshakes in flight, counters.
