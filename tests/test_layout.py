@@ -1,0 +1,76 @@
+"""The architecture's rules, checked on the source tree (issue 13).
+
+* `import sshpool` loads nothing of the dev rig (`sshpool.devhost`).
+* The sshpool package reads no SSHAPI_* variable: the API's environment is the API's.
+* No module of sshpool/, api/ or loadtests/ imports a private name (`_x`, or a module `_m`) of
+  another package.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("sshpool", "api", "loadtests")
+
+
+def test_import_sshpool_loads_no_dev_rig() -> None:
+    code = "import json, sys, sshpool; print(json.dumps(sorted(sys.modules)))"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    loaded = json.loads(done.stdout)
+    assert "sshpool.pool" in loaded
+    assert [m for m in loaded if m == "sshpool.devhost" or m.startswith("sshpool.devhost.")] == []
+
+
+def test_sshpool_reads_no_sshapi_variable() -> None:
+    hits = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for path in sorted((ROOT / "sshpool").rglob("*"))
+        if path.is_file() and path.suffix in (".py", ".tuned", ".toml", ".cfg", ".txt")
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
+        if "SSHAPI_" in line
+    ]
+    assert hits == []
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _private_imports(path: Path) -> list[str]:
+    """`from pkg.mod import _x`, `from pkg._mod import x`, `import pkg._mod` where pkg is not
+    the importing module's own top-level package."""
+    own = path.relative_to(ROOT).parts[0]
+    found: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            modules = [node.module]
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+            names = []
+        else:
+            continue
+        for module in modules:
+            if module.split(".")[0] == own:
+                continue
+            private = [part for part in [*module.split("."), *names] if _is_private(part)]
+            if private:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {module} {private}")
+    return found
+
+
+def test_no_module_imports_a_private_name_of_another_package() -> None:
+    found = [
+        hit
+        for package in PACKAGES
+        for path in sorted((ROOT / package).rglob("*.py"))
+        for hit in _private_imports(path)
+    ]
+    assert found == []
