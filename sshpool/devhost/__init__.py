@@ -12,17 +12,48 @@ environment variable of the API. It may import the sshpool core (`target`, `erro
 `backends.base`); nothing in the core imports it, so `import sshpool` loads none of it.
 """
 
-from sshpool.devhost.fake import FakeBackend, FakeConnection
-from sshpool.devhost.host import (
-    TUNED_CONFIG,
-    LocalHost,
-    LocalHostError,
-    Profile,
-    sshd_binary,
-    sshd_version,
-    tuned_settings,
-)
-from sshpool.devhost.slurm import LocalSlurm, LocalSlurmError, install_packages
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sshpool.devhost.fake import FakeBackend, FakeConnection
+    from sshpool.devhost.host import (
+        TUNED_CONFIG,
+        LocalHost,
+        LocalHostError,
+        Profile,
+        sshd_binary,
+        sshd_version,
+        tuned_settings,
+    )
+    from sshpool.devhost.slurm import LocalSlurm, LocalSlurmError, install_packages
+
+# Public name -> its module, imported on first use: `python -m sshpool.devhost.slurm` must not
+# find its own module imported already by this package (runpy would run a second copy).
+_MODULES = {
+    "FakeBackend": "sshpool.devhost.fake",
+    "FakeConnection": "sshpool.devhost.fake",
+    "TUNED_CONFIG": "sshpool.devhost.host",
+    "LocalHost": "sshpool.devhost.host",
+    "LocalHostError": "sshpool.devhost.host",
+    "Profile": "sshpool.devhost.host",
+    "sshd_binary": "sshpool.devhost.host",
+    "sshd_version": "sshpool.devhost.host",
+    "tuned_settings": "sshpool.devhost.host",
+    "LocalSlurm": "sshpool.devhost.slurm",
+    "LocalSlurmError": "sshpool.devhost.slurm",
+    "install_packages": "sshpool.devhost.slurm",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _MODULES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
 
 __all__ = [
     "TUNED_CONFIG",
