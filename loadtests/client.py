@@ -23,8 +23,8 @@ def tokens(subjects: int, ttl: float = 24 * 3600.0) -> list[str]:
     given = os.environ.get("SSHAPI_TOKEN")
     if given:
         return [given]
-    from api.app import resolve_config
-    from api.cli import local_token
+    # The light seam: neither FastAPI nor SQLAlchemy in a Locust worker.
+    from api.local import local_token, resolve_config
     from api.settings import Settings
 
     settings = Settings()
