@@ -25,9 +25,9 @@ from api.metrics import Metrics
 from api.middleware import RequestContext
 from api.policy import Policy
 from api.quota import make_quota
-from api.routes_hosts import router as hosts_router
-from api.routes_jobs import router as jobs_router
-from api.routes_ops import router as ops_router
+from api.routes.hosts import router as hosts_router
+from api.routes.jobs import router as jobs_router
+from api.routes.ops import router as ops_router
 from api.settings import Settings
 from api.store import Store
 from sshpool import Pool, SSHPoolError

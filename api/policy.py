@@ -63,17 +63,22 @@ class Policy:
             )
         return Grant(host_name, host, rule, host.target(rule.accounts.get(host_name)))
 
-    def target_of(self, host_name: str, name: str) -> Target | None:
-        """The configured target whose `str()` is `name` (what a job records) on that host: to
-        act for a job later as the account that started it, whoever asks."""
+    def targets(self, host_name: str) -> list[Target]:
+        """Every target configured on that host: its default account's, then each account a
+        policy rule maps to it (duplicates removed). What the host's pools and health are."""
         host = self.config.hosts.get(host_name)
         if host is None:
-            return None
+            return []
         accounts = [
             None,
             *(r.accounts[host_name] for r in self.config.policy if host_name in r.accounts),
         ]
-        return next((t for t in map(host.target, accounts) if str(t) == name), None)
+        return list(dict.fromkeys(map(host.target, accounts)))
+
+    def target_of(self, host_name: str, name: str) -> Target | None:
+        """The configured target whose `str()` is `name` (what a job records) on that host: to
+        act for a job later as the account that started it, whoever asks."""
+        return next((t for t in self.targets(host_name) if str(t) == name), None)
 
     def shell_allowed(self, who: Principal, host_name: str) -> bool:
         rule = self.rule_for(who)
