@@ -30,21 +30,21 @@ from sqlalchemy import func
 
 from api.config import Config
 from api.metrics import Metrics
+from api.output import OutputChunk, Stream
 from api.policy import Policy
 from api.problems import Problem, retry_after, ssh_problem
 from api.scheduler import (
     BatchRequest,
     JobStatus,
-    OutputChunk,
     SchedulerError,
     SlurmClient,
-    Stream,
     SubmissionUnknown,
     SubmitRejected,
     Tracker,
     batch_options,
 )
-from api.store import FINAL, JobRow, Store, utcnow
+from api.states import FINAL
+from api.store import JobRow, Store, utcnow
 from sshpool import Pool, SSHPoolError, Target
 
 log = logging.getLogger("sshapi.batch")

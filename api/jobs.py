@@ -41,12 +41,13 @@ from api.auth import Principal
 from api.batch import BatchJobs
 from api.config import Config
 from api.metrics import Metrics
+from api.output import MAX_READ, OutputChunk, Stream
 from api.policy import Grant, Policy, render
 from api.problems import Problem, error_kind, ssh_problem
 from api.quota import LocalQuota, Quota
-from api.scheduler import MAX_READ, OutputChunk, Stream
 from api.schemas import JobRequest
-from api.store import FINAL, JobRow, Store, new_id, utcnow
+from api.states import FINAL
+from api.store import JobRow, Store, new_id, utcnow
 from api.timing import stage
 from sshpool import CommandResult, CommandTimeout, ConnectionLost, Pool, SSHPoolError
 
@@ -520,19 +521,3 @@ def _error_values(exc: SSHPoolError) -> dict[str, Any]:
         "error_kind": error_kind(exc),
         "idempotency_key": None,
     }
-
-
-BATCH_ERRORS = {
-    "batch-rejected": (422, "The scheduler refused the batch job"),
-    "batch-not-submitted": (502, "The batch job did not reach the scheduler"),
-}
-
-
-def error_problem(row: JobRow) -> Problem:
-    """The answer for a job in state `error`: the SSH failure's status, naming the job."""
-    if row.error_kind == "internal":
-        return Problem(500, "internal", "Internal error", row.error, job_id=row.id)
-    if row.error_kind in BATCH_ERRORS:
-        status, title = BATCH_ERRORS[row.error_kind]
-        return Problem(status, row.error_kind, title, row.error, job_id=row.id)
-    return ssh_problem(None, row.error_kind, detail=row.error, job_id=row.id, job_state=row.state)
