@@ -17,6 +17,7 @@ from fastapi import FastAPI
 
 from api import problems
 from api.auth import Authenticator
+from api.batch import BatchJobs
 from api.config import Config, HostConfig
 from api.deps import Services
 from api.jobs import JobService
@@ -76,6 +77,7 @@ def create_app(
         the_pool = pool or Pool(backend=settings.backend)
         http = httpx.AsyncClient(follow_redirects=False)
         policy = Policy(config)
+        batch = BatchJobs(config, policy, the_store, the_pool, metrics)
         services = Services(
             settings=settings,
             config=config,
@@ -90,6 +92,7 @@ def create_app(
                 the_pool,
                 metrics,
                 settings.replica,
+                batch,
                 make_quota(settings.redis_url),
             ),
             metrics=metrics,
@@ -99,8 +102,8 @@ def create_app(
             for problem in host.ssh_budget(settings.replicas):
                 log.warning("SSH budget of host %s: %s", name, problem)
         metrics.watch_pool(the_pool.stats)
-        metrics.watch_trackers(lambda: services.jobs.batch.trackers)
-        await services.jobs.batch.start(settings.replica)
+        metrics.watch_trackers(lambda: batch.trackers)
+        await batch.start(settings.replica)
         app.state.services = services
         warm = [
             asyncio.create_task(_prewarm(the_pool, name, host))

@@ -129,16 +129,6 @@ class BatchJobs:
 
     # ---- submit
 
-    def require(self, host_name: str) -> None:
-        """422 unless the host takes batch jobs."""
-        if self.config.hosts[host_name].scheduler is None:
-            raise Problem(
-                422,
-                "no-scheduler",
-                "Host takes no batch jobs",
-                f"host {host_name!r} has no scheduler configured: send argv or a template",
-            )
-
     async def submit(self, row: JobRow, target: Target, request: BatchRequest) -> None:
         """Run sbatch for an admitted job and record the outcome in the store and in ``row``.
         An SSHPoolError means sbatch never ran (the pool retries a connection lost before the

@@ -95,5 +95,5 @@ class JobClient:
                 state = "unparsable body"
             if state != "succeeded":
                 error = f"job {state}"
-        exc = RuntimeError(error) if error else None
-        return Outcome(not error, resp.status_code, error, ms, len(resp.content), server, exc)
+        failure = RuntimeError(error) if error else None
+        return Outcome(not error, resp.status_code, error, ms, len(resp.content), server, failure)
