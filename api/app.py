@@ -1,5 +1,7 @@
-"""The FastAPI application factory. The lifespan owns the pool and the store (tests may inject
-their own; injected objects stay the caller's to start and close)."""
+"""The FastAPI application factory and `serve`, which runs it under uvicorn. The lifespan owns
+the pool and the store (tests may inject their own; injected objects stay the caller's to start
+and close). Nothing here imports the dev rig (`sshpool.devhost`): without a configuration the
+app reads what `sshapi dev` left as a plain file (api/local.py)."""
 
 from __future__ import annotations
 
@@ -8,27 +10,28 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from pathlib import Path
 
 import httpx
+import uvicorn
 from fastapi import FastAPI
 
 from api import problems
 from api.auth import Authenticator
-from api.config import Config, HostConfig, SshdLimits, default_config, load_config
+from api.batch import BatchJobs
+from api.config import Config, HostConfig
 from api.deps import Services
 from api.jobs import JobService
+from api.local import resolve_config
 from api.metrics import Metrics
 from api.middleware import RequestContext
 from api.policy import Policy
 from api.quota import make_quota
-from api.routes_hosts import router as hosts_router
-from api.routes_jobs import router as jobs_router
-from api.routes_ops import router as ops_router
+from api.routes.hosts import router as hosts_router
+from api.routes.jobs import router as jobs_router
+from api.routes.ops import router as ops_router
 from api.settings import Settings
 from api.store import Store
-from sshpool import Limits, Pool, SSHPoolError
-from sshpool.devhost import LocalHost
+from sshpool import Pool, SSHPoolError
 
 log = logging.getLogger("sshapi")
 
@@ -40,37 +43,6 @@ Authenticate with `Authorization: Bearer <JWT>` (scopes `jobs:read`, `jobs:write
 seconds (default 30), else 202 with `Location` to poll. Errors are `application/problem+json`.
 Output is decoded as UTF-8 with invalid bytes replaced by U+FFFD.
 """
-
-# The local host runs sshd_config.tuned (MaxSessions 16, MaxStartups 30:30:100): 12 channels per
-# connection leave room for the kill channel and for session slots sshd frees late.
-LOCAL_LIMITS = Limits(max_connections=4, min_connections=1, max_sessions=12, max_handshakes=8)
-
-
-def local_host_config(data_dir: Path, *, started: LocalHost | None = None) -> HostConfig | None:
-    """The `local` host of the data dir as configuration: from a started LocalHost, or from the
-    files `sshapi dev` left (its remembered port); None when it was never set up."""
-    host = started
-    if host is None:
-        port_file = data_dir / "hosts" / "local" / "port"
-        if not port_file.exists():
-            return None
-        host = LocalHost("local", "tuned", data_dir=data_dir, port=int(port_file.read_text()))
-    return HostConfig(
-        hostname=host.address,
-        port=host.port,
-        username=host.username,
-        client_keys=[host.client_key],
-        known_hosts=host.known_hosts,
-        description="The embedded local HPC host (OpenSSH sshd on loopback, tuned profile)",
-        limits=LOCAL_LIMITS,
-        sshd=SshdLimits(max_startups=30, per_source_max_startups=16, max_sessions=16),
-    )
-
-
-def resolve_config(settings: Settings) -> Config:
-    if settings.config is not None:
-        return load_config(settings.config)
-    return default_config(local_host_config(settings.data_dir))
 
 
 async def _prewarm(pool: Pool, name: str, host: HostConfig) -> None:
@@ -105,6 +77,7 @@ def create_app(
         the_pool = pool or Pool(backend=settings.backend)
         http = httpx.AsyncClient(follow_redirects=False)
         policy = Policy(config)
+        batch = BatchJobs(config, policy, the_store, the_pool, metrics)
         services = Services(
             settings=settings,
             config=config,
@@ -119,6 +92,7 @@ def create_app(
                 the_pool,
                 metrics,
                 settings.replica,
+                batch,
                 make_quota(settings.redis_url),
             ),
             metrics=metrics,
@@ -128,8 +102,8 @@ def create_app(
             for problem in host.ssh_budget(settings.replicas):
                 log.warning("SSH budget of host %s: %s", name, problem)
         metrics.watch_pool(the_pool.stats)
-        metrics.watch_trackers(lambda: services.jobs.batch.trackers)
-        await services.jobs.batch.start(settings.replica)
+        metrics.watch_trackers(lambda: batch.trackers)
+        await batch.start(settings.replica)
         app.state.services = services
         warm = [
             asyncio.create_task(_prewarm(the_pool, name, host))
@@ -165,3 +139,16 @@ def create_app(
     app.include_router(ops_router)
     app.add_middleware(RequestContext, metrics=metrics, max_body=config.api.max_body_bytes)
     return app
+
+
+def serve(settings: Settings, config: Config | None = None) -> None:
+    """Run the API in this process until it is stopped: logging at `settings.log_level`, the
+    app from `create_app(settings, config=config)`, uvicorn on `settings.host:settings.port`."""
+    level = logging.getLevelNamesMapping().get(settings.log_level.upper(), logging.INFO)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    # asyncssh logs every channel at INFO: far too much for a server running hundreds a second.
+    logging.getLogger("asyncssh").setLevel(max(level, logging.WARNING))
+    api = create_app(settings, config=config)
+    uvicorn.run(
+        api, host=settings.host, port=settings.port, log_level=settings.log_level, ws="none"
+    )

@@ -199,25 +199,3 @@ class Authenticator:
             except jwt.PyJWTError as exc:
                 raise unauthorized(f"invalid token: {type(exc).__name__}") from None
         raise unauthorized("bad signature")
-
-
-def mint(
-    secret: str,
-    *,
-    issuer: str,
-    audience: str,
-    subject: str,
-    scopes: Iterable[str],
-    ttl: float = 3600.0,
-) -> str:
-    """An HS256 token for the local issuer (what `sshapi token` and `sshapi dev` print)."""
-    now = int(time.time())
-    claims = {
-        "iss": issuer,
-        "aud": audience,
-        "sub": subject,
-        "scope": " ".join(scopes),
-        "iat": now,
-        "exp": now + int(ttl),
-    }
-    return jwt.encode(claims, secret, algorithm="HS256")

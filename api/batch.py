@@ -30,21 +30,21 @@ from sqlalchemy import func
 
 from api.config import Config
 from api.metrics import Metrics
+from api.output import OutputChunk, Stream
 from api.policy import Policy
 from api.problems import Problem, retry_after, ssh_problem
 from api.scheduler import (
     BatchRequest,
     JobStatus,
-    OutputChunk,
     SchedulerError,
     SlurmClient,
-    Stream,
     SubmissionUnknown,
     SubmitRejected,
     Tracker,
     batch_options,
 )
-from api.store import FINAL, JobRow, Store, utcnow
+from api.states import FINAL
+from api.store import JobRow, Store, utcnow
 from sshpool import Pool, SSHPoolError, Target
 
 log = logging.getLogger("sshapi.batch")
@@ -128,16 +128,6 @@ class BatchJobs:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     # ---- submit
-
-    def require(self, host_name: str) -> None:
-        """422 unless the host takes batch jobs."""
-        if self.config.hosts[host_name].scheduler is None:
-            raise Problem(
-                422,
-                "no-scheduler",
-                "Host takes no batch jobs",
-                f"host {host_name!r} has no scheduler configured: send argv or a template",
-            )
 
     async def submit(self, row: JobRow, target: Target, request: BatchRequest) -> None:
         """Run sbatch for an admitted job and record the outcome in the store and in ``row``.

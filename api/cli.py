@@ -4,18 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import shlex
 import signal
 import time
 from typing import Annotated
 
 import typer
-import uvicorn
 
-from api.app import create_app, local_host_config, resolve_config
-from api.auth import mint
-from api.config import Config, SchedulerConfig, default_config
+from api.app import serve as run_server
+from api.local import (
+    NoLocalIssuer,
+    default_config,
+    local_host_config,
+    local_token,
+    require_config,
+    resolve_config,
+    write_local_config,
+)
 from api.settings import Settings
 from sshpool import Pool, SSHPoolError
 
@@ -24,33 +29,17 @@ hosts_app = typer.Typer(help="Configured hosts.", no_args_is_help=True)
 app.add_typer(hosts_app, name="hosts")
 
 
-def _serve(settings: Settings, config: Config | None = None) -> None:
-    level = logging.getLevelNamesMapping().get(settings.log_level.upper(), logging.INFO)
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    # asyncssh logs every channel at INFO: far too much for a server running hundreds a second.
-    logging.getLogger("asyncssh").setLevel(max(level, logging.WARNING))
-    api = create_app(settings, config=config)
-    uvicorn.run(
-        api, host=settings.host, port=settings.port, log_level=settings.log_level, ws="none"
-    )
-
-
 @app.command()
 def serve() -> None:
-    """Run the API (SSHAPI_* settings; hosts and policy from SSHAPI_CONFIG or the local host)."""
-    _serve(Settings())
-
-
-def local_token(settings: Settings, config: Config, sub: str, scopes: list[str], ttl: float) -> str:
-    issuer = next((i for i in config.issuers if "HS256" in i.algorithms), None)
-    if issuer is None:
-        raise typer.BadParameter("no HS256 issuer in the configuration: tokens come from your IdP")
-    secret = (
-        issuer.secret_file.read_text().strip() if issuer.secret_file else settings.hs256_secret()
-    )
-    return mint(
-        secret, issuer=issuer.issuer, audience=issuer.audience, subject=sub, scopes=scopes, ttl=ttl
-    )
+    """Run the API (SSHAPI_* settings; hosts and policy from SSHAPI_CONFIG, else from the
+    local configuration `sshapi dev` left in the data dir)."""
+    settings = Settings()
+    try:
+        config = require_config(settings)
+    except FileNotFoundError as exc:
+        typer.echo(f"sshapi serve: {exc}", err=True)
+        raise typer.Exit(2) from None
+    run_server(settings, config)
 
 
 @app.command()
@@ -61,7 +50,10 @@ def token(
 ) -> None:
     """Mint an HS256 token the local server accepts (same data dir secret and configuration)."""
     settings = Settings()
-    typer.echo(local_token(settings, resolve_config(settings), sub, scope.split(), ttl))
+    try:
+        typer.echo(local_token(settings, resolve_config(settings), sub, scope.split(), ttl))
+    except NoLocalIssuer as exc:
+        raise typer.BadParameter(str(exc)) from None
 
 
 @hosts_app.command("check")
@@ -116,6 +108,7 @@ def dev(
 ) -> None:
     """Start the local HPC host (sshd, tuned profile) and the API on 127.0.0.1; print a token
     and a curl command. Ctrl-C stops both."""
+    # The dev rig is imported here only: `serve`, `token` and `hosts check` never load it.
     from sshpool.devhost import LocalHost, LocalSlurm, install_packages
 
     settings = Settings(host="127.0.0.1", port=port)
@@ -131,10 +124,10 @@ def dev(
         host = LocalHost("local", "tuned", data_dir=settings.data_dir, overrides=overrides)
         host.start()
         stack.callback(host.stop, kill_sessions=True)
-        local = local_host_config(settings.data_dir, started=host)
-        if local is not None and slurm:
-            local = local.model_copy(update={"scheduler": SchedulerConfig()})
-        config = default_config(local)
+        # Left as a plain configuration file: `sshapi serve`, `sshapi token` and `sshapi hosts
+        # check` read it later without the dev rig.
+        config = default_config(local_host_config(host, slurm=slurm))
+        write_local_config(settings.data_dir, config)
         tok = local_token(settings, config, sub, ["jobs:read", "jobs:write"], 24 * 3600.0)
         body = '{"host": "local", "argv": ["echo", "hello from the local HPC host"]}'
         if slurm:
@@ -151,4 +144,4 @@ def dev(
             f'curl -s -H "Authorization: Bearer $TOKEN" -H "Content-Type: application/json" \\\n'
             f"     -d {shlex.quote(body)} {base}/v1/jobs\n"
         )
-        _serve(settings, config)
+        run_server(settings, config)

@@ -274,18 +274,3 @@ class Config(Strict):
 def load_config(path: Path) -> Config:
     with path.open("rb") as f:
         return Config.model_validate(tomllib.load(f))
-
-
-LOCAL_ISSUER = "sshapi-local"
-LOCAL_AUDIENCE = "sshapi"
-
-
-def default_config(local: HostConfig | None) -> Config:
-    """The configuration used when SSHAPI_CONFIG is unset: the local HS256 issuer, the local host
-    as `local` (when there is one), and a policy letting any authenticated subject use it with
-    argv and raw shell lines."""
-    return Config(
-        issuers=[IssuerConfig(issuer=LOCAL_ISSUER, audience=LOCAL_AUDIENCE, algorithms=["HS256"])],
-        hosts={"local": local} if local else {},
-        policy=[PolicyRule(hosts=["*"], shell_hosts=["*"], templates=["*"])],
-    )

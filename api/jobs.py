@@ -1,9 +1,9 @@
-"""The job service: admission, launch through the pool, states, idempotency, cancel.
+"""The job service: running admitted jobs through the pool, their states, idempotency, cancel.
 
-Admission (nothing is created when it fails): host known (422) and allowed (403), the kind of
-command allowed, sizes, idempotency replay/conflict, the caller's token bucket (429) and
-concurrent-job cap (429). An admitted job is inserted as `queued` and durable before any answer;
-then one task per job runs it:
+Admission comes first (nothing is created when it fails): `Policy.admit` (api/policy.py) checks
+host, kind of command, templates and sizes; then, here, the idempotency replay/conflict, the
+caller's token bucket (429) and concurrent-job cap (429). An admitted job is inserted as
+`queued` and durable before any answer; then one task per job runs it:
 
     queued --on_started--> running --> succeeded | failed | timed_out | cancelled | lost
     queued --> error (SSH failed before the command started: nothing ran) | cancelled
@@ -41,12 +41,13 @@ from api.auth import Principal
 from api.batch import BatchJobs
 from api.config import Config
 from api.metrics import Metrics
-from api.policy import Grant, Policy, render
+from api.output import MAX_READ, OutputChunk, Stream
+from api.policy import Grant, Policy
 from api.problems import Problem, error_kind, ssh_problem
 from api.quota import LocalQuota, Quota
-from api.scheduler import MAX_READ, OutputChunk, Stream
 from api.schemas import JobRequest
-from api.store import FINAL, JobRow, Store, new_id, utcnow
+from api.states import FINAL
+from api.store import JobRow, Store, new_id, utcnow
 from api.timing import stage
 from sshpool import CommandResult, CommandTimeout, ConnectionLost, Pool, SSHPoolError
 
@@ -90,6 +91,7 @@ class JobService:
         pool: Pool,
         metrics: Metrics,
         replica: str,
+        batch: BatchJobs,
         quota: Quota | None = None,
     ) -> None:
         self.config = config
@@ -99,7 +101,8 @@ class JobService:
         self.metrics = metrics
         self.replica = replica
         self.quota = quota or LocalQuota()
-        self.batch = BatchJobs(config, policy, store, pool, metrics)
+        # Built by the app factory, which also starts it and watches its trackers.
+        self.batch = batch
         self._running: dict[str, Running] = {}
 
     # ---- reading
@@ -132,23 +135,14 @@ class JobService:
     ) -> tuple[JobRow, bool]:
         """Admit and launch a job, or replay the one made with the same idempotency key.
         Returns (job, replayed)."""
-        grant = self.policy.grant(who, body.host)
-        if body.batch is not None:
-            self.batch.require(body.host)
-            command: str | list[str] = []
-        else:
-            command = self._command(grant, body)
+        admission = self.policy.admit(who, body)
+        grant, command, stdin, timeout = (
+            admission.grant,
+            admission.command,
+            admission.stdin,
+            admission.timeout,
+        )
         api = self.config.api
-        stdin = body.stdin.encode() if body.stdin is not None else None
-        if stdin is not None and len(stdin) > api.max_stdin_bytes:
-            raise Problem(
-                413, "too-large", "stdin too large", f"at most {api.max_stdin_bytes} bytes"
-            )
-        size = len(command.encode()) if isinstance(command, str) else sum(map(len, command))
-        if size > api.max_argv_bytes:
-            raise Problem(
-                413, "too-large", "Command too large", f"at most {api.max_argv_bytes} bytes"
-            )
         digest = request_hash(body)
         if idempotency_key is not None:
             replay = await self._replay(who, idempotency_key, digest)
@@ -157,7 +151,6 @@ class JobService:
         rule = grant.rule
         owner = key_of(who)
         await self.quota.take(owner, rule.rate, rule.burst)
-        timeout = min(body.timeout or api.default_timeout, rule.max_timeout)
         batch = body.batch.model_dump() if body.batch is not None else None
         job_id = new_id()
         # Counted before the insert so concurrent submissions see it; never active for longer
@@ -225,26 +218,6 @@ class JobService:
         )
         job.runner = asyncio.create_task(self._run(job, timeout), name=f"job-{row.id}")
         return row, False
-
-    def _command(self, grant: Grant, body: JobRequest) -> str | list[str]:
-        if body.argv is not None:
-            return body.argv
-        if body.command is not None:
-            if not grant.shell:
-                raise Problem(
-                    403,
-                    "shell-forbidden",
-                    "Raw shell lines not allowed",
-                    f"send argv or a template: raw shell lines are not allowed on {body.host!r}",
-                )
-            return body.command
-        assert body.template is not None
-        template = self.config.templates.get(body.template)
-        if template is None:
-            raise Problem(422, "unknown-template", "Unknown template", f"no {body.template!r}")
-        if not self.policy.template_allowed(grant, body.template):
-            raise Problem(403, "template-forbidden", "Template not allowed", body.template)
-        return render(body.template, template, body.params or {})
 
     async def _replay(self, who: Principal, key: str, digest: str) -> JobRow | None:
         with stage("store"):
@@ -520,19 +493,3 @@ def _error_values(exc: SSHPoolError) -> dict[str, Any]:
         "error_kind": error_kind(exc),
         "idempotency_key": None,
     }
-
-
-BATCH_ERRORS = {
-    "batch-rejected": (422, "The scheduler refused the batch job"),
-    "batch-not-submitted": (502, "The batch job did not reach the scheduler"),
-}
-
-
-def error_problem(row: JobRow) -> Problem:
-    """The answer for a job in state `error`: the SSH failure's status, naming the job."""
-    if row.error_kind == "internal":
-        return Problem(500, "internal", "Internal error", row.error, job_id=row.id)
-    if row.error_kind in BATCH_ERRORS:
-        status, title = BATCH_ERRORS[row.error_kind]
-        return Problem(status, row.error_kind, title, row.error, job_id=row.id)
-    return ssh_problem(None, row.error_kind, detail=row.error, job_id=row.id, job_state=row.state)

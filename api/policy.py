@@ -1,4 +1,11 @@
-"""Who may run what where: identity -> policy rule, templates. (Rates and caps: api/quota.py.)"""
+"""Who may run what where: identity -> policy rule, templates, and admission.
+
+`Policy.admit` is the whole of admission that needs no state: host known (422) and allowed
+(403), batch only where a scheduler runs (422), raw shell lines and templates allowed (403),
+template parameters valid (422), stdin and command sizes (413), the timeout capped. It creates
+nothing. The stateful rest (idempotency replay, the caller's rate and concurrent-job cap, shared
+by replicas) is applied by `JobService.submit` (api/jobs.py, api/quota.py) to its `Admission`.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +18,7 @@ from typing import Any
 from api.auth import Principal
 from api.config import PLACEHOLDER, Config, HostConfig, ParamSpec, PolicyRule, TemplateConfig
 from api.problems import Problem
+from api.schemas import JobRequest
 from sshpool.target import Target
 
 
@@ -30,6 +38,25 @@ class Grant:
     @property
     def shell(self) -> bool:
         return _listed(self.host_name, self.rule.shell_hosts)
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """An admitted request: what to run (`command`: argv or a shell line; empty for a batch
+    job, whose script travels in the request), as whom (`grant`), with which stdin and timeout."""
+
+    grant: Grant
+    command: str | list[str]
+    stdin: bytes | None
+    timeout: float
+
+    @property
+    def rule(self) -> PolicyRule:
+        return self.grant.rule
+
+    @property
+    def target(self) -> Target:
+        return self.grant.target
 
 
 class Policy:
@@ -63,17 +90,70 @@ class Policy:
             )
         return Grant(host_name, host, rule, host.target(rule.accounts.get(host_name)))
 
-    def target_of(self, host_name: str, name: str) -> Target | None:
-        """The configured target whose `str()` is `name` (what a job records) on that host: to
-        act for a job later as the account that started it, whoever asks."""
+    def targets(self, host_name: str) -> list[Target]:
+        """Every target configured on that host: its default account's, then each account a
+        policy rule maps to it (duplicates removed). What the host's pools and health are."""
         host = self.config.hosts.get(host_name)
         if host is None:
-            return None
+            return []
         accounts = [
             None,
             *(r.accounts[host_name] for r in self.config.policy if host_name in r.accounts),
         ]
-        return next((t for t in map(host.target, accounts) if str(t) == name), None)
+        return list(dict.fromkeys(map(host.target, accounts)))
+
+    def target_of(self, host_name: str, name: str) -> Target | None:
+        """The configured target whose `str()` is `name` (what a job records) on that host: to
+        act for a job later as the account that started it, whoever asks."""
+        return next((t for t in self.targets(host_name) if str(t) == name), None)
+
+    def admit(self, who: Principal, body: JobRequest) -> Admission:
+        """Admit `body` for `who` or raise the Problem that says why not (module docstring)."""
+        grant = self.grant(who, body.host)
+        if body.batch is not None:
+            if grant.host.scheduler is None:
+                raise Problem(
+                    422,
+                    "no-scheduler",
+                    "Host takes no batch jobs",
+                    f"host {body.host!r} has no scheduler configured: send argv or a template",
+                )
+            command: str | list[str] = []
+        else:
+            command = self._command(grant, body)
+        api = self.config.api
+        stdin = body.stdin.encode() if body.stdin is not None else None
+        if stdin is not None and len(stdin) > api.max_stdin_bytes:
+            raise Problem(
+                413, "too-large", "stdin too large", f"at most {api.max_stdin_bytes} bytes"
+            )
+        size = len(command.encode()) if isinstance(command, str) else sum(map(len, command))
+        if size > api.max_argv_bytes:
+            raise Problem(
+                413, "too-large", "Command too large", f"at most {api.max_argv_bytes} bytes"
+            )
+        timeout = min(body.timeout or api.default_timeout, grant.rule.max_timeout)
+        return Admission(grant, command, stdin, timeout)
+
+    def _command(self, grant: Grant, body: JobRequest) -> str | list[str]:
+        if body.argv is not None:
+            return body.argv
+        if body.command is not None:
+            if not grant.shell:
+                raise Problem(
+                    403,
+                    "shell-forbidden",
+                    "Raw shell lines not allowed",
+                    f"send argv or a template: raw shell lines are not allowed on {body.host!r}",
+                )
+            return body.command
+        assert body.template is not None
+        template = self.config.templates.get(body.template)
+        if template is None:
+            raise Problem(422, "unknown-template", "Unknown template", f"no {body.template!r}")
+        if not self.template_allowed(grant, body.template):
+            raise Problem(403, "template-forbidden", "Template not allowed", body.template)
+        return render(body.template, template, body.params or {})
 
     def shell_allowed(self, who: Principal, host_name: str) -> bool:
         rule = self.rule_for(who)

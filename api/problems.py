@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import math
 from http import HTTPStatus
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -29,6 +29,9 @@ from sshpool.errors import (
     PoolTimeout,
     SSHPoolError,
 )
+
+if TYPE_CHECKING:
+    from api.store import JobRow
 
 log = logging.getLogger("sshapi")
 
@@ -205,3 +208,19 @@ def install(app: FastAPI) -> None:
     for store_error in (DBAPIError, StorePoolTimeout, OSError):
         app.add_exception_handler(store_error, on_store_error)
     app.add_exception_handler(Exception, on_unexpected)
+
+
+BATCH_ERRORS = {
+    "batch-rejected": (422, "The scheduler refused the batch job"),
+    "batch-not-submitted": (502, "The batch job did not reach the scheduler"),
+}
+
+
+def error_problem(row: JobRow) -> Problem:
+    """The answer for a job in state `error`: the SSH failure's status, naming the job."""
+    if row.error_kind == "internal":
+        return Problem(500, "internal", "Internal error", row.error, job_id=row.id)
+    if row.error_kind in BATCH_ERRORS:
+        status, title = BATCH_ERRORS[row.error_kind]
+        return Problem(status, row.error_kind, title, row.error, job_id=row.id)
+    return ssh_problem(None, row.error_kind, detail=row.error, job_id=row.id, job_state=row.state)

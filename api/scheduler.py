@@ -34,23 +34,21 @@ import secrets
 import shlex
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from api.output import MAX_READ, OutputChunk, Stream
+from api.states import FINAL, State
 from sshpool import CommandResult, CommandTimeout, ConnectionLost, Pool, SSHPoolError, Target
 
 log = logging.getLogger("sshapi.scheduler")
 
-ApiState = Literal[
-    "queued", "running", "succeeded", "failed", "timed_out", "cancelled", "lost", "error"
-]
-Stream = Literal["stdout", "stderr"]
 
 # Slurm's job states (base states, as squeue %T and scontrol JobState print them) onto the API's.
 # COMPLETING is still running: the final state is known once epilogs end. NODE_FAIL, OOM and
 # preemption are failures the job did not survive; BOOT_FAIL means it never started.
-STATE_MAP: dict[str, ApiState] = {
+STATE_MAP: dict[str, State] = {
     "PENDING": "queued",
     "REQUEUED": "queued",
     "REQUEUE_HOLD": "queued",
@@ -76,9 +74,6 @@ STATE_MAP: dict[str, ApiState] = {
     "DEADLINE": "timed_out",
     "BOOT_FAIL": "error",
 }
-FINAL_STATES: frozenset[ApiState] = frozenset(
-    {"succeeded", "failed", "timed_out", "cancelled", "lost", "error"}
-)
 
 NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 ENV_NAME_RE = r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"
@@ -87,7 +82,6 @@ ENV_NAME_RE = r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"
 ENV_RESERVED = re.compile(r"^(SLURM_|SBATCH_|SALLOC_|SRUN_|LD_)|^PATH$")
 JOB_ID_RE = re.compile(r"^\d+$")
 MAX_SCRIPT = 1 << 20
-MAX_READ = 16 << 20
 # squeue --jobs takes a comma list; keep one argument well below any ARG_MAX.
 IDS_PER_SQUEUE = 5000
 
@@ -261,7 +255,7 @@ class JobStatus:
     """A job's state as the API sees it, with the scheduler's own beside it."""
 
     job_id: str
-    state: ApiState
+    state: State
     scheduler_state: str | None  # e.g. "TIMEOUT"; None when the scheduler no longer knows it
     reason: str | None = None  # squeue's reason (why pending, NonZeroExitCode...)
     exit_code: int | None = None  # the batch script's exit status, once final
@@ -269,24 +263,10 @@ class JobStatus:
 
     @property
     def final(self) -> bool:
-        return self.state in FINAL_STATES
+        return self.state in FINAL
 
 
-@dataclass(frozen=True, slots=True)
-class OutputChunk:
-    """A byte range of an output file: ``data`` starts at ``offset``; ``size`` is the file's
-    size when read (None: the file does not exist yet)."""
-
-    data: bytes
-    offset: int
-    size: int | None
-
-    @property
-    def next_offset(self) -> int:
-        return self.offset + len(self.data)
-
-
-def api_state(scheduler_state: str) -> ApiState:
+def api_state(scheduler_state: str) -> State:
     """The API state of a Slurm state (flags such as ``+`` suffixes or ``CANCELLED by 0``
     ignored). An unknown state is ``lost``: its outcome cannot be told."""
     base = re.split(r"[ +]", scheduler_state.strip(), maxsplit=1)[0].upper()

@@ -8,11 +8,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from api.scheduler import BatchOptions, BatchRequest, batch_options
+from api.states import State
 from api.store import JobRow, aware
 
-State = Literal[
-    "queued", "running", "succeeded", "failed", "timed_out", "cancelled", "lost", "error"
-]
 ParamValue = str | int | float | bool
 
 REQUEST_EXAMPLES = {

@@ -34,8 +34,8 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SSHAPI_", extra="ignore")
 
     data_dir: Path = Field(default_factory=default_data_dir)
-    # The TOML file with hosts, issuers, templates and policy. Unset: the built-in configuration
-    # for the local host `local` (see config.default_config).
+    # The TOML file with hosts, issuers, templates and policy. Unset: <data_dir>/local.toml,
+    # which `sshapi dev` writes (see api/local.py).
     config: Path | None = None
     # SQLAlchemy async URL. Unset: SQLite (WAL) at <data_dir>/jobs.sqlite3.
     database_url: str | None = None

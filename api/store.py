@@ -59,9 +59,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.pool import ConnectionPoolEntry
 
-ACTIVE = ("queued", "running")
+from api.states import ACTIVE
+
 MAX_BATCH = 256  # writes per transaction: bounds the time one commit holds the lock
-FINAL = ("succeeded", "failed", "timed_out", "cancelled", "lost", "error")
 
 
 def new_id() -> str:

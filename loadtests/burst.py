@@ -28,13 +28,16 @@ HARNESS = Harness("burst")
 GIVE_UP_AFTER = 30 * 60.0  # seconds: the run ends even if a generator never reports done
 
 
-@events.init_command_line_parser.add_listener
 def _arguments(parser: Any) -> None:
     add_common_arguments(parser)
     group = parser.add_argument_group("burst")
     group.add_argument("--burst-sizes", type=int, nargs="+", default=[10, 50, 100, 200, 400])
     group.add_argument("--repeats", type=int, default=3, help="Times each size is fired.")
     group.add_argument("--cooldown", type=float, default=2.0, help="Seconds between bursts.")
+
+
+# Registered by a call, not as a decorator: locust's hooks are untyped.
+events.init_command_line_parser.add_listener(_arguments)
 
 
 def _describe() -> dict[str, Any]:
@@ -99,6 +102,7 @@ class Plan(LoadTestShape):
     def tick(self) -> tuple[int, float, list[type[User]]] | None:
         runner = self.runner
         generators = runner.worker_count if isinstance(runner, MasterRunner) else 1
-        if HARNESS.done >= generators or self.get_run_time() > GIVE_UP_AFTER:
+        elapsed: float = self.get_run_time()  # type: ignore[no-untyped-call]  # untyped in locust
+        if HARNESS.done >= generators or elapsed > GIVE_UP_AFTER:
             return None
         return generators, float(generators), [BurstGenerator]

@@ -23,8 +23,8 @@ def tokens(subjects: int, ttl: float = 24 * 3600.0) -> list[str]:
     given = os.environ.get("SSHAPI_TOKEN")
     if given:
         return [given]
-    from api.app import resolve_config
-    from api.cli import local_token
+    # The light seam: neither FastAPI nor SQLAlchemy in a Locust worker.
+    from api.local import local_token, resolve_config
     from api.settings import Settings
 
     settings = Settings()
@@ -95,5 +95,5 @@ class JobClient:
                 state = "unparsable body"
             if state != "succeeded":
                 error = f"job {state}"
-        exc = RuntimeError(error) if error else None
-        return Outcome(not error, resp.status_code, error, ms, len(resp.content), server, exc)
+        failure = RuntimeError(error) if error else None
+        return Outcome(not error, resp.status_code, error, ms, len(resp.content), server, failure)

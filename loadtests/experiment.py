@@ -175,7 +175,9 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any], images: list[str]) 
 
 
 def plot(rows: list[dict[str, Any]], out: Path) -> list[str]:
-    from loadtests.plots import plt
+    import matplotlib.pyplot as plt
+
+    import loadtests.plots  # noqa: F401 (selects the Agg backend before pyplot draws)
 
     rows = sorted(rows, key=lambda r: r["cell"])
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(rows)), 4.5))

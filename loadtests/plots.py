@@ -57,7 +57,12 @@ def over_time(records: Sequence[Record], out: Path, window: float = 1.0) -> str 
     slots = sorted(set(ok) | set(failed))
     fig, ax = plt.subplots(figsize=(9, 4))
     for key, color in LINES[:3]:
-        points = [(s * window, hdr.percentiles(hdr.histogram(ok[s]))[key]) for s in slots if ok[s]]
+        # A slot with successes has every percentile (None only for an empty histogram).
+        points = [
+            (s * window, value)
+            for s in slots
+            if ok[s] and (value := hdr.percentiles(hdr.histogram(ok[s]))[key]) is not None
+        ]
         ax.plot([p[0] for p in points], [p[1] for p in points], color=color, label=key)
     ax.set(xlabel="seconds since start (intended send time)", ylabel="latency (ms, log)")
     ax.set_yscale("log")

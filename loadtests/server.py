@@ -20,7 +20,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from api.config import LOCAL_AUDIENCE, LOCAL_ISSUER, Config
+from api.config import Config
+from api.local import LOCAL_AUDIENCE, LOCAL_ISSUER, LOCAL_LIMITS
 from sshpool import Limits
 
 POOL_MODES = ("pooled", "per-request")
@@ -36,8 +37,6 @@ def limits(mode: str, sshd_profile: str) -> Limits:
         return Limits(max_connections=64, max_sessions=1, max_handshakes=64, reuse=False)
     if mode != "pooled":
         raise ValueError(f"pool mode {mode!r} is not one of {POOL_MODES}")
-    from api.app import LOCAL_LIMITS
-
     return LOCAL_LIMITS if sshd_profile == "tuned" else Limits()
 
 
@@ -133,11 +132,12 @@ def stop_api(proc: subprocess.Popen[bytes]) -> None:
 
 
 def main(argv: list[str]) -> None:
-    from api.cli import _serve
+    # Imported here: the parent (start_api) needs neither FastAPI nor uvicorn.
+    from api.app import serve
     from api.settings import Settings
 
     spec = json.loads(Path(argv[0]).read_text())
-    _serve(Settings(), Config.model_validate(spec["config"]))
+    serve(Settings(), Config.model_validate(spec["config"]))
 
 
 if __name__ == "__main__":

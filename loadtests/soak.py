@@ -130,8 +130,7 @@ class Sampler(threading.Thread):
 
 
 def admin_token(data_dir: Path) -> str:
-    from api.app import resolve_config
-    from api.cli import local_token
+    from api.local import local_token, resolve_config
     from api.settings import Settings
 
     settings = Settings(data_dir=data_dir)

@@ -33,7 +33,6 @@ REQUESTS = itertools.count()  # closed model: round-robin over the token subject
 DRAIN_GRACE = 10.0  # seconds past the schedule and the request timeout before stopping anyway
 
 
-@events.init_command_line_parser.add_listener
 def _arguments(parser: Any) -> None:
     add_common_arguments(parser)
     group = parser.add_argument_group("sustained")
@@ -44,6 +43,10 @@ def _arguments(parser: Any) -> None:
     )
     group.add_argument("--rate-factor", type=float, default=1.0, help="Scale every stage's rate.")
     group.add_argument("--closed-users", type=int, default=20, help="Users of the closed model.")
+
+
+# Registered by a call, not as a decorator: locust's hooks are untyped.
+events.init_command_line_parser.add_listener(_arguments)
 
 
 def _stages() -> list[Stage]:
@@ -129,7 +132,7 @@ class ClosedUser(User):
         n = stage_at(stages, time.time() - HARNESS.t0)
         if n is None:
             return 1.0
-        interval = HARNESS.options.closed_users / stages[n].rate
+        interval = float(HARNESS.options.closed_users) / stages[n].rate
         return max(0.0, interval - (time.perf_counter() - self.started))
 
     @task
@@ -156,7 +159,7 @@ class Profile(LoadTestShape):
     def tick(self) -> tuple[int, float, list[type[User]]] | None:
         o = HARNESS.options
         stages = _stages()
-        t = self.get_run_time()
+        t: float = self.get_run_time()  # type: ignore[no-untyped-call]  # untyped in locust
         if o.model == "closed":
             if stage_at(stages, t) is None:
                 return None

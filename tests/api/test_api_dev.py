@@ -37,6 +37,8 @@ def test_dev_answers_and_a_sigterm_stops_the_local_host_too(tmp_path: Path) -> N
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
         assert not sshd_of_data_dir()
+        # What it leaves is a plain configuration file that `sshapi serve` reads later.
+        assert (data / "local.toml").is_file()
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -15,10 +15,10 @@ router = APIRouter(prefix="/v1/hosts", tags=["hosts"])
 
 def _info(svc: Services, name: str, shell: bool) -> HostInfo:
     host = svc.config.hosts[name]
-    suffix = f"@{host.hostname}:{host.port}"
-    pools: list[dict[str, Any]] = [
-        s for t, s in svc.pool.stats().items() if str(t).endswith(suffix)
-    ]
+    # By Target, not by address: two hosts on one user@host:port (other keys, limits or
+    # backend) have pools of their own, and each host shows only its own.
+    stats = svc.pool.stats()
+    pools: list[dict[str, Any]] = [stats[t] for t in svc.policy.targets(name) if t in stats]
     if any(p.get("breaker") == "open" for p in pools):
         health = "down"
     elif any(p.get("connections", 0) > 0 for p in pools):

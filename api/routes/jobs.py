@@ -10,11 +10,11 @@ from fastapi import APIRouter, Body, Header, Query, Response
 
 from api.config import ApiConfig
 from api.deps import Reader, Svc, Writer
-from api.jobs import error_problem
-from api.problems import MEDIA_TYPE, Problem, retry_after
-from api.scheduler import MAX_READ
-from api.schemas import REQUEST_EXAMPLES, Job, JobList, JobRequest, State
-from api.store import FINAL, JobRow
+from api.output import MAX_READ
+from api.problems import MEDIA_TYPE, Problem, error_problem, retry_after
+from api.schemas import REQUEST_EXAMPLES, Job, JobList, JobRequest
+from api.states import FINAL, State
+from api.store import JobRow
 from api.timing import TIMING
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])

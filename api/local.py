@@ -1,0 +1,202 @@
+"""Local development wiring, in one place: the local issuer and tokens, the local host's limits
+and configuration, and `<data_dir>/local.toml`, the plain configuration `sshapi dev` leaves.
+
+Serving never needs the dev rig: `sshapi dev` (which starts `sshpool.devhost`) writes the local
+host as an ordinary TOML configuration file, and a server started without SSHAPI_CONFIG reads
+that file with the normal loader. Nothing here imports `sshpool.devhost`, FastAPI or SQLAlchemy,
+so a load generator can mint tokens without the web stack:
+
+    from api.local import local_token, resolve_config
+    from api.settings import Settings
+
+    settings = Settings()
+    token = local_token(settings, resolve_config(settings), "alice", ["jobs:read"], ttl=3600)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Protocol
+
+import jwt
+
+from api.config import (
+    Config,
+    HostConfig,
+    IssuerConfig,
+    PolicyRule,
+    SchedulerConfig,
+    SshdLimits,
+    load_config,
+)
+from api.settings import Settings
+from sshpool import Limits
+
+LOCAL_ISSUER = "sshapi-local"
+LOCAL_AUDIENCE = "sshapi"
+LOCAL_CONFIG_NAME = "local.toml"
+
+# The local host runs sshd_config.tuned (MaxSessions 16, MaxStartups 30:30:100): 12 channels per
+# connection leave room for the kill channel and for session slots sshd frees late.
+LOCAL_LIMITS = Limits(max_connections=4, min_connections=1, max_sessions=12, max_handshakes=8)
+
+NO_CONFIG = (
+    "no configuration: set SSHAPI_CONFIG to your TOML file (see api/sshapi.example.toml), "
+    "or run `sshapi dev` once to set up the local host (it leaves {path})"
+)
+
+
+class NoLocalIssuer(ValueError):
+    """The configuration has no HS256 issuer: tokens come from the identity provider."""
+
+
+class LocalSshd(Protocol):
+    """What the local host configuration needs of a started local sshd (a
+    `sshpool.devhost.LocalHost`), so this module does not import the dev rig."""
+
+    @property
+    def address(self) -> str: ...
+    @property
+    def port(self) -> int: ...
+    @property
+    def username(self) -> str: ...
+    @property
+    def client_key(self) -> str: ...
+    @property
+    def known_hosts(self) -> str: ...
+
+
+def local_config_path(data_dir: Path) -> Path:
+    """Where `sshapi dev` leaves the local configuration."""
+    return data_dir / LOCAL_CONFIG_NAME
+
+
+def default_config(local: HostConfig | None = None) -> Config:
+    """The local configuration: the local HS256 issuer, the local host as `local` (when there is
+    one), and a policy letting any authenticated subject use it with argv and raw shell lines."""
+    return Config(
+        issuers=[IssuerConfig(issuer=LOCAL_ISSUER, audience=LOCAL_AUDIENCE, algorithms=["HS256"])],
+        hosts={"local": local} if local else {},
+        policy=[PolicyRule(hosts=["*"], shell_hosts=["*"], templates=["*"])],
+    )
+
+
+def local_host_config(host: LocalSshd, *, slurm: bool = False) -> HostConfig:
+    """The started local host as configuration (with a scheduler when Slurm runs beside it)."""
+    return HostConfig(
+        hostname=host.address,
+        port=host.port,
+        username=host.username,
+        client_keys=[host.client_key],
+        known_hosts=host.known_hosts,
+        description="The embedded local HPC host (OpenSSH sshd on loopback, tuned profile)",
+        limits=LOCAL_LIMITS,
+        sshd=SshdLimits(max_startups=30, per_source_max_startups=16, max_sessions=16),
+        scheduler=SchedulerConfig() if slurm else None,
+    )
+
+
+def resolve_config(settings: Settings) -> Config:
+    """SSHAPI_CONFIG when set; else what `sshapi dev` left in the data dir; else the local
+    issuer alone (no hosts: enough to mint and check tokens). Reads files only: it never starts
+    or creates anything."""
+    if settings.config is not None:
+        return load_config(settings.config)
+    path = local_config_path(settings.data_dir)
+    if path.is_file():
+        return load_config(path)
+    return default_config()
+
+
+def require_config(settings: Settings) -> Config:
+    """`resolve_config` for serving: a server without hosts is a mistake, so without
+    SSHAPI_CONFIG and without a local configuration this raises FileNotFoundError saying
+    what to do."""
+    path = local_config_path(settings.data_dir)
+    if settings.config is None and not path.is_file():
+        raise FileNotFoundError(NO_CONFIG.format(path=path))
+    return resolve_config(settings)
+
+
+def write_local_config(data_dir: Path, config: Config) -> Path:
+    """Write `config` as `<data_dir>/local.toml`, a plain configuration file."""
+    path = local_config_path(data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    data = config.model_dump(mode="json", exclude_none=True, exclude_defaults=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(
+        "# Written by `sshapi dev`: the local host as a plain configuration file.\n" + _toml(data)
+    )
+    tmp.replace(path)  # atomic: a server starting meanwhile reads the old file or the new one
+    return path
+
+
+def mint(
+    secret: str,
+    *,
+    issuer: str,
+    audience: str,
+    subject: str,
+    scopes: Iterable[str],
+    ttl: float = 3600.0,
+) -> str:
+    """An HS256 token for the local issuer (what `sshapi token` and `sshapi dev` print)."""
+    now = int(time.time())
+    claims = {
+        "iss": issuer,
+        "aud": audience,
+        "sub": subject,
+        "scope": " ".join(scopes),
+        "iat": now,
+        "exp": now + int(ttl),
+    }
+    return jwt.encode(claims, secret, algorithm="HS256")
+
+
+def local_token(
+    settings: Settings, config: Config, sub: str, scopes: list[str], ttl: float = 3600.0
+) -> str:
+    """A token the server with `config` accepts, signed with the first HS256 issuer's secret
+    (its `secret_file`, else SSHAPI_JWT_SECRET or the data dir's secret). NoLocalIssuer when the
+    configuration has none."""
+    issuer = next((i for i in config.issuers if "HS256" in i.algorithms), None)
+    if issuer is None:
+        raise NoLocalIssuer("no HS256 issuer in the configuration: tokens come from your IdP")
+    secret = (
+        issuer.secret_file.read_text().strip() if issuer.secret_file else settings.hs256_secret()
+    )
+    return mint(
+        secret, issuer=issuer.issuer, audience=issuer.audience, subject=sub, scopes=scopes, ttl=ttl
+    )
+
+
+def _toml(data: dict[str, Any], prefix: str = "") -> str:
+    """The JSON-shaped dump of a Config as TOML (no TOML writer in the standard library): scalars
+    and lists of scalars first, then sub-tables and arrays of tables."""
+    lines: list[str] = []
+    tables: list[str] = []
+    for key, value in data.items():
+        name = f"{prefix}.{_key(key)}" if prefix else _key(key)
+        if isinstance(value, dict):
+            tables.append(f"\n[{name}]\n" + _toml(value, name))
+        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            tables.extend(f"\n[[{name}]]\n" + _toml(v, name) for v in value)
+        else:
+            lines.append(f"{_key(key)} = {_value(value)}\n")
+    return "".join(lines) + "".join(tables)
+
+
+def _key(key: str) -> str:
+    return key if key.replace("_", "").replace("-", "").isalnum() else json.dumps(key)
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return "[" + ", ".join(_value(v) for v in value) + "]"
+    # JSON strings are TOML basic strings (same escapes); ints and finite floats read the same.
+    return json.dumps(value)
