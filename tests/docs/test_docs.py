@@ -1,0 +1,422 @@
+"""Every command in the docs is one a test runs or a link checker checks.
+
+The docs are README.md and docs/*.md. Commands are the lines of fenced ```sh / ```bash blocks
+(minus comments) and the `$ ` lines of ```console blocks (the other lines of a console block are
+output). Each command is verified for real, by the kind of its program:
+
+- `make X`: `make -n X` succeeds (the target exists and its recipe expands);
+- `.venv/bin/sshapi SUB... --opt`: `sshapi SUB... --help` succeeds and lists every option used;
+  `sshapi token` is also run, with a fresh data directory, and must print a token;
+- `.venv/bin/python -m MOD ARGS`: `python -m MOD ARGS --help` succeeds (argparse parses the
+  values given before it reaches --help) and lists every option used;
+- `.venv/bin/locust -f FILE ARGS`: `locust -f FILE ARGS --list` succeeds: Locust parses the exact
+  arguments, the locustfile's own included, then lists the user classes and exits;
+- `.venv/bin/pytest PATHS`: each path exists;
+- `pip install 'sshapi[EXTRA]'`: pyproject.toml names the project `sshapi` and has that extra;
+- `curl ...` (console blocks only): run against a real API that this test starts with
+  `sshapi dev --slurm` (what `make run` does, plus Slurm for the batch example), with the token
+  `sshapi token` mints for it; every curl shows its expected status (`HTTP/1.1 NNN` below it, with
+  `-i`) or, when its output is captured (`NAME=$(curl -sf ...)`), must succeed and print something.
+
+A command no check knows fails the test: rewrite the docs rather than show an unchecked command.
+Python blocks must compile and their imports must resolve. Every relative link and #anchor in the
+docs and RELIABILITY.md resolves. A failure names file:line and the command.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tomllib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jwt
+import pytest
+
+from loadtests.server import wait_ready
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+LINKED = [*DOCS, ROOT / "RELIABILITY.md"]
+DOC_URL = "http://127.0.0.1:8000"
+# Help output must not be cut or boxed to the terminal's width.
+HELP_ENV = {**os.environ, "COLUMNS": "300", "TERM": "dumb", "NO_COLOR": "1"}
+
+
+@dataclass
+class Command:
+    path: Path
+    line: int
+    text: str  # one logical line: continuations joined, comments kept for the shell
+    lang: str
+    block: int  # index of the block within its file
+    output: list[str] = field(default_factory=list)
+
+    @property
+    def where(self) -> str:
+        return f"{self.path.relative_to(ROOT)}:{self.line}"
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.text}"
+
+
+@dataclass
+class Block:
+    path: Path
+    line: int
+    lang: str
+    lines: list[str]
+
+
+def blocks(path: Path) -> Iterator[Block]:
+    fence: Block | None = None
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if fence is None:
+            if m := re.match(r"^```(\S*)\s*$", line):
+                fence = Block(path, number, m.group(1), [])
+        elif line.startswith("```"):
+            yield fence
+            fence = None
+        else:
+            fence.lines.append(line)
+
+
+def commands(path: Path) -> list[Command]:
+    found: list[Command] = []
+    for index, block in enumerate(blocks(path)):
+        if block.lang not in ("sh", "bash", "console"):
+            continue
+        current: Command | None = None
+        continuing = False  # the previous command line ended with a backslash
+        for offset, line in enumerate(block.lines, 1):
+            if continuing and current is not None:
+                current.text += "\n" + line
+            elif block.lang == "console" and not line.startswith("$ "):
+                if current is not None:
+                    current.output.append(line)
+                continue
+            elif block.lang == "console" or (line.strip() and not line.lstrip().startswith("#")):
+                text = line[2:] if block.lang == "console" else line
+                current = Command(path, block.line + offset, text, block.lang, index)
+                found.append(current)
+            else:
+                continue
+            continuing = line.rstrip().endswith("\\") or not complete(current.text)
+    return found
+
+
+def complete(text: str) -> bool:
+    """False while a quote is still open: the command goes on on the next line."""
+    try:
+        shlex.split(text, comments=True)
+    except ValueError:
+        return False
+    return True
+
+
+def is_curl(command: Command) -> bool:
+    return re.match(r"^([A-Za-z_][A-Za-z0-9_]*=\$\()?curl\s", command.text) is not None
+
+
+ALL = [c for p in DOCS for c in commands(p)]
+CURL_BLOCKS = sorted({(c.path, c.block) for c in ALL if is_curl(c)})
+
+
+def words(command: Command) -> list[str]:
+    """The command's words, without comments, leading VAR=value assignments or a .venv/bin/."""
+    argv = shlex.split(command.text.replace("\\\n", " "), comments=True)
+    while argv and re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", argv[0]):
+        argv.pop(0)
+    if argv and argv[0].startswith(".venv/bin/"):
+        argv[0] = argv[0].removeprefix(".venv/bin/")
+    return argv
+
+
+def run(argv: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(  # type: ignore[call-overload, no-any-return]
+        argv, cwd=ROOT, capture_output=True, text=True, timeout=120, env=HELP_ENV, **kwargs
+    )
+
+
+def options(argv: list[str]) -> list[str]:
+    return [a.split("=", 1)[0] for a in argv if re.match(r"^--?[A-Za-z]", a)]
+
+
+def leading_words(argv: list[str]) -> list[str]:
+    """Subcommands: the words before the first option."""
+    subs = []
+    for a in argv:
+        if a.startswith("-"):
+            break
+        subs.append(a)
+    return subs
+
+
+def assert_listed(command: Command, used: list[str], help_text: str) -> None:
+    missing = [o for o in used if not re.search(rf"(?<![\w-]){re.escape(o)}(?![\w-])", help_text)]
+    assert not missing, f"{command}\n  options not in its --help: {missing}"
+
+
+@functools.cache
+def sshapi_help(subs: tuple[str, ...]) -> str:
+    done = run([str(BIN / "sshapi"), *subs, "--help"])
+    assert done.returncode == 0, f"sshapi {' '.join(subs)} --help failed:\n{done.stderr}"
+    return done.stdout
+
+
+def check_sshapi(command: Command, args: list[str], tmp_path: Path) -> None:
+    subs = leading_words(args)
+    assert subs, f"{command}\n  no sshapi subcommand"
+    assert_listed(command, options(args), sshapi_help(tuple(subs)))
+    if subs == ["token"]:
+        # Cheap and side-effect free with a data dir of its own: run it.
+        env = {**os.environ, "SSHAPI_DATA_DIR": str(tmp_path / "data")}
+        env.pop("SSHAPI_CONFIG", None)
+        done = subprocess.run(
+            [str(BIN / "sshapi"), *args], cwd=ROOT, env=env, capture_output=True, text=True
+        )
+        assert done.returncode == 0, f"{command}\n  failed: {done.stderr}"
+        token = done.stdout.strip()
+        claims = jwt.decode(token, options={"verify_signature": False})
+        assert claims["sub"] == args[args.index("--sub") + 1], f"{command}\n  printed {token!r}"
+
+
+def check_module(command: Command, argv: list[str]) -> None:
+    assert argv[1] == "-m", f"{command}\n  only `python -m MODULE` commands are checked"
+    module, args = argv[2], argv[3:]
+    done = run([sys.executable, "-m", module, *args, "--help"])
+    assert done.returncode == 0, f"{command}\n  `--help` failed: {done.stderr.strip()}"
+    assert_listed(command, options(args), done.stdout)
+
+
+def check_locust(command: Command, args: list[str]) -> None:
+    assert args[:1] == ["-f"] and (ROOT / args[1]).is_file(), f"{command}\n  no locustfile"
+    # --list parses every argument (the locustfile's own too), lists the users and exits.
+    done = run([str(BIN / "locust"), *args, "--list"])
+    assert done.returncode == 0, f"{command}\n  locust refused it: {done.stderr.strip()[-500:]}"
+
+
+def check_make(command: Command, args: list[str]) -> None:
+    for target in args:
+        done = run(["make", "-n", target])
+        assert done.returncode == 0, f"{command}\n  make -n {target}: {done.stderr.strip()}"
+
+
+def check_pip(command: Command, args: list[str]) -> None:
+    assert args[0] == "install", f"{command}\n  only `pip install` is checked"
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    for spec in args[1:]:
+        m = re.fullmatch(r"([\w.-]+)\[([\w,-]+)\]", spec)
+        assert m and m.group(1) == project["name"], f"{command}\n  {spec} is not this project"
+        for extra in m.group(2).split(","):
+            assert extra in project["optional-dependencies"], f"{command}\n  no extra {extra}"
+
+
+@pytest.mark.parametrize("command", [c for c in ALL if not is_curl(c)], ids=lambda c: c.where)
+def test_command(command: Command, tmp_path: Path) -> None:
+    argv = words(command)
+    assert argv, f"{command}\n  empty command"
+    program, args = argv[0], argv[1:]
+    if program == "make":
+        check_make(command, args)
+    elif program == "sshapi":
+        check_sshapi(command, args, tmp_path)
+    elif program in ("python", "python3"):
+        check_module(command, argv)
+    elif program == "locust":
+        check_locust(command, args)
+    elif program == "pytest":
+        missing = [a for a in args if not a.startswith("-") and not (ROOT / a).exists()]
+        assert not missing, f"{command}\n  no such test paths: {missing}"
+    elif program == "pip":
+        check_pip(command, args)
+    else:
+        pytest.fail(f"{command}\n  no check knows `{program}`: rewrite the docs")
+
+
+# --------------------------------------------------------------------------------------------
+# curl examples against a real API: `sshapi dev --slurm` on a free port, its own data dir.
+
+
+@dataclass
+class DevApi:
+    url: str
+    token: str
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@pytest.fixture(scope="module")
+def dev_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevApi]:
+    data = tmp_path_factory.mktemp("dev") / "data"
+    port = free_port()
+    env = {**os.environ, "SSHAPI_DATA_DIR": str(data), "SSHAPI_LOG_LEVEL": "warning"}
+    env.pop("SSHAPI_CONFIG", None)
+    proc = subprocess.Popen(
+        [str(BIN / "sshapi"), "dev", "--slurm", "--port", str(port)],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(proc, url, timeout=120)
+        minted = subprocess.run(
+            [str(BIN / "sshapi"), "token", "--sub", "dev"],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        yield DevApi(url, minted.stdout.strip())
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize(
+    "where",
+    CURL_BLOCKS,
+    ids=lambda w: f"{w[0].relative_to(ROOT)}:block{w[1]}",
+)
+def test_curl_examples(where: tuple[Path, int], dev_api: DevApi) -> None:
+    """Run a console block's commands in order, as a reader would paste them; variables a
+    command assigns (`LOCATION=$(curl ...)`) carry to the next ones."""
+    env = {**os.environ, "TOKEN": dev_api.token}
+    for command in [c for c in ALL if (c.path, c.block) == where]:
+        assert command.lang == "console", f"{command}\n  curl examples go in console blocks"
+        script = command.text.replace(DOC_URL, dev_api.url)
+        assignment = re.match(r"^([A-Za-z_][A-Za-z0-9_]*)=\$\(", script)
+        if assignment:
+            script += f'\nprintf %s "${assignment.group(1)}"'
+        elif not is_curl(command):
+            continue  # checked by test_command
+        done = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", script],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, f"{command}\n  exit {done.returncode}: {done.stderr}"
+        if assignment:
+            assert done.stdout, f"{command}\n  assigned nothing"
+            env[assignment.group(1)] = done.stdout
+            continue
+        statuses = [m.group(1) for o in command.output if (m := re.match(r"HTTP/1.1 (\d{3})", o))]
+        assert statuses, f"{command}\n  a curl example must show its status (-i, HTTP/1.1 NNN)"
+        got = done.stdout.splitlines()[0] if done.stdout else ""
+        expected = f"HTTP/1.1 {statuses[0]}"
+        assert got.startswith(expected), f"{command}\n  got {got!r}:\n{done.stdout}"
+
+
+# --------------------------------------------------------------------------------------------
+# Python blocks compile and import what exists.
+
+
+PYTHON_BLOCKS = [b for p in DOCS for b in blocks(p) if b.lang == "python"]
+
+
+@pytest.mark.parametrize(
+    "block", PYTHON_BLOCKS, ids=lambda b: f"{b.path.relative_to(ROOT)}:{b.line}"
+)
+def test_python_block_imports(block: Block) -> None:
+    import ast
+    import importlib
+
+    where = f"{block.path.relative_to(ROOT)}:{block.line}"
+    # `await` at top level is how the examples show a call inside a coroutine.
+    flags = ast.PyCF_ONLY_AST | ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
+    tree = compile("\n".join(block.lines), where, "exec", flags=flags)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            module = importlib.import_module(node.module)
+            for alias in node.names:
+                assert hasattr(module, alias.name), f"{where}: {node.module} has no {alias.name}"
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                importlib.import_module(alias.name)
+
+
+# --------------------------------------------------------------------------------------------
+# Links and anchors.
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[`*]|\[([^\]]*)\]\([^)]*\)", lambda m: m.group(1) or "", heading)
+    return re.sub(r"[^\w\- ]", "", text.strip().lower()).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    found: set[str] = set()
+    fenced = False
+    for line in path.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and (m := re.match(r"^#{1,6} (.*)$", line)):
+            base = slug(m.group(1))
+            name, n = base, 0
+            while name in found:
+                n += 1
+                name = f"{base}-{n}"
+            found.add(name)
+    return found
+
+
+def links(path: Path) -> Iterator[tuple[int, str]]:
+    fenced = False
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if line.startswith("```"):
+            fenced = not fenced
+            continue
+        if fenced:
+            continue
+        for m in re.finditer(r"\]\(([^)\s]+)\)", re.sub(r"`[^`]*`", "", line)):
+            yield number, m.group(1)
+
+
+@pytest.mark.parametrize("path", LINKED, ids=lambda p: str(p.relative_to(ROOT)))
+def test_links_resolve(path: Path) -> None:
+    broken = []
+    for number, target in links(path):
+        if re.match(r"^[a-z]+:", target):
+            continue  # http(s), mailto: not checked offline
+        file, _, anchor = target.partition("#")
+        dest = (path.parent / file).resolve() if file else path
+        if not dest.exists():
+            broken.append(f"{path.relative_to(ROOT)}:{number}: {target}: no such file")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            broken.append(f"{path.relative_to(ROOT)}:{number}: {target}: no such heading")
+    assert not broken, "\n".join(broken)
+
+
+def test_index_links_every_page_and_the_readme_is_short() -> None:
+    index = (ROOT / "docs" / "index.md").read_text()
+    pages = [p.name for p in DOCS if p.parent.name == "docs" and p.name != "index.md"]
+    assert [p for p in pages if f"]({p})" not in index] == []
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 150
+
+
+def test_every_command_is_checked() -> None:
+    """The extraction itself: the docs do show commands, and console output is not taken for one."""
+    assert len(ALL) > 20
+    assert not [c for c in ALL if c.text.startswith(("HTTP/", "{", "export "))]
