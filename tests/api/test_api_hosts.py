@@ -11,7 +11,7 @@ from api_helpers import Api, Keys, config_toml, host_toml, make_settings, runnin
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from sshpool.devhost.host import LocalHost
+from sshpool.devhost import LocalHost
 
 
 def with_setting(name: str, host: LocalHost, setting: str, **limits: Any) -> str:
