@@ -15,13 +15,13 @@ so a load generator can mint tokens without the web stack:
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import jwt
+import tomli_w
 
 from api.config import (
     Config,
@@ -128,7 +128,8 @@ def write_local_config(data_dir: Path, config: Config) -> Path:
     data = config.model_dump(mode="json", exclude_none=True, exclude_defaults=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(
-        "# Written by `sshapi dev`: the local host as a plain configuration file.\n" + _toml(data)
+        "# Written by `sshapi dev`: the local host as a plain configuration file.\n"
+        + tomli_w.dumps(data)
     )
     tmp.replace(path)  # atomic: a server starting meanwhile reads the old file or the new one
     return path
@@ -171,32 +172,3 @@ def local_token(
     return mint(
         secret, issuer=issuer.issuer, audience=issuer.audience, subject=sub, scopes=scopes, ttl=ttl
     )
-
-
-def _toml(data: dict[str, Any], prefix: str = "") -> str:
-    """The JSON-shaped dump of a Config as TOML (no TOML writer in the standard library): scalars
-    and lists of scalars first, then sub-tables and arrays of tables."""
-    lines: list[str] = []
-    tables: list[str] = []
-    for key, value in data.items():
-        name = f"{prefix}.{_key(key)}" if prefix else _key(key)
-        if isinstance(value, dict):
-            tables.append(f"\n[{name}]\n" + _toml(value, name))
-        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
-            tables.extend(f"\n[[{name}]]\n" + _toml(v, name) for v in value)
-        else:
-            lines.append(f"{_key(key)} = {_value(value)}\n")
-    return "".join(lines) + "".join(tables)
-
-
-def _key(key: str) -> str:
-    return key if key.replace("_", "").replace("-", "").isalnum() else json.dumps(key)
-
-
-def _value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, list):
-        return "[" + ", ".join(_value(v) for v in value) + "]"
-    # JSON strings are TOML basic strings (same escapes); ints and finite floats read the same.
-    return json.dumps(value)
