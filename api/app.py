@@ -150,5 +150,10 @@ def serve(settings: Settings, config: Config | None = None) -> None:
     logging.getLogger("asyncssh").setLevel(max(level, logging.WARNING))
     api = create_app(settings, config=config)
     uvicorn.run(
-        api, host=settings.host, port=settings.port, log_level=settings.log_level, ws="none"
+        api,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        ws="none",
+        timeout_keep_alive=settings.keepalive_timeout,
     )
