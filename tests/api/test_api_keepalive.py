@@ -1,5 +1,6 @@
 """A researcher's HTTP client that keeps a connection idle past a few seconds and POSTs again
-gets an answer, not a reset: `sshapi serve` keeps idle connections 75 s (SSHAPI_KEEPALIVE_TIMEOUT)."""
+gets an answer, not a reset: `sshapi serve` keeps idle connections 75 s
+(SSHAPI_KEEPALIVE_TIMEOUT)."""
 
 from __future__ import annotations
 

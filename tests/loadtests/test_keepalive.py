@@ -24,9 +24,7 @@ BURST = 40
 
 
 @pytest.fixture
-def api(
-    tuned_host: LocalHost, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[str]:
+def api(tuned_host: LocalHost, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     data = tmp_path / "api"
     proc, url = start_api(
         tuned_host, backend="asyncssh", pool_mode="pooled", data_dir=data,
