@@ -4,8 +4,23 @@ VENV := .venv
 STAMP := $(VENV)/.installed-stamp
 # root installs OS packages directly; anyone else through sudo.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+# Every OS package install goes through this. `env` sets the variables for apt-get itself: sudo
+# resets the environment, so `VAR=x sudo apt-get` never passes VAR on, and `VAR=x $(SUDO) -E
+# apt-get` runs a program called `-E` when $(SUDO) is empty (root).
+APT_GET = $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get
+# What each install recipe checks before installing: tests/test_makefile.py points these at
+# absent paths to run every recipe with the tools missing.
+SSHD_BIN ?= /usr/sbin/sshd
+NGINX_BIN ?= /usr/sbin/nginx
+SYSTEMD_ANALYZE_BIN ?= /usr/bin/systemd-analyze
+ZSH_BIN ?= /bin/zsh
+TCSH_BIN ?= /bin/tcsh
+CHROMIUM_BIN ?= /usr/bin/chromium
+CHROMEDRIVER_BIN ?= /usr/bin/chromedriver
+# Where `sshpool.devhost.slurm install` looks for Slurm's programs; empty: its default.
+SLURM_SEARCH_PATH ?=
 
-.PHONY: run test lint sshd slurm deploy-tools shells
+.PHONY: run test lint sshd slurm deploy-tools shells browser
 
 # Create or refresh .venv whenever pyproject.toml changes.
 $(STAMP): pyproject.toml
@@ -16,29 +31,38 @@ $(STAMP): pyproject.toml
 
 # The local HPC host and the test fixtures run a real OpenSSH sshd.
 sshd:
-	@test -x /usr/sbin/sshd || { \
+	@test -x $(SSHD_BIN) || { \
 	  echo "installing openssh-server (the local HPC host runs a real sshd)"; \
-	  $(SUDO) apt-get update -q && \
-	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q openssh-server; }
+	  $(APT_GET) update -q && \
+	  $(APT_GET) install -y -q openssh-server; }
 
 # The deploy/ tests run nginx in front of two replicas and check the systemd units. RUNLEVEL=1
 # keeps the package from starting a system nginx on port 80.
 deploy-tools:
-	@test -x /usr/sbin/nginx && command -v systemd-analyze >/dev/null || { \
+	@test -x $(NGINX_BIN) -a -x $(SYSTEMD_ANALYZE_BIN) || { \
 	  echo "installing nginx and systemd (deploy/ tests: reverse proxy, unit checks)"; \
-	  $(SUDO) apt-get update -q && \
-	  RUNLEVEL=1 DEBIAN_FRONTEND=noninteractive $(SUDO) -E apt-get install -y -q nginx systemd; }
+	  $(APT_GET) update -q && \
+	  $(SUDO) env RUNLEVEL=1 DEBIAN_FRONTEND=noninteractive apt-get install -y -q nginx systemd; }
 
 # The argv round-trip tests log in through each login shell an HPC site may give its users.
 shells:
-	@test -x /bin/zsh -a -x /bin/tcsh || { \
+	@test -x $(ZSH_BIN) -a -x $(TCSH_BIN) || { \
 	  echo "installing zsh and tcsh (argv quoting is tested through every login shell)"; \
-	  $(SUDO) apt-get update -q && \
-	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q zsh tcsh; }
+	  $(APT_GET) update -q && \
+	  $(APT_GET) install -y -q zsh tcsh; }
+
+# The offline /docs and /redoc test renders the pages in Debian's headless Chromium, driven by
+# selenium through Debian's chromedriver (no browser or driver download).
+browser:
+	@test -x $(CHROMIUM_BIN) -a -x $(CHROMEDRIVER_BIN) || { \
+	  echo "installing chromium and chromium-driver (the /docs and /redoc test uses a real browser)"; \
+	  $(APT_GET) update -q && \
+	  $(APT_GET) install -y -q chromium chromium-driver; }
 
 # The batch-job tests run a real single-node Slurm (munge, slurmctld, slurmd) from the OS packages.
 slurm: $(STAMP)
-	$(VENV)/bin/python -m sshpool.devhost.slurm install
+	$(VENV)/bin/python -m sshpool.devhost.slurm install $(if $(SUDO),--sudo,--no-sudo) \
+	  $(if $(SLURM_SEARCH_PATH),--search-path $(SLURM_SEARCH_PATH))
 
 # Start the local HPC host (sshd on loopback, `tuned` profile) and the API on 127.0.0.1:8000.
 run: $(STAMP) sshd
@@ -52,5 +76,5 @@ lint: $(STAMP)
 # The whole suite: lint, then every test (SSH, API, fault and slow ones included). Each run gets
 # its own temp dir: pytest prunes /tmp/pytest-of-$USER to 3 runs, which would delete the sshd
 # files of a run still going.
-test: $(STAMP) sshd shells slurm deploy-tools lint
+test: $(STAMP) sshd shells slurm deploy-tools browser lint
 	$(VENV)/bin/pytest --basetemp="$$(mktemp -d /tmp/sshapi-tests.XXXXXX)"

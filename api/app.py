@@ -15,7 +15,7 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 
-from api import problems
+from api import docs, problems
 from api.auth import Authenticator
 from api.batch import BatchJobs
 from api.config import Config, HostConfig
@@ -132,7 +132,10 @@ def create_app(
         version="1.0.0",
         description=DESCRIPTION,
         lifespan=lifespan,
+        docs_url=None,  # api/docs.py serves /docs and /redoc offline
+        redoc_url=None,
     )
+    docs.install(app)
     problems.install(app)
     app.include_router(jobs_router)
     app.include_router(hosts_router)
@@ -150,5 +153,10 @@ def serve(settings: Settings, config: Config | None = None) -> None:
     logging.getLogger("asyncssh").setLevel(max(level, logging.WARNING))
     api = create_app(settings, config=config)
     uvicorn.run(
-        api, host=settings.host, port=settings.port, log_level=settings.log_level, ws="none"
+        api,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        ws="none",
+        timeout_keep_alive=settings.keepalive_timeout,
     )

@@ -1,4 +1,4 @@
-"""The `sshapi` command line: serve, dev (local host + API), token, hosts check."""
+"""The `sshapi` command line: serve, dev (local host + API), token, hosts check, doctor."""
 
 from __future__ import annotations
 
@@ -87,6 +87,30 @@ def hosts_check(
         return ok
 
     if not asyncio.run(check()):
+        raise typer.Exit(1)
+
+
+@app.command()
+def doctor(
+    timeout: Annotated[float, typer.Option(help="Seconds per SSH step.")] = 10.0,
+) -> None:
+    """For each configured host: reachable, host key known, auth, silent and fast login shell,
+    sshd limits against this API's pools (x SSHAPI_REPLICAS x workers), Slurm client. One line
+    per check saying what to change; exit 1 on any FAIL."""
+    from api.doctor import diagnose
+
+    settings = Settings()
+    config = resolve_config(settings)
+    if not config.hosts:
+        typer.echo("no hosts configured (set SSHAPI_CONFIG, or run `sshapi dev` once)")
+        raise typer.Exit(1)
+    findings = asyncio.run(diagnose(config, settings, timeout))
+    for finding in findings:
+        typer.echo(finding.line())
+    failed = sum(f.status == "FAIL" for f in findings)
+    warned = sum(f.status == "WARN" for f in findings)
+    typer.echo(f"{len(config.hosts)} host(s): {failed} failure(s), {warned} warning(s)")
+    if failed:
         raise typer.Exit(1)
 
 

@@ -56,6 +56,12 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = 8000
     log_level: str = "info"
+    # Seconds an idle HTTP keep-alive connection stays open. Longer than clients keep theirs
+    # idle (httpx 5 s, the load suite 2 s) and than the shipped nginx's upstream keepalive_timeout
+    # (60 s): the side that closes first must be the client, or a request sent as the server
+    # closes is lost ("Remote end closed connection without response"). 75 s as nginx and Go
+    # servers use. uvicorn's own default is 5 s.
+    keepalive_timeout: int = Field(default=75, ge=1)
     # Seconds a graceful shutdown lets running jobs finish before cancelling them.
     shutdown_grace: float = 10.0
 

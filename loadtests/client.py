@@ -1,5 +1,13 @@
 """The HTTP side of one request: tokens, the session, POST /v1/jobs timed from before the
-connection is made until the last byte of the answer is read."""
+connection is made until the last byte of the answer is read.
+
+Idle keep-alive connections: a server closes a connection that stayed idle for its keep-alive
+timeout (uvicorn's default 5 s; `sshapi serve` SSHAPI_KEEPALIVE_TIMEOUT, 75 s). A request sent on
+a connection just as the server closes it fails ("Remote end closed connection without
+response") although the server never saw it: measured, 270 of 1,230 burst requests with 6 s
+between bursts against a 5 s server. So a pooled connection idle longer than `max_idle` (below
+any server's timeout) is closed and reconnected instead of reused; the reconnect is part of the
+request's time, as a new connection is in any case."""
 
 from __future__ import annotations
 
@@ -7,13 +15,20 @@ import json
 import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import requests
 from requests.adapters import HTTPAdapter
+from urllib3.connection import HTTPConnection, HTTPSConnection
+from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 
 from loadtests.records import Connection, error_kind, parse_server_timing
 
 SUBJECT_PREFIX = "loadtest-"
+# Seconds a pooled connection may sit idle and still be reused: below uvicorn's default keep-alive
+# timeout (5 s), the shortest this suite is likely to meet, with room for a server whose timer
+# fires late under load.
+MAX_IDLE = 2.0
 
 
 def tokens(subjects: int, ttl: float = 24 * 3600.0) -> list[str]:
@@ -35,6 +50,45 @@ def tokens(subjects: int, ttl: float = 24 * 3600.0) -> list[str]:
     ]
 
 
+class IdleLimitedConnection(HTTPConnection):
+    """A connection that reports itself dropped once idle longer than `max_idle`: urllib3's
+    pool then closes it and connects afresh instead of reusing it (`is_connected` is what the
+    pool asks before reuse). Idle counts from the end of the last answer's headers; the answers
+    here are small, read with their headers."""
+
+    max_idle = MAX_IDLE
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.idle_since = time.monotonic()
+
+    def getresponse(self) -> Any:  # urllib3's BaseHTTPResponse
+        try:
+            return super().getresponse()
+        finally:
+            self.idle_since = time.monotonic()
+
+    @property
+    def is_connected(self) -> bool:
+        if time.monotonic() - self.idle_since > self.max_idle:
+            return False
+        return super().is_connected
+
+
+def idle_limited_adapter(pool_size: int, max_idle: float) -> HTTPAdapter:
+    """An adapter whose pools close connections idle longer than `max_idle` seconds instead of
+    reusing them."""
+    limit = {"max_idle": max_idle}
+    plain = type("Connection", (IdleLimitedConnection,), limit)
+    tls = type("TLSConnection", (IdleLimitedConnection, HTTPSConnection), limit)
+    adapter = HTTPAdapter(pool_connections=1, pool_maxsize=pool_size, max_retries=0)
+    adapter.poolmanager.pool_classes_by_scheme = {
+        "http": type("Pool", (HTTPConnectionPool,), {"ConnectionCls": plain}),
+        "https": type("TLSPool", (HTTPSConnectionPool,), {"ConnectionCls": tls}),
+    }
+    return adapter
+
+
 @dataclass(frozen=True, slots=True)
 class Outcome:
     ok: bool
@@ -48,7 +102,8 @@ class Outcome:
 
 class JobClient:
     """POST /v1/jobs with a fixed body. keep-alive reuses pooled connections (up to `pool_size`
-    open at once); `new` sends `Connection: close` so every request makes its own connection."""
+    open at once) idle at most `max_idle` seconds; `new` sends `Connection: close` so every
+    request makes its own connection."""
 
     def __init__(
         self,
@@ -58,13 +113,14 @@ class JobClient:
         connection: Connection,
         timeout: float,
         pool_size: int,
+        max_idle: float = MAX_IDLE,
     ) -> None:
         self.url = base_url.rstrip("/") + "/v1/jobs"
         self.body = json.dumps({"host": host, "argv": argv})
         self.connection = connection
         self.timeout = timeout
         self.session = requests.Session()
-        adapter = HTTPAdapter(pool_connections=1, pool_maxsize=pool_size, max_retries=0)
+        adapter = idle_limited_adapter(pool_size, max_idle)
         self.session.mount("http://", adapter)
         self.session.mount("https://", adapter)
 

@@ -80,40 +80,45 @@ class LocalSlurmError(RuntimeError):
     """The local Slurm could not be installed, configured, started or stopped."""
 
 
-def _which(name: str) -> str | None:
-    return shutil.which(name, path=SBIN_PATH)
+def _which(name: str, search_path: str = SBIN_PATH) -> str | None:
+    return shutil.which(name, path=search_path)
 
 
-def missing_packages() -> list[str]:
-    """OS packages whose programs are not installed."""
-    return sorted({package for binary, package in BINARIES.items() if _which(binary) is None})
+def missing_packages(search_path: str = SBIN_PATH) -> list[str]:
+    """OS packages whose programs are not installed (looked up on `search_path`)."""
+    return sorted(
+        {package for binary, package in BINARIES.items() if _which(binary, search_path) is None}
+    )
 
 
-def install_packages() -> None:
-    """Install Slurm and munge from the OS packages (apt-get) when any program is missing.
+def install_packages(search_path: str = SBIN_PATH, *, sudo: bool | None = None) -> None:
+    """Install Slurm and munge from the OS packages (apt-get) when any program is missing from
+    `search_path`; through sudo when `sudo` (None: when not root).
 
     Debian's packages try to start their services on install; policy-rc.d or the lack of
     systemd stops that, and we never use those services: LocalSlurm runs its own daemons."""
-    if not missing_packages():
+    if not missing_packages(search_path):
         return
-    apt = _which("apt-get")
-    if apt is None:
+    # apt-get by name through `env`, which also sets DEBIAN_FRONTEND for apt-get itself: sudo
+    # resets the environment, so a variable given to sudo's own environment never reaches it.
+    if shutil.which("apt-get", path=f"{os.environ.get('PATH', '')}:{SBIN_PATH}") is None:
         raise LocalSlurmError(
-            f"Slurm is missing ({', '.join(missing_packages())}) and apt-get is not available: "
-            f"install {' '.join(PACKAGES)} with your package manager"
+            f"Slurm is missing ({', '.join(missing_packages(search_path))}) and apt-get is not "
+            f"available: install {' '.join(PACKAGES)} with your package manager"
         )
-    sudo: list[str] = [] if os.geteuid() == 0 else ["sudo"]
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    if sudo is None:
+        sudo = os.geteuid() != 0
+    apt = [*(["sudo"] if sudo else []), "env", "DEBIAN_FRONTEND=noninteractive", "apt-get"]
     for argv in (
-        [*sudo, apt, "update", "-q"],
-        [*sudo, apt, "install", "-y", "-q", "--no-install-recommends", *PACKAGES],
+        [*apt, "update", "-q"],
+        [*apt, "install", "-y", "-q", "--no-install-recommends", *PACKAGES],
     ):
-        done = subprocess.run(argv, capture_output=True, text=True, env=env, check=False)
+        done = subprocess.run(argv, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             tail = "\n".join((done.stdout + done.stderr).splitlines()[-15:])
             raise LocalSlurmError(f"{' '.join(argv)} failed ({done.returncode}):\n{tail}")
-    if missing_packages():
-        raise LocalSlurmError(f"still missing after install: {', '.join(missing_packages())}")
+    if missing := missing_packages(search_path):
+        raise LocalSlurmError(f"still missing after install: {', '.join(missing)}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -521,7 +526,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m sshpool.devhost.slurm")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("install", help="install Slurm and munge from the OS packages when missing")
+    install = sub.add_parser(
+        "install", help="install Slurm and munge from the OS packages when missing"
+    )
+    install.add_argument(
+        "--search-path", default=SBIN_PATH, help="where to look for the programs (PATH syntax)"
+    )
+    install.add_argument(
+        "--sudo",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="install through sudo (default: when not root; the Makefile passes its choice)",
+    )
     run = sub.add_parser("run", help="run the local Slurm in the foreground until interrupted")
     run.add_argument("--name", default="local")
     run.add_argument(
@@ -530,7 +546,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("--cpus", type=int, default=16)
     args = parser.parse_args(argv)
     if args.command == "install":
-        install_packages()
+        install_packages(args.search_path, sudo=args.sudo)
         print("slurm and munge are installed")
         return 0
     # SIGTERM stops it like Ctrl-C. (Not by blocking signals and sigwait: the daemons would

@@ -1,0 +1,278 @@
+"""`sshapi doctor`: for each configured host, what the API will do there and whether the host
+can take it. Each finding is one line: host, check, ok / WARN / FAIL, and what to change.
+
+Checks, in order (a failed connection step skips the rest for that host):
+- reachable: a TCP connection to hostname:port answers with an SSH banner;
+- host key / auth: the pool connects with the host's default account, key and known_hosts;
+- login shell: `true` prints nothing. The pool's wrapper (sshpool/command.py) reads the process
+  group id from the first line of stdout; anything the login shell prints first (an rc file that
+  echoes) breaks cancel and timeout kills and lands in every job's output;
+- shell start: the fastest of a few `true` runs on the warm connection (channel open + login
+  shell start + exit); past 20 ms every job pays it (a module system or pyenv in the rc: ~100 ms);
+- sshd limits: MaxSessions / MaxStartups / PerSourceMaxStartups from `sshd -T` on the host when
+  the account may run it (usually root only), else the configured `[hosts.X.sshd]` values; the
+  pool limits x SSHAPI_REPLICAS x workers checked against them (HostConfig.ssh_budget);
+- slurm (hosts with a scheduler): `sbatch --version` and `squeue` answer over SSH.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+from api.config import Config, HostConfig, SshdLimits
+from api.settings import Settings
+from sshpool import (
+    AuthenticationFailed,
+    CommandResult,
+    ConnectTimeout,
+    HostKeyMismatch,
+    Pool,
+    SSHPoolError,
+)
+
+Status = Literal["ok", "WARN", "FAIL"]
+SHELL_START_WARN_MS = 20.0
+SHELL_START_RUNS = 5
+# sshd -T needs sshd's path, often outside a user's PATH; /bin/sh whatever the login shell.
+SSHD_T = ["/bin/sh", "-c", "PATH=$PATH:/usr/sbin:/sbin exec sshd -T 2>&1"]
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    host: str
+    check: str
+    status: Status
+    detail: str
+
+    def line(self) -> str:
+        return f"{self.host:16} {self.check:12} {self.status:4}  {self.detail}"
+
+
+def processes(settings: Settings) -> tuple[int, int]:
+    """(replicas, workers per replica): every process has its own pool."""
+    workers = getattr(settings, "workers", 1)  # SSHAPI_WORKERS, where this version has it
+    return settings.replicas, int(workers) if isinstance(workers, int) else 1
+
+
+async def diagnose(config: Config, settings: Settings, timeout: float = 10.0) -> list[Finding]:
+    """Every host's findings, hosts one after another (a doctor must not load the hosts)."""
+    found: list[Finding] = []
+    async with Pool(backend=settings.backend) as pool:
+        for name, host in config.hosts.items():
+            found += await check_host(pool, name, host, settings, timeout)
+    return found
+
+
+async def check_host(
+    pool: Pool, name: str, host: HostConfig, settings: Settings, timeout: float
+) -> list[Finding]:
+    found: list[Finding] = []
+
+    def add(check: str, status: Status, detail: str) -> None:
+        found.append(Finding(name, check, status, detail))
+
+    where = f"{host.hostname}:{host.port}"
+    banner = await _banner(host, timeout)
+    if not banner.startswith("SSH-"):
+        add("reachable", "FAIL", f"{where}: {banner}; check hostname/port and the firewall")
+        return found
+    add("reachable", "ok", f"{where} ({banner})")
+
+    target = host.target()
+    try:
+        await pool.run(target, ["true"], timeout=timeout, acquire_timeout=timeout)
+    except HostKeyMismatch as exc:
+        add(
+            "host key",
+            "FAIL",
+            f"{exc}: the key of {where} is not the one in known_hosts {host.known_hosts}; "
+            "verify it with the host's admin, then add it (ssh-keyscan -p PORT HOST)",
+        )
+        return found
+    except AuthenticationFailed as exc:
+        add("host key", "ok", f"known ({host.known_hosts})")
+        add(
+            "auth",
+            "FAIL",
+            f"{exc}: install the public key of {', '.join(host.client_keys)} in "
+            f"~{host.username}/.ssh/authorized_keys on the host, or fix [hosts.{name}] username",
+        )
+        return found
+    except (ConnectTimeout, SSHPoolError) as exc:
+        add("connect", "FAIL", f"{type(exc).__name__}: {exc}")
+        return found
+    add("host key", "ok", f"known ({host.known_hosts})")
+    add("auth", "ok", f"{host.username} with {', '.join(host.client_keys)}")
+
+    runs: list[CommandResult] = []
+    times: list[float] = []
+    for _ in range(SHELL_START_RUNS):
+        start = time.perf_counter()
+        runs.append(await pool.run(target, ["true"], timeout=timeout, acquire_timeout=timeout))
+        times.append((time.perf_counter() - start) * 1000.0)
+    noise = runs[0].stdout
+    if noise:
+        add(
+            "login shell",
+            "FAIL",
+            f"prints {noise[:60]!r} before every command: the pool's process-group marker is "
+            "lost (no kill on timeout or cancel) and jobs' output holds it; make the "
+            f"account's shell rc files silent for non-interactive shells (~{host.username})",
+        )
+    elif runs[0].stderr:
+        add(
+            "login shell",
+            "WARN",
+            f"prints {runs[0].stderr[:60]!r} on stderr before every command: it lands in every "
+            "job's stderr; make the account's rc files silent for non-interactive shells",
+        )
+    else:
+        add("login shell", "ok", "prints nothing before the command")
+    fastest = min(times)
+    if fastest > SHELL_START_WARN_MS:
+        add(
+            "shell start",
+            "WARN",
+            f"{fastest:.1f} ms for `true` (fastest of {SHELL_START_RUNS}) > "
+            f"{SHELL_START_WARN_MS:g} ms: every job pays it; give the account a lean rc "
+            "(no module system or pyenv init for non-interactive shells)",
+        )
+    else:
+        add("shell start", "ok", f"{fastest:.1f} ms for `true` (fastest of {SHELL_START_RUNS})")
+
+    found += await _sshd_limits(pool, name, host, settings, timeout)
+    if host.scheduler is not None:
+        found += await _slurm(pool, name, host, timeout)
+    return found
+
+
+async def _banner(host: HostConfig, timeout: float) -> str:
+    """The host's SSH banner, or why there is none."""
+    try:
+        async with asyncio.timeout(timeout):
+            reader, writer = await asyncio.open_connection(host.hostname, host.port)
+            try:
+                line = await reader.readline()
+            finally:
+                writer.close()
+    except TimeoutError:
+        return f"no answer within {timeout:g} s"
+    except OSError as exc:
+        return f"cannot connect ({exc.strerror or exc})"
+    text = line.decode("ascii", "replace").strip()
+    return text if text.startswith("SSH-") else f"not an SSH server (said {text[:40]!r})"
+
+
+def parse_sshd_t(text: str, configured: SshdLimits) -> SshdLimits | None:
+    """The limits `sshd -T` printed, or None when it printed no configuration."""
+    values = dict(line.split(" ", 1) for line in text.splitlines() if " " in line)
+    if "maxsessions" not in values or "maxstartups" not in values:
+        return None
+    per_source = values.get("persourcemaxstartups", "none")
+    return configured.model_copy(
+        update={
+            "max_sessions": int(values["maxsessions"]),
+            "max_startups": int(values["maxstartups"].split(":")[0]),
+            "per_source_max_startups": None if per_source == "none" else int(per_source),
+        }
+    )
+
+
+async def _sshd_limits(
+    pool: Pool, name: str, host: HostConfig, settings: Settings, timeout: float
+) -> list[Finding]:
+    found: list[Finding] = []
+    try:
+        result = await pool.run(host.target(), SSHD_T, timeout=timeout, acquire_timeout=timeout)
+        text = result.stdout.decode(errors="replace")
+    except SSHPoolError as exc:
+        text = f"{type(exc).__name__}"
+    read = parse_sshd_t(text, host.sshd)
+    if read is None:
+        reason = (text.strip().splitlines() or ["no output"])[-1][:80]
+        sshd = host.sshd
+        source = f"configured [hosts.{name}.sshd] (sshd -T not allowed: {reason})"
+    else:
+        sshd = read
+        source = "sshd -T on the host"
+    per_source = sshd.per_source_max_startups
+    found.append(
+        Finding(
+            name,
+            "sshd limits",
+            "ok",
+            f"MaxSessions {sshd.max_sessions}, MaxStartups {sshd.max_startups}, "
+            f"PerSourceMaxStartups {per_source or 'none'} from {source}",
+        )
+    )
+    if read is not None and read != host.sshd:
+        found.append(
+            Finding(
+                name,
+                "sshd limits",
+                "WARN",
+                f"[hosts.{name}.sshd] says MaxSessions {host.sshd.max_sessions}, MaxStartups "
+                f"{host.sshd.max_startups}: set it to what the host runs (the API's start-up "
+                "check reads the configuration)",
+            )
+        )
+    replicas, workers = processes(settings)
+    lim = host.limits
+    budget = host.model_copy(update={"sshd": sshd}).ssh_budget(replicas * workers)
+    procs = f"{replicas} replica(s) x {workers} worker(s) = {replicas * workers} pool(s)"
+    for problem in budget:
+        found.append(
+            Finding(
+                name,
+                "budget",
+                "FAIL",
+                f"{procs}; {problem}; lower [hosts.{name}.limits] max_handshakes / max_sessions "
+                "/ max_connections, SSHAPI_REPLICAS or workers, or raise the host's limits",
+            )
+        )
+    if not budget:
+        found.append(
+            Finding(
+                name,
+                "budget",
+                "ok",
+                f"{procs} x max_handshakes {lim.max_handshakes} = "
+                f"{replicas * workers * lim.max_handshakes} handshakes < MaxStartups "
+                f"{sshd.max_startups}; max_sessions {lim.max_sessions} < MaxSessions "
+                f"{sshd.max_sessions}",
+            )
+        )
+    return found
+
+
+async def _slurm(pool: Pool, name: str, host: HostConfig, timeout: float) -> list[Finding]:
+    found: list[Finding] = []
+    target = host.target()
+    for argv, what in (
+        (["sbatch", "--version"], "sbatch"),
+        (["squeue", "--noheader", "--user", host.username], "squeue"),
+    ):
+        try:
+            result = await pool.run(target, argv, timeout=timeout, acquire_timeout=timeout)
+        except SSHPoolError as exc:
+            found.append(Finding(name, "slurm", "FAIL", f"{what}: {type(exc).__name__}: {exc}"))
+            continue
+        if result.exit_status == 0:
+            first = (result.stdout.decode(errors="replace").strip().splitlines() or [""])[0]
+            found.append(Finding(name, "slurm", "ok", f"{what} answers {first[:60]!r}".rstrip()))
+        else:
+            err = result.stderr.decode(errors="replace").strip()[:100]
+            found.append(
+                Finding(
+                    name,
+                    "slurm",
+                    "FAIL",
+                    f"{what} exit {result.exit_status} ({err}): install the Slurm client on the "
+                    "login host and make slurm.conf reachable for the account (SLURM_CONF), or "
+                    f"remove [hosts.{name}.scheduler]",
+                )
+            )
+    return found

@@ -1,0 +1,121 @@
+"""`sshapi doctor` against real sshd hosts: a healthy host passes; a noisy login, a wrong host
+key and an SSH budget that does not fit each fail with a line saying what to change."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import asyncssh
+import pytest
+
+from api.config import HostConfig
+from api.doctor import Finding, check_host
+from api.local import local_host_config
+from api.settings import Settings
+from sshpool import Limits, Pool
+from sshpool.devhost import LocalHost
+
+SSHAPI = str(Path(sys.executable).parent / "sshapi")
+# sshd runs the command after this: a login whose rc prints (or sleeps) before every command.
+NOISY = {"ForceCommand": 'echo "Welcome to the cluster"; eval "$SSH_ORIGINAL_COMMAND"'}
+SLOW = {"ForceCommand": 'sleep 0.05; eval "$SSH_ORIGINAL_COMMAND"'}
+
+
+def doctor(host: HostConfig, settings: Settings | None = None) -> dict[str, Finding]:
+    """The host's findings by check (the last of each check)."""
+
+    async def run() -> list[Finding]:
+        async with Pool() as pool:
+            return await check_host(pool, "h", host, settings or Settings(), 10.0)
+
+    return {f.check: f for f in asyncio.run(run())}
+
+
+def failures(found: dict[str, Finding]) -> list[str]:
+    return [f.line() for f in found.values() if f.status == "FAIL"]
+
+
+def test_healthy_host_passes_every_check(tuned_host: LocalHost) -> None:
+    """The local host as `sshapi dev` configures it: reachable, key known, auth, silent shell,
+    limits from the configuration (the account may not run sshd -T), budget fits."""
+    found = doctor(local_host_config(tuned_host))
+    assert failures(found) == []
+    assert set(found) >= {"reachable", "host key", "auth", "login shell", "shell start"}
+    assert found["login shell"].status == "ok"
+    assert "configured [hosts.h.sshd]" in found["sshd limits"].detail
+    assert found["budget"].status == "ok", found["budget"].line()
+
+
+def test_noisy_login_shell_fails_naming_what_it_prints(make_host: object) -> None:
+    """A login that prints a banner before every command fails the `login shell` check, which
+    quotes the noise and says to make the rc files silent."""
+    host = make_host("tuned", overrides=NOISY)  # type: ignore[operator]
+    found = doctor(local_host_config(host))
+    assert found["login shell"].status == "FAIL"
+    assert "Welcome to the cluster" in found["login shell"].detail
+    assert "rc files silent" in found["login shell"].detail
+
+
+def test_slow_login_shell_warns_with_its_start_time(make_host: object) -> None:
+    """A login that takes 50 ms before every command warns past 20 ms, with the time."""
+    host = make_host("tuned", overrides=SLOW)  # type: ignore[operator]
+    found = doctor(local_host_config(host))
+    assert found["shell start"].status == "WARN", found["shell start"].line()
+    assert float(found["shell start"].detail.split(" ms")[0]) >= 50.0
+
+
+def test_wrong_host_key_fails_and_stops_there(tuned_host: LocalHost, tmp_path: Path) -> None:
+    """known_hosts holding another key for the host: `host key` fails, saying to verify and
+    add the key, and no later check runs."""
+    other = asyncssh.generate_private_key("ssh-ed25519").export_public_key().decode()
+    known = tmp_path / "known_hosts"
+    known.write_text(f"[{tuned_host.address}]:{tuned_host.port} {other}")
+    config = local_host_config(tuned_host).model_copy(update={"known_hosts": str(known)})
+    found = doctor(config)
+    assert found["host key"].status == "FAIL"
+    assert "known_hosts" in found["host key"].detail
+    assert "auth" not in found
+
+
+def test_budget_that_does_not_fit_fails_with_the_arithmetic(tuned_host: LocalHost) -> None:
+    """3 replicas x 4 handshakes = 12 >= MaxStartups 10: the budget check fails and shows the
+    product and what to lower."""
+    base = local_host_config(tuned_host)
+    config = base.model_copy(
+        update={
+            "limits": Limits(max_handshakes=4),
+            "sshd": base.sshd.model_copy(update={"max_startups": 10}),
+        }
+    )
+    found = doctor(config, Settings(replicas=3))
+    line = found["budget"].line()
+    assert found["budget"].status == "FAIL", line
+    assert "3 replica(s) x 1 worker(s) = 3 pool(s)" in line
+    assert "max_handshakes 4 >= MaxStartups 10" in line
+    assert "lower [hosts.h.limits]" in line
+
+
+def test_doctor_command_exits_1_and_names_the_failing_host(config_file: Path) -> None:
+    """`sshapi doctor` over the test configuration: `local` passes, `down` (a closed port)
+    fails as unreachable, exit status 1."""
+    done = subprocess.run(
+        [SSHAPI, "doctor", "--timeout", "5"],
+        env={**os.environ, "SSHAPI_CONFIG": str(config_file)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert any(line.split()[:3] == ["local", "auth", "ok"] for line in lines), lines
+    down = [line for line in lines if line.startswith("down ")]
+    assert down and "reachable" in down[0] and "FAIL" in down[0], lines
+
+
+@pytest.fixture(autouse=True)
+def _no_env_replicas(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SSHAPI_REPLICAS", raising=False)
