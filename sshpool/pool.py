@@ -437,6 +437,9 @@ class _HostPool:
                     raise
                 lost_retried = True
                 continue
+            except RemoteFileError:
+                self._release(c)  # no sftp subsystem: the connection itself is fine
+                raise
             except BaseException:
                 self._discard(c)
                 raise

@@ -96,7 +96,8 @@ async def _sftp_errors(path: str | None) -> AsyncIterator[None]:
     try:
         yield
     except asyncssh.SFTPError as exc:
-        if isinstance(exc, asyncssh.SFTPConnectionLost):
+        # 6 no connection (asyncssh's answer once the channel has closed), 7 connection lost.
+        if exc.code in (6, 7):
             message = f"connection lost during SFTP: {exc.reason}"
             raise ConnectionLost(message, started=True) from exc
         raise translate.sftp_error(exc.code, exc.reason, path) from exc

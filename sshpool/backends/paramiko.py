@@ -16,7 +16,8 @@ What paramiko does not do and this module adds:
 - No EOF or signal request after paramiko's automatic answer to sshd's CLOSE: sshd drops the
   whole connection for a message about a channel it has freed.
 - SFTP (`sftp()`): paramiko's SFTPClient, each call in this backend's threads and never two at
-  once on one session (a per-session asyncio lock), reads pipelined with readv, writes with
+  once on one session (a per-session asyncio lock), reads sequential (paramiko's readv and
+  prefetch run threads of their own that fail unseen when the connection drops), writes with
   paramiko's pipelined mode, ENOSPC told apart by statvfs@openssh.com.
 
 Every paramiko and socket error is translated into sshpool.errors in this module (its table) and
@@ -254,8 +255,6 @@ def _retrieve(fut: asyncio.Future[Any]) -> None:
 # paramiko raises IOError with these errnos for the SFTP statuses it knows (paramiko.sftp_client
 # _convert_status), a bare IOError(text) for the rest.
 _SFTP_ERRNO = {errno.ENOENT: 2, errno.EACCES: 3}
-# Bytes per SFTP read request (OpenSSH serves up to 256 KiB; paramiko's own default is 32 KiB).
-SFTP_REQUEST = 1 << 15
 
 
 def _sftp_error(exc: BaseException, path: str | None) -> SSHPoolError:
@@ -279,8 +278,9 @@ def _attrs(a: Any) -> FileAttrs:
 class _Confined:
     """One paramiko object used from this backend's threads, one call at a time."""
 
-    def __init__(self, executor: ThreadPoolExecutor) -> None:
+    def __init__(self, executor: ThreadPoolExecutor, alive: Callable[[], bool]) -> None:
         self._executor = executor
+        self._alive = alive
         self._lock = asyncio.Lock()
 
     async def call(self, path: str | None, fn: Callable[..., T], *args: Any) -> T:
@@ -294,6 +294,10 @@ class _Confined:
                 await asyncio.wait([fut])
                 raise
             except (OSError, EOFError, paramiko.SSHException) as exc:
+                if not self._alive():
+                    # paramiko words a dropped channel as a plain IOError now and then.
+                    message = f"connection lost during SFTP: {translate.describe(exc)}"
+                    raise ConnectionLost(message, started=True) from exc
                 raise _sftp_error(exc, path) from exc
 
 
@@ -310,28 +314,18 @@ def _free_bytes(sftp: Any, path: str) -> int | None:
 
 
 class ParamikoFile:
-    def __init__(self, confined: _Confined, sftp: Any, f: Any, path: str, size: int) -> None:
+    def __init__(self, confined: _Confined, sftp: Any, f: Any, path: str) -> None:
         self._c = confined
         self._sftp = sftp
         self._f = f
         self._path = path
-        self._size = size
-        self._pos = 0
         self._closed = False
 
-    def _read_blocking(self, size: int) -> bytes:
-        end = min(self._size, self._pos + size)
-        chunks = [(o, min(SFTP_REQUEST, end - o)) for o in range(self._pos, end, SFTP_REQUEST)]
-        data = b"".join(self._f.readv(chunks)) if chunks else b""
-        if len(data) < size:
-            # Past the size seen at open (the file grew, or was short): plain reads to EOF.
-            self._f.seek(self._pos + len(data))
-            data += self._f.read(size - len(data))
-        self._pos += len(data)
-        return data
-
     async def read(self, size: int) -> bytes:
-        return await self._c.call(self._path, self._read_blocking, size)
+        # Sequential requests of paramiko's MAX_REQUEST_SIZE: its pipelined readv and prefetch
+        # run threads of their own that raise unseen when the connection drops.
+        data: bytes = await self._c.call(self._path, self._f.read, size)
+        return data
 
     async def write(self, data: bytes) -> None:
         try:
@@ -356,7 +350,8 @@ class ParamikoFile:
 class ParamikoSFTP:
     def __init__(self, sftp: Any, executor: ThreadPoolExecutor) -> None:
         self._sftp = sftp
-        self._c = _Confined(executor)
+        chan = sftp.get_channel()
+        self._c = _Confined(executor, lambda: not chan.closed and chan.get_transport().is_active())
         self._closed = False
 
     async def realpath(self, path: str) -> str:
@@ -379,16 +374,14 @@ class ParamikoSFTP:
         names = await self._c.call(path, self._sftp.listdir_attr, path)
         return [DirEntry(a.filename, _attrs(a)) for a in names if a.filename not in (".", "..")]
 
-    def _open_read_blocking(self, path: str, offset: int) -> tuple[Any, int]:
+    def _open_read_blocking(self, path: str, offset: int) -> Any:
         f = self._sftp.open(path, "rb")
-        size = f.stat().st_size
-        return f, size
+        f.seek(offset)
+        return f
 
     async def open_read(self, path: str, offset: int = 0) -> ParamikoFile:
-        f, size = await self._c.call(path, self._open_read_blocking, path, offset)
-        pf = ParamikoFile(self._c, self._sftp, f, path, size)
-        pf._pos = offset
-        return pf
+        f = await self._c.call(path, self._open_read_blocking, path, offset)
+        return ParamikoFile(self._c, self._sftp, f, path)
 
     def _open_write_blocking(self, path: str, exclusive: bool, mode: int) -> Any:
         f = self._sftp.open(path, "wxb" if exclusive else "wb")
@@ -400,7 +393,7 @@ class ParamikoSFTP:
         self, path: str, *, exclusive: bool = True, mode: int = 0o644
     ) -> ParamikoFile:
         f = await self._c.call(path, self._open_write_blocking, path, exclusive, mode)
-        return ParamikoFile(self._c, self._sftp, f, path, 0)
+        return ParamikoFile(self._c, self._sftp, f, path)
 
     async def rename(self, old: str, new: str, *, overwrite: bool) -> None:
         fn = self._sftp.posix_rename if overwrite else self._sftp.rename
