@@ -222,7 +222,6 @@ async def upload(
     response: Response,
     if_match: Annotated[str | None, Header()] = None,
     if_none_match: Annotated[str | None, Header()] = None,
-    content_length: Annotated[int | None, Header(ge=0)] = None,
 ) -> dict[str, Any]:
     service = svc.files
     if if_none_match is not None and if_none_match.strip() != "*":
@@ -230,7 +229,9 @@ async def upload(
     async with service.open(who, host) as files:
         grant = files.grant
         limit = min(grant.rule.max_file_size, grant.rule.max_transfer_bytes)
-        if content_length is not None and content_length > limit:
+        # Read from the request, not declared as a parameter: the server validated it already.
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
             raise Problem(413, "too-large", "File too large", f"at most {limit} bytes")
         place = await files.resolve_name(path)
         existing = await files.lstat(place)
