@@ -20,12 +20,14 @@ from api.auth import Authenticator
 from api.batch import BatchJobs
 from api.config import Config, HostConfig
 from api.deps import Services
+from api.files import FileService
 from api.jobs import JobService
 from api.local import resolve_config
 from api.metrics import Metrics
 from api.middleware import RequestContext
 from api.policy import Policy
 from api.quota import make_quota
+from api.routes.files import router as files_router
 from api.routes.hosts import router as hosts_router
 from api.routes.jobs import router as jobs_router
 from api.routes.ops import router as ops_router
@@ -38,7 +40,8 @@ log = logging.getLogger("sshapi")
 DESCRIPTION = """\
 Run commands on HPC login hosts over pooled, multiplexed SSH connections.
 
-Authenticate with `Authorization: Bearer <JWT>` (scopes `jobs:read`, `jobs:write`, `admin`).
+Authenticate with `Authorization: Bearer <JWT>` (scopes `jobs:read`, `jobs:write`,
+`files:read`, `files:write`, `admin`).
 `POST /v1/jobs` answers 201 with the result when the command finishes within `Prefer: wait=N`
 seconds (default 30), else 202 with `Location` to poll. Errors are `application/problem+json`.
 Output is decoded as UTF-8 with invalid bytes replaced by U+FFFD.
@@ -78,6 +81,7 @@ def create_app(
         http = httpx.AsyncClient(follow_redirects=False)
         policy = Policy(config)
         batch = BatchJobs(config, policy, the_store, the_pool, metrics)
+        quota = make_quota(settings.redis_url)
         services = Services(
             settings=settings,
             config=config,
@@ -93,10 +97,11 @@ def create_app(
                 metrics,
                 settings.replica,
                 batch,
-                make_quota(settings.redis_url),
+                quota,
             ),
             metrics=metrics,
             http=http,
+            files=FileService(config, policy, the_pool, quota, metrics),
         )
         for name, host in config.hosts.items():
             for problem in host.ssh_budget(settings.replicas):
@@ -139,6 +144,7 @@ def create_app(
     problems.install(app)
     app.include_router(jobs_router)
     app.include_router(hosts_router)
+    app.include_router(files_router)
     app.include_router(ops_router)
     app.add_middleware(RequestContext, metrics=metrics, max_body=config.api.max_body_bytes)
     return app

@@ -31,7 +31,7 @@ from api.problems import unauthorized
 log = logging.getLogger("sshapi.auth")
 
 REQUIRED_CLAIMS = ["exp", "iat", "sub", "aud", "iss"]
-SCOPES = frozenset({"jobs:read", "jobs:write", "admin"})
+SCOPES = frozenset({"jobs:read", "jobs:write", "files:read", "files:write", "admin"})
 
 # Which public key types can verify which algorithms.
 KEY_TYPES: dict[str, tuple[type, ...]] = {

@@ -240,6 +240,15 @@ class PolicyRule(Strict):
     rate: float = Field(default=5.0, gt=0)
     burst: int = Field(default=20, ge=1)
     max_concurrent: int = Field(default=8, ge=1)
+    # Files (/v1/hosts/{host}/files): the directories each host's paths must resolve into, per
+    # host name pattern (first match). `~` is the account's home, `{account}` its name, `{sub}`
+    # the caller's subject; a relative root is under the home. No matching entry: no files.
+    file_roots: dict[str, list[str]] = Field(default_factory=lambda: {"*": ["~"]})
+    # Largest file an upload may create, bytes one request may move (either way), transfers
+    # (uploads + downloads) one identity may run at once.
+    max_file_size: int = Field(default=4 << 30, ge=0)
+    max_transfer_bytes: int = Field(default=4 << 30, ge=1)
+    max_transfers: int = Field(default=4, ge=1)
 
 
 class Config(Strict):

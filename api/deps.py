@@ -12,6 +12,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from api.auth import Authenticator, Principal
 from api.config import Config
+from api.files import FileService
 from api.jobs import JobService
 from api.metrics import Metrics
 from api.policy import Policy
@@ -35,6 +36,7 @@ class Services:
     jobs: JobService
     metrics: Metrics
     http: httpx.AsyncClient
+    files: FileService
     ready: bool = False
 
 
@@ -84,3 +86,5 @@ Svc = Annotated[Services, Depends(get_services)]
 Caller = Annotated[Principal, Depends(get_principal)]
 Reader = Annotated[Principal, Depends(require("jobs:read"))]
 Writer = Annotated[Principal, Depends(require("jobs:write"))]
+FileReader = Annotated[Principal, Depends(require("files:read"))]
+FileWriter = Annotated[Principal, Depends(require("files:write"))]

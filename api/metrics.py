@@ -110,6 +110,19 @@ class Metrics:
             registry=self.registry,
         )
 
+        self.file_bytes = Counter(
+            "sshapi_file_bytes",
+            "Bytes moved by file transfers (direction: upload, download)",
+            ["direction"],
+            registry=self.registry,
+        )
+        self.file_transfers = Gauge(
+            "sshapi_file_transfers_active",
+            "File uploads and downloads in progress in this process",
+            ["direction"],
+            registry=self.registry,
+        )
+
     def watch_pool(self, stats: Callable[[], dict[Any, dict[str, Any]]]) -> None:
         self.registry.register(PoolCollector(stats))
 

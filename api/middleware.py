@@ -20,6 +20,10 @@ from api.timing import TIMING, Timing
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
+# Uploads stream their body to the host under the policy's own caps (api/files.py), not this one.
+STREAMED_BODY = re.compile(r"^/v1/hosts/[^/]+/files/content$")
+
+
 class RequestContext:
     def __init__(self, app: ASGIApp, metrics: Metrics, max_body: int) -> None:
         self.app = app
@@ -50,21 +54,24 @@ class RequestContext:
             await send(message)
 
         received = 0
+        max_body = self.max_body
+        if scope["method"] == "PUT" and STREAMED_BODY.match(scope["path"]):
+            max_body = 1 << 62
 
         async def capped_receive() -> Message:
             nonlocal received
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_body:
+                if received > max_body:
                     # FastAPI re-raises HTTPException from body reading (other errors become 400).
-                    raise HTTPException(413, f"at most {self.max_body} bytes")
+                    raise HTTPException(413, f"at most {max_body} bytes")
             return message
 
         try:
             declared = headers.get(b"content-length")
-            if declared is not None and declared.isdigit() and int(declared) > self.max_body:
-                await _too_large(self.max_body).response(scope["path"])(
+            if declared is not None and declared.isdigit() and int(declared) > max_body:
+                await _too_large(max_body).response(scope["path"])(
                     scope, receive, send_with_headers
                 )
             else:

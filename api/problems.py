@@ -27,6 +27,10 @@ from sshpool.errors import (
     HostUnavailable,
     PoolFull,
     PoolTimeout,
+    RemoteFileFailure,
+    RemoteNoSpace,
+    RemoteNotFound,
+    RemotePermissionDenied,
     SSHPoolError,
 )
 
@@ -124,6 +128,11 @@ SSH_ERRORS: dict[type[SSHPoolError], tuple[int, str, str]] = {
     ConnectError: (502, "connect-failed", "Could not connect to the host"),
     ConnectionLost: (502, "connection-lost", "The SSH connection dropped before the command ran"),
     SSHPoolError: (502, "ssh-error", "SSH failed"),
+    # Files (api/files.py): the host answered an SFTP request with an error.
+    RemoteNotFound: (404, "file-not-found", "No such file or directory"),
+    RemotePermissionDenied: (403, "file-permission-denied", "The host refused access"),
+    RemoteNoSpace: (507, "no-space", "No space left on the host's filesystem"),
+    RemoteFileFailure: (409, "file-conflict", "The host refused the file operation"),
 }
 
 

@@ -15,6 +15,11 @@ from sshpool.errors import (
     HostUnavailable,
     PoolFull,
     PoolTimeout,
+    RemoteFileError,
+    RemoteFileFailure,
+    RemoteNoSpace,
+    RemoteNotFound,
+    RemotePermissionDenied,
     SSHPoolError,
 )
 from sshpool.pool import Pool
@@ -34,6 +39,11 @@ __all__ = [
     "Pool",
     "PoolFull",
     "PoolTimeout",
+    "RemoteFileError",
+    "RemoteFileFailure",
+    "RemoteNoSpace",
+    "RemoteNotFound",
+    "RemotePermissionDenied",
     "SSHPoolError",
     "Target",
 ]

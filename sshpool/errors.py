@@ -11,12 +11,17 @@ SSHPoolError
 │   ├── AuthenticationFailed   the host rejected every client key
 │   └── HostKeyMismatch        the host key is not the one in known_hosts (nothing was sent)
 ├── ChannelRefused     sshd refused a channel (MaxSessions); the pool retries, callers never see it
-└── ConnectionLost     the connection dropped; `started` says whether the command may have run
+├── ConnectionLost     the connection dropped; `started` says whether the command may have run
+└── RemoteFileError    an SFTP operation failed on the host; the connection is fine
+    ├── RemoteNotFound          no such file or directory
+    ├── RemotePermissionDenied  the account may not do that there
+    ├── RemoteNoSpace           the host's filesystem (or the account's quota) is full
+    └── RemoteFileFailure       any other refusal: exists, not a directory, not empty, ...
 ```
 
 The API maps PoolTimeout, PoolFull and HostUnavailable to 503 + Retry-After, ConnectTimeout to 504,
 ConnectError to 502, CommandTimeout to the job state `timed_out`, and ConnectionLost after start to
-the job state `lost`.
+the job state `lost`. The API maps the RemoteFileError family to 404, 403, 507 and 409.
 """
 
 from __future__ import annotations
@@ -96,3 +101,28 @@ class ConnectionLost(SSHPoolError):
         super().__init__(message)
         self.started = started
         self.remote_pgid: int | None = None
+
+
+class RemoteFileError(SSHPoolError):
+    """An SFTP operation failed on the host (the host answered with an error status); the
+    connection and the SFTP session stay usable. `path` is the remote path it was about."""
+
+    def __init__(self, message: str, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class RemoteNotFound(RemoteFileError):
+    """The file or directory (or one of its parents) does not exist on the host."""
+
+
+class RemotePermissionDenied(RemoteFileError):
+    """The host refused the operation to the account (file mode, ownership, read-only mount)."""
+
+
+class RemoteNoSpace(RemoteFileError):
+    """A write failed because the filesystem (or the account's quota) has no room left."""
+
+
+class RemoteFileFailure(RemoteFileError):
+    """Any other SFTP failure: the target exists, is not a directory, is not empty, ..."""

@@ -5,7 +5,8 @@ methods (`_dispatch`, `_maybe_grow`, `_release`, ...), so no two coroutines inte
 state change. I/O (connect, exec, close) happens outside them.
 
 A command holds a lease (`async with host.lease(deadline)`), one channel slot on one
-connection; the lease decides what becomes of the slot when the command ends: released after a
+connection (an SFTP session holds one the same way while open: `Pool.sftp`); the lease
+decides what becomes of the slot when the command ends: released after a
 clean exec, shrunk when sshd refused the channel, discarded when the connection failed, and after
 a timeout or cancellation released only once the remote process group was killed.
 
@@ -30,6 +31,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any
 
 from sshpool.backends import Backend, Connection, Exit, load_backend
+from sshpool.backends.base import SFTPSession
 from sshpool.breaker import Breaker
 from sshpool.command import Capture, CommandResult, command_line, kill_group_line, wrap
 from sshpool.errors import (
@@ -42,6 +44,7 @@ from sshpool.errors import (
     HostUnavailable,
     PoolFull,
     PoolTimeout,
+    RemoteFileError,
     SSHPoolError,
 )
 from sshpool.target import Target
@@ -408,6 +411,56 @@ class _HostPool:
         finally:
             self._release(c)
 
+    async def open_sftp(self, deadline: float | None, since: float) -> tuple[_Conn, SFTPSession]:
+        """A channel slot with the sftp subsystem started on it (see `Pool.sftp`): refused
+        channels shrink the connection and are retried, a connection lost before the session
+        started is discarded and retried once."""
+        refusals = 0
+        lost_retried = False
+        while True:
+            c = await self.acquire(deadline)
+            try:
+                session = await c.conn.sftp()
+            except ChannelRefused:
+                self._shrink(c)
+                refusals += 1
+                if refusals >= MAX_REFUSALS:
+                    raise ConnectionLost(
+                        f"{self.target}: sshd refused {refusals} channels in a row", started=False
+                    ) from None
+                await asyncio.sleep(0.005 * refusals)
+                continue
+            except ConnectionLost:
+                self.counters["connections_lost"] += 1
+                self._discard(c)
+                if lost_retried:
+                    raise
+                lost_retried = True
+                continue
+            except RemoteFileError:
+                self._release(c)  # no sftp subsystem: the connection itself is fine
+                raise
+            except BaseException:
+                self._discard(c)
+                raise
+            self._regrow(c)
+            self.counters["sftp_sessions"] += 1
+            c.leases += 1
+            return c, session
+
+    async def close_sftp(self, c: _Conn, session: SFTPSession, healthy: bool) -> None:
+        """Close an SFTP session's channel, then release its slot (or discard the connection
+        when the session ended on a broken connection)."""
+        try:
+            async with asyncio.timeout(KILL_TIMEOUT):
+                await session.close()
+        except TimeoutError:
+            healthy = False
+        if healthy and c.conn.is_alive():
+            self._release(c)
+        else:
+            self._discard(c)
+
     async def prewarm(self) -> None:
         """Open limits.min_connections now, through the handshake gate; raises the connect
         error if one failed."""
@@ -557,6 +610,49 @@ class Pool:
                 raise CommandTimeout(f"command ran past its {timeout} s timeout", result) from None
             host.counters["commands"] += 1
             return lease.result(end)
+
+    @contextlib.asynccontextmanager
+    async def sftp(
+        self, target: Target, *, acquire_timeout: float | None = None
+    ) -> AsyncIterator[SFTPSession]:
+        """An SFTP session on a pooled connection to `target`, held for the `async with` body
+        (several operations may use it, one at a time).
+
+        ```python
+        async with pool.sftp(target, acquire_timeout=10) as fs:
+            home = await fs.realpath(".")
+        ```
+
+        The session takes one channel slot through the same admission as `run` (max_sessions,
+        the handshake gate, the FIFO queue with its deadline, the breaker): PoolTimeout,
+        PoolFull, HostUnavailable, ConnectTimeout, ConnectError as there. A refused channel is
+        retried like a command's; a connection lost before the session started is retried once
+        on a fresh one. In the body, RemoteFileError leaves the slot reusable;
+        ConnectionLost(started=True) discards the connection. When the body ends (whatever
+        way) the session's channel is closed and its slot released.
+        """
+        host = self._host(target)
+        t0 = time.perf_counter()
+        deadline = None if acquire_timeout is None else host.loop.time() + acquire_timeout
+        c, session = await host.open_sftp(deadline, t0)
+        healthy = False
+        try:
+            yield session
+            healthy = True
+        except RemoteFileError:
+            healthy = True
+            raise
+        except ConnectionLost:
+            host.counters["connections_lost"] += 1
+            raise
+        except Exception:
+            # The caller's own error (a refused path, a client that went away): the session may
+            # be mid-request, but the connection is as good as before.
+            healthy = c.conn.is_alive()
+            raise
+        finally:
+            # Shielded: a cancelled caller still closes the channel and frees the slot.
+            await asyncio.shield(host.close_sftp(c, session, healthy))
 
     async def kill(self, target: Target, pgid: int) -> None:
         """Kill a process group on `target` that was started elsewhere (by another process

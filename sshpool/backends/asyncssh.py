@@ -5,6 +5,7 @@ peer detection, exit signals). What it does not do and this module adds:
 - A liveness flag that needs no I/O (`is_alive`), from the connection_lost callback.
 - `started` on a lost connection: whether the exec request may have reached sshd.
 - The SSH signal request (TERM) on cancel, best effort.
+- SFTP (`sftp()`): asyncssh's own client, its errors in our tree, ENOSPC told apart by statvfs.
 
 Every asyncssh error is translated into sshpool.errors here (its table) and in
 `sshpool.backends.translate` (the shared rules), nowhere else.
@@ -14,12 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import asyncssh
 
 from sshpool.backends import translate
-from sshpool.backends.base import Exit
+from sshpool.backends.base import DirEntry, Exit, FileAttrs
 from sshpool.command import Capture
 from sshpool.errors import (
     AuthenticationFailed,
@@ -27,6 +29,7 @@ from sshpool.errors import (
     ConnectError,
     ConnectionLost,
     HostKeyMismatch,
+    RemoteFileError,
     SSHPoolError,
 )
 from sshpool.target import Target
@@ -83,6 +86,130 @@ class _Session(asyncssh.SSHClientSession[bytes]):
                 self.done.set_exception(exc)
 
 
+def _attrs(attrs: asyncssh.SFTPAttrs) -> FileAttrs:
+    return FileAttrs.from_mode(attrs.permissions, attrs.size, attrs.mtime)
+
+
+@contextlib.asynccontextmanager
+async def _sftp_errors(path: str | None) -> AsyncIterator[None]:
+    """asyncssh's SFTP errors in our tree: a status from the host, or a lost connection."""
+    try:
+        yield
+    except asyncssh.SFTPError as exc:
+        # 6 no connection (asyncssh's answer once the channel has closed), 7 connection lost.
+        if exc.code in (6, 7):
+            message = f"connection lost during SFTP: {exc.reason}"
+            raise ConnectionLost(message, started=True) from exc
+        raise translate.sftp_error(exc.code, exc.reason, path) from exc
+    except (asyncssh.Error, OSError, EOFError) as exc:
+        raise ConnectionLost(f"connection lost during SFTP: {exc}", started=True) from exc
+
+
+class AsyncsshFile:
+    def __init__(self, sftp: asyncssh.SFTPClient, f: asyncssh.SFTPClientFile, path: str) -> None:
+        self._sftp = sftp
+        self._f = f
+        self._path = path
+        self._closed = False
+
+    async def read(self, size: int) -> bytes:
+        async with _sftp_errors(self._path):
+            data: bytes = await self._f.read(size)
+        return data
+
+    async def write(self, data: bytes) -> None:
+        try:
+            async with _sftp_errors(self._path):
+                await self._f.write(data)
+        except RemoteFileError as exc:
+            raise await self._why(exc) from exc
+
+    async def _why(self, exc: RemoteFileError) -> RemoteFileError:
+        free: int | None = None
+        with contextlib.suppress(asyncssh.Error, OSError):
+            vfs = await self._f.statvfs()
+            free = vfs.bavail * vfs.frsize
+        return translate.write_failed(exc, free)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        async with _sftp_errors(self._path):
+            await self._f.close()
+
+
+class AsyncsshSFTP:
+    def __init__(self, sftp: asyncssh.SFTPClient) -> None:
+        self._sftp = sftp
+
+    async def realpath(self, path: str) -> str:
+        async with _sftp_errors(path):
+            result: str = await self._sftp.realpath(path)
+        return result
+
+    async def stat(self, path: str) -> FileAttrs:
+        async with _sftp_errors(path):
+            return _attrs(await self._sftp.stat(path))
+
+    async def lstat(self, path: str) -> FileAttrs:
+        async with _sftp_errors(path):
+            return _attrs(await self._sftp.lstat(path))
+
+    async def readlink(self, path: str) -> str:
+        async with _sftp_errors(path):
+            result: str = await self._sftp.readlink(path)
+        return result
+
+    async def listdir(self, path: str) -> list[DirEntry]:
+        async with _sftp_errors(path):
+            names = await self._sftp.readdir(path)
+        return [
+            DirEntry(str(n.filename), _attrs(n.attrs))
+            for n in names
+            if n.filename not in (".", "..")
+        ]
+
+    async def open_read(self, path: str, offset: int = 0) -> AsyncsshFile:
+        async with _sftp_errors(path):
+            f = await self._sftp.open(path, "rb")
+        await f.seek(offset)
+        return AsyncsshFile(self._sftp, f, path)
+
+    async def open_write(
+        self, path: str, *, exclusive: bool = True, mode: int = 0o644
+    ) -> AsyncsshFile:
+        attrs = asyncssh.SFTPAttrs(permissions=mode)
+        async with _sftp_errors(path):
+            f = await self._sftp.open(path, "xb" if exclusive else "wb", attrs)
+        return AsyncsshFile(self._sftp, f, path)
+
+    async def rename(self, old: str, new: str, *, overwrite: bool) -> None:
+        async with _sftp_errors(old):
+            if overwrite:
+                # OpenSSH's extension; asyncssh raises SFTPOpUnsupported (-> a failure) without.
+                await self._sftp.posix_rename(old, new)
+            else:
+                await self._sftp.rename(old, new)
+
+    async def remove(self, path: str) -> None:
+        async with _sftp_errors(path):
+            await self._sftp.remove(path)
+
+    async def rmdir(self, path: str) -> None:
+        async with _sftp_errors(path):
+            await self._sftp.rmdir(path)
+
+    async def mkdir(self, path: str, mode: int = 0o755) -> None:
+        async with _sftp_errors(path):
+            await self._sftp.mkdir(path, asyncssh.SFTPAttrs(permissions=mode))
+
+    async def close(self) -> None:
+        self._sftp.exit()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._sftp.wait_closed(), timeout=5)
+
+
 class AsyncsshConnection:
     def __init__(self, conn: asyncssh.SSHClientConnection, client: _Client) -> None:
         self._conn = conn
@@ -125,6 +252,19 @@ class AsyncsshConnection:
             raise ConnectionLost("connection lost while running", started=True)
         signal = chan.get_exit_signal()
         return Exit(status=chan.get_exit_status(), signal=signal[0] if signal else None)
+
+    async def sftp(self) -> AsyncsshSFTP:
+        try:
+            client = await self._conn.start_sftp_client()
+        except asyncssh.ChannelOpenError as exc:
+            if not self.is_alive():
+                raise ConnectionLost(str(exc), started=False) from exc
+            raise ChannelRefused(f"channel refused: {exc.reason}") from exc
+        except asyncssh.SFTPError as exc:
+            raise translate.sftp_error(exc.code, f"no SFTP: {exc.reason}", None) from exc
+        except (asyncssh.Error, OSError, EOFError) as exc:
+            raise ConnectionLost(f"cannot start SFTP: {exc}", started=False) from exc
+        return AsyncsshSFTP(client)
 
     async def close(self) -> None:
         self._conn.close()

@@ -1,6 +1,7 @@
 """The backend interface: the little the pool needs from an SSH library.
 
-A backend connects a Target; a connection runs one command per channel, many at once. Backends
+A backend connects a Target; a connection runs one command per channel, many at once, and opens
+SFTP sessions (the sftp subsystem on a channel of its own, `Connection.sftp`). Backends
 raise only sshpool.errors exceptions: each translates its library's errors in one place (its own
 table, plus the shared rules of `sshpool.backends.translate`).
 
@@ -10,7 +11,7 @@ Only the interface lives here; `sshpool.backends.load_backend` finds a backend b
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 from sshpool.command import Capture
 from sshpool.target import Target
@@ -22,6 +23,118 @@ class Exit:
 
     status: int | None
     signal: str | None = None
+
+
+FileType = Literal["file", "dir", "symlink", "other"]
+
+
+@dataclass(frozen=True, slots=True)
+class FileAttrs:
+    """What SFTP says of one file: its type, size in bytes, permission bits (`mode & 0o7777`),
+    and modification time (seconds since the epoch; SFTP v3 has whole seconds only)."""
+
+    type: FileType
+    size: int
+    mode: int
+    mtime: int
+
+    @staticmethod
+    def from_mode(mode: int | None, size: int | None, mtime: int | float | None) -> FileAttrs:
+        """From a POSIX st_mode (S_IFMT bits included), as every SFTP library reports it."""
+        kind = (mode or 0) & 0o170000
+        types: dict[int, FileType] = {0o100000: "file", 0o040000: "dir", 0o120000: "symlink"}
+        return FileAttrs(types.get(kind, "other"), size or 0, (mode or 0) & 0o7777, int(mtime or 0))
+
+
+@dataclass(frozen=True, slots=True)
+class DirEntry:
+    """One entry of a directory listing: its name (no path) and its own attributes (lstat: a
+    symlink is reported as one, not followed)."""
+
+    name: str
+    attrs: FileAttrs
+
+
+class RemoteFile(Protocol):
+    """An open remote file, for reading from an offset or for writing from the start."""
+
+    async def read(self, size: int) -> bytes:
+        """Up to `size` bytes from the current position (several SFTP requests in flight where
+        the library can); b"" at end of file."""
+        ...
+
+    async def write(self, data: bytes) -> None:
+        """Write all of `data` at the current position. A full filesystem raises RemoteNoSpace."""
+        ...
+
+    async def close(self) -> None:
+        """Close the handle; for a written file, raises the RemoteFileError of a failed flush.
+        Idempotent."""
+        ...
+
+
+class SFTPSession(Protocol):
+    """The sftp subsystem on one channel of a pooled connection. Paths are the host's (bytes are
+    UTF-8 text); a relative path resolves against the account's home directory.
+
+    Every method raises RemoteFileError subclasses for an error status of the host (the session
+    stays usable) and ConnectionLost(started=True) when the connection drops (the operation may
+    have happened). A session runs one operation at a time: callers await each before the next.
+    """
+
+    async def realpath(self, path: str) -> str:
+        """The canonical absolute path: `.` and `..` removed and every symlink followed (as
+        OpenSSH's sftp-server does; a missing final component is allowed there)."""
+        ...
+
+    async def stat(self, path: str) -> FileAttrs:
+        """Attributes of the file `path` names, following symlinks."""
+        ...
+
+    async def lstat(self, path: str) -> FileAttrs:
+        """Attributes of `path` itself: a symlink is reported as a symlink."""
+        ...
+
+    async def readlink(self, path: str) -> str:
+        """The target text of the symlink `path` (not resolved)."""
+        ...
+
+    async def listdir(self, path: str) -> list[DirEntry]:
+        """The entries of directory `path` with their lstat attributes, `.` and `..` left out."""
+        ...
+
+    async def open_read(self, path: str, offset: int = 0) -> RemoteFile:
+        """Open `path` for reading, positioned at `offset`."""
+        ...
+
+    async def open_write(
+        self, path: str, *, exclusive: bool = True, mode: int = 0o644
+    ) -> RemoteFile:
+        """Create `path` for writing (O_CREAT|O_TRUNC; with `exclusive`, O_EXCL: fail when it
+        exists, never following a symlink there). RemoteFileFailure when it exists."""
+        ...
+
+    async def rename(self, old: str, new: str, *, overwrite: bool) -> None:
+        """Rename `old` to `new`. With `overwrite`, atomically replace an existing `new`
+        (posix-rename@openssh.com where the server offers it); without, fail with
+        RemoteFileFailure when `new` exists (SFTP v3 rename never replaces)."""
+        ...
+
+    async def remove(self, path: str) -> None:
+        """Remove the file (or the symlink itself) `path`."""
+        ...
+
+    async def rmdir(self, path: str) -> None:
+        """Remove the empty directory `path`."""
+        ...
+
+    async def mkdir(self, path: str, mode: int = 0o755) -> None:
+        """Create the directory `path` (its parent must exist)."""
+        ...
+
+    async def close(self) -> None:
+        """Close the session's channel. Idempotent, best effort, never raises."""
+        ...
 
 
 class Connection(Protocol):
@@ -40,6 +153,12 @@ class Connection(Protocol):
         cancellation it sends the TERM signal request (best effort), closes the channel and
         re-raises; killing the process group is the pool's job.
         """
+        ...
+
+    async def sftp(self) -> SFTPSession:
+        """Open a session channel and start the sftp subsystem on it. Raises ChannelRefused when
+        sshd refuses the channel (MaxSessions), ConnectionLost(started=False) when the
+        transport drops, RemoteFileFailure when the host has no sftp subsystem."""
         ...
 
     async def close(self) -> None:

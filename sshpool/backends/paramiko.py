@@ -15,6 +15,10 @@ What paramiko does not do and this module adds:
 - The SSH signal request on cancel.
 - No EOF or signal request after paramiko's automatic answer to sshd's CLOSE: sshd drops the
   whole connection for a message about a channel it has freed.
+- SFTP (`sftp()`): paramiko's SFTPClient, each call in this backend's threads and never two at
+  once on one session (a per-session asyncio lock), reads sequential (paramiko's readv and
+  prefetch run threads of their own that fail unseen when the connection drops), writes with
+  paramiko's pipelined mode, ENOSPC told apart by statvfs@openssh.com.
 
 Every paramiko and socket error is translated into sshpool.errors in this module (its table) and
 in `sshpool.backends.translate` (the shared rules).
@@ -24,16 +28,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import select
 import socket
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from sshpool.backends import translate
-from sshpool.backends.base import Exit
+from sshpool.backends.base import DirEntry, Exit, FileAttrs
 from sshpool.command import Capture
 from sshpool.errors import (
     AuthenticationFailed,
@@ -41,9 +46,12 @@ from sshpool.errors import (
     ConnectionLost,
     ConnectTimeout,
     HostKeyMismatch,
+    RemoteFileError,
     SSHPoolError,
 )
 from sshpool.target import Limits, Target
+
+T = TypeVar("T")
 
 try:
     import paramiko
@@ -244,6 +252,170 @@ def _retrieve(fut: asyncio.Future[Any]) -> None:
         fut.exception()
 
 
+# paramiko raises IOError with these errnos for the SFTP statuses it knows (paramiko.sftp_client
+# _convert_status), a bare IOError(text) for the rest.
+_SFTP_ERRNO = {errno.ENOENT: 2, errno.EACCES: 3}
+
+
+def _sftp_error(exc: BaseException, path: str | None) -> SSHPoolError:
+    """paramiko's SFTP errors in our tree."""
+    status = (
+        isinstance(exc, OSError)
+        and not isinstance(exc, (ConnectionError, TimeoutError))
+        and (exc.errno in _SFTP_ERRNO or (exc.errno is None and bool(exc.args)))
+    )
+    if status:
+        assert isinstance(exc, OSError)
+        text = exc.strerror or " ".join(str(a) for a in exc.args)
+        return translate.sftp_error(_SFTP_ERRNO.get(exc.errno or 0, 4), text, path)
+    return ConnectionLost(f"connection lost during SFTP: {translate.describe(exc)}", started=True)
+
+
+def _attrs(a: Any) -> FileAttrs:
+    return FileAttrs.from_mode(a.st_mode, a.st_size, a.st_mtime)
+
+
+class _Confined:
+    """One paramiko object used from this backend's threads, one call at a time."""
+
+    def __init__(self, executor: ThreadPoolExecutor, alive: Callable[[], bool]) -> None:
+        self._executor = executor
+        self._alive = alive
+        self._lock = asyncio.Lock()
+
+    async def call(self, path: str | None, fn: Callable[..., T], *args: Any) -> T:
+        async with self._lock:
+            fut = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+            try:
+                # Shielded: the lock stays held until the thread is done with the object.
+                return await asyncio.shield(fut)
+            except asyncio.CancelledError:
+                fut.add_done_callback(_retrieve)
+                await asyncio.wait([fut])
+                raise
+            except (OSError, EOFError, paramiko.SSHException) as exc:
+                if not self._alive():
+                    # paramiko words a dropped channel as a plain IOError now and then.
+                    message = f"connection lost during SFTP: {translate.describe(exc)}"
+                    raise ConnectionLost(message, started=True) from exc
+                raise _sftp_error(exc, path) from exc
+
+
+def _free_bytes(sftp: Any, path: str) -> int | None:
+    """statvfs@openssh.com (paramiko has no method for it): f_bavail x f_frsize, or None."""
+    try:
+        t, msg = sftp._request(paramiko.sftp.CMD_EXTENDED, "statvfs@openssh.com", path)
+    except Exception:
+        return None
+    if t != paramiko.sftp.CMD_EXTENDED_REPLY:
+        return None
+    bsize, frsize, _blocks, _bfree, bavail = (msg.get_int64() for _ in range(5))
+    return int(bavail * (frsize or bsize))
+
+
+class ParamikoFile:
+    def __init__(self, confined: _Confined, sftp: Any, f: Any, path: str) -> None:
+        self._c = confined
+        self._sftp = sftp
+        self._f = f
+        self._path = path
+        self._closed = False
+
+    async def read(self, size: int) -> bytes:
+        # Sequential requests of paramiko's MAX_REQUEST_SIZE: its pipelined readv and prefetch
+        # run threads of their own that raise unseen when the connection drops.
+        data: bytes = await self._c.call(self._path, self._f.read, size)
+        return data
+
+    async def write(self, data: bytes) -> None:
+        try:
+            await self._c.call(self._path, self._f.write, data)
+        except RemoteFileError as exc:
+            raise await self._why(exc) from exc
+
+    async def _why(self, exc: RemoteFileError) -> RemoteFileError:
+        free = await self._c.call(None, _free_bytes, self._sftp, self._path)
+        return translate.write_failed(exc, free)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._c.call(self._path, self._f.close)
+        except RemoteFileError as exc:
+            raise await self._why(exc) from exc
+
+
+class ParamikoSFTP:
+    def __init__(self, sftp: Any, executor: ThreadPoolExecutor) -> None:
+        self._sftp = sftp
+        chan = sftp.get_channel()
+        self._c = _Confined(executor, lambda: not chan.closed and chan.get_transport().is_active())
+        self._closed = False
+
+    async def realpath(self, path: str) -> str:
+        result: str = await self._c.call(path, self._sftp.normalize, path)
+        return result
+
+    async def stat(self, path: str) -> FileAttrs:
+        return _attrs(await self._c.call(path, self._sftp.stat, path))
+
+    async def lstat(self, path: str) -> FileAttrs:
+        return _attrs(await self._c.call(path, self._sftp.lstat, path))
+
+    async def readlink(self, path: str) -> str:
+        result = await self._c.call(path, self._sftp.readlink, path)
+        if result is None:
+            raise translate.sftp_error(4, "not a symlink", path)
+        return str(result)
+
+    async def listdir(self, path: str) -> list[DirEntry]:
+        names = await self._c.call(path, self._sftp.listdir_attr, path)
+        return [DirEntry(a.filename, _attrs(a)) for a in names if a.filename not in (".", "..")]
+
+    def _open_read_blocking(self, path: str, offset: int) -> Any:
+        f = self._sftp.open(path, "rb")
+        f.seek(offset)
+        return f
+
+    async def open_read(self, path: str, offset: int = 0) -> ParamikoFile:
+        f = await self._c.call(path, self._open_read_blocking, path, offset)
+        return ParamikoFile(self._c, self._sftp, f, path)
+
+    def _open_write_blocking(self, path: str, exclusive: bool, mode: int) -> Any:
+        f = self._sftp.open(path, "wxb" if exclusive else "wb")
+        f.set_pipelined(True)
+        f.chmod(mode)
+        return f
+
+    async def open_write(
+        self, path: str, *, exclusive: bool = True, mode: int = 0o644
+    ) -> ParamikoFile:
+        f = await self._c.call(path, self._open_write_blocking, path, exclusive, mode)
+        return ParamikoFile(self._c, self._sftp, f, path)
+
+    async def rename(self, old: str, new: str, *, overwrite: bool) -> None:
+        fn = self._sftp.posix_rename if overwrite else self._sftp.rename
+        await self._c.call(old, fn, old, new)
+
+    async def remove(self, path: str) -> None:
+        await self._c.call(path, self._sftp.remove, path)
+
+    async def rmdir(self, path: str) -> None:
+        await self._c.call(path, self._sftp.rmdir, path)
+
+    async def mkdir(self, path: str, mode: int = 0o755) -> None:
+        await self._c.call(path, self._sftp.mkdir, path, mode)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(Exception):
+            await self._c.call(None, self._sftp.close)
+
+
 class ParamikoConnection:
     def __init__(
         self, transport: Any, sock: _WatchedSocket, limits: Limits, executor: ThreadPoolExecutor
@@ -399,6 +571,39 @@ class ParamikoConnection:
         if not self._transport.is_active():
             raise ConnectionLost("connection lost before the exit status", started=True)
         return Exit(status=None)
+
+    def _sftp_blocking(self) -> Any:
+        try:
+            chan = self._transport.open_session()
+        except paramiko.ChannelException as exc:
+            raise ChannelRefused(f"channel refused: {exc.text} (code {exc.code})") from exc
+        except (paramiko.SSHException, EOFError, OSError) as exc:
+            if self.is_alive():
+                raise ChannelRefused(f"channel refused: {exc}") from exc
+            raise ConnectionLost(f"cannot open a channel: {exc}", started=False) from exc
+        try:
+            chan.invoke_subsystem("sftp")
+            return paramiko.SFTPClient(chan)
+        except (paramiko.SSHException, EOFError, OSError) as exc:
+            with contextlib.suppress(Exception):
+                chan.close()
+            if not self._transport.is_active():
+                raise ConnectionLost(f"cannot start SFTP: {exc}", started=False) from exc
+            raise translate.sftp_error(4, f"no SFTP subsystem: {exc}", None) from exc
+
+    async def sftp(self) -> ParamikoSFTP:
+        loop = asyncio.get_running_loop()
+        fut = loop.run_in_executor(self._executor, self._sftp_blocking)
+        try:
+            client = await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            fut.add_done_callback(self._close_sftp_late)
+            raise
+        return ParamikoSFTP(client, self._executor)
+
+    def _close_sftp_late(self, fut: asyncio.Future[Any]) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            self._executor.submit(fut.result().close)
 
     async def close(self) -> None:
         if self._closed:

@@ -51,6 +51,7 @@ from sshpool.errors import (
     ConnectError,
     ConnectionLost,
     HostKeyMismatch,
+    RemoteFileFailure,
     SSHPoolError,
 )
 from sshpool.target import Limits, Target
@@ -440,6 +441,10 @@ class Ssh2Connection:
         for fn, args in list(pending.calls.values()):
             await self._flush(fn, *args)
         pending.calls.clear()
+
+    async def sftp(self) -> Any:
+        """Not implemented for libssh2 yet (its SFTP must be driven non-blocking like exec)."""
+        raise RemoteFileFailure("the ssh2 backend has no SFTP yet: use asyncssh or paramiko")
 
     # ---- closing
 

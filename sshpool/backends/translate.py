@@ -9,7 +9,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-from sshpool.errors import ConnectError, ConnectTimeout, HostKeyMismatch, SSHPoolError
+from sshpool.errors import (
+    ConnectError,
+    ConnectTimeout,
+    HostKeyMismatch,
+    RemoteFileError,
+    RemoteFileFailure,
+    RemoteNoSpace,
+    RemoteNotFound,
+    RemotePermissionDenied,
+    SSHPoolError,
+)
 from sshpool.target import Limits, Target
 
 # A backend's own table: our error for a library exception, or None to apply the shared rules.
@@ -91,3 +101,30 @@ def peer_dead(limits: Limits, silent: float) -> bool:
     keepalive_count_max + 1 intervals (count_max unanswered keepalives) is dead."""
     interval = limits.keepalive_interval
     return interval > 0 and silent > interval * (limits.keepalive_count_max + 1)
+
+
+# SFTP status codes (draft-ietf-secsh-filexfer): v3 (OpenSSH) sends 2-4 and 8; the others come
+# from servers speaking later versions.
+_SFTP_STATUS: dict[int, type[RemoteFileError]] = {
+    2: RemoteNotFound,  # SSH_FX_NO_SUCH_FILE
+    10: RemoteNotFound,  # SSH_FX_NO_SUCH_PATH
+    3: RemotePermissionDenied,  # SSH_FX_PERMISSION_DENIED
+    12: RemotePermissionDenied,  # SSH_FX_WRITE_PROTECT
+    14: RemoteNoSpace,  # SSH_FX_NO_SPACE_ON_FILESYSTEM
+    15: RemoteNoSpace,  # SSH_FX_QUOTA_EXCEEDED
+}
+
+
+def sftp_error(code: int, message: str, path: str | None) -> RemoteFileError:
+    """The one mapping from an SFTP status to the sshpool tree. OpenSSH reports a full disk as a
+    plain failure (4): backends check free space after a failed write (`write_failed`)."""
+    text = f"{path}: {message}" if path else message
+    return _SFTP_STATUS.get(code, RemoteFileFailure)(text, path)
+
+
+def write_failed(error: RemoteFileError, free_bytes: int | None) -> RemoteFileError:
+    """A write (or its close) failed: when the filesystem has no room left (statvfs f_bavail x
+    f_frsize, None when unknown), the cause was ENOSPC, which SFTP v3 cannot say."""
+    if type(error) is RemoteFileFailure and free_bytes is not None and free_bytes < 1 << 16:
+        return RemoteNoSpace(f"{error.path}: no space left on the host", error.path)
+    return error

@@ -276,7 +276,15 @@ def dev_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevApi]:
         url = f"http://127.0.0.1:{port}"
         wait_ready(proc, url, timeout=120)
         minted = subprocess.run(
-            [str(BIN / "sshapi"), "token", "--sub", "dev"],
+            # The files scopes too, for docs/files.md.
+            [
+                str(BIN / "sshapi"),
+                "token",
+                "--sub",
+                "dev",
+                "--scope",
+                "jobs:read jobs:write files:read files:write",
+            ],
             env=env,
             capture_output=True,
             text=True,

@@ -1,0 +1,340 @@
+"""/v1/hosts/{host}/files: list, stat, download (ranges), upload (streamed), delete, mkdir,
+move, checksum. The logic and the confinement live in api/files.py; docs/files.md has the
+contract."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Body, Header, Query, Request, Response
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, Field
+from starlette.requests import ClientDisconnect
+
+from api.deps import FileReader, FileWriter, Svc
+from api.files import (
+    CHUNK,
+    MAX_ENTRIES,
+    MAX_PATH,
+    Upload,
+    describe,
+    etag_of,
+    file_problem,
+    http_date,
+    temp_name,
+)
+from api.problems import MEDIA_TYPE, Problem
+from sshpool import ConnectionLost, RemoteFileError, RemoteFileFailure, SSHPoolError
+
+router = APIRouter(prefix="/v1/hosts/{host}/files", tags=["files"])
+
+Path = Annotated[str, Query(min_length=1, max_length=MAX_PATH, description="Path on the host.")]
+RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
+
+
+def _problem(description: str) -> dict[str, Any]:
+    return {"description": description, "content": {MEDIA_TYPE: {}}}
+
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    401: _problem("Missing or invalid token."),
+    403: _problem("Scope or host not allowed, path outside your roots, or the host refused."),
+    404: _problem("No such file or directory."),
+    409: _problem("Not a file / not a directory / exists / not empty."),
+    429: _problem("Rate limit or too many transfers at once: see `Retry-After`."),
+    502: _problem("The SSH connection failed or dropped."),
+    503: _problem("Host saturated or down: see `Retry-After`."),
+}
+
+
+class MkdirRequest(BaseModel):
+    path: str = Field(min_length=1, max_length=MAX_PATH)
+
+
+class MoveRequest(BaseModel):
+    source: str = Field(min_length=1, max_length=MAX_PATH)
+    destination: str = Field(min_length=1, max_length=MAX_PATH)
+    overwrite: bool = False
+
+
+@router.get("", responses=ERRORS, summary="A directory's entries (paged) or one entry's stat")
+async def list_or_stat(
+    host: str,
+    path: Path,
+    who: FileReader,
+    svc: Svc,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 200,
+    cursor: Annotated[str | None, Query(max_length=1024, description="`next_cursor`.")] = None,
+) -> dict[str, Any]:
+    async with svc.files.open(who, host) as files:
+        place = await files.resolve(path)
+        attrs = await files.fs.stat(place.path)
+        if attrs.type != "dir":
+            return {"path": path, **describe(place.path.rsplit("/", 1)[-1], attrs)}
+        entries = sorted(await files.fs.listdir(place.path), key=lambda e: e.name)
+        if len(entries) > MAX_ENTRIES:
+            raise Problem(413, "too-large", "Directory too large", f"over {MAX_ENTRIES} entries")
+        if cursor is not None:
+            entries = [e for e in entries if e.name > cursor]
+        limit = min(limit, svc.config.api.max_page)
+        page = entries[:limit]
+        items = []
+        for e in page:
+            target = None
+            if e.attrs.type == "symlink":
+                with contextlib.suppress(RemoteFileError):
+                    target = await files.fs.readlink(f"{place.path}/{e.name}")
+            items.append(describe(e.name, e.attrs, target))
+    more = len(entries) > limit
+    return {
+        "path": path,
+        "type": "dir",
+        "items": items,
+        "next_cursor": page[-1].name if more and page else None,
+    }
+
+
+def _range(header: str | None, size: int) -> tuple[int, int] | None:
+    """One `bytes=` range as [start, end) within `size`; None: the whole file. Several ranges
+    or another unit are ignored (RFC 9110 allows it): the whole file is sent."""
+    if header is None:
+        return None
+    m = RANGE.match(header.strip())
+    if m is None or (not m.group(1) and not m.group(2)):
+        return None
+    first, last = m.group(1), m.group(2)
+    if not first:
+        n = int(last)
+        start, end = max(0, size - n), size
+    else:
+        start = int(first)
+        end = min(size, int(last) + 1) if last else size
+    if start >= size or start >= end:
+        raise Problem(
+            416,
+            "range-not-satisfiable",
+            "Range not satisfiable",
+            f"the file has {size} bytes",
+            headers={"Content-Range": f"bytes */{size}"},
+        )
+    return start, end
+
+
+@router.get(
+    "/content",
+    responses={
+        200: {"content": {"application/octet-stream": {}}, "description": "The bytes."},
+        206: {"description": "The requested range (`Content-Range`)."},
+        304: {"description": "`If-None-Match` matched."},
+        416: _problem("Range outside the file."),
+        **ERRORS,
+    },
+    response_class=Response,
+    summary="Download a file (streamed; Range, ETag, If-None-Match)",
+)
+async def download(
+    host: str,
+    path: Path,
+    who: FileReader,
+    svc: Svc,
+    range_: Annotated[str | None, Header(alias="Range")] = None,
+    if_none_match: Annotated[str | None, Header()] = None,
+) -> Response:
+    service = svc.files
+    stack = contextlib.AsyncExitStack()
+    try:
+        files = await stack.enter_async_context(service.open(who, host))
+        place = await files.resolve(path)
+        attrs = await files.fs.stat(place.path)
+        if attrs.type != "file":
+            raise Problem(409, "not-a-file", "Not a regular file", f"{path!r} is a {attrs.type}")
+        etag = etag_of(attrs)
+        headers = {
+            "ETag": etag,
+            "Last-Modified": http_date(attrs.mtime),
+            "Accept-Ranges": "bytes",
+        }
+        if if_none_match is not None and (
+            if_none_match.strip() == "*" or etag in [t.strip() for t in if_none_match.split(",")]
+        ):
+            await stack.aclose()
+            return Response(status_code=304, headers=headers)
+        span = _range(range_, attrs.size)
+        start, end = span or (0, attrs.size)
+        service.cap(files.grant, end - start, "download")
+        await stack.enter_async_context(service.transfer(who, files.grant, "download"))
+        remote = await files.fs.open_read(place.path, start)
+        stack.push_async_callback(remote.close)
+    except SSHPoolError as exc:
+        await stack.aclose()
+        raise file_problem(exc) from exc
+    except BaseException:
+        await stack.aclose()
+        raise
+    headers["Content-Length"] = str(end - start)
+    status = 200
+    if span is not None:
+        status = 206
+        headers["Content-Range"] = f"bytes {start}-{end - 1}/{attrs.size}"
+    counter = svc.metrics.file_bytes.labels("download")
+
+    async def body() -> AsyncIterator[bytes]:
+        remaining = end - start
+        try:
+            while remaining > 0:
+                data = await remote.read(min(CHUNK, remaining))
+                if not data:
+                    # The file shrank since the stat: the client sees a short body and knows.
+                    raise ConnectionLost("file shrank during download", started=True)
+                remaining -= len(data)
+                counter.inc(len(data))
+                yield data
+        finally:
+            await stack.aclose()
+
+    return StreamingResponse(
+        body(), status_code=status, headers=headers, media_type="application/octet-stream"
+    )
+
+
+@router.put(
+    "/content",
+    status_code=201,
+    responses={
+        200: {"description": "Replaced an existing file."},
+        201: {"description": "Created."},
+        412: _problem("`If-Match` / `If-None-Match: *` not met."),
+        413: _problem("Body larger than max_file_size or max_transfer_bytes."),
+        507: _problem("No space left on the host."),
+        **ERRORS,
+    },
+    summary="Upload a file (streamed to a temporary name, renamed into place when complete)",
+)
+async def upload(
+    host: str,
+    path: Path,
+    who: FileWriter,
+    svc: Svc,
+    request: Request,
+    response: Response,
+    if_match: Annotated[str | None, Header()] = None,
+    if_none_match: Annotated[str | None, Header()] = None,
+) -> dict[str, Any]:
+    service = svc.files
+    if if_none_match is not None and if_none_match.strip() != "*":
+        raise Problem(422, "invalid-header", "Invalid If-None-Match", "only `*` is supported")
+    async with service.open(who, host) as files:
+        grant = files.grant
+        limit = min(grant.rule.max_file_size, grant.rule.max_transfer_bytes)
+        # Read from the request, not declared as a parameter: the server validated it already.
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise Problem(413, "too-large", "File too large", f"at most {limit} bytes")
+        place = await files.resolve_name(path)
+        existing = await files.lstat(place)
+        if existing is not None and existing.type == "symlink":
+            raise Problem(403, "symlink-refused", "Will not write through a symlink", path)
+        if existing is not None and existing.type != "file":
+            raise Problem(409, "not-a-file", "Not a regular file", f"{path!r} is a {existing.type}")
+        if if_none_match is not None and existing is not None:
+            raise Problem(412, "exists", "File exists", f"{path!r} exists (If-None-Match: *)")
+        if if_match is not None and (existing is None or etag_of(existing) != if_match.strip()):
+            raise Problem(412, "etag-mismatch", "File changed", "If-Match did not match")
+        temp = temp_name(place.path)
+        upload = Upload(limit)
+        async with service.transfer(who, grant, "upload"):
+            remote = await files.fs.open_write(temp, exclusive=True, mode=0o600)
+            done = False
+            try:
+                counter = svc.metrics.file_bytes.labels("upload")
+                buffer = bytearray()
+                async for data in request.stream():
+                    upload.add(data)
+                    buffer += data
+                    if len(buffer) >= CHUNK:
+                        await remote.write(bytes(buffer))
+                        counter.inc(len(buffer))
+                        buffer.clear()
+                if buffer:
+                    await remote.write(bytes(buffer))
+                    counter.inc(len(buffer))
+                await remote.close()
+                try:
+                    await files.fs.rename(temp, place.path, overwrite=if_none_match is None)
+                except RemoteFileFailure:
+                    raise Problem(
+                        412, "exists", "File exists", f"{path!r} appeared meanwhile"
+                    ) from None
+                done = True
+            except ClientDisconnect:
+                raise Problem(400, "client-disconnected", "The upload was cut off") from None
+            finally:
+                if not done:
+                    await _discard(files, remote, temp)
+            attrs = await files.fs.stat(place.path)
+    response.status_code = 200 if existing is not None else 201
+    response.headers["ETag"] = etag_of(attrs)
+    return {"path": path, "size": upload.size, "sha256": upload.sha256.hexdigest()}
+
+
+async def _discard(files: Any, remote: Any, temp: str) -> None:
+    """Remove an upload's temporary file (best effort: a dead connection leaves it; its name
+    says what it is)."""
+    with contextlib.suppress(SSHPoolError):
+        await remote.close()
+    with contextlib.suppress(SSHPoolError):
+        await files.fs.remove(temp)
+
+
+@router.delete("", status_code=204, responses=ERRORS, summary="Delete a file or empty directory")
+async def delete(host: str, path: Path, who: FileWriter, svc: Svc) -> Response:
+    async with svc.files.open(who, host) as files:
+        place = await files.resolve_name(path)
+        if place.is_root:
+            raise Problem(403, "root-refused", "Will not delete a file root", path)
+        attrs = await files.fs.lstat(place.path)
+        if attrs.type == "dir":
+            await files.fs.rmdir(place.path)
+        else:
+            await files.fs.remove(place.path)
+    return Response(status_code=204)
+
+
+@router.post("/mkdir", status_code=201, responses=ERRORS, summary="Create a directory")
+async def mkdir(
+    host: str, body: Annotated[MkdirRequest, Body()], who: FileWriter, svc: Svc
+) -> dict[str, Any]:
+    async with svc.files.open(who, host) as files:
+        place = await files.resolve_name(body.path)
+        await files.fs.mkdir(place.path, 0o755)
+        attrs = await files.fs.stat(place.path)
+    return {"path": body.path, **describe(place.path.rsplit("/", 1)[-1], attrs)}
+
+
+@router.post("/move", responses=ERRORS, summary="Rename or move within your roots")
+async def move(
+    host: str, body: Annotated[MoveRequest, Body()], who: FileWriter, svc: Svc
+) -> dict[str, Any]:
+    async with svc.files.open(who, host) as files:
+        source = await files.resolve_name(body.source)
+        destination = await files.resolve_name(body.destination)
+        if source.is_root:
+            raise Problem(403, "root-refused", "Will not move a file root", body.source)
+        await files.fs.lstat(source.path)
+        await files.fs.rename(source.path, destination.path, overwrite=body.overwrite)
+        attrs = await files.fs.lstat(destination.path)
+    return {"path": body.destination, **describe(destination.path.rsplit("/", 1)[-1], attrs)}
+
+
+@router.get("/checksum", responses=ERRORS, summary="A file's checksum, computed on the host")
+async def checksum(
+    host: str,
+    path: Path,
+    who: FileReader,
+    svc: Svc,
+    algorithm: Literal["sha256"] = "sha256",
+) -> dict[str, object]:
+    return await svc.files.checksum(who, host, path)
