@@ -28,6 +28,7 @@ from api.policy import Policy
 from api.quota import make_quota
 from api.routes.hosts import router as hosts_router
 from api.routes.jobs import router as jobs_router
+from api.routes.live import router as live_router
 from api.routes.ops import router as ops_router
 from api.settings import Settings
 from api.store import Store
@@ -135,6 +136,7 @@ def create_app(
     )
     problems.install(app)
     app.include_router(jobs_router)
+    app.include_router(live_router)
     app.include_router(hosts_router)
     app.include_router(ops_router)
     app.add_middleware(RequestContext, metrics=metrics, max_body=config.api.max_body_bytes)
