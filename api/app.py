@@ -30,6 +30,7 @@ from api.quota import make_quota
 from api.routes.files import router as files_router
 from api.routes.hosts import router as hosts_router
 from api.routes.jobs import router as jobs_router
+from api.routes.live import router as live_router
 from api.routes.ops import router as ops_router
 from api.settings import Settings
 from api.store import Store
@@ -143,6 +144,7 @@ def create_app(
     docs.install(app)
     problems.install(app)
     app.include_router(jobs_router)
+    app.include_router(live_router)
     app.include_router(hosts_router)
     app.include_router(files_router)
     app.include_router(ops_router)

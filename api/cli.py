@@ -1,4 +1,5 @@
-"""The `sshapi` command line: serve, dev (local host + API), token, hosts check, doctor."""
+"""The `sshapi` command line: serve, dev (local host + API), token, hosts check, doctor; the
+client commands (run, jobs, batch) are api/client_cli.py."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Annotated
 import typer
 
 from api.app import serve as run_server
+from api.client_cli import register as register_client_commands
 from api.local import (
     NoLocalIssuer,
     default_config,
@@ -27,6 +29,8 @@ from sshpool import Pool, SSHPoolError
 app = typer.Typer(help="SSH-backed HPC REST API.", no_args_is_help=True)
 hosts_app = typer.Typer(help="Configured hosts.", no_args_is_help=True)
 app.add_typer(hosts_app, name="hosts")
+# The researcher's commands (run, jobs, batch): HTTP to a server, in their own module.
+register_client_commands(app)
 
 
 @app.command()

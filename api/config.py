@@ -40,6 +40,8 @@ class ApiConfig(Strict):
     # /metrics needs a token with the admin scope when true.
     metrics_require_admin: bool = False
     max_page: int = Field(default=200, ge=1)
+    # Live followers (GET /v1/jobs/{id}/output?follow=true, /events) at once per identity.
+    max_followers: int = Field(default=8, ge=1)
 
 
 class IssuerConfig(Strict):

@@ -32,6 +32,7 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,7 @@ from sqlalchemy.exc import IntegrityError
 from api.auth import Principal
 from api.batch import BatchJobs
 from api.config import Config
+from api.live import Feed, LiveHub
 from api.metrics import Metrics
 from api.output import MAX_READ, OutputChunk, Stream
 from api.policy import Grant, Policy
@@ -53,6 +55,9 @@ from sshpool import CommandResult, CommandTimeout, ConnectionLost, Pool, SSHPool
 
 log = logging.getLogger("sshapi.jobs")
 
+# A live follower counts against its owner's follower cap for at most this long (a replica that
+# dies with followers cannot block their owner for longer).
+FOLLOWER_TTL = 3600.0
 CANCEL_WAIT = 15.0  # seconds DELETE waits for the runner to record `cancelled`
 # A DELETE of another replica's job re-reads the row from this delay up to the cap, doubling.
 CANCEL_POLL = (0.02, 0.5)
@@ -71,6 +76,8 @@ class Running:
     runner: asyncio.Task[None] | None = None
     command: asyncio.Task[CommandResult] | None = None
     cancel_reason: str | None = None
+    # Live output of a command, for followers (api/live.py).
+    feed: Feed | None = None
 
     def on_started(self, pgid: int) -> None:
         self.pgid = pgid
@@ -104,6 +111,7 @@ class JobService:
         # Built by the app factory, which also starts it and watches its trackers.
         self.batch = batch
         self._running: dict[str, Running] = {}
+        self.live = LiveHub(store.get, self._read_output_file)
 
     # ---- reading
 
@@ -205,6 +213,7 @@ class JobService:
             )
             return row, False
         # Both tasks exist before we answer, so a DELETE right after a 202 can always cancel.
+        job.feed = self.live.open_command(row, rule.max_output)
         job.command = asyncio.create_task(
             self.pool.run(
                 grant.target,
@@ -214,6 +223,7 @@ class JobService:
                 acquire_timeout=api.queue_timeout,
                 max_output=rule.max_output,
                 on_started=job.on_started,
+                on_output=job.feed.append,
             )
         )
         job.runner = asyncio.create_task(self._run(job, timeout), name=f"job-{row.id}")
@@ -264,6 +274,8 @@ class JobService:
         async def mark_running() -> None:
             await started.wait()
             row.state, row.started_at, row.pgid = "running", utcnow(), job.pgid
+            if job.feed is not None:
+                job.feed.update(row)
             # Written at once, not deferred: other replicas need the pgid to cancel the job
             # (deferring it a second saved 3% of CPU per request but made such cancels late).
             if not await self.store.update(
@@ -314,6 +326,8 @@ class JobService:
         row = job.row
         await self.quota.leave(job.owner, row.id)
         self._running.pop(row.id, None)
+        if job.feed is not None:
+            self.live.close_command(row)
         self.metrics.jobs_active.labels(row.host).dec()
         if row.state in FINAL:  # a submitted batch job is counted when the scheduler ends it
             self.metrics.jobs.labels(row.host, row.state).inc()
@@ -416,10 +430,42 @@ class JobService:
             return row, OutputChunk(b"", offset, None)
         return row, OutputChunk(stored[offset : offset + limit], offset, len(stored))
 
+    async def _read_output_file(
+        self, row: JobRow, stream: Stream, offset: int, limit: int
+    ) -> tuple[bytes, int | None]:
+        chunk = await self.batch.output(row, stream, offset, limit)
+        return chunk.data, chunk.size
+
+    @contextlib.asynccontextmanager
+    async def following(self, who: Principal, job_id: str) -> AsyncIterator[Feed]:
+        """The live feed of a job the caller may see, for one follower: counted against the
+        caller's follower cap (like the active-job cap: shared through Redis when configured)
+        for as long as it follows."""
+        row = await self.get(who, job_id)
+        cap = self.config.api.max_followers
+        counted = (f"follow:{who.issuer}", who.subject)
+        follower = new_id()
+        try:
+            await self.quota.enter(counted, follower, cap, FOLLOWER_TTL)
+        except Problem as exc:
+            raise Problem(
+                429,
+                "too-many-followers",
+                "Too many followers",
+                f"at most {cap} live followers at once per identity",
+                headers=exc.headers,
+            ) from None
+        try:
+            async with self.live.feed_for(row) as feed:
+                yield feed
+        finally:
+            await self.quota.leave(counted, follower)
+
     async def close(self, grace: float) -> None:
         """Let running jobs finish for up to `grace` seconds, then cancel (kill) the rest.
         Batch jobs go on in the scheduler; their trackers stop."""
         await self.batch.close()
+        await self.live.close()
         jobs = list(self._running.values())
         if not jobs:
             return

@@ -3,7 +3,7 @@
 Usable on its own: `from sshpool import Pool, Target`.
 """
 
-from sshpool.command import CommandResult
+from sshpool.command import CommandResult, OutputStream
 from sshpool.errors import (
     AuthenticationFailed,
     ChannelRefused,
@@ -36,6 +36,7 @@ __all__ = [
     "HostKeyMismatch",
     "HostUnavailable",
     "Limits",
+    "OutputStream",
     "Pool",
     "PoolFull",
     "PoolTimeout",

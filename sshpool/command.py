@@ -8,9 +8,15 @@ command running (measured: asyncssh `run(timeout=)` and paramiko leave orphans).
 
 from __future__ import annotations
 
+import logging
 import shlex
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
+
+log = logging.getLogger("sshpool")
+
+OutputStream = Literal["stdout", "stderr"]
 
 # Bytes every login shell (sh, bash, zsh, tcsh...) passes through single quotes untouched.
 _INERT = frozenset(range(0x20, 0x7F)) - frozenset(b"'!\\%")
@@ -64,17 +70,39 @@ class Capture:
     """Collects one output stream: keeps the first `cap` bytes, counts all of them.
 
     With `marker=True` the first line is the wrapper's process group id and is not output.
+
+    `on_data(chunk)` observes the output as it arrives, whatever the cap: it is called on the
+    event loop for every chunk the backend feeds (the marker line excluded), in order, before the
+    cap applies. It runs inside the backend's drain loop, so it must be cheap and never block
+    (append to a buffer, set an event); an exception it raises is logged and the hook dropped,
+    never allowed to break the drain.
     """
 
-    __slots__ = ("_buf", "_head", "cap", "marker", "on_start", "pgid", "total", "truncated")
+    __slots__ = (
+        "_buf",
+        "_head",
+        "cap",
+        "marker",
+        "on_data",
+        "on_start",
+        "pgid",
+        "total",
+        "truncated",
+    )
 
     def __init__(
-        self, cap: int, *, marker: bool = False, on_start: Callable[[], None] | None = None
+        self,
+        cap: int,
+        *,
+        marker: bool = False,
+        on_start: Callable[[], None] | None = None,
+        on_data: Callable[[bytes], None] | None = None,
     ) -> None:
         self.cap = cap
         self.marker = marker
         # Called once when the marker line arrives: the remote command is running.
         self.on_start = on_start
+        self.on_data = on_data
         self.pgid: int | None = None
         self.total = 0
         self.truncated = False
@@ -100,6 +128,12 @@ class Capture:
             data = bytes(rest)
             if not data:
                 return
+        if self.on_data is not None:
+            try:
+                self.on_data(data)
+            except Exception:
+                log.exception("output hook failed; output is still captured, no longer observed")
+                self.on_data = None
         self.total += len(data)
         room = self.cap - len(self._buf)
         if room > 0:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import functools
 import logging
 import random
 import time
@@ -33,7 +34,14 @@ from typing import Any
 from sshpool.backends import Backend, Connection, Exit, load_backend
 from sshpool.backends.base import SFTPSession
 from sshpool.breaker import Breaker
-from sshpool.command import Capture, CommandResult, command_line, kill_group_line, wrap
+from sshpool.command import (
+    Capture,
+    CommandResult,
+    OutputStream,
+    command_line,
+    kill_group_line,
+    wrap,
+)
 from sshpool.errors import (
     AuthenticationFailed,
     ChannelRefused,
@@ -121,6 +129,7 @@ class _Lease:
         stdin: bytes | None,
         max_output: int,
         on_started: Callable[[int], None] | None,
+        on_output: Callable[[OutputStream, bytes], None] | None = None,
     ) -> Exit:
         """Run `line` on this slot. A lost connection counts as started once the command
         reported its process group, and carries that group."""
@@ -130,8 +139,12 @@ class _Lease:
             if on_started is not None and out.pgid is not None:
                 on_started(out.pgid)
 
-        out = self.out = Capture(max_output, marker=True, on_start=started)
-        self.err = Capture(max_output)
+        on_out = on_err = None
+        if on_output is not None:
+            on_out = functools.partial(on_output, "stdout")
+            on_err = functools.partial(on_output, "stderr")
+        out = self.out = Capture(max_output, marker=True, on_start=started, on_data=on_out)
+        self.err = Capture(max_output, on_data=on_err)
         try:
             return await self.conn.conn.exec(line, stdin, out, self.err)
         except ConnectionLost as exc:
@@ -571,6 +584,7 @@ class Pool:
         acquire_timeout: float | None = None,
         max_output: int = 1 << 20,
         on_started: Callable[[int], None] | None = None,
+        on_output: Callable[[OutputStream, bytes], None] | None = None,
     ) -> CommandResult:
         """Run `command` (argv, quoted for the remote shell, or a raw shell line) on `target`.
 
@@ -578,6 +592,12 @@ class Pool:
         CommandTimeout (with the partial result) or ConnectionLost(started=True). Cancelling the
         caller kills the remote process group. `on_started(pgid)` is called once the remote
         command runs, with its process group id (what `kill` takes).
+
+        `on_output(stream, chunk)` ("stdout" or "stderr") sees every chunk of output as the
+        channel delivers it, beyond `max_output` too (the result keeps only the head): called
+        on the event loop inside the backend's drain, so it must be cheap and never block (see
+        `Capture`). The command's own output comes after the start (the wrapper's marker line),
+        so the pool's one retry of a connection lost before the start repeats none of it.
         """
         line = wrap(command if isinstance(command, str) else command_line(command))
         host = self._host(target)
@@ -590,7 +610,7 @@ class Pool:
             try:
                 async with host.lease(deadline, since=t0) as lease:
                     async with asyncio.timeout(timeout):
-                        end = await lease.exec(line, stdin, max_output, on_started)
+                        end = await lease.exec(line, stdin, max_output, on_started, on_output)
             except ChannelRefused:
                 refusals += 1
                 if refusals >= MAX_REFUSALS:

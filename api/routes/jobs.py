@@ -12,6 +12,7 @@ from api.config import ApiConfig
 from api.deps import Reader, Svc, Writer
 from api.output import MAX_READ
 from api.problems import MEDIA_TYPE, Problem, error_problem, retry_after
+from api.routes.live import follow_output
 from api.schemas import REQUEST_EXAMPLES, Job, JobList, JobRequest
 from api.states import FINAL, State
 from api.store import JobRow
@@ -149,9 +150,21 @@ async def job_output(
     stream: Literal["stdout", "stderr"] = "stdout",
     offset: Annotated[int, Query(ge=0)] = 0,
     limit: Annotated[int, Query(ge=1, le=MAX_READ)] = 1 << 20,
+    follow: Annotated[
+        bool,
+        Query(
+            description="Stream the bytes from `offset` as they arrive (chunked) until the job "
+            "is final; `limit` does not apply. 416 `output-not-kept` (with `next_offset`) for "
+            "bytes past `max_output` no longer in the live window."
+        ),
+    ] = False,
 ) -> Response:
     """A batch job's output file (read from the login host: grows while the job runs), or a
-    finished command's stored output (capped by the policy: see `stdout_truncated`)."""
+    finished command's stored output (capped by the policy: see `stdout_truncated`); with
+    `follow=true`, the live bytes (docs/http-api.md, live output)."""
+    if follow:
+        response: Response = await follow_output(svc, who, job_id, stream, offset)
+        return response
     row, chunk = await svc.jobs.output(who, job_id, stream, offset, limit)
     if chunk.size is None:
         active = row.state not in FINAL

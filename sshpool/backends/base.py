@@ -148,6 +148,10 @@ class Connection(Protocol):
         """Open a session channel, run `command`, write `stdin` then EOF, drain both streams
         concurrently into the captures, and return how it ended.
 
+        Output is fed to the captures on the event loop's thread, chunk by chunk as the channel
+        delivers it (never held back until the end): `Capture.on_data` observers (live output)
+        rely on that. Feeding never waits on the capture; the hook must not block either.
+
         Raises ChannelRefused when sshd refuses the channel, and ConnectionLost (with `started`
         true once the exec request may have reached sshd) when the transport drops. On
         cancellation it sends the TERM signal request (best effort), closes the channel and

@@ -329,3 +329,29 @@ async def test_an_unreadable_output_file_is_a_502_not_empty_bytes(
     answer = await output(api, job["id"])
     assert answer.status_code == 502
     assert answer.json()["type"].endswith(":scheduler-error")
+
+
+async def test_batch_output_is_followed_live_by_several_clients(api: Api, workdir: str) -> None:
+    """Two followers of a running batch job see its first line before it ends and the whole
+    output by the end; the follow ends once the scheduler reports the job final."""
+    script = "echo tick1; sleep 3; echo tick2\n"
+    r = await api.submit(batch(workdir, script))
+    job_id = r.json()["id"]
+    url = f"{api.url}/v1/jobs/{job_id}/output?follow=true"
+
+    async def follower() -> tuple[bytes, str]:
+        got = b""
+        state_at_first = ""
+        async with api.client.stream("GET", url, headers=api.auth()) as body:
+            assert body.status_code == 200
+            async for chunk in body.aiter_bytes():
+                if not got:
+                    state_at_first = (await api.job(job_id))["state"]
+                got += chunk
+        return got, state_at_first
+
+    results = await asyncio.wait_for(asyncio.gather(follower(), follower()), 60)
+    for got, state_at_first in results:
+        assert got == b"tick1\ntick2\n"
+        assert state_at_first in ("queued", "running")  # the first line came while it ran
+    assert (await api.job(job_id))["state"] == "succeeded"

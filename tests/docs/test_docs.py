@@ -148,6 +148,9 @@ def run(argv: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
 
 
 def options(argv: list[str]) -> list[str]:
+    """The options used, up to a `--` (what follows is a remote command's argv: `sshapi run`)."""
+    if "--" in argv:
+        argv = argv[: argv.index("--")]
     return [a.split("=", 1)[0] for a in argv if re.match(r"^--?[A-Za-z]", a)]
 
 

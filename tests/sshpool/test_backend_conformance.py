@@ -173,6 +173,47 @@ async def test_caps_keep_the_head_and_count_everything(conn: Connection) -> None
     assert (err.getvalue(), err.total, err.truncated) == (b"short", 5, False)
 
 
+async def test_output_is_observed_as_it_arrives_not_at_the_end(
+    backend: Backend, tuned_host: LocalHost
+) -> None:
+    """Pool.run's on_output sees each line while the command still runs, both streams, all of
+    the bytes past the cap too, while the result keeps only the capped head."""
+    seen: list[tuple[str, bytes, float]] = []
+    line = "for i in 1 2 3; do echo out$i; echo err$i >&2; sleep 0.3; done; head -c 5000 /dev/zero"
+    async with Pool(backend=backend) as pool:
+        result = await pool.run(
+            tuned_host.target(),
+            line,
+            max_output=8,
+            on_output=lambda stream, data: seen.append((stream, data, time.monotonic())),
+        )
+    ended = time.monotonic()
+    out = b"".join(d for s, d, _ in seen if s == "stdout")
+    err = b"".join(d for s, d, _ in seen if s == "stderr")
+    assert out == b"out1\nout2\nout3\n" + bytes(5000)
+    assert err == b"err1\nerr2\nerr3\n"
+    assert (result.stdout, result.stdout_bytes, result.stdout_truncated) == (
+        b"out1\nout",
+        len(out),
+        True,
+    )
+    first_out = next(t for s, _, t in seen if s == "stdout")
+    first_err = next(t for s, _, t in seen if s == "stderr")
+    # The loop sleeps 0.9 s in all: the first lines arrived well before the end.
+    assert ended - first_out > 0.5 and ended - first_err > 0.5
+
+
+async def test_failing_output_hook_never_breaks_the_command(conn: Connection) -> None:
+    """An on_data hook that raises is dropped; the capture and the exec go on."""
+
+    def broken(data: bytes) -> None:
+        raise RuntimeError("observer bug")
+
+    out, err = Capture(MB, on_data=broken), Capture(MB)
+    end = await conn.exec("echo a; sleep 0.1; echo b", None, out, err)
+    assert (end, out.getvalue(), out.on_data) == (Exit(status=0), b"a\nb\n", None)
+
+
 async def test_marker_line_gives_the_process_group(conn: Connection) -> None:
     """Through the pool's wrapper the first line is the remote process group id, not output."""
     out, err = Capture(MB, marker=True), Capture(MB)

@@ -1,0 +1,592 @@
+"""The researcher's client for the sshapi HTTP API, sync and async, on httpx.
+
+In a notebook:
+
+    from api.client import Client
+    client = Client("http://127.0.0.1:8000", token=TOKEN)  # or Client(): SSHAPI_URL, SSHAPI_TOKEN
+    print(client.run("local", ["hostname"]).stdout)
+
+`AsyncClient` has the same methods as coroutines (and async iterators for `follow`/`events`).
+
+What the client does for you: an `Idempotency-Key` on every POST, so that a retry (after a 429,
+a 503 or a dropped connection) replays the job instead of running the command twice; retries of
+429/503 honouring `Retry-After`, with jitter; waiting for a job to finish; following output
+across cut-offs and reconnects (offsets, `Last-Event-ID`).
+
+Errors, one tree (as httpx's): every problem answer is raised as the class of its status, the
+problem's fields on it.
+
+    SshapiError
+    ├── TransportError      the server could not be reached or dropped the connection (after
+    │                       the retries)
+    └── ProblemError        the API answered a problem: .status .type .title .detail .job_id
+        ├── Unauthorized    401: no token, or not valid (expired, wrong audience...)
+        ├── Forbidden       403: scope, host, raw shell line or template not allowed
+        ├── NotFound        404: no such job (or not yours)
+        ├── Conflict        409: the job already finished (cancel), not submitted yet
+        ├── InvalidRequest  413, 416, 422: the request is wrong; retrying it will not help
+        ├── RateLimited     429: rate limit, job cap or follower cap (after the retries)
+        ├── Unavailable     503: the host is saturated or down (after the retries); nothing ran
+        └── SSHFailed       502, 504: SSH failed before the command started; nothing ran
+
+A command that ran and exited non-zero is not an error: `run` returns its job (state `failed`,
+`exit_status`); pass `check=True` to raise `JobFailed` (a ProblemError-free SshapiError) instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import httpx
+
+from api.schemas import Job
+from api.states import FINAL
+
+Stream = Literal["stdout", "stderr"]
+DEFAULT_URL = "http://127.0.0.1:8000"
+RETRY_STATUS = (429, 503)
+WAIT = 30.0  # Prefer: wait=N on submit: a short command finishes in one request
+
+
+class SshapiError(Exception):
+    """Base of every error this client raises."""
+
+
+class TransportError(SshapiError):
+    """The server could not be reached, or dropped the connection, after the retries."""
+
+
+class JobFailed(SshapiError):
+    """`run(check=True)`: the job ended in another state than `succeeded`."""
+
+    def __init__(self, job: Job) -> None:
+        super().__init__(f"job {job.id} {job.state} (exit status {job.exit_status})")
+        self.job = job
+
+
+class ProblemError(SshapiError):
+    """The API answered an `application/problem+json` error."""
+
+    def __init__(self, status: int, body: Mapping[str, Any], headers: Mapping[str, str]) -> None:
+        self.status = status
+        self.type: str = str(body.get("type", "about:blank"))
+        self.kind = self.type.rsplit(":", 1)[-1]  # "rate-limited", "job-not-found", ...
+        self.title: str = str(body.get("title", ""))
+        self.detail: str | None = body.get("detail")
+        self.job_id: str | None = body.get("job_id")
+        self.body = dict(body)
+        self.retry_after = _retry_after(headers)
+        super().__init__(f"{status} {self.kind}: {self.detail or self.title}")
+
+
+class Unauthorized(ProblemError):
+    """401: no token, or one the server does not accept."""
+
+
+class Forbidden(ProblemError):
+    """403: the token's scopes or the policy do not allow it."""
+
+
+class NotFound(ProblemError):
+    """404: no such job (or not yours)."""
+
+
+class Conflict(ProblemError):
+    """409: the job is not in a state that allows it (finished, not submitted yet)."""
+
+
+class InvalidRequest(ProblemError):
+    """413, 416, 422: the request itself is wrong."""
+
+
+class RateLimited(ProblemError):
+    """429: a rate limit or a cap, still there after the retries."""
+
+
+class Unavailable(ProblemError):
+    """503: saturated or down, still after the retries; nothing ran."""
+
+
+class SSHFailed(ProblemError):
+    """502, 504: SSH failed before the command started; nothing ran."""
+
+
+BY_STATUS: dict[int, type[ProblemError]] = {
+    401: Unauthorized,
+    403: Forbidden,
+    404: NotFound,
+    409: Conflict,
+    413: InvalidRequest,
+    416: InvalidRequest,
+    422: InvalidRequest,
+    429: RateLimited,
+    502: SSHFailed,
+    503: Unavailable,
+    504: SSHFailed,
+}
+
+
+def _retry_after(headers: Mapping[str, str]) -> float | None:
+    try:
+        return float(headers["retry-after"])
+    except (KeyError, ValueError):
+        return None
+
+
+def raise_for_problem(response: httpx.Response) -> None:
+    """Raise the ProblemError subclass of a 4xx/5xx answer."""
+    if response.status_code < 400:
+        return
+    try:
+        body = response.json()
+    except ValueError:
+        body = {"title": response.reason_phrase, "detail": response.text[:500]}
+    if not isinstance(body, dict):
+        body = {"title": response.reason_phrase}
+    cls = BY_STATUS.get(response.status_code, ProblemError)
+    raise cls(response.status_code, body, response.headers)
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One Server-Sent Event of `/events`: `event` is state, output, gap, cutoff or end."""
+
+    event: str
+    data: dict[str, Any]
+    id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    url: str
+    token: str | None
+
+
+def load_profile(name: str | None = None, path: str | None = None) -> Profile:
+    """The server URL and token: SSHAPI_URL / SSHAPI_TOKEN, else the named profile (or the
+    file's `default`) of the client configuration file (SSHAPI_CLIENT_CONFIG, else
+    ~/.config/sshapi/client.toml):
+
+        default = "dev"
+        [profiles.dev]
+        url = "http://127.0.0.1:8000"
+        token_file = "~/.config/sshapi/dev.token"   # or: token = "..."
+    """
+    import tomllib
+    from pathlib import Path
+
+    file = Path(
+        path
+        or os.environ.get("SSHAPI_CLIENT_CONFIG")
+        or Path.home() / ".config" / "sshapi" / "client.toml"
+    ).expanduser()
+    entry: dict[str, Any] = {}
+    if file.is_file():
+        data = tomllib.loads(file.read_text())
+        profiles = data.get("profiles", {})
+        wanted = name or os.environ.get("SSHAPI_PROFILE") or data.get("default")
+        if wanted is not None:
+            if wanted not in profiles:
+                raise SshapiError(f"no profile {wanted!r} in {file}")
+            entry = profiles[wanted]
+    elif name is not None:
+        raise SshapiError(f"no profile {name!r}: {file} does not exist")
+    token = entry.get("token")
+    if token is None and "token_file" in entry:
+        token = Path(entry["token_file"]).expanduser().read_text().strip()
+    return Profile(
+        url=os.environ.get("SSHAPI_URL") or entry.get("url") or DEFAULT_URL,
+        token=os.environ.get("SSHAPI_TOKEN") or token,
+    )
+
+
+def job_body(
+    host: str,
+    argv: Sequence[str] | None = None,
+    *,
+    command: str | None = None,
+    template: str | None = None,
+    params: Mapping[str, Any] | None = None,
+    batch: Mapping[str, Any] | None = None,
+    stdin: str | None = None,
+    timeout: float | None = None,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {"host": host}
+    for key, value in (
+        ("argv", list(argv) if argv is not None else None),
+        ("command", command),
+        ("template", template),
+        ("params", dict(params) if params is not None else None),
+        ("batch", dict(batch) if batch is not None else None),
+        ("stdin", stdin),
+        ("timeout", timeout),
+    ):
+        if value is not None:
+            body[key] = value
+    return body
+
+
+class SSEParser:
+    """Server-Sent Events from text lines, one line at a time (comments, keep-alives skipped)."""
+
+    def __init__(self) -> None:
+        self.fields: dict[str, str] = {}
+
+    def feed(self, line: str) -> Event | None:
+        if line.startswith(":"):
+            return None
+        if line:
+            name, _, value = line.partition(":")
+            self.fields[name] = value.removeprefix(" ")
+            return None
+        fields, self.fields = self.fields, {}
+        if "data" not in fields:
+            return None
+        return Event(fields.get("event", "message"), json.loads(fields["data"]), fields.get("id"))
+
+
+class _Base:
+    """What the sync and async clients share: configuration, headers, the retry rule."""
+
+    def __init__(
+        self,
+        url: str | None,
+        token: str | None,
+        *,
+        profile: str | None,
+        retries: int,
+        max_retry_wait: float,
+    ) -> None:
+        if url is None or token is None:
+            found = load_profile(profile)
+            url, token = url or found.url, token or found.token
+        self.url = url.rstrip("/")
+        self.retries = retries
+        self.max_retry_wait = max_retry_wait
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+
+    def _delay(self, attempt: int, response: httpx.Response | None) -> float | None:
+        """Seconds before the next try, or None: no more tries (or not retryable)."""
+        if attempt >= self.retries:
+            return None
+        if response is not None and response.status_code not in RETRY_STATUS:
+            return None
+        hinted = _retry_after(response.headers) if response is not None else None
+        base = hinted if hinted is not None else min(0.2 * 2**attempt, 5.0)
+        # Jitter: many clients told the same Retry-After must not come back at the same moment.
+        return min(base * random.uniform(1.0, 1.5), self.max_retry_wait)
+
+    @staticmethod
+    def _post_headers(key: str | None, wait: float | None) -> dict[str, str]:
+        headers = {"Idempotency-Key": key or str(uuid.uuid4())}
+        if wait is not None:
+            headers["Prefer"] = f"wait={wait:g}"
+        return headers
+
+
+def exit_code(job: Job) -> int:
+    """A shell's exit status for a job: the command's status, 128+n for a signal, 124 for a
+    timeout (as timeout(1)), 130 cancelled, 255 when nothing ran or the outcome is unknown."""
+    import signal
+
+    if job.exit_signal:
+        try:
+            return 128 + signal.Signals[f"SIG{job.exit_signal}"].value
+        except KeyError:
+            return 255
+    if job.state == "timed_out":
+        return 124
+    if job.state == "cancelled":
+        return 130
+    if job.exit_status is not None and job.exit_status >= 0:
+        return job.exit_status
+    return 255
+
+
+class Client(_Base):
+    """The synchronous client. A context manager (closes its connections)."""
+
+    def __init__(
+        self,
+        url: str | None = None,
+        token: str | None = None,
+        *,
+        profile: str | None = None,
+        retries: int = 5,
+        max_retry_wait: float = 30.0,
+        timeout: float = 60.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        super().__init__(
+            url, token, profile=profile, retries=retries, max_retry_wait=max_retry_wait
+        )
+        self.http = httpx.Client(
+            base_url=self.url, headers=self.headers, timeout=timeout, transport=transport
+        )
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.http.close()
+
+    def request(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        """One API call with the retries; raises the call's ProblemError or TransportError."""
+        attempt = 0
+        while True:
+            try:
+                response = self.http.request(method, path, **kw)
+            except httpx.TransportError as exc:
+                delay = self._delay(attempt, None)
+                if delay is None:
+                    raise TransportError(f"{method} {path}: {exc}") from exc
+            else:
+                delay = self._delay(attempt, response)
+                if delay is None:
+                    raise_for_problem(response)
+                    return response
+            time.sleep(delay)
+            attempt += 1
+
+    def submit(
+        self,
+        host: str,
+        argv: Sequence[str] | None = None,
+        *,
+        wait: float | None = 0,
+        idempotency_key: str | None = None,
+        **options: Any,
+    ) -> Job:
+        """POST /v1/jobs (argv, or command=, template= + params=, batch=; stdin=, timeout=);
+        the job as the server answered it, finished or not. Retries replay, never re-run."""
+        body = job_body(host, argv, **options)
+        headers = self._post_headers(idempotency_key, wait)
+        return Job.model_validate(
+            self.request("POST", "/v1/jobs", json=body, headers=headers).json()
+        )
+
+    def run(
+        self, host: str, argv: Sequence[str] | None = None, *, check: bool = False, **options: Any
+    ) -> Job:
+        """Run a command and return its finished job (`stdout`, `stderr`, `exit_status`)."""
+        job = self.wait(self.submit(host, argv, wait=WAIT, **options))
+        if check and job.state != "succeeded":
+            raise JobFailed(job)
+        return job
+
+    def wait(self, job: Job | str, timeout: float | None = None) -> Job:
+        """Poll until the job is final (backing off to 2 s); `timeout`: give up, return it."""
+        current = job if isinstance(job, Job) else self.get(job)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 0.1
+        while current.state not in FINAL:
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
+            current = self.get(current.id)
+        return current
+
+    def get(self, job_id: str) -> Job:
+        return Job.model_validate(self.request("GET", f"/v1/jobs/{job_id}").json())
+
+    def list(
+        self, *, state: str | None = None, host: str | None = None, limit: int = 50
+    ) -> list[Job]:
+        params = {k: v for k, v in {"state": state, "host": host, "limit": limit}.items() if v}
+        items = self.request("GET", "/v1/jobs", params=params).json()["items"]
+        return [Job.model_validate(i) for i in items]
+
+    def cancel(self, job_id: str) -> Job:
+        return Job.model_validate(self.request("DELETE", f"/v1/jobs/{job_id}").json())
+
+    def output(self, job_id: str, stream: Stream = "stdout", offset: int = 0) -> bytes:
+        """A byte range of the output from `offset` (the server's read limit)."""
+        params = {"stream": stream, "offset": offset}
+        return self.request("GET", f"/v1/jobs/{job_id}/output", params=params).content
+
+    def follow(self, job_id: str, stream: Stream = "stdout", offset: int = 0) -> Iterator[bytes]:
+        """The stream's bytes as they arrive until the job is final, reconnecting from the
+        offset reached after a cut-off or a dropped connection; bytes the server did not keep
+        (past `max_output`, out of the live window) are skipped."""
+        final = False  # the job was final before this pass: a pass with nothing new ends it
+        while True:
+            got = 0
+            try:
+                with self.http.stream(
+                    "GET",
+                    f"/v1/jobs/{job_id}/output",
+                    params={"stream": stream, "offset": offset, "follow": "true"},
+                    timeout=httpx.Timeout(60, read=None),
+                ) as response:
+                    if response.status_code >= 400:
+                        response.read()
+                        raise_for_problem(response)
+                    for chunk in response.iter_bytes():
+                        offset += len(chunk)
+                        got += len(chunk)
+                        yield chunk
+            except httpx.TransportError:
+                time.sleep(0.2)  # dropped: resume from the offset reached
+            except InvalidRequest as exc:
+                if exc.kind != "output-not-kept":
+                    raise
+                offset = int(exc.body["next_offset"])
+                continue
+            if final and got == 0:
+                return
+            final = self.get(job_id).state in FINAL
+
+    def events(self, job_id: str, last_event_id: str | None = None) -> Iterator[Event]:
+        """The job's Server-Sent Events until `end`, reconnecting with Last-Event-ID after a
+        cut-off or a dropped connection (no event lost or repeated)."""
+        while True:
+            headers = {"Last-Event-ID": last_event_id} if last_event_id else {}
+            try:
+                with self.http.stream(
+                    "GET",
+                    f"/v1/jobs/{job_id}/events",
+                    headers=headers,
+                    timeout=httpx.Timeout(60, read=None),
+                ) as response:
+                    if response.status_code >= 400:
+                        response.read()
+                        raise_for_problem(response)
+                    parser = SSEParser()
+                    for line in response.iter_lines():
+                        if (event := parser.feed(line)) is None:
+                            continue
+                        last_event_id = event.id or last_event_id
+                        if event.event == "cutoff":
+                            break
+                        yield event
+                        if event.event == "end":
+                            return
+            except httpx.TransportError:
+                time.sleep(0.2)
+
+
+class AsyncClient(_Base):
+    """The asyncio client: `Client`'s methods as coroutines. An async context manager."""
+
+    def __init__(
+        self,
+        url: str | None = None,
+        token: str | None = None,
+        *,
+        profile: str | None = None,
+        retries: int = 5,
+        max_retry_wait: float = 30.0,
+        timeout: float = 60.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        super().__init__(
+            url, token, profile=profile, retries=retries, max_retry_wait=max_retry_wait
+        )
+        self.http = httpx.AsyncClient(
+            base_url=self.url, headers=self.headers, timeout=timeout, transport=transport
+        )
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    async def request(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        attempt = 0
+        while True:
+            try:
+                response = await self.http.request(method, path, **kw)
+            except httpx.TransportError as exc:
+                delay = self._delay(attempt, None)
+                if delay is None:
+                    raise TransportError(f"{method} {path}: {exc}") from exc
+            else:
+                delay = self._delay(attempt, response)
+                if delay is None:
+                    raise_for_problem(response)
+                    return response
+            await asyncio.sleep(delay)
+            attempt += 1
+
+    async def submit(
+        self,
+        host: str,
+        argv: Sequence[str] | None = None,
+        *,
+        wait: float | None = 0,
+        idempotency_key: str | None = None,
+        **options: Any,
+    ) -> Job:
+        body = job_body(host, argv, **options)
+        headers = self._post_headers(idempotency_key, wait)
+        response = await self.request("POST", "/v1/jobs", json=body, headers=headers)
+        return Job.model_validate(response.json())
+
+    async def run(
+        self, host: str, argv: Sequence[str] | None = None, *, check: bool = False, **options: Any
+    ) -> Job:
+        job = await self.wait(await self.submit(host, argv, wait=WAIT, **options))
+        if check and job.state != "succeeded":
+            raise JobFailed(job)
+        return job
+
+    async def wait(self, job: Job | str, timeout: float | None = None) -> Job:
+        current = job if isinstance(job, Job) else await self.get(job)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 0.1
+        while current.state not in FINAL:
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+            current = await self.get(current.id)
+        return current
+
+    async def get(self, job_id: str) -> Job:
+        return Job.model_validate((await self.request("GET", f"/v1/jobs/{job_id}")).json())
+
+    async def cancel(self, job_id: str) -> Job:
+        return Job.model_validate((await self.request("DELETE", f"/v1/jobs/{job_id}")).json())
+
+    async def events(self, job_id: str, last_event_id: str | None = None) -> AsyncIterator[Event]:
+        """As `Client.events`."""
+        while True:
+            headers = {"Last-Event-ID": last_event_id} if last_event_id else {}
+            try:
+                async with self.http.stream(
+                    "GET",
+                    f"/v1/jobs/{job_id}/events",
+                    headers=headers,
+                    timeout=httpx.Timeout(60, read=None),
+                ) as response:
+                    if response.status_code >= 400:
+                        await response.aread()
+                        raise_for_problem(response)
+                    parser = SSEParser()
+                    async for line in response.aiter_lines():
+                        if (event := parser.feed(line)) is None:
+                            continue
+                        last_event_id = event.id or last_event_id
+                        if event.event == "cutoff":
+                            break
+                        yield event
+                        if event.event == "end":
+                            return
+            except httpx.TransportError:
+                await asyncio.sleep(0.2)

@@ -1,0 +1,194 @@
+"""The client commands of `sshapi`: talk HTTP to a server (api/client.py), never SSH.
+
+    sshapi run HOST -- ARGV...        live stdout/stderr, exits with the remote exit status
+    sshapi jobs list|show|cancel|logs
+    sshapi batch submit SCRIPT
+
+The server and token come from SSHAPI_URL / SSHAPI_TOKEN or a profile of the client
+configuration file (`--profile`; see `api.client.load_profile`). `--json` prints the API's JSON
+for scripts. An error the client raises exits 255 (as ssh does for its own failures).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from api.client import Client, SshapiError, Stream, exit_code
+from api.schemas import Job
+from api.states import FINAL
+
+jobs_app = typer.Typer(help="Your jobs on the server (SSHAPI_URL).", no_args_is_help=True)
+batch_app = typer.Typer(help="Batch jobs for a host's scheduler.", no_args_is_help=True)
+
+Profile = Annotated[
+    str | None,
+    typer.Option(help="A profile of the client configuration file.", envvar="SSHAPI_PROFILE"),
+]
+AsJson = Annotated[bool, typer.Option("--json", help="Print the API's JSON.")]
+ERROR_EXIT = 255
+
+
+@contextmanager
+def client(profile: str | None) -> Iterator[Client]:
+    """A Client; its errors end the command with a message on stderr and exit 255."""
+    try:
+        with Client(profile=profile) as c:
+            yield c
+    except SshapiError as exc:
+        typer.echo(f"sshapi: {exc}", err=True)
+        raise typer.Exit(ERROR_EXIT) from None
+
+
+def show(job: Job, as_json: bool) -> None:
+    if as_json:
+        typer.echo(job.model_dump_json(indent=2))
+        return
+    status = f"exit {job.exit_status}" if job.exit_status is not None else ""
+    if job.exit_signal:
+        status = f"signal {job.exit_signal}"
+    typer.echo(f"{job.id}  {job.state:9} {status:10} {job.host:10} {describe(job)}")
+
+
+def describe(job: Job) -> str:
+    if job.argv:
+        return " ".join(job.argv)
+    if job.batch is not None:
+        return f"batch {job.batch.name or ''}".strip()
+    return job.command or job.template or ""
+
+
+def run(
+    host: Annotated[str, typer.Argument(help="A configured host name.")],
+    argv: Annotated[list[str], typer.Argument(help="The command and its arguments (after --).")],
+    timeout: Annotated[float | None, typer.Option(help="Seconds the command may run.")] = None,
+    profile: Profile = None,
+    as_json: AsJson = False,
+) -> None:
+    """Run a command on HOST, print its stdout and stderr as they arrive, and exit with its
+    exit status (a signal as 128+n, a timeout as 124). Ctrl-C cancels the remote command."""
+    with client(profile) as c:
+        job = c.submit(host, argv, timeout=timeout)
+        try:
+            for event in c.events(job.id):
+                if event.event == "output" and not as_json:
+                    out = sys.stdout if event.data["stream"] == "stdout" else sys.stderr
+                    out.write(event.data["text"])
+                    out.flush()
+                elif event.event == "gap" and not as_json:
+                    lost = event.data["next_offset"] - event.data["offset"]
+                    typer.echo(f"\n[sshapi: {lost} bytes of {event.data['stream']} not kept]",
+                               err=True)  # fmt: skip
+        except KeyboardInterrupt:
+            typer.echo(f"\nsshapi: cancelling job {job.id}", err=True)
+            try:
+                c.cancel(job.id)
+            except SshapiError as exc:  # finished meanwhile (409): report and go on
+                typer.echo(f"sshapi: {exc}", err=True)
+            raise typer.Exit(130) from None
+        job = c.get(job.id)
+    if as_json:
+        show(job, True)
+    elif job.error and job.state != "succeeded":
+        typer.echo(f"sshapi: job {job.id} {job.state}: {job.error}", err=True)
+    raise typer.Exit(exit_code(job))
+
+
+@jobs_app.command("list")
+def jobs_list(
+    state: Annotated[str | None, typer.Option(help="Only jobs in this state.")] = None,
+    host: Annotated[str | None, typer.Option(help="Only jobs on this host.")] = None,
+    limit: Annotated[int, typer.Option(help="At most this many.")] = 20,
+    profile: Profile = None,
+    as_json: AsJson = False,
+) -> None:
+    """Your jobs, newest first."""
+    with client(profile) as c:
+        jobs = c.list(state=state, host=host, limit=limit)
+    if as_json:
+        typer.echo(json.dumps([j.model_dump(mode="json") for j in jobs], indent=2))
+        return
+    for job in jobs:
+        show(job, False)
+
+
+@jobs_app.command("show")
+def jobs_show(job_id: str, profile: Profile = None, as_json: AsJson = False) -> None:
+    """One job."""
+    with client(profile) as c:
+        show(c.get(job_id), as_json)
+
+
+@jobs_app.command("cancel")
+def jobs_cancel(job_id: str, profile: Profile = None, as_json: AsJson = False) -> None:
+    """Cancel a job: kill its remote process tree (a batch job: scancel)."""
+    with client(profile) as c:
+        show(c.cancel(job_id), as_json)
+
+
+@jobs_app.command("logs")
+def jobs_logs(
+    job_id: str,
+    stream: Annotated[str, typer.Option(help="stdout or stderr.")] = "stdout",
+    follow: Annotated[
+        bool, typer.Option("--follow", "-f", help="Go on printing until the job is final.")
+    ] = False,
+    profile: Profile = None,
+) -> None:
+    """Print a job's output (bytes as they are); with -f, as it arrives."""
+    if stream not in ("stdout", "stderr"):
+        raise typer.BadParameter("stdout or stderr", param_hint="--stream")
+    which: Stream = "stdout" if stream == "stdout" else "stderr"
+    out = sys.stdout.buffer
+    with client(profile) as c:
+        if follow:
+            for chunk in c.follow(job_id, which):
+                out.write(chunk)
+                out.flush()
+        else:
+            out.write(c.output(job_id, which))
+            out.flush()
+
+
+@batch_app.command("submit")
+def batch_submit(
+    host: Annotated[str, typer.Argument(help="A host with a scheduler.")],
+    script: Annotated[Path, typer.Argument(help="The batch script.", exists=True, dir_okay=False)],
+    name: Annotated[str | None, typer.Option(help="Job name.")] = None,
+    partition: Annotated[str | None, typer.Option(help="Partition (queue).")] = None,
+    time_limit: Annotated[int | None, typer.Option(help="Time limit in seconds.")] = None,
+    wait: Annotated[bool, typer.Option(help="Wait until the job is final.")] = False,
+    profile: Profile = None,
+    as_json: AsJson = False,
+) -> None:
+    """Submit a batch script; with --wait, wait for it to end (a spinner on stderr) and exit
+    with its exit status."""
+    options: dict[str, Any] = {"script": script.read_text()}
+    for key, value in (("name", name), ("partition", partition), ("time_limit", time_limit)):
+        if value is not None:
+            options[key] = value
+    with client(profile) as c:
+        job = c.submit(host, batch=options, wait=0)
+        if wait:
+            console = Console(stderr=True)
+            with console.status(f"job {job.id}: waiting for the scheduler") as status:
+                while job.state not in FINAL:
+                    job = c.wait(job, timeout=5)
+                    status.update(f"job {job.id}: {job.state}")
+    show(job, as_json)
+    if wait:
+        raise typer.Exit(exit_code(job))
+
+
+def register(app: typer.Typer) -> None:
+    """Add the client commands to the `sshapi` app."""
+    app.command("run")(run)
+    app.add_typer(jobs_app, name="jobs")
+    app.add_typer(batch_app, name="batch")

@@ -1,0 +1,405 @@
+"""Live output: many followers per job, none of which can slow the job down.
+
+One `Feed` per followed job in this process holds, per stream, the head (the first `max_output`
+bytes, what the job keeps) and a window of the latest bytes; followers are cursors (byte
+offsets) into it, never copies:
+
+    pool drain --on_output--> Feed.append --wake--> follower 1 ... follower N --> HTTP body
+
+- Appending never waits: it copies the chunk into the window, trims the window (amortised, at
+  twice its size) and sets one event. A follower whose client reads slowly only blocks its own
+  HTTP send (uvicorn's flow control); once its cursor falls out of the window and past the head
+  it is cut off with a `cutoff` event naming its offset, and resumes by offset (from the window
+  or the head, else a `gap` event says which bytes were not kept).
+- A follower that disconnects is just a cursor that goes away: the job never sees it.
+
+Where the bytes come from:
+- a command run by this replica: its channel, through `Pool.run(on_output=)`; the Feed exists
+  from the submit on, so a follower arriving late still reads from byte 0 (the head), and a
+  follower past the cap still sees the live stream (the job keeps only the head; `*_bytes`
+  counts everything, so `stdout_bytes - len(stdout)` bytes were not kept).
+- a batch job: its output files, read over SSH by one watcher task per job in this process
+  however many clients follow it, in ranges, until the scheduler reports the job final; a
+  follower behind the window reads its range from the file itself.
+- a command run by another replica (several replicas share PostgreSQL): its bytes live in that
+  replica's memory only. A follower here polls the shared store (one watcher per job): it sees
+  state changes within `POLL` seconds and the kept output (the head) once the job is final.
+  Live bytes need the follower on the owning replica (the job's `replica` field names it);
+  proxying between replicas is not built.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+from api.output import Stream
+from api.problems import Problem, retry_after
+from api.states import FINAL
+from api.store import JobRow
+
+log = logging.getLogger("sshapi.live")
+
+STREAMS: tuple[Stream, Stream] = ("stdout", "stderr")
+READ = 64 << 10  # the most one follower step returns per stream
+WINDOW = 256 << 10  # latest bytes kept per stream for followers (trimmed at twice that)
+POLL = (0.25, 2.0)  # watcher intervals: while output flows, and the idle cap (doubling)
+BATCH_READ = 1 << 20  # one remote read of a batch job's file
+KEEPALIVE = 15.0  # seconds of silence before a follower yields a keep-alive
+MAX_PER_JOB = 64  # followers of one job in one process
+
+
+class OutputGone(Exception):
+    """The bytes at `offset` were not kept (past the head, before the window)."""
+
+    def __init__(self, stream: Stream, offset: int, next_offset: int) -> None:
+        super().__init__(f"{stream} bytes {offset}..{next_offset} were not kept")
+        self.stream = stream
+        self.offset = offset
+        self.next_offset = next_offset
+
+
+class StreamBuffer:
+    """One stream of one job: the head (first `cap` bytes) and a window of the latest bytes."""
+
+    __slots__ = ("cap", "head", "tail", "tail_start", "total", "window")
+
+    def __init__(self, cap: int, window: int = WINDOW, start: int = 0) -> None:
+        self.cap = cap
+        self.window = window
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.tail_start = start
+        self.total = start
+
+    def append(self, data: bytes) -> None:
+        if len(self.head) < self.cap:  # then every byte so far is in the head: it goes on
+            self.head += data[: self.cap - len(self.head)]
+        self.tail += data
+        self.total += len(data)
+        if len(self.tail) > 2 * self.window:  # trimming at 2x keeps the copying amortised O(1)
+            drop = len(self.tail) - self.window
+            del self.tail[:drop]
+            self.tail_start += drop
+
+    def read(self, offset: int, limit: int = READ) -> bytes | None:
+        """The kept bytes from `offset` (empty: none yet; None: not kept)."""
+        if offset >= self.tail_start:
+            at = offset - self.tail_start
+            return bytes(self.tail[at : at + limit])
+        if offset < len(self.head):
+            return bytes(self.head[offset : min(len(self.head), offset + limit)])
+        return None
+
+    def lagging(self, offset: int) -> bool:
+        """True when a cursor at `offset` has fallen out of the window and past the head."""
+        return len(self.head) <= offset < self.tail_start
+
+
+# A batch job's file, read again from an offset out of the window: (stream, offset, limit).
+Refill = Callable[[Stream, int, int], Awaitable[bytes]]
+
+
+class Feed:
+    """What followers of one job read: its row (state), its streams, one wake-up event."""
+
+    def __init__(self, row: JobRow, cap: int, refill: Refill | None = None) -> None:
+        self.row = row
+        self.streams = {s: StreamBuffer(cap) for s in STREAMS}
+        self.final = False
+        self.followers = 0
+        self._wake = asyncio.Event()
+        # Batch jobs: bytes out of the window are read again from the file.
+        self.refill = refill
+
+    def wake(self) -> None:
+        self._wake.set()
+        self._wake = asyncio.Event()
+
+    def waiter(self) -> asyncio.Event:
+        return self._wake
+
+    def append(self, stream: Stream, data: bytes) -> None:
+        """The pool's on_output hook: cheap and never blocking (see `Capture`)."""
+        self.streams[stream].append(data)
+        self.wake()
+
+    def update(self, row: JobRow) -> None:
+        self.row = row
+        self.wake()
+
+    def finish(self, row: JobRow) -> None:
+        self.row = row
+        self.final = True
+        self.wake()
+
+    async def read(self, stream: Stream, offset: int) -> bytes:
+        buf = self.streams[stream]
+        data = buf.read(offset)
+        if data is not None:
+            return data
+        if self.refill is None:
+            raise OutputGone(stream, offset, buf.tail_start)
+        return await self.refill(stream, offset, READ)
+
+
+@dataclass(frozen=True, slots=True)
+class Output:
+    stream: Stream
+    offset: int
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class StateChange:
+    row: JobRow
+
+
+@dataclass(frozen=True, slots=True)
+class Gap:
+    """Bytes [offset, next_offset) of `stream` were not kept; following goes on after them."""
+
+    stream: Stream
+    offset: int
+    next_offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class Cutoff:
+    """This follower fell too far behind; resume from `offset` (a new request)."""
+
+    stream: Stream
+    offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class KeepAlive:
+    pass
+
+
+Item = Output | StateChange | Gap | Cutoff | KeepAlive
+
+
+async def follow(
+    feed: Feed,
+    offsets: dict[Stream, int],
+    *,
+    states: bool = True,
+    gaps: bool = True,
+    keepalive: float = KEEPALIVE,
+) -> AsyncIterator[Item]:
+    """Follow `feed` from `offsets` (one entry per stream followed) until the job is final and
+    every byte kept has been yielded. Yields output, state changes (with `states`), a Gap for
+    bytes not kept at a resumed offset (without `gaps`: raises OutputGone instead), KeepAlive
+    after `keepalive` seconds of silence, and a final Cutoff when this follower lagged out of
+    the window."""
+    sent_state: str | None = None
+    live: set[Stream] = set()  # streams whose cursor reached the window (not only the head)
+    while True:
+        waiter = feed.waiter()
+        final = feed.final  # read before the bytes: a final feed gets no more of them
+        progressed = False
+        if states and feed.row.state != sent_state:
+            sent_state = feed.row.state
+            yield StateChange(feed.row)
+        for stream, offset in list(offsets.items()):
+            buf = feed.streams[stream]
+            if stream in live and buf.lagging(offset) and feed.refill is None:
+                yield Cutoff(stream, offset)
+                return
+            if offset >= buf.tail_start:
+                live.add(stream)
+            try:
+                data = await feed.read(stream, offset)
+            except OutputGone as exc:
+                if not gaps:
+                    raise
+                yield Gap(stream, offset, exc.next_offset)
+                offsets[stream] = exc.next_offset
+                progressed = True
+                continue
+            if data:
+                offsets[stream] = offset + len(data)
+                progressed = True
+                yield Output(stream, offset, data)
+        if progressed:
+            continue
+        if final:
+            if states and feed.row.state != sent_state:
+                yield StateChange(feed.row)
+            return
+        try:
+            async with asyncio.timeout(keepalive):
+                await waiter.wait()
+        except TimeoutError:
+            yield KeepAlive()
+
+
+class LiveHub:
+    """The feeds of this process: commands it runs, and watchers of the jobs it does not."""
+
+    def __init__(
+        self,
+        load: Callable[[str], Awaitable[JobRow | None]],
+        read_file: Callable[[JobRow, Stream, int, int], Awaitable[tuple[bytes, int | None]]],
+    ) -> None:
+        self._load = load  # the store's row
+        self._read_file = read_file  # a batch job's output file, over SSH
+        self.feeds: dict[str, Feed] = {}
+        self._watchers: dict[str, asyncio.Task[None]] = {}
+
+    # ---- commands run here
+
+    def open_command(self, row: JobRow, cap: int) -> Feed:
+        feed = Feed(row, cap)
+        self.feeds[row.id] = feed
+        return feed
+
+    def close_command(self, row: JobRow) -> None:
+        feed = self.feeds.pop(row.id, None)
+        if feed is not None:
+            feed.finish(row)
+
+    # ---- following
+
+    @contextlib.asynccontextmanager
+    async def feed_for(self, row: JobRow) -> AsyncIterator[Feed]:
+        """The feed of `row` for one follower, counted while it follows; the watcher of a job
+        this process does not run stops once its last follower leaves."""
+        feed = self.feeds.get(row.id)
+        if feed is None:
+            feed = _stored(row) if row.state in FINAL and row.kind != "batch" else self._watch(row)
+        if feed.followers >= MAX_PER_JOB:
+            raise Problem(
+                429,
+                "too-many-followers",
+                "Too many followers of this job",
+                f"at most {MAX_PER_JOB} followers of one job",
+                headers=retry_after(5),
+            )
+        feed.followers += 1
+        try:
+            yield feed
+        finally:
+            feed.followers -= 1
+            if feed.followers == 0 and row.id in self._watchers:
+                self._watchers.pop(row.id).cancel()
+                if self.feeds.get(row.id) is feed:
+                    del self.feeds[row.id]
+
+    def _watch(self, row: JobRow) -> Feed:
+        refill = None
+        if row.kind == "batch":
+
+            async def refill(stream: Stream, offset: int, limit: int) -> bytes:
+                data, _ = await self._read_file(feed.row, stream, offset, limit)
+                return data
+
+        feed = Feed(row, 0, refill)
+        self.feeds[row.id] = feed
+        self._watchers[row.id] = asyncio.create_task(self._watcher(feed), name=f"live-{row.id}")
+        return feed
+
+    async def _watcher(self, feed: Feed) -> None:
+        """One per followed job this process does not run: polls the store for the state and,
+        for a batch job, reads its output files onward until the job is final."""
+        delay, cap = POLL
+        batch = feed.row.kind == "batch"
+        try:
+            while True:
+                final = feed.row.state in FINAL
+                grew = False
+                if batch:
+                    for stream in STREAMS:
+                        buf = feed.streams[stream]
+                        try:
+                            data, _ = await self._read_file(feed.row, stream, buf.total, BATCH_READ)
+                        except Exception as exc:  # the host is unreachable: try again later
+                            log.info("live: reading job %s: %s", feed.row.id, exc)
+                            data = b""
+                        if data:
+                            buf.append(data)
+                            grew = True
+                    if grew:
+                        feed.wake()
+                if final and not grew:
+                    if not batch:  # another replica's command: its kept output, at the end
+                        for stream in STREAMS:
+                            feed.streams[stream] = _head_of(feed.row, stream)
+                    feed.finish(feed.row)
+                    return
+                if grew:
+                    delay = POLL[0]
+                    continue
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, cap)
+                with contextlib.suppress(Exception):  # the store is down: the old row meanwhile
+                    fresh = await self._load(feed.row.id)
+                    if fresh is not None and fresh.state != feed.row.state:
+                        delay = POLL[0]
+                        feed.update(fresh)
+                    elif fresh is not None:
+                        feed.row = fresh
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("live: watcher of job %s failed", feed.row.id)
+            feed.finish(feed.row)
+
+    async def close(self) -> None:
+        for task in self._watchers.values():
+            task.cancel()
+        await asyncio.gather(*self._watchers.values(), return_exceptions=True)
+        self._watchers.clear()
+
+
+def kept(row: JobRow, stream: Stream) -> bytes:
+    """The output the job keeps (its head)."""
+    return (row.stdout if stream == "stdout" else row.stderr) or b""
+
+
+def _head_of(row: JobRow, stream: Stream) -> StreamBuffer:
+    """A finished command's stream: the kept head, then nothing until the count of all bytes."""
+    head = kept(row, stream)
+    total = (row.stdout_bytes if stream == "stdout" else row.stderr_bytes) or len(head)
+    buf = StreamBuffer(len(head), start=max(total, len(head)))
+    buf.head += head
+    return buf
+
+
+def _stored(row: JobRow) -> Feed:
+    """A finished command's feed: its kept output, final."""
+    feed = Feed(row, 0)
+    for stream in STREAMS:
+        feed.streams[stream] = _head_of(row, stream)
+    feed.final = True
+    return feed
+
+
+def parse_event_id(value: str) -> dict[Stream, int] | None:
+    """`Last-Event-ID` of /events: "<stdout offset>-<stderr offset>"; None if malformed."""
+    out, sep, err = value.strip().partition("-")
+    if not sep or not (out.isdigit() and err.isdigit()) or len(value) > 40:
+        return None
+    return {"stdout": int(out), "stderr": int(err)}
+
+
+def event_id(offsets: dict[Stream, int]) -> str:
+    return f"{offsets['stdout']}-{offsets['stderr']}"
+
+
+def text_boundary(data: bytes) -> int:
+    """The length of `data` that ends on a UTF-8 character boundary (at most 3 bytes held back),
+    so that an event's text never splits a character; offsets stay byte offsets."""
+    for back in range(1, min(4, len(data)) + 1):
+        byte = data[-back]
+        if byte & 0xC0 == 0x80:  # a continuation byte: look further back
+            continue
+        if byte >= 0xC0:  # a lead byte: does its sequence fit in what we have?
+            need = 2 if byte < 0xE0 else 3 if byte < 0xF0 else 4
+            return len(data) - back if need > back else len(data)
+        return len(data)
+    return len(data)
