@@ -12,7 +12,7 @@ from api.config import ApiConfig
 from api.deps import Reader, Svc, Writer
 from api.output import MAX_READ
 from api.problems import MEDIA_TYPE, Problem, error_problem, retry_after
-from api.schemas import REQUEST_EXAMPLES, Job, JobList, JobRequest
+from api.schemas import REQUEST_EXAMPLES, Job, JobList, JobRequest, JobSummary
 from api.states import FINAL, State
 from api.store import JobRow
 from api.timing import TIMING
@@ -125,7 +125,7 @@ async def list_jobs(
     rows, next_cursor = await svc.jobs.list_jobs(
         who, state=state, host=host, limit=limit, cursor=cursor
     )
-    return JobList(items=[Job.of(r) for r in rows], next_cursor=next_cursor)
+    return JobList(items=[JobSummary.of(r) for r in rows], next_cursor=next_cursor)
 
 
 @router.get(

@@ -131,3 +131,53 @@ max_concurrent = 8
            f"{p95(alone):.1f} / {p95(during):.1f} ({change:+.0f} %)")  # fmt: skip
     assert a_codes[429] > 0
     assert set(b_codes) == {201}
+
+
+# ---- issue 15: exhaustion and leaks. Each test reproduces one reported attack against the real
+# server and checks the bound; figures go to RELIABILITY.md ("Hostile input: exhaustion and leaks").
+
+
+def rss_mb(pid: int) -> tuple[float, float]:
+    """(current RSS, peak RSS) of a process in MB, from /proc."""
+    fields = dict(
+        line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+    )
+    return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
+
+
+async def test_job_list_stays_small_whatever_the_jobs_printed(
+    config_file: Path, secret: str, keys: Keys, tmp_path: Path
+) -> None:
+    """16 jobs printing 1 MiB of NULs on each stream, then `GET /v1/jobs?limit=200`: the list
+    carries no output (read through /output), so it stays a few KB and the API's RSS flat."""
+    settings_ = make_settings(tmp_path, config_file, "sqlite", None)
+    with server_process(settings_) as (proc, url):
+        async with httpx.AsyncClient(timeout=120) as client:
+            api = Api(url, client, secret, load_config(config_file), settings_, keys)
+            line = "head -c 1048576 /dev/zero; head -c 1048576 /dev/zero >&2"
+            for _ in range(2):
+                rs = await asyncio.gather(
+                    *(
+                        api.submit({"host": "local", "command": line}, sub="anyhost", wait=30)
+                        for _ in range(8)
+                    )
+                )
+                assert {r.status_code for r in rs} == {201}, [r.text[:200] for r in rs]
+            before, _ = rss_mb(proc.pid)
+            headers = api.auth("anyhost")
+            r = await client.get(f"{url}/v1/jobs?limit=200", headers=headers)
+            after, peak = rss_mb(proc.pid)
+            assert r.status_code == 200
+            items = r.json()["items"]
+            assert len(items) == 16
+            figure("list of 16 jobs x 2 MiB output: response bytes", len(r.content))
+            figure("list of 16 jobs x 2 MiB output: API RSS before / after / peak (MB)",
+                   f"{before:.0f} / {after:.0f} / {peak:.0f}")  # fmt: skip
+            assert all("stdout" not in item and "stderr" not in item for item in items)
+            assert items[0]["stdout_bytes"] == 1 << 20
+            one = await client.get(
+                f"{url}/v1/jobs/{items[0]['id']}/output?stream=stderr", headers=headers
+            )
+            assert one.content == b"\0" * (1 << 20)
+    assert len(r.content) < 64 * 1024
+    assert after - before < 32
