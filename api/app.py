@@ -29,6 +29,7 @@ from api.quota import make_quota
 from api.routes.hosts import router as hosts_router
 from api.routes.jobs import router as jobs_router
 from api.routes.ops import router as ops_router
+from api.server import EdgeLimits, connection_limit, guarded_protocol
 from api.settings import Settings
 from api.store import Store
 from sshpool import Pool, SSHPoolError
@@ -148,7 +149,21 @@ def serve(settings: Settings, config: Config | None = None) -> None:
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     # asyncssh logs every channel at INFO: far too much for a server running hundreds a second.
     logging.getLogger("asyncssh").setLevel(max(level, logging.WARNING))
+    config = config or resolve_config(settings)
     api = create_app(settings, config=config)
+    policy = Policy(config)
+    ssh = sum(h.limits.max_connections * len(policy.targets(n)) for n, h in config.hosts.items())
+    limits = EdgeLimits(
+        max_header_bytes=settings.max_header_bytes,
+        header_timeout=settings.header_timeout,
+        body_timeout=settings.body_timeout,
+        max_connections=connection_limit(settings.max_connections, ssh),
+    )
     uvicorn.run(
-        api, host=settings.host, port=settings.port, log_level=settings.log_level, ws="none"
+        api,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        ws="none",
+        http=guarded_protocol(limits),
     )

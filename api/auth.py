@@ -31,6 +31,9 @@ from api.problems import unauthorized
 log = logging.getLogger("sshapi.auth")
 
 REQUIRED_CLAIMS = ["exp", "iat", "sub", "aud", "iss"]
+# Checked before any decoding: a real token is well under 2 KiB, and decoding one of megabytes
+# (base64 + JSON, twice) costs seconds of CPU for a 401.
+MAX_TOKEN_BYTES = 8 << 10
 SCOPES = frozenset({"jobs:read", "jobs:write", "admin"})
 
 # Which public key types can verify which algorithms.
@@ -147,6 +150,8 @@ class Authenticator:
             self._issuers[issuer.issuer] = IssuerKeys(issuer, secret, client)
 
     async def authenticate(self, token: str) -> Principal:
+        if len(token) > MAX_TOKEN_BYTES:
+            raise unauthorized(f"token too large (at most {MAX_TOKEN_BYTES} bytes)")
         try:
             header = jwt.get_unverified_header(token)
             # Unverified read, only to choose the issuer configuration; verified below.

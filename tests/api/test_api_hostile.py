@@ -181,3 +181,135 @@ async def test_job_list_stays_small_whatever_the_jobs_printed(
             assert one.content == b"\0" * (1 << 20)
     assert len(r.content) < 64 * 1024
     assert after - before < 32
+
+
+def descriptors(pid: int) -> int:
+    """How many file descriptors a process has open."""
+    return len(list(Path(f"/proc/{pid}/fd").iterdir()))
+
+
+async def healthz_latencies(url: str, until: asyncio.Future[Any]) -> list[float]:
+    """GET /healthz every 50 ms on fresh connections until `until` is done; the latencies in ms
+    (a refused or timed-out probe counts as 5,000 ms)."""
+    latencies: list[float] = []
+    async with httpx.AsyncClient(timeout=5, limits=httpx.Limits(max_keepalive_connections=0)) as c:
+        while not until.done():
+            t0 = time.perf_counter()
+            try:
+                ok = (await c.get(f"{url}/healthz")).status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            latencies.append((time.perf_counter() - t0) * 1000 if ok else 5000.0)
+            await asyncio.sleep(0.05)
+    return latencies
+
+
+async def test_huge_tokens_and_headers_are_refused_cheaply(
+    config_file: Path, secret: str, keys: Keys, tmp_path: Path
+) -> None:
+    """A 21 MiB bearer token is refused by the server before the app sees it (431), a token over
+    8 KiB is a 401 `invalid_token` without being decoded, a valid 32 MiB token is never accepted,
+    and /healthz stays fast meanwhile."""
+    settings_ = make_settings(tmp_path, config_file, "sqlite", None)
+    with server_process(settings_) as (_, url):
+        async with httpx.AsyncClient(timeout=60) as client:
+            api = Api(url, client, secret, load_config(config_file), settings_, keys)
+            junk = "eyJhbGciOiJIUzI1NiJ9." + "A" * (21 << 20) + ".sig"
+            big = api.token("alice", pad="x" * (32 << 20))
+            medium = api.token("alice", pad="x" * 9000)
+
+            def huge(token: str) -> tuple[int, float]:
+                # In a thread of its own: sending 21 MiB must not slow this loop's probes.
+                t0 = time.perf_counter()
+                try:
+                    with httpx.Client(timeout=60) as own:
+                        headers = {"Authorization": f"Bearer {token}"}
+                        status = own.get(f"{url}/v1/jobs", headers=headers).status_code
+                except httpx.HTTPError:
+                    status = 0  # the server closed the connection while we were still sending
+                return status, (time.perf_counter() - t0) * 1000
+
+            loop = asyncio.get_running_loop()
+            done: asyncio.Future[Any] = loop.create_future()
+            probes = asyncio.create_task(healthz_latencies(url, done))
+            await asyncio.sleep(0.3)
+            (junk_status, junk_ms) = await asyncio.to_thread(huge, junk)
+            (big_status, big_ms) = await asyncio.to_thread(huge, big)
+            await asyncio.sleep(0.3)
+            done.set_result(None)
+            latencies = await probes
+            t0 = time.perf_counter()
+            r = await client.get(f"{url}/v1/jobs", headers={"Authorization": f"Bearer {medium}"})
+            medium_ms = (time.perf_counter() - t0) * 1000
+    figure("21 MiB junk token: status, ms", (junk_status, round(junk_ms)))
+    figure("valid 32 MiB token: status, ms", (big_status, round(big_ms)))
+    figure("9 KiB valid token: status, ms", (r.status_code, round(medium_ms, 1)))
+    figure("/healthz meanwhile: probes, max ms", (len(latencies), round(max(latencies), 1)))
+    assert junk_status in (431, 0) and big_status in (431, 0)
+    assert r.status_code == 401
+    assert 'error="invalid_token"' in r.headers["WWW-Authenticate"]
+    assert "too large" in r.json()["detail"]
+    assert max(latencies) < 1000
+
+
+async def test_idle_and_half_sent_connections_are_closed_and_cannot_exhaust_descriptors(
+    config_file: Path, secret: str, keys: Keys, tmp_path: Path
+) -> None:
+    """Under a 256-descriptor limit, 300 connections that send nothing, half a header or half a
+    body: /healthz keeps answering, and every one of them is closed by the server within its
+    header or body deadline."""
+    settings_ = make_settings(tmp_path, config_file, "sqlite", None)
+    extra = {
+        "SSHAPI_HEADER_TIMEOUT": "2",
+        "SSHAPI_BODY_TIMEOUT": "3",
+        "SSHAPI_MAX_CONNECTIONS": "150",
+    }
+    wrapper = ("prlimit", "--nofile=256")
+    with server_process(settings_, extra_env=extra, wrapper=wrapper) as (proc, url):
+        port = int(url.rsplit(":", 1)[1])
+        sends = [
+            b"",
+            b"GET /v1/jobs HTTP/1.1\r\nHost: x\r\nAuthor",
+            b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 1000\r\n\r\n{"host": ',
+        ]
+        opened: list[tuple[float, int, asyncio.StreamReader, asyncio.StreamWriter]] = []
+        for n in range(300):
+            try:
+                reader, writer = await asyncio.wait_for(
+                    asyncio.open_connection("127.0.0.1", port), 2
+                )
+            except (OSError, TimeoutError):
+                continue
+            writer.write(sends[n % 3])
+            opened.append((time.perf_counter(), n % 3, reader, writer))
+        t0 = time.perf_counter()
+        async with httpx.AsyncClient(timeout=5) as client:
+            health = await client.get(f"{url}/healthz")
+        health_ms = (time.perf_counter() - t0) * 1000
+
+        async def closed_after(start: float, reader: asyncio.StreamReader) -> float:
+            try:
+                async with asyncio.timeout(15):
+                    while await reader.read(65536):
+                        pass
+            except ConnectionError:
+                pass
+            except TimeoutError:
+                return float("inf")
+            return time.perf_counter() - start
+
+        waits = await asyncio.gather(*(closed_after(t, r) for t, _, r, _ in opened))
+        for *_, writer in opened:
+            writer.close()
+        fds = descriptors(proc.pid)
+    by_kind = {kind: max(w for (_, k, _, _), w in zip(opened, waits, strict=True) if k == kind)
+               for kind in range(3)}  # fmt: skip
+    figure("300 idle/half-sent sockets: connected, /healthz status and ms",
+           (len(opened), health.status_code, round(health_ms, 1)))  # fmt: skip
+    figure("closed after at most (s): nothing / half a header / half a body",
+           tuple(round(by_kind[k], 2) for k in range(3)))  # fmt: skip
+    figure("API descriptors afterwards", fds)
+    assert health.status_code == 200
+    assert len(opened) == 300
+    assert by_kind[0] < 4 and by_kind[1] < 4 and by_kind[2] < 6
