@@ -39,9 +39,9 @@ from sqlalchemy.exc import IntegrityError
 
 from api.auth import Principal
 from api.batch import BatchJobs
-from api.config import Config
+from api.config import Config, PolicyRule
 from api.metrics import Metrics
-from api.output import MAX_READ, OutputChunk, Stream
+from api.output import MAX_READ, OutputRange, Stream, pieces
 from api.policy import Grant, Policy
 from api.problems import Problem, error_kind, ssh_problem
 from api.quota import LocalQuota, Quota
@@ -104,8 +104,21 @@ class JobService:
         # Built by the app factory, which also starts it and watches its trackers.
         self.batch = batch
         self._running: dict[str, Running] = {}
+        # job id -> the cancel in progress here: concurrent DELETEs of a job share it.
+        self._cancels: dict[str, asyncio.Task[JobRow]] = {}
 
     # ---- reading
+
+    async def take_read(self, who: Principal) -> None:
+        """Spend a token of who's bucket for SSH-backed reads (output reads, cancels): the
+        rule's rate and burst, a bucket apart from submissions'."""
+        rule = self.policy.rule_for(who)
+        if rule is None:
+            fields = PolicyRule.model_fields
+            rate, burst = fields["rate"].default, fields["burst"].default
+        else:
+            rate, burst = rule.rate, rule.burst
+        await self.quota.take(key_of(who), rate, burst, "reads")
 
     async def get(self, who: Principal, job_id: str) -> JobRow:
         """The job if the caller may see it (owner or admin); 404 otherwise, never 403, so ids
@@ -340,7 +353,25 @@ class JobService:
     # ---- cancelling
 
     async def cancel(self, who: Principal, job_id: str) -> JobRow:
+        """Cancel the job; a DELETE while another is in progress here waits for the same
+        outcome instead of running its own (scancel, squeue, kill)."""
+        await self.take_read(who)
         row = await self.get(who, job_id)
+        task = self._cancels.get(job_id)
+        if task is None:
+            task = asyncio.create_task(self._cancel(who, row), name=f"cancel-{job_id}")
+            self._cancels[job_id] = task
+            task.add_done_callback(self._cancel_done)
+        # Shielded: a caller that goes away does not stop the cancel the others wait for.
+        return await asyncio.shield(task)
+
+    def _cancel_done(self, task: asyncio.Task[JobRow]) -> None:
+        self._cancels = {k: t for k, t in self._cancels.items() if t is not task}
+        if not task.cancelled():
+            task.exception()  # retrieved: every waiter may have gone
+
+    async def _cancel(self, who: Principal, row: JobRow) -> JobRow:
+        job_id = row.id
         if row.state in FINAL:
             raise _already_finished(row)
         if row.kind == "batch":
@@ -405,16 +436,18 @@ class JobService:
 
     async def output(
         self, who: Principal, job_id: str, stream: Stream, offset: int, limit: int
-    ) -> tuple[JobRow, OutputChunk]:
-        """A byte range of a job's stdout or stderr: a batch job's output file, read over SSH;
-        a command's stored (capped) output."""
+    ) -> tuple[JobRow, OutputRange]:
+        """A byte range of a job's stdout or stderr: a batch job's output file, read over SSH
+        and streamed; a command's stored (capped) output."""
+        await self.take_read(who)
         row = await self.get(who, job_id)
         if row.kind == "batch":
             return row, await self.batch.output(row, stream, offset, min(limit, MAX_READ))
         stored = (row.stdout if stream == "stdout" else row.stderr) or b""
         if row.state not in FINAL:
-            return row, OutputChunk(b"", offset, None)
-        return row, OutputChunk(stored[offset : offset + limit], offset, len(stored))
+            return row, OutputRange(offset, None, 0, pieces())
+        data = stored[offset : offset + limit]
+        return row, OutputRange(offset, len(stored), len(data), pieces(data))
 
     async def close(self, grace: float) -> None:
         """Let running jobs finish for up to `grace` seconds, then cancel (kill) the rest.

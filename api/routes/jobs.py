@@ -7,6 +7,7 @@ import uuid
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, Header, Query, Response
+from fastapi.responses import StreamingResponse
 
 from api.config import ApiConfig
 from api.deps import Reader, Svc, Writer
@@ -163,10 +164,11 @@ async def job_output(
             + ("yet" if active else "file (deleted, or the job never started)"),
             headers=retry_after(2) if active else None,
         )
-    return Response(
-        chunk.data,
+    return StreamingResponse(
+        chunk.body,
         media_type="application/octet-stream",
         headers={
+            "Content-Length": str(chunk.length),
             "X-Output-Size": str(chunk.size),
             "X-Output-Offset": str(chunk.offset),
             "X-Output-Next-Offset": str(chunk.next_offset),
