@@ -84,6 +84,19 @@ class Problem(Exception):
         )
 
 
+# A 422 lists at most this many errors (`errors_total` counts them all), each string clipped:
+# a body of many small mistakes (or one huge key name) must not make an answer larger than it.
+MAX_ERRORS = 20
+MAX_ERROR_TEXT = 200
+MAX_LOC_TEXT = 64
+
+
+def _clip(value: Any, limit: int = MAX_LOC_TEXT) -> Any:
+    if isinstance(value, str) and len(value) > limit:
+        return value[:limit] + "..."
+    return value
+
+
 def unauthorized(detail: str, *, error: str = "invalid_token") -> Problem:
     # RFC 6750: the error code tells a client whether to refresh its token or fetch one.
     challenge = f'Bearer realm="sshapi", error="{error}"'
@@ -158,9 +171,14 @@ def install(app: FastAPI) -> None:
 
     async def on_validation(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
+        found = exc.errors()
         errors = [
-            {"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
-            for e in exc.errors()
+            {
+                "loc": [_clip(part) for part in e.get("loc", ())],
+                "msg": _clip(e.get("msg", ""), MAX_ERROR_TEXT),
+                "type": _clip(e.get("type", "")),
+            }
+            for e in found[:MAX_ERRORS]
         ]
         problem = Problem(
             422,
@@ -168,6 +186,7 @@ def install(app: FastAPI) -> None:
             "Invalid request",
             errors[0]["msg"] if errors else None,
             errors=errors,
+            errors_total=len(found),
         )
         return problem.response(request.url.path)
 

@@ -79,6 +79,19 @@ class JobRequest(BaseModel):
         "`Prefer: wait=N` also waits for the job to finish.",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, data: Any) -> Any:
+        # One error for all unknown keys, found before field validation: `extra="forbid"`
+        # alone makes one error object per key (90,000 keys: 0.9 s of CPU for one 422).
+        if isinstance(data, dict):
+            unknown = [k for k in data if k not in cls.model_fields]
+            if unknown:
+                shown = ", ".join(repr(str(k)[:64]) for k in unknown[:5])
+                more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+                raise ValueError(f"unknown field(s): {shown}{more}")
+        return data
+
     @model_validator(mode="after")
     def _one_kind(self) -> JobRequest:
         kinds = ("argv", "command", "template", "batch")

@@ -4,6 +4,7 @@ against another user's latency. Figures are printed as `FIGURE name: value`."""
 from __future__ import annotations
 
 import asyncio
+import json
 import statistics
 import time
 from collections import Counter
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 import schemathesis
 from api_helpers import Api, Keys, config_toml, make_settings, running_api, server_process
@@ -313,3 +315,44 @@ async def test_idle_and_half_sent_connections_are_closed_and_cannot_exhaust_desc
     assert health.status_code == 200
     assert len(opened) == 300
     assert by_kind[0] < 4 and by_kind[1] < 4 and by_kind[2] < 6
+
+
+async def test_validation_errors_are_capped_in_count_and_size(
+    tuned_host: LocalHost, secret_file: Path, secret: str, keys: Keys, tmp_path: Path
+) -> None:
+    """Bodies under the 1 MiB cap made of many mistakes: 90,000 unknown keys (979 KB) are one
+    error naming a few; 10,000 non-string argv elements list the first 20 errors and the
+    count; a 100 KB key name is not echoed whole. Each 422 stays under 8 KB and the server
+    spends little CPU on them."""
+    text = config_toml(tuned_host, secret_file, keys).replace(
+        "max_body_bytes = 65536", "max_body_bytes = 1048576"
+    )
+    path = tmp_path / "big-bodies.toml"
+    path.write_text(text)
+    settings_ = make_settings(tmp_path, path, "sqlite", None)
+    body: dict[str, Any] = {"host": "local", "argv": ["true"]}
+    body.update({f"k{n:05d}": 0 for n in range(90_000)})
+    bodies = {
+        "unknown keys": json.dumps(body, separators=(",", ":")).encode(),
+        "bad argv": json.dumps({"host": "local", "argv": [0] * 10_000}).encode(),
+        "long key": json.dumps({"host": "local", "argv": ["true"], "x" * 100_000: 1}).encode(),
+    }
+    answers: dict[str, tuple[httpx.Response, float]] = {}
+    with server_process(settings_) as (proc, url):
+        async with httpx.AsyncClient(timeout=60) as client:
+            api = Api(url, client, secret, load_config(path), settings_, keys)
+            headers = {**api.auth(), "Content-Type": "application/json"}
+            cpu = psutil.Process(proc.pid)
+            for name, raw in bodies.items():
+                before = sum(cpu.cpu_times()[:2])
+                r = await client.post(f"{url}/v1/jobs", content=raw, headers=headers)
+                answers[name] = (r, sum(cpu.cpu_times()[:2]) - before)
+    for name, (r, spent) in answers.items():
+        figure(f"422 for {name}: body bytes, answer bytes, server CPU s",
+               (len(bodies[name]), len(r.content), round(spent, 3)))  # fmt: skip
+        assert r.status_code == 422
+        assert len(r.content) < 8192
+    unknown = answers["unknown keys"][0].json()
+    assert unknown["errors_total"] == 1 and "89995 more" in unknown["detail"]
+    argv = answers["bad argv"][0].json()
+    assert len(argv["errors"]) == 20 and argv["errors_total"] == 10_000
