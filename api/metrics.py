@@ -67,11 +67,17 @@ class TrackerCollector(Collector):
             "SSH commands the polls ran per host (squeue, scontrol)",
             labels=["host"],
         )
+        waiting = GaugeMetricFamily(
+            "sshapi_batch_waiters",
+            "Requests waiting for a batch job to end (Prefer: wait) per host",
+            labels=["host"],
+        )
         for host, tracker in self._trackers().items():
             tracked.add_metric([host], float(len(tracker.tracked)))
+            waiting.add_metric([host], float(tracker.waiting))
             polls.add_metric([host], float(tracker.polls))
             commands.add_metric([host], float(tracker.commands))
-        yield from (tracked, polls, commands)
+        yield from (tracked, polls, commands, waiting)
 
 
 class Metrics:

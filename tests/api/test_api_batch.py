@@ -442,3 +442,26 @@ async def test_twenty_concurrent_cancels_of_one_batch_job_run_one_cancel(
     assert [a.status_code for a in answers] == [200] * 20
     assert {a.json()["state"] for a in answers} == {"cancelled"}
     assert spent < 20
+
+
+async def test_replays_with_prefer_wait_leave_no_waiter_in_the_server(
+    api: Api, workdir: str
+) -> None:
+    """300 idempotent replays of a running batch job with `Prefer: wait=0.05` all time out
+    (202): afterwards the server holds no waiter for it (sshapi_batch_waiters is 0)."""
+    marker = f"{time.time_ns() % 10**6 + 9_000_000}"
+    body = batch(workdir, f"sleep {marker}\n")
+    first = (await api.submit(body, key=f"replay-{marker}")).json()
+    await api.wait_state(first["id"], ("running",), timeout=30)
+    statuses: Counter[int] = Counter()
+    for _ in range(30):
+        answers = await asyncio.gather(
+            *(api.submit(body, key=f"replay-{marker}", wait=0.05) for _ in range(10))
+        )
+        statuses.update(a.status_code for a in answers)
+    text = (await api.client.get(f"{api.url}/metrics")).text
+    waiters = [line for line in text.splitlines() if line.startswith("sshapi_batch_waiters{")]
+    await api.client.delete(f"{api.url}/v1/jobs/{first['id']}", headers=api.auth())
+    figure("300 replays with Prefer: wait=0.05: statuses, waiters left", (dict(statuses), waiters))
+    assert statuses == {202: 300}
+    assert waiters and all(line.endswith(" 0.0") for line in waiters)
