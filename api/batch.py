@@ -32,7 +32,7 @@ from api.config import Config
 from api.metrics import Metrics
 from api.output import PIECE, OutputChunk, OutputRange, Stream, pieces
 from api.policy import Policy
-from api.problems import Problem, retry_after, ssh_problem
+from api.problems import Problem, log_ssh_failure, retry_after, ssh_detail, ssh_problem
 from api.scheduler import (
     BatchRequest,
     JobStatus,
@@ -160,7 +160,12 @@ class BatchJobs:
                 break
             except (SSHPoolError, SchedulerError) as exc:
                 if waited >= RESOLVE_FOR:
-                    await self._update(row, state="lost", error=f"submission unknown: {exc}")
+                    if isinstance(exc, SSHPoolError):
+                        log_ssh_failure(exc, row.host, row.id)
+                        why = ssh_detail(exc, row.host)
+                    else:
+                        why = str(exc)
+                    await self._update(row, state="lost", error=f"submission unknown: {why}")
                     return
                 await asyncio.sleep(delay)
                 waited += delay
@@ -318,7 +323,7 @@ def answered_as_problem(row: JobRow) -> Iterator[None]:
     try:
         yield
     except SSHPoolError as exc:
-        raise ssh_problem(exc, job_id=row.id) from exc
+        raise ssh_problem(exc, host=row.host, job_id=row.id) from exc
     except SchedulerError as exc:
         raise Problem(
             502, "scheduler-error", "The scheduler command failed", str(exc), job_id=row.id

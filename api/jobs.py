@@ -43,7 +43,7 @@ from api.config import Config, PolicyRule
 from api.metrics import Metrics
 from api.output import MAX_READ, OutputRange, Stream, pieces
 from api.policy import Grant, Policy
-from api.problems import Problem, error_kind, ssh_problem
+from api.problems import Problem, error_kind, log_ssh_failure, ssh_detail, ssh_problem
 from api.quota import LocalQuota, Quota
 from api.schemas import JobRequest
 from api.states import FINAL
@@ -255,7 +255,8 @@ class JobService:
         try:
             await self.batch.submit(job.row, grant.target, body.batch)
         except SSHPoolError as exc:
-            await self._record_outcome(job.row, _error_values(exc) | {"finished_at": utcnow()})
+            values = _error_values(exc, job.row)
+            await self._record_outcome(job.row, values | {"finished_at": utcnow()})
         except Exception:
             log.exception("batch job %s failed unexpectedly", job.row.id)
             await self._record_outcome(job.row, _internal_error())
@@ -299,9 +300,9 @@ class JobService:
             values = _result_values(exc.result, "timed_out")
             values["error"] = f"killed after its {timeout:g} s timeout"
         except ConnectionLost as exc:
-            values = _lost_or_error(exc)
+            values = _lost_or_error(exc, row)
         except SSHPoolError as exc:
-            values = _error_values(exc)
+            values = _error_values(exc, row)
         except asyncio.CancelledError:
             values = {"state": "cancelled", "error": job.cancel_reason or "cancelled"}
         except Exception:
@@ -417,7 +418,7 @@ class JobService:
         try:
             await self.pool.kill(target, current.pgid)
         except SSHPoolError as exc:
-            raise ssh_problem(exc, job_id=row.id) from exc
+            raise ssh_problem(exc, host=row.host, job_id=row.id) from exc
         except TimeoutError as exc:
             detail = f"the kill of job {row.id} did not finish in time; retry"
             raise ssh_problem(None, "pool-timeout", detail=detail, job_id=row.id) from exc
@@ -498,14 +499,15 @@ def _result_values(result: CommandResult, state: str) -> dict[str, Any]:
     }
 
 
-def _lost_or_error(exc: ConnectionLost) -> dict[str, Any]:
+def _lost_or_error(exc: ConnectionLost, row: JobRow) -> dict[str, Any]:
     if exc.started:
-        error = f"connection lost after the command started: {exc}"
+        log_ssh_failure(exc, row.host, row.id)
+        error = f"the connection to host {row.host!r} was lost after the command started"
         if exc.remote_pgid is not None:
             # The command may outlive its connection: tell the operator where to look.
             error += f"; its remote process group {exc.remote_pgid} may still be running"
         return {"state": "lost", "error": error}
-    return _error_values(exc)
+    return _error_values(exc, row)
 
 
 def _internal_error() -> dict[str, Any]:
@@ -518,11 +520,12 @@ def _internal_error() -> dict[str, Any]:
     }
 
 
-def _error_values(exc: SSHPoolError) -> dict[str, Any]:
+def _error_values(exc: SSHPoolError, row: JobRow) -> dict[str, Any]:
     # Nothing ran, so a retry is safe: release the idempotency key so that the same key works.
+    log_ssh_failure(exc, row.host, row.id)
     return {
         "state": "error",
-        "error": str(exc) or type(exc).__name__,
+        "error": ssh_detail(exc, row.host),
         "error_kind": error_kind(exc),
         "idempotency_key": None,
     }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import statistics
 import time
 from collections import Counter
@@ -15,7 +16,15 @@ import httpx
 import psutil
 import pytest
 import schemathesis
-from api_helpers import Api, Keys, config_toml, make_settings, running_api, server_process
+from api_helpers import (
+    Api,
+    Keys,
+    OwnHostApi,
+    config_toml,
+    make_settings,
+    running_api,
+    server_process,
+)
 from faults import figure
 from hypothesis import HealthCheck, given, settings
 
@@ -356,3 +365,41 @@ async def test_validation_errors_are_capped_in_count_and_size(
     assert unknown["errors_total"] == 1 and "89995 more" in unknown["detail"]
     argv = answers["bad argv"][0].json()
     assert len(argv["errors"]) == 20 and argv["errors_total"] == 10_000
+
+
+async def test_ssh_failures_name_the_host_and_kind_never_paths_or_accounts(
+    api_with_own_host: OwnHostApi, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A refused connection and a replaced host key: answers and stored jobs name the host and
+    what went wrong, never the remote account, a key or known_hosts path, or user@host:port;
+    the server's log keeps the detail."""
+    caplog.set_level(logging.WARNING)
+    async with api_with_own_host("leaky") as (api, leaky):
+        secrets_ = [leaky.username, str(leaky.known_hosts), str(leaky.client_key), "/"]
+        texts: dict[str, str] = {}
+        leaky.stop(kill_sessions=True)
+        refused = await api.submit({"host": "leaky", "argv": ["true"]}, sub="anyhost")
+        texts["refused"] = refused.text
+        texts["refused job"] = json.dumps(await api.job(refused.json()["job_id"], "anyhost"))
+        await asyncio.sleep(2.5)  # past the breaker's back-off
+        leaky.replace_host_key()
+        leaky.start()
+        for _ in range(20):
+            rekeyed = await api.submit({"host": "leaky", "argv": ["true"]}, sub="anyhost")
+            if rekeyed.status_code == 502:
+                break
+            await asyncio.sleep(0.5)
+        texts["host key"] = rekeyed.text
+        texts["host key job"] = json.dumps(await api.job(rekeyed.json()["job_id"], "anyhost"))
+    for name, text in texts.items():
+        figure(f"SSH failure answer ({name})", text[:300])
+    assert refused.status_code == 502 and rekeyed.status_code == 502
+    assert rekeyed.json()["type"].endswith("host-key-mismatch")
+    for name, text in texts.items():
+        body = json.loads(text)
+        said = " ".join(str(body.get(k, "")) for k in ("detail", "error", "title"))
+        assert "leaky" in said, name
+        leaked = [s for s in secrets_ if s in said]
+        assert leaked == [], (name, said)
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert leaky.username in logged
