@@ -10,6 +10,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import httpx
 import uvicorn
@@ -102,7 +103,12 @@ def create_app(
         for name, host in config.hosts.items():
             for problem in host.ssh_budget(settings.replicas):
                 log.warning("SSH budget of host %s: %s", name, problem)
-        metrics.watch_pool(the_pool.stats)
+
+        def pools_by_host() -> dict[str, list[dict[str, Any]]]:
+            stats = the_pool.stats()
+            return {n: [stats[t] for t in policy.targets(n) if t in stats] for n in config.hosts}
+
+        metrics.watch_pool(pools_by_host)
         metrics.watch_trackers(lambda: batch.trackers)
         await batch.start(settings.replica)
         app.state.services = services

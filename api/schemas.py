@@ -258,5 +258,7 @@ class HostInfo(BaseModel):
         "connection made yet."
     )
     pool: list[dict[str, Any]] = Field(
-        default_factory=list, description="Pool statistics per remote account (target)."
+        default_factory=list,
+        description="Pool statistics: admins get one per remote account, with its `target`; "
+        "others get only the pool of their own account, without it.",
     )

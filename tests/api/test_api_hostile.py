@@ -403,3 +403,42 @@ async def test_ssh_failures_name_the_host_and_kind_never_paths_or_accounts(
         assert leaked == [], (name, said)
     logged = "\n".join(r.getMessage() for r in caplog.records)
     assert leaky.username in logged
+
+
+async def test_readers_see_only_their_own_pool_and_metrics_name_no_account(
+    tuned_host: LocalHost, secret_file: Path, secret: str, keys: Keys, tmp_path: Path
+) -> None:
+    """Host `local` with two accounts (bob's `otheracct` is refused by sshd): alice's
+    /v1/hosts/local shows one pool, hers, without its target; an admin sees both with their
+    targets; /metrics labels pools by host name, never by user@host:port."""
+    rule = f"""[[policy]]
+subject = "bob"
+hosts = ["local"]
+[policy.accounts.local]
+username = "otheracct"
+client_keys = ["{tuned_host.client_key}"]
+
+"""
+    text = config_toml(tuned_host, secret_file, keys)
+    path = tmp_path / "accounts.toml"
+    path.write_text(text.replace('[[policy]]\nsubject = "*"', rule + '[[policy]]\nsubject = "*"'))
+    async with running_api(make_settings(tmp_path, path, "sqlite", None), keys, secret) as api:
+        assert (await api.submit({"host": "local", "argv": ["true"]}, sub="bob")).status_code == 502
+        assert (await api.submit({"host": "local", "argv": ["true"]})).status_code == 201
+        mine = await api.client.get(f"{api.url}/v1/hosts/local", headers=api.auth())
+        listed = await api.client.get(f"{api.url}/v1/hosts", headers=api.auth())
+        admin = await api.client.get(f"{api.url}/v1/hosts/local", headers=api.auth("ops", "admin"))
+        metrics = (await api.client.get(f"{api.url}/metrics")).text
+    pool_lines = [line for line in metrics.splitlines() if line.startswith("sshpool_")]
+    figure("/v1/hosts/local for a reader: pools shown, bytes", (len(mine.json()["pool"]),
+           len(mine.content)))  # fmt: skip
+    figure("/metrics sshpool sample", pool_lines[:2])
+    for answer in (mine, listed):
+        assert "otheracct" not in answer.text and tuned_host.username not in answer.text
+    assert len(mine.json()["pool"]) == 1 and "target" not in mine.json()["pool"][0]
+    assert mine.json()["pool"][0]["counters"]["commands"] == 1
+    assert sorted(p["target"].split("@")[0] for p in admin.json()["pool"]) == sorted(
+        ["otheracct", tuned_host.username]
+    )
+    assert pool_lines and all("@" not in line for line in pool_lines)
+    assert any(line.startswith('sshpool_connections{host="local"}') for line in pool_lines)
