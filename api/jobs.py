@@ -32,6 +32,7 @@ import hashlib
 import json
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,7 +123,12 @@ class JobService:
 
     async def get(self, who: Principal, job_id: str) -> JobRow:
         """The job if the caller may see it (owner or admin); 404 otherwise, never 403, so ids
-        of other people's jobs are not confirmed."""
+        of other people's jobs are not confirmed. Ids are UUIDs: anything else (NUL, junk) is
+        404 without a query (PostgreSQL refuses NUL in text, which was a 500)."""
+        try:
+            uuid.UUID(job_id)
+        except ValueError:
+            raise Problem(404, "job-not-found", "No such job", "no such job id") from None
         with stage("store"):
             row = await self.store.get(job_id)
         if row is None or not (who.is_admin or (row.owner_iss, row.owner_sub) == key_of(who)):

@@ -48,6 +48,23 @@ REQUEST_EXAMPLES = {
 }
 
 
+def _encodable(value: Any) -> bool:
+    """Whether every string in `value` (models, dicts, lists: keys too) encodes to UTF-8."""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return False
+        return True
+    if isinstance(value, BaseModel):
+        return all(_encodable(getattr(value, name)) for name in type(value).model_fields)
+    if isinstance(value, dict):
+        return all(_encodable(k) and _encodable(v) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return all(_encodable(v) for v in value)
+    return True
+
+
 class JobRequest(BaseModel):
     """Exactly one of `argv`, `command`, `template` (with `params`) or `batch`."""
 
@@ -106,6 +123,10 @@ class JobRequest(BaseModel):
             raise ValueError("argv elements cannot contain NUL bytes")
         if self.command is not None and "\0" in self.command:
             raise ValueError("the command cannot contain NUL bytes")
+        if not _encodable(self):
+            # JSON's \ud800 escapes decode to lone surrogates, which UTF-8 cannot carry to the
+            # host or the store: refused here, not a UnicodeEncodeError (500) later.
+            raise ValueError("strings must be valid Unicode (no lone surrogates)")
         return self
 
 

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Body, Header, Query, Response
 from fastapi.responses import StreamingResponse
 
-from api.config import ApiConfig
+from api.config import NAME, ApiConfig
 from api.deps import Reader, Svc, Writer
 from api.output import MAX_READ
 from api.problems import MEDIA_TYPE, Problem, error_problem, retry_after
@@ -113,7 +113,7 @@ async def list_jobs(
     who: Reader,
     svc: Svc,
     state: State | None = None,
-    host: Annotated[str | None, Query(max_length=64)] = None,
+    host: Annotated[str | None, Query(max_length=64, pattern=NAME)] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
     cursor: Annotated[str | None, Query(description="`next_cursor` of the previous page.")] = None,
 ) -> JobList:

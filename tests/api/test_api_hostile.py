@@ -442,3 +442,47 @@ client_keys = ["{tuned_host.client_key}"]
     )
     assert pool_lines and all("@" not in line for line in pool_lines)
     assert any(line.startswith('sshpool_connections{host="local"}') for line in pool_lines)
+
+
+async def test_unencodable_strings_nul_and_long_subjects_are_4xx_on_every_store(
+    api_any_store: Api, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Lone surrogates (argv, stdin, command, template parameter) are 422; NUL or junk in a job
+    id is 404 on every job route; NUL in the `host` filter is 422; a `sub` over 512
+    characters or holding NUL is 401. Never a 500, and no SQL in answers or logs, on SQLite
+    and PostgreSQL."""
+    api = api_any_store
+    caplog.set_level(logging.WARNING)
+    headers = {**api.auth("anyhost"), "Content-Type": "application/json"}
+    bodies = [
+        b'{"host": "local", "argv": ["echo", "\\ud800"]}',
+        b'{"host": "local", "argv": ["cat"], "stdin": "x\\udfff"}',
+        b'{"host": "local", "command": "echo \\ud83d"}',
+        b'{"host": "local", "template": "greet", "params": {"count": 1, "word": "\\ud800"}}',
+        b'{"host": "local\\ud800", "argv": ["true"]}',
+    ]
+    seen: dict[str, int] = {}
+    for n, raw in enumerate(bodies):
+        r = await api.client.post(f"{api.url}/v1/jobs", content=raw, headers=headers)
+        seen[f"surrogate body {n}"] = r.status_code
+        assert r.status_code == 422, (raw, r.text)
+    for job_id in ("%00", "a%00b", "01a2053c-1c8d-7cb1-a872-d1f72475378%00", "x" * 300):
+        for method, path in (
+            ("GET", f"/v1/jobs/{job_id}"),
+            ("GET", f"/v1/jobs/{job_id}/output"),
+            ("DELETE", f"/v1/jobs/{job_id}"),
+        ):
+            r = await api.client.request(method, f"{api.url}{path}", headers=headers)
+            seen[f"{method} {path[:40]}"] = r.status_code
+            assert r.status_code == 404, (method, path, r.text)
+    r = await api.client.get(f"{api.url}/v1/jobs?host=lo%00cal", headers=headers)
+    seen["host filter with NUL"] = r.status_code
+    assert r.status_code == 422, r.text
+    for sub in ("s" * 513, "nul\0sub"):
+        token = api.token(sub)
+        r = await api.client.get(f"{api.url}/v1/jobs", headers={"Authorization": f"Bearer {token}"})
+        seen[f"sub {sub[:8]!r}"] = r.status_code
+        assert r.status_code == 401, r.text
+    figure("surrogates / NUL / long sub: statuses", seen)
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert "SELECT" not in logged and "Traceback" not in logged
