@@ -486,3 +486,16 @@ async def test_unencodable_strings_nul_and_long_subjects_are_4xx_on_every_store(
     figure("surrogates / NUL / long sub: statuses", seen)
     logged = "\n".join(r.getMessage() for r in caplog.records)
     assert "SELECT" not in logged and "Traceback" not in logged
+
+
+async def test_output_reads_of_one_identity_are_rate_limited(api: Api) -> None:
+    """`slow` (rate 0.2/s, burst 2) reads a finished job's output 10 times in a row: 2 reads
+    are served, 8 are 429 with Retry-After (a batch job's read would run SSH commands; the
+    batch case is in test_api_batch.py)."""
+    r = await api.submit({"host": "local", "argv": ["echo", "hi"]}, sub="slow")
+    assert r.status_code == 201, r.text
+    headers = api.auth("slow")
+    url = f"{api.url}/v1/jobs/{r.json()['id']}/output"
+    statuses = [(await api.client.get(url, headers=headers)).status_code for _ in range(10)]
+    figure("10 output reads, rate 0.2 burst 2: statuses", statuses)
+    assert statuses == [200, 200] + [429] * 8
