@@ -10,6 +10,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import httpx
 import uvicorn
@@ -32,6 +33,7 @@ from api.routes.hosts import router as hosts_router
 from api.routes.jobs import router as jobs_router
 from api.routes.live import router as live_router
 from api.routes.ops import router as ops_router
+from api.server import EdgeLimits, connection_limit, guarded_protocol
 from api.settings import Settings
 from api.store import Store
 from sshpool import Pool, SSHPoolError
@@ -107,7 +109,12 @@ def create_app(
         for name, host in config.hosts.items():
             for problem in host.ssh_budget(settings.replicas):
                 log.warning("SSH budget of host %s: %s", name, problem)
-        metrics.watch_pool(the_pool.stats)
+
+        def pools_by_host() -> dict[str, list[dict[str, Any]]]:
+            stats = the_pool.stats()
+            return {n: [stats[t] for t in policy.targets(n) if t in stats] for n in config.hosts}
+
+        metrics.watch_pool(pools_by_host)
         metrics.watch_trackers(lambda: batch.trackers)
         await batch.start(settings.replica)
         app.state.services = services
@@ -159,7 +166,16 @@ def serve(settings: Settings, config: Config | None = None) -> None:
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     # asyncssh logs every channel at INFO: far too much for a server running hundreds a second.
     logging.getLogger("asyncssh").setLevel(max(level, logging.WARNING))
+    config = config or resolve_config(settings)
     api = create_app(settings, config=config)
+    policy = Policy(config)
+    ssh = sum(h.limits.max_connections * len(policy.targets(n)) for n, h in config.hosts.items())
+    limits = EdgeLimits(
+        max_header_bytes=settings.max_header_bytes,
+        header_timeout=settings.header_timeout,
+        body_timeout=settings.body_timeout,
+        max_connections=connection_limit(settings.max_connections, ssh),
+    )
     uvicorn.run(
         api,
         host=settings.host,
@@ -167,4 +183,5 @@ def serve(settings: Settings, config: Config | None = None) -> None:
         log_level=settings.log_level,
         ws="none",
         timeout_keep_alive=settings.keepalive_timeout,
+        http=guarded_protocol(limits),
     )

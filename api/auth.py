@@ -31,6 +31,10 @@ from api.problems import unauthorized
 log = logging.getLogger("sshapi.auth")
 
 REQUIRED_CLAIMS = ["exp", "iat", "sub", "aud", "iss"]
+# Checked before any decoding: a real token is well under 2 KiB, and decoding one of megabytes
+# (base64 + JSON, twice) costs seconds of CPU for a 401.
+MAX_TOKEN_BYTES = 8 << 10
+MAX_SUBJECT = 512
 SCOPES = frozenset({"jobs:read", "jobs:write", "files:read", "files:write", "admin"})
 
 # Which public key types can verify which algorithms.
@@ -147,6 +151,8 @@ class Authenticator:
             self._issuers[issuer.issuer] = IssuerKeys(issuer, secret, client)
 
     async def authenticate(self, token: str) -> Principal:
+        if len(token) > MAX_TOKEN_BYTES:
+            raise unauthorized(f"token too large (at most {MAX_TOKEN_BYTES} bytes)")
         try:
             header = jwt.get_unverified_header(token)
             # Unverified read, only to choose the issuer configuration; verified below.
@@ -169,6 +175,10 @@ class Authenticator:
         sub = claims.get("sub")
         if not isinstance(sub, str) or not sub:
             raise unauthorized("missing subject")
+        if len(sub) > MAX_SUBJECT or not sub.isprintable():
+            # Stored with every job and used in keys: NUL, control characters and lone
+            # surrogates cannot go into PostgreSQL text or UTF-8 (they were 500s).
+            raise unauthorized(f"invalid subject (printable, at most {MAX_SUBJECT} characters)")
         return Principal(issuer=issuer.issuer, subject=sub, scopes=scopes_of(claims))
 
     @staticmethod

@@ -23,16 +23,16 @@ import contextlib
 import functools
 import logging
 import signal
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from sqlalchemy import func
 
 from api.config import Config
 from api.metrics import Metrics
-from api.output import OutputChunk, Stream
+from api.output import PIECE, OutputChunk, OutputRange, Stream, pieces
 from api.policy import Policy
-from api.problems import Problem, retry_after, ssh_problem
+from api.problems import Problem, log_ssh_failure, retry_after, ssh_detail, ssh_problem
 from api.scheduler import (
     BatchRequest,
     JobStatus,
@@ -160,7 +160,12 @@ class BatchJobs:
                 break
             except (SSHPoolError, SchedulerError) as exc:
                 if waited >= RESOLVE_FOR:
-                    await self._update(row, state="lost", error=f"submission unknown: {exc}")
+                    if isinstance(exc, SSHPoolError):
+                        log_ssh_failure(exc, row.host, row.id)
+                        why = ssh_detail(exc, row.host)
+                    else:
+                        why = str(exc)
+                    await self._update(row, state="lost", error=f"submission unknown: {why}")
                     return
                 await asyncio.sleep(delay)
                 waited += delay
@@ -269,13 +274,48 @@ class BatchJobs:
             )
         return fresh
 
-    async def output(self, row: JobRow, stream: Stream, offset: int, limit: int) -> OutputChunk:
+    async def read_chunk(self, row: JobRow, stream: Stream, offset: int, limit: int) -> OutputChunk:
+        """One read of the job's output file over SSH (at most `limit` bytes from `offset`):
+        what the live follower of a batch job polls."""
         if row.scheduler_job_id is None or row.batch is None:
             return OutputChunk(b"", offset, None)
         path = batch_options(row.batch).output_path(row.scheduler_job_id, row.id, stream)
         client = self.client(row.host, self.target_of(row))
         with answered_as_problem(row):
             return await client.read_output(path, offset, limit)
+
+    async def output(self, row: JobRow, stream: Stream, offset: int, limit: int) -> OutputRange:
+        """The range, read over SSH a PIECE at a time: the first piece before answering (its
+        size line tells whether there is a file), the rest while the answer is sent."""
+        if row.scheduler_job_id is None or row.batch is None:
+            return OutputRange(offset, None, 0, pieces())
+        path = batch_options(row.batch).output_path(row.scheduler_job_id, row.id, stream)
+        client = self.client(row.host, self.target_of(row))
+        with answered_as_problem(row):
+            first = await client.read_output(path, offset, min(limit, PIECE))
+        if first.size is None:
+            return OutputRange(offset, None, 0, pieces())
+        # Output files only grow: the range is fixed by the size read first.
+        end = offset + min(limit, max(0, first.size - offset))
+        return OutputRange(
+            offset, first.size, end - offset, self._rest(row, client, path, first, end)
+        )
+
+    @staticmethod
+    async def _rest(
+        row: JobRow, client: SlurmClient, path: str, first: OutputChunk, end: int
+    ) -> AsyncIterator[bytes]:
+        yield first.data
+        at = first.next_offset
+        while at < end:
+            # Failing here, after the answer started, cuts the connection short of its
+            # Content-Length: the client sees an incomplete body, never a short "whole" one.
+            with answered_as_problem(row):
+                chunk = await client.read_output(path, at, min(PIECE, end - at))
+            if not chunk.data:
+                raise RuntimeError(f"output of job {row.id} shrank while read")
+            yield chunk.data
+            at = chunk.next_offset
 
     async def _update(self, row: JobRow, **values: Any) -> None:
         if values.get("state") in FINAL:
@@ -293,7 +333,7 @@ def answered_as_problem(row: JobRow) -> Iterator[None]:
     try:
         yield
     except SSHPoolError as exc:
-        raise ssh_problem(exc, job_id=row.id) from exc
+        raise ssh_problem(exc, host=row.host, job_id=row.id) from exc
     except SchedulerError as exc:
         raise Problem(
             502, "scheduler-error", "The scheduler command failed", str(exc), job_id=row.id

@@ -32,6 +32,7 @@ import hashlib
 import json
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,12 +41,12 @@ from sqlalchemy.exc import IntegrityError
 
 from api.auth import Principal
 from api.batch import BatchJobs
-from api.config import Config
+from api.config import Config, PolicyRule
 from api.live import Feed, LiveHub
 from api.metrics import Metrics
-from api.output import MAX_READ, OutputChunk, Stream
+from api.output import MAX_READ, OutputRange, Stream, pieces
 from api.policy import Grant, Policy
-from api.problems import Problem, error_kind, ssh_problem
+from api.problems import Problem, error_kind, log_ssh_failure, ssh_detail, ssh_problem
 from api.quota import LocalQuota, Quota
 from api.schemas import JobRequest
 from api.states import FINAL
@@ -112,12 +113,30 @@ class JobService:
         self.batch = batch
         self._running: dict[str, Running] = {}
         self.live = LiveHub(store.get, self._read_output_file)
+        # job id -> the cancel in progress here: concurrent DELETEs of a job share it.
+        self._cancels: dict[str, asyncio.Task[JobRow]] = {}
 
     # ---- reading
 
+    async def take_read(self, who: Principal) -> None:
+        """Spend a token of who's bucket for SSH-backed reads (output reads, cancels): the
+        rule's rate and burst, a bucket apart from submissions'."""
+        rule = self.policy.rule_for(who)
+        if rule is None:
+            fields = PolicyRule.model_fields
+            rate, burst = fields["rate"].default, fields["burst"].default
+        else:
+            rate, burst = rule.rate, rule.burst
+        await self.quota.take(key_of(who), rate, burst, "reads")
+
     async def get(self, who: Principal, job_id: str) -> JobRow:
         """The job if the caller may see it (owner or admin); 404 otherwise, never 403, so ids
-        of other people's jobs are not confirmed."""
+        of other people's jobs are not confirmed. Ids are UUIDs: anything else (NUL, junk) is
+        404 without a query (PostgreSQL refuses NUL in text, which was a 500)."""
+        try:
+            uuid.UUID(job_id)
+        except ValueError:
+            raise Problem(404, "job-not-found", "No such job", "no such job id") from None
         with stage("store"):
             row = await self.store.get(job_id)
         if row is None or not (who.is_admin or (row.owner_iss, row.owner_sub) == key_of(who)):
@@ -252,7 +271,8 @@ class JobService:
         try:
             await self.batch.submit(job.row, grant.target, body.batch)
         except SSHPoolError as exc:
-            await self._record_outcome(job.row, _error_values(exc) | {"finished_at": utcnow()})
+            values = _error_values(exc, job.row)
+            await self._record_outcome(job.row, values | {"finished_at": utcnow()})
         except Exception:
             log.exception("batch job %s failed unexpectedly", job.row.id)
             await self._record_outcome(job.row, _internal_error())
@@ -298,9 +318,9 @@ class JobService:
             values = _result_values(exc.result, "timed_out")
             values["error"] = f"killed after its {timeout:g} s timeout"
         except ConnectionLost as exc:
-            values = _lost_or_error(exc)
+            values = _lost_or_error(exc, row)
         except SSHPoolError as exc:
-            values = _error_values(exc)
+            values = _error_values(exc, row)
         except asyncio.CancelledError:
             values = {"state": "cancelled", "error": job.cancel_reason or "cancelled"}
         except Exception:
@@ -354,7 +374,25 @@ class JobService:
     # ---- cancelling
 
     async def cancel(self, who: Principal, job_id: str) -> JobRow:
+        """Cancel the job; a DELETE while another is in progress here waits for the same
+        outcome instead of running its own (scancel, squeue, kill)."""
+        await self.take_read(who)
         row = await self.get(who, job_id)
+        task = self._cancels.get(job_id)
+        if task is None:
+            task = asyncio.create_task(self._cancel(who, row), name=f"cancel-{job_id}")
+            self._cancels[job_id] = task
+            task.add_done_callback(self._cancel_done)
+        # Shielded: a caller that goes away does not stop the cancel the others wait for.
+        return await asyncio.shield(task)
+
+    def _cancel_done(self, task: asyncio.Task[JobRow]) -> None:
+        self._cancels = {k: t for k, t in self._cancels.items() if t is not task}
+        if not task.cancelled():
+            task.exception()  # retrieved: every waiter may have gone
+
+    async def _cancel(self, who: Principal, row: JobRow) -> JobRow:
+        job_id = row.id
         if row.state in FINAL:
             raise _already_finished(row)
         if row.kind == "batch":
@@ -400,7 +438,7 @@ class JobService:
         try:
             await self.pool.kill(target, current.pgid)
         except SSHPoolError as exc:
-            raise ssh_problem(exc, job_id=row.id) from exc
+            raise ssh_problem(exc, host=row.host, job_id=row.id) from exc
         except TimeoutError as exc:
             detail = f"the kill of job {row.id} did not finish in time; retry"
             raise ssh_problem(None, "pool-timeout", detail=detail, job_id=row.id) from exc
@@ -419,21 +457,23 @@ class JobService:
 
     async def output(
         self, who: Principal, job_id: str, stream: Stream, offset: int, limit: int
-    ) -> tuple[JobRow, OutputChunk]:
-        """A byte range of a job's stdout or stderr: a batch job's output file, read over SSH;
-        a command's stored (capped) output."""
+    ) -> tuple[JobRow, OutputRange]:
+        """A byte range of a job's stdout or stderr: a batch job's output file, read over SSH
+        and streamed; a command's stored (capped) output."""
+        await self.take_read(who)
         row = await self.get(who, job_id)
         if row.kind == "batch":
             return row, await self.batch.output(row, stream, offset, min(limit, MAX_READ))
         stored = (row.stdout if stream == "stdout" else row.stderr) or b""
         if row.state not in FINAL:
-            return row, OutputChunk(b"", offset, None)
-        return row, OutputChunk(stored[offset : offset + limit], offset, len(stored))
+            return row, OutputRange(offset, None, 0, pieces())
+        data = stored[offset : offset + limit]
+        return row, OutputRange(offset, len(stored), len(data), pieces(data))
 
     async def _read_output_file(
         self, row: JobRow, stream: Stream, offset: int, limit: int
     ) -> tuple[bytes, int | None]:
-        chunk = await self.batch.output(row, stream, offset, limit)
+        chunk = await self.batch.read_chunk(row, stream, offset, limit)
         return chunk.data, chunk.size
 
     @contextlib.asynccontextmanager
@@ -511,14 +551,15 @@ def _result_values(result: CommandResult, state: str) -> dict[str, Any]:
     }
 
 
-def _lost_or_error(exc: ConnectionLost) -> dict[str, Any]:
+def _lost_or_error(exc: ConnectionLost, row: JobRow) -> dict[str, Any]:
     if exc.started:
-        error = f"connection lost after the command started: {exc}"
+        log_ssh_failure(exc, row.host, row.id)
+        error = f"the connection to host {row.host!r} was lost after the command started"
         if exc.remote_pgid is not None:
             # The command may outlive its connection: tell the operator where to look.
             error += f"; its remote process group {exc.remote_pgid} may still be running"
         return {"state": "lost", "error": error}
-    return _error_values(exc)
+    return _error_values(exc, row)
 
 
 def _internal_error() -> dict[str, Any]:
@@ -531,11 +572,12 @@ def _internal_error() -> dict[str, Any]:
     }
 
 
-def _error_values(exc: SSHPoolError) -> dict[str, Any]:
+def _error_values(exc: SSHPoolError, row: JobRow) -> dict[str, Any]:
     # Nothing ran, so a retry is safe: release the idempotency key so that the same key works.
+    log_ssh_failure(exc, row.host, row.id)
     return {
         "state": "error",
-        "error": str(exc) or type(exc).__name__,
+        "error": ssh_detail(exc, row.host),
         "error_kind": error_kind(exc),
         "idempotency_key": None,
     }

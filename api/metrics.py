@@ -14,39 +14,50 @@ POOL_GAUGES = ("connections", "channels_in_use", "capacity", "waiters", "handsha
 
 
 class PoolCollector(Collector):
-    """Reads pool.stats() at scrape time: gauges per target, the breaker, the pool's counters."""
+    """Reads the pools' stats at scrape time, per configured host name: gauges and counters
+    summed over the host's accounts, the breaker open if any account's is. Labelled by host,
+    never by target: user@host:port names remote accounts, and /metrics is open by default."""
 
-    def __init__(self, stats: Callable[[], dict[Any, dict[str, Any]]]) -> None:
+    def __init__(self, stats: Callable[[], dict[str, list[dict[str, Any]]]]) -> None:
         self._stats = stats
 
     def collect(self) -> Iterator[Any]:
-        stats = self._stats()
         gauges = {
-            name: GaugeMetricFamily(f"sshpool_{name}", f"Pool {name} per target", labels=["target"])
+            name: GaugeMetricFamily(f"sshpool_{name}", f"Pool {name} per host", labels=["host"])
             for name in POOL_GAUGES
         }
         breaker = GaugeMetricFamily(
-            "sshpool_breaker_open", "1 while the host's circuit breaker is open", labels=["target"]
+            "sshpool_breaker_open",
+            "1 while a circuit breaker of the host is open",
+            labels=["host"],
         )
         counters: dict[str, CounterMetricFamily] = {}
-        for key, s in stats.items():
-            target = str(key)
+        for host, pools in self._stats().items():
+            if not pools:
+                continue
             for name, family in gauges.items():
-                value = s.get(name)
-                if isinstance(value, int | float):
-                    family.add_metric([target], float(value))
-            breaker.add_metric([target], 0.0 if s.get("breaker", "closed") == "closed" else 1.0)
-            for name, value in (s.get("counters") or {}).items():
-                if not isinstance(value, int | float):
-                    continue
+                total = sum(float(p[name]) for p in pools if _number(p.get(name)))
+                family.add_metric([host], total)
+            open_ = any(p.get("breaker", "closed") != "closed" for p in pools)
+            breaker.add_metric([host], 1.0 if open_ else 0.0)
+            summed: dict[str, float] = {}
+            for p in pools:
+                for name, value in (p.get("counters") or {}).items():
+                    if _number(value):
+                        summed[name] = summed.get(name, 0.0) + float(value)
+            for name, value in summed.items():
                 if name not in counters:
                     counters[name] = CounterMetricFamily(
-                        f"sshpool_{name}", f"Pool counter {name}", labels=["target"]
+                        f"sshpool_{name}", f"Pool counter {name}", labels=["host"]
                     )
-                counters[name].add_metric([target], float(value))
+                counters[name].add_metric([host], value)
         yield from gauges.values()
         yield breaker
         yield from counters.values()
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 class TrackerCollector(Collector):
@@ -67,11 +78,17 @@ class TrackerCollector(Collector):
             "SSH commands the polls ran per host (squeue, scontrol)",
             labels=["host"],
         )
+        waiting = GaugeMetricFamily(
+            "sshapi_batch_waiters",
+            "Requests waiting for a batch job to end (Prefer: wait) per host",
+            labels=["host"],
+        )
         for host, tracker in self._trackers().items():
             tracked.add_metric([host], float(len(tracker.tracked)))
+            waiting.add_metric([host], float(tracker.waiting))
             polls.add_metric([host], float(tracker.polls))
             commands.add_metric([host], float(tracker.commands))
-        yield from (tracked, polls, commands)
+        yield from (tracked, polls, commands, waiting)
 
 
 class Metrics:
@@ -123,7 +140,8 @@ class Metrics:
             registry=self.registry,
         )
 
-    def watch_pool(self, stats: Callable[[], dict[Any, dict[str, Any]]]) -> None:
+    def watch_pool(self, stats: Callable[[], dict[str, list[dict[str, Any]]]]) -> None:
+        """`stats()`: host name -> the stats of that host's pools (one per account)."""
         self.registry.register(PoolCollector(stats))
 
     def watch_trackers(self, trackers: Callable[[], dict[str, Any]]) -> None:

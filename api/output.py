@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -10,6 +11,9 @@ Stream = Literal["stdout", "stderr"]
 
 # The most one output read returns, whatever `limit` the caller asks for.
 MAX_READ = 16 << 20
+# A batch job's output is read over SSH this many bytes at a time and sent on as it comes:
+# a 16 MiB read holds about one piece in memory, not 16 MiB.
+PIECE = 512 << 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,3 +28,24 @@ class OutputChunk:
     @property
     def next_offset(self) -> int:
         return self.offset + len(self.data)
+
+
+@dataclass(frozen=True, slots=True)
+class OutputRange:
+    """A byte range of an output as an answer: ``length`` bytes from ``offset``, produced by
+    ``body`` while they are sent; ``size`` as in OutputChunk (None: nothing to read yet)."""
+
+    offset: int
+    size: int | None
+    length: int
+    body: AsyncIterator[bytes]
+
+    @property
+    def next_offset(self) -> int:
+        return self.offset + self.length
+
+
+async def pieces(*items: bytes) -> AsyncIterator[bytes]:
+    """An output body from bytes already in memory."""
+    for item in items:
+        yield item

@@ -88,6 +88,19 @@ class Problem(Exception):
         )
 
 
+# A 422 lists at most this many errors (`errors_total` counts them all), each string clipped:
+# a body of many small mistakes (or one huge key name) must not make an answer larger than it.
+MAX_ERRORS = 20
+MAX_ERROR_TEXT = 200
+MAX_LOC_TEXT = 64
+
+
+def _clip(value: Any, limit: int = MAX_LOC_TEXT) -> Any:
+    if isinstance(value, str) and len(value) > limit:
+        return value[:limit] + "..."
+    return value
+
+
 def unauthorized(detail: str, *, error: str = "invalid_token") -> Problem:
     # RFC 6750: the error code tells a client whether to refresh its token or fetch one.
     challenge = f'Bearer realm="sshapi", error="{error}"'
@@ -136,26 +149,45 @@ SSH_ERRORS: dict[type[SSHPoolError], tuple[int, str, str]] = {
 }
 
 
+def _ssh_row(exc: SSHPoolError) -> tuple[int, str, str]:
+    return next(SSH_ERRORS[c] for c in type(exc).__mro__ if c in SSH_ERRORS)
+
+
+def ssh_detail(exc: SSHPoolError, host: str) -> str:
+    """What a client is told (and a job stores) about an SSH failure: the host and the kind of
+    failure. The exception's own text names the remote account, address, key and known_hosts
+    paths: it goes to the log (`log_ssh_failure`), never into an answer."""
+    title = _ssh_row(exc)[2]
+    return f"host {host!r}: {title[0].lower()}{title[1:]}"
+
+
+def log_ssh_failure(exc: SSHPoolError, host: str, job_id: str) -> None:
+    log.warning("job %s on host %s: %s: %s", job_id, host, type(exc).__name__, exc)
+
+
 def ssh_problem(
     exc: SSHPoolError | None,
     kind: str | None = None,
     *,
+    host: str | None = None,
     detail: str | None = None,
     **extensions: Any,
 ) -> Problem:
     """The Problem for an SSH failure before the command started; `kind` re-creates one from a
-    stored job (the exception is gone by then)."""
-    row = next((SSH_ERRORS[c] for c in type(exc).__mro__ if c in SSH_ERRORS), None) if exc else None
+    stored job (the exception is gone by then). The detail names `host`, never the target."""
+    row = _ssh_row(exc) if exc else None
     if row is None:
         row = next((r for r in SSH_ERRORS.values() if r[1] == kind), SSH_ERRORS[SSHPoolError])
     status, kind, title = row
     headers = retry_after(getattr(exc, "retry_after", 1.0)) if status == 503 else None
-    detail = detail or (str(exc) if exc else None)
+    if detail is None and exc is not None:
+        detail = ssh_detail(exc, host or "?")
+        log_ssh_failure(exc, host or "?", str(extensions.get("job_id")))
     return Problem(status, kind, title, detail, headers=headers, **extensions)
 
 
 def error_kind(exc: SSHPoolError) -> str:
-    return next(SSH_ERRORS[c][1] for c in type(exc).__mro__ if c in SSH_ERRORS)
+    return _ssh_row(exc)[1]
 
 
 def install(app: FastAPI) -> None:
@@ -167,9 +199,14 @@ def install(app: FastAPI) -> None:
 
     async def on_validation(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
+        found = exc.errors()
         errors = [
-            {"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
-            for e in exc.errors()
+            {
+                "loc": [_clip(part) for part in e.get("loc", ())],
+                "msg": _clip(e.get("msg", ""), MAX_ERROR_TEXT),
+                "type": _clip(e.get("type", "")),
+            }
+            for e in found[:MAX_ERRORS]
         ]
         problem = Problem(
             422,
@@ -177,6 +214,7 @@ def install(app: FastAPI) -> None:
             "Invalid request",
             errors[0]["msg"] if errors else None,
             errors=errors,
+            errors_total=len(found),
         )
         return problem.response(request.url.path)
 

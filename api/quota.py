@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from api.problems import Problem, retry_after
 
@@ -32,12 +32,17 @@ REDIS_TIMEOUT = 0.25  # seconds per Redis call before falling back to the local 
 PREFIX = "sshapi:"
 
 
-def rate_limited(rate: float, burst: int, wait: float) -> Problem:
+# The buckets of one identity: job submissions, and SSH-backed reads (output reads, cancels).
+Bucket = Literal["rate", "reads"]
+WHAT = {"rate": "jobs", "reads": "output reads and cancels"}
+
+
+def rate_limited(rate: float, burst: int, wait: float, bucket: Bucket = "rate") -> Problem:
     return Problem(
         429,
         "rate-limited",
         "Too many requests",
-        f"at most {rate:g} jobs/s (burst {burst}); retry in {wait:.1f} s",
+        f"at most {rate:g} {WHAT[bucket]}/s (burst {burst}); retry in {wait:.1f} s",
         headers=retry_after(wait),
     )
 
@@ -53,7 +58,7 @@ def too_many_jobs(cap: int) -> Problem:
 
 
 class Quota(Protocol):
-    async def take(self, who: Identity, rate: float, burst: int) -> None:
+    async def take(self, who: Identity, rate: float, burst: int, bucket: Bucket = "rate") -> None:
         """Spend one token of who's bucket or raise 429 `rate-limited` with Retry-After."""
 
     async def enter(self, who: Identity, job_id: str, cap: int, ttl: float) -> None:
@@ -71,18 +76,19 @@ class LocalQuota:
     MAX_BUCKETS = 100_000
 
     def __init__(self) -> None:
-        # identity -> (tokens, last refill time)
-        self._buckets: dict[Identity, tuple[float, float]] = {}
+        # (bucket, identity) -> (tokens, last refill time)
+        self._buckets: dict[tuple[Bucket, Identity], tuple[float, float]] = {}
         self._active: dict[Identity, set[str]] = {}
 
-    async def take(self, who: Identity, rate: float, burst: int) -> None:
+    async def take(self, who: Identity, rate: float, burst: int, bucket: Bucket = "rate") -> None:
         now = time.monotonic()
-        tokens, last = self._buckets.get(who, (float(burst), now))
+        key = (bucket, who)
+        tokens, last = self._buckets.get(key, (float(burst), now))
         tokens = min(float(burst), tokens + (now - last) * rate)
         if tokens < 1.0:
-            self._buckets[who] = (tokens, now)
-            raise rate_limited(rate, burst, (1.0 - tokens) / rate)
-        self._buckets[who] = (tokens - 1.0, now)
+            self._buckets[key] = (tokens, now)
+            raise rate_limited(rate, burst, (1.0 - tokens) / rate, bucket)
+        self._buckets[key] = (tokens - 1.0, now)
         if len(self._buckets) > self.MAX_BUCKETS:
             # A bucket idle for an hour is (nearly always) full again: forgetting it costs nothing.
             for k in [k for k, (_, t) in self._buckets.items() if now - t > 3600]:
@@ -165,15 +171,15 @@ class RedisQuota:
         # A NUL separates issuer and subject: neither holds one in practice, so keys never clash.
         return f"{PREFIX}{kind}:{who[0]}\0{who[1]}"
 
-    async def take(self, who: Identity, rate: float, burst: int) -> None:
+    async def take(self, who: Identity, rate: float, burst: int, bucket: Bucket = "rate") -> None:
         try:
-            ok, wait = await self._take(keys=[self._key("rate", who)], args=[rate, burst])
+            ok, wait = await self._take(keys=[self._key(bucket, who)], args=[rate, burst])
         except Exception as exc:  # any Redis or network failure: the local limits apply
             self._failed(exc)
-            return await self.fallback.take(who, rate, burst)
+            return await self.fallback.take(who, rate, burst, bucket)
         self._ok()
         if not ok:
-            raise rate_limited(rate, burst, float(wait))
+            raise rate_limited(rate, burst, float(wait), bucket)
 
     async def enter(self, who: Identity, job_id: str, cap: int, ttl: float) -> None:
         try:

@@ -567,6 +567,11 @@ class Tracker:
             self.interval = self.min_interval
             self._wake.set()
 
+    @property
+    def waiting(self) -> int:
+        """Callers waiting for a job to end (each a future until its job ends or it times out)."""
+        return sum(len(futures) for futures in self._waiters.values())
+
     def status(self, job_id: str) -> JobStatus | None:
         """The last status seen of a tracked job (None before its first poll)."""
         return self._last.get(job_id)
@@ -577,8 +582,17 @@ class Tracker:
         self.track(job_id)
         future: asyncio.Future[JobStatus] = asyncio.get_running_loop().create_future()
         self._waiters.setdefault(job_id, []).append(future)
-        async with asyncio.timeout(timeout):
-            return await future
+        try:
+            async with asyncio.timeout(timeout):
+                return await future
+        finally:
+            # Timed out or cancelled: forget this waiter, or every replay with `Prefer: wait`
+            # would leave one behind until the job ends (5,000 replays: 5,000 futures).
+            futures = self._waiters.get(job_id)
+            if futures is not None and future in futures:
+                futures.remove(future)
+                if not futures:
+                    del self._waiters[job_id]
 
     async def poll(self) -> list[JobStatus]:
         """One poll of every tracked job; the statuses that changed."""

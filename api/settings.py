@@ -64,6 +64,15 @@ class Settings(BaseSettings):
     keepalive_timeout: int = Field(default=75, ge=1)
     # Seconds a graceful shutdown lets running jobs finish before cancelling them.
     shutdown_grace: float = 10.0
+    # The server's edge (api/server.py): bytes of request header (request line + headers)
+    # before 431; seconds from connecting (or a kept-alive request's first byte) until the
+    # header is complete, then until the body is, before 408 and close; client connections
+    # open at once (lowered to what the descriptor limit allows), beyond which the oldest idle
+    # one is closed.
+    max_header_bytes: int = Field(default=32 << 10, ge=1024)
+    header_timeout: float = Field(default=10.0, gt=0)
+    body_timeout: float = Field(default=30.0, gt=0)
+    max_connections: int = Field(default=4096, ge=1)
 
     @field_validator("jwt_secret")
     @classmethod

@@ -56,7 +56,7 @@ from sqlalchemy import (
 from sqlalchemy.engine import make_url
 from sqlalchemy.engine.interfaces import DBAPIConnection
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.orm import DeclarativeBase, Mapped, defer, mapped_column
 from sqlalchemy.pool import ConnectionPoolEntry
 
 from api.states import ACTIVE
@@ -330,8 +330,14 @@ class Store:
         limit: int,
         before: str | None,
     ) -> list[JobRow]:
-        """Newest first; `before` is the id of the last job of the previous page."""
-        query = select(JobRow).order_by(JobRow.id.desc()).limit(limit)
+        """Newest first; `before` is the id of the last job of the previous page. Without the
+        output columns (up to the policy's max_output each): a list never carries them."""
+        query = (
+            select(JobRow)
+            .options(defer(JobRow.stdout, raiseload=True), defer(JobRow.stderr, raiseload=True))
+            .order_by(JobRow.id.desc())
+            .limit(limit)
+        )
         if owner is not None:
             query = query.where(JobRow.owner_iss == owner[0], JobRow.owner_sub == owner[1])
         if state is not None:

@@ -1,4 +1,6 @@
-"""/v1/hosts: the hosts the caller may use, their health and pool statistics."""
+"""/v1/hosts: the hosts the caller may use, their health and pool statistics. An admin sees
+every account's pool with its target (user@host:port); anyone else sees only the pool of the
+account the policy maps them to, without the target (accounts are the operator's business)."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ from typing import Any
 
 from fastapi import APIRouter
 
+from api.auth import Principal
 from api.deps import Reader, Services, Svc
 from api.problems import Problem
 from api.schemas import HostInfo
@@ -13,36 +16,44 @@ from api.schemas import HostInfo
 router = APIRouter(prefix="/v1/hosts", tags=["hosts"])
 
 
-def _info(svc: Services, name: str, shell: bool) -> HostInfo:
+def _info(svc: Services, who: Principal, name: str) -> HostInfo:
     host = svc.config.hosts[name]
     # By Target, not by address: two hosts on one user@host:port (other keys, limits or
     # backend) have pools of their own, and each host shows only its own.
     stats = svc.pool.stats()
     pools: list[dict[str, Any]] = [stats[t] for t in svc.policy.targets(name) if t in stats]
+    # Health is the host's (any account's pool): it names no account.
     if any(p.get("breaker") == "open" for p in pools):
         health = "down"
     elif any(p.get("connections", 0) > 0 for p in pools):
         health = "ok"
     else:
         health = "unknown"
+    if not who.is_admin:
+        own = svc.policy.grant(who, name).target
+        pools = [{k: v for k, v in stats[own].items() if k != "target"}] if own in stats else []
     return HostInfo(
         name=name,
         hostname=host.hostname,
         port=host.port,
         description=host.description,
-        shell=shell,
+        shell=svc.policy.shell_allowed(who, name),
         health=health,  # type: ignore[arg-type]
         pool=pools,
     )
 
 
-@router.get("", response_model=list[HostInfo], summary="Hosts you may use (admin: all)")
+@router.get(
+    "",
+    response_model=list[HostInfo],
+    summary="Hosts you may use (admin: all, with every account's pool)",
+)
 async def list_hosts(who: Reader, svc: Svc) -> list[HostInfo]:
-    return [_info(svc, n, svc.policy.shell_allowed(who, n)) for n in svc.policy.visible_hosts(who)]
+    return [_info(svc, who, n) for n in svc.policy.visible_hosts(who)]
 
 
 @router.get("/{name}", response_model=HostInfo, summary="One host")
 async def get_host(name: str, who: Reader, svc: Svc) -> HostInfo:
     if name not in svc.policy.visible_hosts(who):
         raise Problem(404, "host-not-found", "No such host", f"no host {name!r} for you")
-    return _info(svc, name, svc.policy.shell_allowed(who, name))
+    return _info(svc, who, name)

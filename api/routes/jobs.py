@@ -7,13 +7,14 @@ import uuid
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, Header, Query, Response
+from fastapi.responses import StreamingResponse
 
-from api.config import ApiConfig
+from api.config import NAME, ApiConfig
 from api.deps import Reader, Svc, Writer
 from api.output import MAX_READ
 from api.problems import MEDIA_TYPE, Problem, error_problem, retry_after
 from api.routes.live import follow_output
-from api.schemas import REQUEST_EXAMPLES, Job, JobList, JobRequest
+from api.schemas import REQUEST_EXAMPLES, Job, JobList, JobRequest, JobSummary
 from api.states import FINAL, State
 from api.store import JobRow
 from api.timing import TIMING
@@ -113,7 +114,7 @@ async def list_jobs(
     who: Reader,
     svc: Svc,
     state: State | None = None,
-    host: Annotated[str | None, Query(max_length=64)] = None,
+    host: Annotated[str | None, Query(max_length=64, pattern=NAME)] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
     cursor: Annotated[str | None, Query(description="`next_cursor` of the previous page.")] = None,
 ) -> JobList:
@@ -126,7 +127,7 @@ async def list_jobs(
     rows, next_cursor = await svc.jobs.list_jobs(
         who, state=state, host=host, limit=limit, cursor=cursor
     )
-    return JobList(items=[Job.of(r) for r in rows], next_cursor=next_cursor)
+    return JobList(items=[JobSummary.of(r) for r in rows], next_cursor=next_cursor)
 
 
 @router.get(
@@ -176,10 +177,11 @@ async def job_output(
             + ("yet" if active else "file (deleted, or the job never started)"),
             headers=retry_after(2) if active else None,
         )
-    return Response(
-        chunk.data,
+    return StreamingResponse(
+        chunk.body,
         media_type="application/octet-stream",
         headers={
+            "Content-Length": str(chunk.length),
             "X-Output-Size": str(chunk.size),
             "X-Output-Offset": str(chunk.offset),
             "X-Output-Next-Offset": str(chunk.next_offset),

@@ -305,10 +305,12 @@ def make_settings(tmp_path: Path, config_file: Path, db: str, schema: str | None
 
 
 @contextmanager
-def server_process(settings: Settings) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+def server_process(
+    settings: Settings, *, extra_env: dict[str, str] | None = None, wrapper: tuple[str, ...] = ()
+) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     """`sshapi serve` as its own process (to be SIGKILLed by a test), configured by `settings`
-    through SSHAPI_* variables; yields it and its base URL once /readyz answers 200. Killed on
-    exit if still running."""
+    through SSHAPI_* variables (plus `extra_env`), started through `wrapper` (e.g. `prlimit ...`);
+    yields it and its base URL once /readyz answers 200. Killed on exit if still running."""
     port = free_port()
     env = {
         **os.environ,
@@ -317,12 +319,13 @@ def server_process(settings: Settings) -> Iterator[tuple[subprocess.Popen[bytes]
         "SSHAPI_REPLICA": settings.replica,
         "SSHAPI_DATABASE_URL": settings.resolved_database_url,
         "SSHAPI_LOG_LEVEL": "warning",
+        **(extra_env or {}),
     }
     if settings.config is not None:
         env["SSHAPI_CONFIG"] = str(settings.config)
     if settings.database_schema:
         env["SSHAPI_DATABASE_SCHEMA"] = settings.database_schema
-    proc = subprocess.Popen([SSHAPI, "serve"], env=env, stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen([*wrapper, SSHAPI, "serve"], env=env, stdin=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(proc, url)

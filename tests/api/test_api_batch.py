@@ -12,13 +12,16 @@ import os
 import re
 import signal
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 from api_helpers import Api, Keys, config_toml, eventually, make_settings, server_process
+from faults import figure
 
 from api.config import load_config
 from api.scheduler import BatchOptions, key_comment
@@ -355,3 +358,136 @@ async def test_batch_output_is_followed_live_by_several_clients(api: Api, workdi
         assert got == b"tick1\ntick2\n"
         assert state_at_first in ("queued", "running")  # the first line came while it ran
     assert (await api.job(job_id))["state"] == "succeeded"
+
+
+# ---- issue 15 item 4: SSH-backed reads and cancels are bounded (figures: RELIABILITY.md)
+
+
+def server_pid(api: Api) -> int:
+    """The pid of the `sshapi serve` process listening at api.url."""
+    port = int(api.url.rsplit(":", 1)[1])
+    for conn in psutil.net_connections("tcp"):
+        if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN:
+            assert conn.pid is not None
+            return conn.pid
+    raise AssertionError("no process listens there")
+
+
+async def ssh_commands(api: Api) -> float:
+    """SSH commands the server's pools ran so far (sshpool_commands over all targets)."""
+    text = (await api.client.get(f"{api.url}/metrics")).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("sshpool_commands_total{")
+    )
+
+
+async def test_output_reads_and_cancels_take_tokens_from_a_bucket_per_identity(
+    api: Api, workdir: str
+) -> None:
+    """`slow` (rate 0.2/s, burst 2): of 12 output reads and DELETEs in a row, 2 are served and
+    the rest are 429 with Retry-After, as each would run SSH commands."""
+    r = await api.submit(batch(workdir, "echo hi\n"), sub="slow", wait=30)
+    job_id = r.json()["id"]
+    headers = api.auth("slow")
+    statuses = []
+    for n in range(12):
+        if n % 2:
+            answer = await api.client.delete(f"{api.url}/v1/jobs/{job_id}", headers=headers)
+        else:
+            answer = await api.client.get(f"{api.url}/v1/jobs/{job_id}/output", headers=headers)
+        statuses.append(answer.status_code)
+        if answer.status_code == 429:
+            assert int(answer.headers["Retry-After"]) >= 1
+    figure("12 output reads/DELETEs by a rate-0.2 burst-2 identity: statuses", statuses)
+    assert statuses.count(429) >= 9
+
+
+async def test_thirty_concurrent_16_mib_output_reads_keep_the_api_small(
+    api: Api, workdir: str
+) -> None:
+    """A batch job wrote 16 MiB; 30 reads of all of it at once each get the 16 MiB while the
+    API's RSS grows by far less than the 480 MiB they carry (the output is streamed)."""
+    size = 16 << 20
+    r = await api.submit(batch(workdir, f"head -c {size} /dev/zero\n"), wait=60)
+    assert r.json()["state"] == "succeeded", r.text
+    proc = psutil.Process(server_pid(api))
+    before = proc.memory_info().rss
+    peak = before
+    done = asyncio.Event()
+
+    async def sample() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, proc.memory_info().rss)
+            await asyncio.sleep(0.02)
+
+    async def read() -> int:
+        n = 0
+        async with api.client.stream(
+            "GET",
+            f"{api.url}/v1/jobs/{r.json()['id']}/output",
+            params={"limit": size},
+            headers=api.auth(),
+        ) as answer:
+            assert answer.status_code == 200
+            async for chunk in answer.aiter_bytes():
+                n += len(chunk)
+        return n
+
+    sampler = asyncio.create_task(sample())
+    t0 = time.perf_counter()
+    sizes = await asyncio.gather(*(read() for _ in range(30)))
+    seconds = time.perf_counter() - t0
+    done.set()
+    await sampler
+    grew = (peak - before) / 2**20
+    figure("30 concurrent 16 MiB output reads: API RSS before / peak (MB), seconds",
+           (round(before / 2**20), round(peak / 2**20), round(seconds, 1)))  # fmt: skip
+    assert sizes == [size] * 30
+    assert grew < 200
+
+
+async def test_twenty_concurrent_cancels_of_one_batch_job_run_one_cancel(
+    api: Api, workdir: str
+) -> None:
+    """20 DELETEs of one running batch job at once: all answer the same `cancelled` job, and
+    the SSH commands they cost are those of one cancel (states, scancel, a few polls)."""
+    marker = f"{time.time_ns() % 10**6 + 8_000_000}"
+    job = (await api.submit(batch(workdir, f"sleep {marker}\n"))).json()
+    await api.wait_state(job["id"], ("running",), timeout=30)
+    before = await ssh_commands(api)
+    headers = api.auth()
+    answers = await asyncio.gather(
+        *(api.client.delete(f"{api.url}/v1/jobs/{job['id']}", headers=headers) for _ in range(20))
+    )
+    spent = await ssh_commands(api) - before
+    figure("20 concurrent DELETEs of one batch job: statuses, SSH commands",
+           (dict(Counter(a.status_code for a in answers)), spent))  # fmt: skip
+    assert [a.status_code for a in answers] == [200] * 20
+    assert {a.json()["state"] for a in answers} == {"cancelled"}
+    assert spent < 20
+
+
+async def test_replays_with_prefer_wait_leave_no_waiter_in_the_server(
+    api: Api, workdir: str
+) -> None:
+    """300 idempotent replays of a running batch job with `Prefer: wait=0.05` all time out
+    (202): afterwards the server holds no waiter for it (sshapi_batch_waiters is 0)."""
+    marker = f"{time.time_ns() % 10**6 + 9_000_000}"
+    body = batch(workdir, f"sleep {marker}\n")
+    first = (await api.submit(body, key=f"replay-{marker}")).json()
+    await api.wait_state(first["id"], ("running",), timeout=30)
+    statuses: Counter[int] = Counter()
+    for _ in range(30):
+        answers = await asyncio.gather(
+            *(api.submit(body, key=f"replay-{marker}", wait=0.05) for _ in range(10))
+        )
+        statuses.update(a.status_code for a in answers)
+    text = (await api.client.get(f"{api.url}/metrics")).text
+    waiters = [line for line in text.splitlines() if line.startswith("sshapi_batch_waiters{")]
+    await api.client.delete(f"{api.url}/v1/jobs/{first['id']}", headers=api.auth())
+    figure("300 replays with Prefer: wait=0.05: statuses, waiters left", (dict(statuses), waiters))
+    assert statuses == {202: 300}
+    assert waiters and all(line.endswith(" 0.0") for line in waiters)

@@ -4,6 +4,8 @@ against another user's latency. Figures are printed as `FIGURE name: value`."""
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import statistics
 import time
 from collections import Counter
@@ -11,9 +13,18 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 import schemathesis
-from api_helpers import Api, Keys, config_toml, make_settings, running_api, server_process
+from api_helpers import (
+    Api,
+    Keys,
+    OwnHostApi,
+    config_toml,
+    make_settings,
+    running_api,
+    server_process,
+)
 from faults import figure
 from hypothesis import HealthCheck, given, settings
 
@@ -131,3 +142,360 @@ max_concurrent = 8
            f"{p95(alone):.1f} / {p95(during):.1f} ({change:+.0f} %)")  # fmt: skip
     assert a_codes[429] > 0
     assert set(b_codes) == {201}
+
+
+# ---- issue 15: exhaustion and leaks. Each test reproduces one reported attack against the real
+# server and checks the bound; figures go to RELIABILITY.md ("Hostile input: exhaustion and leaks").
+
+
+def rss_mb(pid: int) -> tuple[float, float]:
+    """(current RSS, peak RSS) of a process in MB, from /proc."""
+    fields = dict(
+        line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+    )
+    return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
+
+
+async def test_job_list_stays_small_whatever_the_jobs_printed(
+    config_file: Path, secret: str, keys: Keys, tmp_path: Path
+) -> None:
+    """16 jobs printing 1 MiB of NULs on each stream, then `GET /v1/jobs?limit=200`: the list
+    carries no output (read through /output), so it stays a few KB and the API's RSS flat."""
+    settings_ = make_settings(tmp_path, config_file, "sqlite", None)
+    with server_process(settings_) as (proc, url):
+        async with httpx.AsyncClient(timeout=120) as client:
+            api = Api(url, client, secret, load_config(config_file), settings_, keys)
+            line = "head -c 1048576 /dev/zero; head -c 1048576 /dev/zero >&2"
+            for _ in range(2):
+                rs = await asyncio.gather(
+                    *(
+                        api.submit({"host": "local", "command": line}, sub="anyhost", wait=30)
+                        for _ in range(8)
+                    )
+                )
+                assert {r.status_code for r in rs} == {201}, [r.text[:200] for r in rs]
+            before, _ = rss_mb(proc.pid)
+            headers = api.auth("anyhost")
+            r = await client.get(f"{url}/v1/jobs?limit=200", headers=headers)
+            after, peak = rss_mb(proc.pid)
+            assert r.status_code == 200
+            items = r.json()["items"]
+            assert len(items) == 16
+            figure("list of 16 jobs x 2 MiB output: response bytes", len(r.content))
+            figure("list of 16 jobs x 2 MiB output: API RSS before / after / peak (MB)",
+                   f"{before:.0f} / {after:.0f} / {peak:.0f}")  # fmt: skip
+            assert all("stdout" not in item and "stderr" not in item for item in items)
+            assert items[0]["stdout_bytes"] == 1 << 20
+            one = await client.get(
+                f"{url}/v1/jobs/{items[0]['id']}/output?stream=stderr", headers=headers
+            )
+            assert one.content == b"\0" * (1 << 20)
+    assert len(r.content) < 64 * 1024
+    assert after - before < 32
+
+
+def descriptors(pid: int) -> int:
+    """How many file descriptors a process has open."""
+    return len(list(Path(f"/proc/{pid}/fd").iterdir()))
+
+
+async def healthz_latencies(url: str, until: asyncio.Future[Any]) -> list[float]:
+    """GET /healthz every 50 ms on fresh connections until `until` is done; the latencies in ms
+    (a refused or timed-out probe counts as 5,000 ms)."""
+    latencies: list[float] = []
+    async with httpx.AsyncClient(timeout=5, limits=httpx.Limits(max_keepalive_connections=0)) as c:
+        while not until.done():
+            t0 = time.perf_counter()
+            try:
+                ok = (await c.get(f"{url}/healthz")).status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            latencies.append((time.perf_counter() - t0) * 1000 if ok else 5000.0)
+            await asyncio.sleep(0.05)
+    return latencies
+
+
+async def test_huge_tokens_and_headers_are_refused_cheaply(
+    config_file: Path, secret: str, keys: Keys, tmp_path: Path
+) -> None:
+    """A 21 MiB bearer token is refused by the server before the app sees it (431), a token over
+    8 KiB is a 401 `invalid_token` without being decoded, a valid 32 MiB token is never accepted,
+    and /healthz stays fast meanwhile."""
+    settings_ = make_settings(tmp_path, config_file, "sqlite", None)
+    with server_process(settings_) as (_, url):
+        async with httpx.AsyncClient(timeout=60) as client:
+            api = Api(url, client, secret, load_config(config_file), settings_, keys)
+            junk = "eyJhbGciOiJIUzI1NiJ9." + "A" * (21 << 20) + ".sig"
+            big = api.token("alice", pad="x" * (32 << 20))
+            medium = api.token("alice", pad="x" * 9000)
+
+            def huge(token: str) -> tuple[int, float]:
+                # In a thread of its own: sending 21 MiB must not slow this loop's probes.
+                t0 = time.perf_counter()
+                try:
+                    with httpx.Client(timeout=60) as own:
+                        headers = {"Authorization": f"Bearer {token}"}
+                        status = own.get(f"{url}/v1/jobs", headers=headers).status_code
+                except httpx.HTTPError:
+                    status = 0  # the server closed the connection while we were still sending
+                return status, (time.perf_counter() - t0) * 1000
+
+            loop = asyncio.get_running_loop()
+            done: asyncio.Future[Any] = loop.create_future()
+            probes = asyncio.create_task(healthz_latencies(url, done))
+            await asyncio.sleep(0.3)
+            (junk_status, junk_ms) = await asyncio.to_thread(huge, junk)
+            (big_status, big_ms) = await asyncio.to_thread(huge, big)
+            await asyncio.sleep(0.3)
+            done.set_result(None)
+            latencies = await probes
+            t0 = time.perf_counter()
+            r = await client.get(f"{url}/v1/jobs", headers={"Authorization": f"Bearer {medium}"})
+            medium_ms = (time.perf_counter() - t0) * 1000
+    figure("21 MiB junk token: status, ms", (junk_status, round(junk_ms)))
+    figure("valid 32 MiB token: status, ms", (big_status, round(big_ms)))
+    figure("9 KiB valid token: status, ms", (r.status_code, round(medium_ms, 1)))
+    figure("/healthz meanwhile: probes, max ms", (len(latencies), round(max(latencies), 1)))
+    assert junk_status in (431, 0) and big_status in (431, 0)
+    assert r.status_code == 401
+    assert 'error="invalid_token"' in r.headers["WWW-Authenticate"]
+    assert "too large" in r.json()["detail"]
+    assert max(latencies) < 1000
+
+
+async def test_idle_and_half_sent_connections_are_closed_and_cannot_exhaust_descriptors(
+    config_file: Path, secret: str, keys: Keys, tmp_path: Path
+) -> None:
+    """Under a 256-descriptor limit, 300 connections that send nothing, half a header or half a
+    body: /healthz keeps answering, and every one of them is closed by the server within its
+    header or body deadline."""
+    settings_ = make_settings(tmp_path, config_file, "sqlite", None)
+    extra = {
+        "SSHAPI_HEADER_TIMEOUT": "2",
+        "SSHAPI_BODY_TIMEOUT": "3",
+        "SSHAPI_MAX_CONNECTIONS": "150",
+    }
+    wrapper = ("prlimit", "--nofile=256")
+    with server_process(settings_, extra_env=extra, wrapper=wrapper) as (proc, url):
+        port = int(url.rsplit(":", 1)[1])
+        sends = [
+            b"",
+            b"GET /v1/jobs HTTP/1.1\r\nHost: x\r\nAuthor",
+            b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 1000\r\n\r\n{"host": ',
+        ]
+        opened: list[tuple[float, int, asyncio.StreamReader, asyncio.StreamWriter]] = []
+        for n in range(300):
+            try:
+                reader, writer = await asyncio.wait_for(
+                    asyncio.open_connection("127.0.0.1", port), 2
+                )
+            except (OSError, TimeoutError):
+                continue
+            writer.write(sends[n % 3])
+            opened.append((time.perf_counter(), n % 3, reader, writer))
+        t0 = time.perf_counter()
+        async with httpx.AsyncClient(timeout=5) as client:
+            health = await client.get(f"{url}/healthz")
+        health_ms = (time.perf_counter() - t0) * 1000
+
+        async def closed_after(start: float, reader: asyncio.StreamReader) -> float:
+            try:
+                async with asyncio.timeout(15):
+                    while await reader.read(65536):
+                        pass
+            except ConnectionError:
+                pass
+            except TimeoutError:
+                return float("inf")
+            return time.perf_counter() - start
+
+        waits = await asyncio.gather(*(closed_after(t, r) for t, _, r, _ in opened))
+        for *_, writer in opened:
+            writer.close()
+        fds = descriptors(proc.pid)
+    by_kind = {kind: max(w for (_, k, _, _), w in zip(opened, waits, strict=True) if k == kind)
+               for kind in range(3)}  # fmt: skip
+    figure("300 idle/half-sent sockets: connected, /healthz status and ms",
+           (len(opened), health.status_code, round(health_ms, 1)))  # fmt: skip
+    figure("closed after at most (s): nothing / half a header / half a body",
+           tuple(round(by_kind[k], 2) for k in range(3)))  # fmt: skip
+    figure("API descriptors afterwards", fds)
+    assert health.status_code == 200
+    assert len(opened) == 300
+    assert by_kind[0] < 4 and by_kind[1] < 4 and by_kind[2] < 6
+
+
+async def test_validation_errors_are_capped_in_count_and_size(
+    tuned_host: LocalHost, secret_file: Path, secret: str, keys: Keys, tmp_path: Path
+) -> None:
+    """Bodies under the 1 MiB cap made of many mistakes: 90,000 unknown keys (979 KB) are one
+    error naming a few; 10,000 non-string argv elements list the first 20 errors and the
+    count; a 100 KB key name is not echoed whole. Each 422 stays under 8 KB and the server
+    spends little CPU on them."""
+    text = config_toml(tuned_host, secret_file, keys).replace(
+        "max_body_bytes = 65536", "max_body_bytes = 1048576"
+    )
+    path = tmp_path / "big-bodies.toml"
+    path.write_text(text)
+    settings_ = make_settings(tmp_path, path, "sqlite", None)
+    body: dict[str, Any] = {"host": "local", "argv": ["true"]}
+    body.update({f"k{n:05d}": 0 for n in range(90_000)})
+    bodies = {
+        "unknown keys": json.dumps(body, separators=(",", ":")).encode(),
+        "bad argv": json.dumps({"host": "local", "argv": [0] * 10_000}).encode(),
+        "long key": json.dumps({"host": "local", "argv": ["true"], "x" * 100_000: 1}).encode(),
+    }
+    answers: dict[str, tuple[httpx.Response, float]] = {}
+    with server_process(settings_) as (proc, url):
+        async with httpx.AsyncClient(timeout=60) as client:
+            api = Api(url, client, secret, load_config(path), settings_, keys)
+            headers = {**api.auth(), "Content-Type": "application/json"}
+            cpu = psutil.Process(proc.pid)
+            for name, raw in bodies.items():
+                before = sum(cpu.cpu_times()[:2])
+                r = await client.post(f"{url}/v1/jobs", content=raw, headers=headers)
+                answers[name] = (r, sum(cpu.cpu_times()[:2]) - before)
+    for name, (r, spent) in answers.items():
+        figure(f"422 for {name}: body bytes, answer bytes, server CPU s",
+               (len(bodies[name]), len(r.content), round(spent, 3)))  # fmt: skip
+        assert r.status_code == 422
+        assert len(r.content) < 8192
+    unknown = answers["unknown keys"][0].json()
+    assert unknown["errors_total"] == 1 and "89995 more" in unknown["detail"]
+    argv = answers["bad argv"][0].json()
+    assert len(argv["errors"]) == 20 and argv["errors_total"] == 10_000
+
+
+async def test_ssh_failures_name_the_host_and_kind_never_paths_or_accounts(
+    api_with_own_host: OwnHostApi, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A refused connection and a replaced host key: answers and stored jobs name the host and
+    what went wrong, never the remote account, a key or known_hosts path, or user@host:port;
+    the server's log keeps the detail."""
+    caplog.set_level(logging.WARNING)
+    async with api_with_own_host("leaky") as (api, leaky):
+        secrets_ = [leaky.username, str(leaky.known_hosts), str(leaky.client_key), "/"]
+        texts: dict[str, str] = {}
+        leaky.stop(kill_sessions=True)
+        refused = await api.submit({"host": "leaky", "argv": ["true"]}, sub="anyhost")
+        texts["refused"] = refused.text
+        texts["refused job"] = json.dumps(await api.job(refused.json()["job_id"], "anyhost"))
+        await asyncio.sleep(2.5)  # past the breaker's back-off
+        leaky.replace_host_key()
+        leaky.start()
+        for _ in range(20):
+            rekeyed = await api.submit({"host": "leaky", "argv": ["true"]}, sub="anyhost")
+            if rekeyed.status_code == 502:
+                break
+            await asyncio.sleep(0.5)
+        texts["host key"] = rekeyed.text
+        texts["host key job"] = json.dumps(await api.job(rekeyed.json()["job_id"], "anyhost"))
+    for name, text in texts.items():
+        figure(f"SSH failure answer ({name})", text[:300])
+    assert refused.status_code == 502 and rekeyed.status_code == 502
+    assert rekeyed.json()["type"].endswith("host-key-mismatch")
+    for name, text in texts.items():
+        body = json.loads(text)
+        said = " ".join(str(body.get(k, "")) for k in ("detail", "error", "title"))
+        assert "leaky" in said, name
+        leaked = [s for s in secrets_ if s in said]
+        assert leaked == [], (name, said)
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert leaky.username in logged
+
+
+async def test_readers_see_only_their_own_pool_and_metrics_name_no_account(
+    tuned_host: LocalHost, secret_file: Path, secret: str, keys: Keys, tmp_path: Path
+) -> None:
+    """Host `local` with two accounts (bob's `otheracct` is refused by sshd): alice's
+    /v1/hosts/local shows one pool, hers, without its target; an admin sees both with their
+    targets; /metrics labels pools by host name, never by user@host:port."""
+    rule = f"""[[policy]]
+subject = "bob"
+hosts = ["local"]
+[policy.accounts.local]
+username = "otheracct"
+client_keys = ["{tuned_host.client_key}"]
+
+"""
+    text = config_toml(tuned_host, secret_file, keys)
+    path = tmp_path / "accounts.toml"
+    path.write_text(text.replace('[[policy]]\nsubject = "*"', rule + '[[policy]]\nsubject = "*"'))
+    async with running_api(make_settings(tmp_path, path, "sqlite", None), keys, secret) as api:
+        assert (await api.submit({"host": "local", "argv": ["true"]}, sub="bob")).status_code == 502
+        assert (await api.submit({"host": "local", "argv": ["true"]})).status_code == 201
+        mine = await api.client.get(f"{api.url}/v1/hosts/local", headers=api.auth())
+        listed = await api.client.get(f"{api.url}/v1/hosts", headers=api.auth())
+        admin = await api.client.get(f"{api.url}/v1/hosts/local", headers=api.auth("ops", "admin"))
+        metrics = (await api.client.get(f"{api.url}/metrics")).text
+    pool_lines = [line for line in metrics.splitlines() if line.startswith("sshpool_")]
+    figure("/v1/hosts/local for a reader: pools shown, bytes", (len(mine.json()["pool"]),
+           len(mine.content)))  # fmt: skip
+    figure("/metrics sshpool sample", pool_lines[:2])
+    for answer in (mine, listed):
+        assert "otheracct" not in answer.text and tuned_host.username not in answer.text
+    assert len(mine.json()["pool"]) == 1 and "target" not in mine.json()["pool"][0]
+    assert mine.json()["pool"][0]["counters"]["commands"] == 1
+    assert sorted(p["target"].split("@")[0] for p in admin.json()["pool"]) == sorted(
+        ["otheracct", tuned_host.username]
+    )
+    assert pool_lines and all("@" not in line for line in pool_lines)
+    assert any(line.startswith('sshpool_connections{host="local"}') for line in pool_lines)
+
+
+async def test_unencodable_strings_nul_and_long_subjects_are_4xx_on_every_store(
+    api_any_store: Api, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Lone surrogates (argv, stdin, command, template parameter) are 422; NUL or junk in a job
+    id is 404 on every job route; NUL in the `host` filter is 422; a `sub` over 512
+    characters or holding NUL is 401. Never a 500, and no SQL in answers or logs, on SQLite
+    and PostgreSQL."""
+    api = api_any_store
+    caplog.set_level(logging.WARNING)
+    headers = {**api.auth("anyhost"), "Content-Type": "application/json"}
+    bodies = [
+        b'{"host": "local", "argv": ["echo", "\\ud800"]}',
+        b'{"host": "local", "argv": ["cat"], "stdin": "x\\udfff"}',
+        b'{"host": "local", "command": "echo \\ud83d"}',
+        b'{"host": "local", "template": "greet", "params": {"count": 1, "word": "\\ud800"}}',
+        b'{"host": "local\\ud800", "argv": ["true"]}',
+    ]
+    seen: dict[str, int] = {}
+    for n, raw in enumerate(bodies):
+        r = await api.client.post(f"{api.url}/v1/jobs", content=raw, headers=headers)
+        seen[f"surrogate body {n}"] = r.status_code
+        assert r.status_code == 422, (raw, r.text)
+    for job_id in ("%00", "a%00b", "01a2053c-1c8d-7cb1-a872-d1f72475378%00", "x" * 300):
+        for method, path in (
+            ("GET", f"/v1/jobs/{job_id}"),
+            ("GET", f"/v1/jobs/{job_id}/output"),
+            ("DELETE", f"/v1/jobs/{job_id}"),
+        ):
+            r = await api.client.request(method, f"{api.url}{path}", headers=headers)
+            seen[f"{method} {path[:40]}"] = r.status_code
+            assert r.status_code == 404, (method, path, r.text)
+    r = await api.client.get(f"{api.url}/v1/jobs?host=lo%00cal", headers=headers)
+    seen["host filter with NUL"] = r.status_code
+    assert r.status_code == 422, r.text
+    for sub in ("s" * 513, "nul\0sub"):
+        token = api.token(sub)
+        r = await api.client.get(f"{api.url}/v1/jobs", headers={"Authorization": f"Bearer {token}"})
+        seen[f"sub {sub[:8]!r}"] = r.status_code
+        assert r.status_code == 401, r.text
+    figure("surrogates / NUL / long sub: statuses", seen)
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert "SELECT" not in logged and "Traceback" not in logged
+
+
+async def test_output_reads_of_one_identity_are_rate_limited(api: Api) -> None:
+    """`slow` (rate 0.2/s, burst 2) reads a finished job's output 10 times in a row: 2 reads
+    are served, 8 are 429 with Retry-After (a batch job's read would run SSH commands; the
+    batch case is in test_api_batch.py)."""
+    r = await api.submit({"host": "local", "argv": ["echo", "hi"]}, sub="slow")
+    assert r.status_code == 201, r.text
+    headers = api.auth("slow")
+    url = f"{api.url}/v1/jobs/{r.json()['id']}/output"
+    statuses = [(await api.client.get(url, headers=headers)).status_code for _ in range(10)]
+    figure("10 output reads, rate 0.2 burst 2: statuses", statuses)
+    assert statuses == [200, 200] + [429] * 8

@@ -43,7 +43,7 @@ async def test_metrics_expose_requests_jobs_and_pool(api: Api) -> None:
     text = r.text
     assert 'sshapi_http_requests_total{method="GET",route="/v1/jobs/{job_id}",status="200"}' in text
     assert 'sshapi_jobs_finished_total{host="local",state="failed"} 1.0' in text
-    assert re.search(r'sshpool_connections\{target="[^"]+"\} [1-9]', text)
+    assert re.search(r'sshpool_connections\{host="local"\} [1-9]', text)
     assert "sshapi_job_stage_seconds_bucket" in text
 
 

@@ -9,6 +9,7 @@ for it, paid once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import time
 from collections.abc import AsyncIterator, Callable
@@ -417,3 +418,27 @@ async def test_script_without_interpreter_line_is_refused_before_ssh(
 
 # --------------------------------------------------------------------------------------------
 # Time limit (last: its job has been running since the module started)
+
+
+async def test_timed_out_waits_leave_no_waiter_behind(
+    client: SlurmClient, opts: Callable[..., BatchOptions]
+) -> None:
+    """5,000 waits on a running job that time out (what idempotent replays with `Prefer: wait`
+    do) leave no waiter in the tracker; a wait that gets its answer leaves none either."""
+    job = await client.submit(SH + "sleep 30\n", opts())
+    await _wait_state(client, job.job_id, "running", 10)
+    tracker = Tracker(client, interval=0.1)
+    for _ in range(5000):
+        with contextlib.suppress(TimeoutError):
+            await tracker.wait(job.job_id, 0)
+    left = tracker.waiting
+    print(f"FIGURE waiters left after 5,000 timed-out waits: {left}")
+    runner = asyncio.create_task(tracker.run())
+    try:
+        waiting = asyncio.create_task(tracker.wait(job.job_id, 20))
+        await client.cancel(job.job_id)
+        assert (await waiting).state == "cancelled"
+    finally:
+        runner.cancel()
+    assert left == 0
+    assert tracker.waiting == 0
