@@ -114,9 +114,13 @@ async def test_slow_follower_is_cut_off_and_never_slows_the_command(api: Api) ->
     """Two followers and one that never reads: the command runs as fast as alone, the fast ones
     get every byte, the stalled one gets a `cutoff` event when it finally reads."""
     # 16 MB at a few MB/s: a reading follower keeps up, a stalled one fills its socket buffers
-    # and then falls out of the live window.
+    # and then falls out of the live window. The pause per 40 kB keeps the command slower than
+    # a reading follower even on a loaded box (without it, a follower starved of CPU for a
+    # moment fell out of the window in a full-suite run), while 16 MB still overflow the window.
     size = 400 * 40_000
-    command = "sleep 0.5; for i in $(seq 400); do head -c 40000 /dev/zero | tr '\\0' x; done"
+    command = (
+        "sleep 0.5; for i in $(seq 400); do head -c 40000 /dev/zero | tr '\\0' x; sleep 0.01; done"
+    )
     alone = await api.submit({"host": "local", "command": command}, wait=30)
     alone_ms = alone.json()["timings"]["exec"]
     job_id = await start(api, command)
