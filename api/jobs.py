@@ -41,7 +41,7 @@ from sqlalchemy.exc import IntegrityError
 from api.auth import Principal
 from api.batch import BatchJobs
 from api.config import Config
-from api.live import Feed, LiveHub
+from api.live import Feed, LiveHub, Relay
 from api.metrics import Metrics
 from api.output import MAX_READ, OutputChunk, Stream
 from api.policy import Grant, Policy
@@ -100,6 +100,7 @@ class JobService:
         replica: str,
         batch: BatchJobs,
         quota: Quota | None = None,
+        relay: Relay | None = None,
     ) -> None:
         self.config = config
         self.policy = policy
@@ -111,7 +112,7 @@ class JobService:
         # Built by the app factory, which also starts it and watches its trackers.
         self.batch = batch
         self._running: dict[str, Running] = {}
-        self.live = LiveHub(store.get, self._read_output_file)
+        self.live = LiveHub(store.get, self._read_output_file, relay)
 
     # ---- reading
 
