@@ -28,6 +28,7 @@ from api.metrics import Metrics
 from api.middleware import RequestContext
 from api.policy import Policy
 from api.quota import make_quota
+from api.relay import make_relay
 from api.routes.files import router as files_router
 from api.routes.hosts import router as hosts_router
 from api.routes.jobs import router as jobs_router
@@ -101,6 +102,7 @@ def create_app(
                 settings.replica,
                 batch,
                 quota,
+                make_relay(settings.redis_url, settings.replica),
             ),
             metrics=metrics,
             http=http,

@@ -7,6 +7,8 @@ In a notebook:
     print(client.run("local", ["hostname"]).stdout)
 
 `AsyncClient` has the same methods as coroutines (and async iterators for `follow`/`events`).
+Files (docs/files.md): `list_files`, `stat`, `download` (resumed by Range), `upload` (streamed),
+`delete_file`.
 
 What the client does for you: an `Idempotency-Key` on every POST, so that a retry (after a 429,
 a 503 or a dropped connection) replays the job instead of running the command twice; retries of
@@ -41,9 +43,10 @@ import os
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from pathlib import Path
+from typing import Any, Literal, NoReturn
 
 import httpx
 
@@ -51,7 +54,10 @@ from api.schemas import Job
 from api.states import FINAL
 
 Stream = Literal["stdout", "stderr"]
+# A transfer's progress: (bytes done, bytes in all).
+Progress = Callable[[int, int], None]
 DEFAULT_URL = "http://127.0.0.1:8000"
+CHUNK = 1 << 20  # bytes per upload read (the server writes to the host in 1 MiB writes too)
 RETRY_STATUS = (429, 503)
 WAIT = 30.0  # Prefer: wait=N on submit: a short command finishes in one request
 
@@ -155,6 +161,11 @@ def raise_for_problem(response: httpx.Response) -> None:
     raise cls(response.status_code, body, response.headers)
 
 
+def _raise(response: httpx.Response) -> NoReturn:
+    raise_for_problem(response)
+    raise SshapiError(f"unexpected answer {response.status_code}")
+
+
 @dataclass(frozen=True, slots=True)
 class Event:
     """One Server-Sent Event of `/events`: `event` is state, output, gap, cutoff or end."""
@@ -253,6 +264,67 @@ class SSEParser:
         return Event(fields.get("event", "message"), json.loads(fields["data"]), fields.get("id"))
 
 
+def _fresh(kw: dict[str, Any]) -> dict[str, Any]:
+    """A request's arguments for one try: a `content` given as a function (an upload's
+    stream) is called again, as a retry must send the body again from its start."""
+    content = kw.get("content")
+    return {**kw, "content": content()} if callable(content) else kw
+
+
+def _upload_headers(size: int, create_only: bool) -> dict[str, str]:
+    # A declared length lets the server refuse a file over its cap before any byte is sent.
+    headers = {"Content-Length": str(size), "Content-Type": "application/octet-stream"}
+    if create_only:
+        headers["If-None-Match"] = "*"
+    return headers
+
+
+def files_path(host: str, suffix: str = "") -> str:
+    return f"/v1/hosts/{host}/files{suffix}"
+
+
+class Partial:
+    """A download in progress: `<dest>.part` holds the bytes so far and `<dest>.part.etag` the
+    version they belong to, so that a download interrupted (a dropped connection, Ctrl-C)
+    resumes by Range from where it stopped, unless the file changed meanwhile."""
+
+    def __init__(self, dest: str | os.PathLike[str]) -> None:
+        self.dest = Path(dest)
+        self.part = self.dest.with_name(self.dest.name + ".part")
+        self.tag = self.dest.with_name(self.dest.name + ".part.etag")
+
+    def offset(self) -> tuple[int, str | None]:
+        """Bytes already here and their ETag (0, None: start from the beginning)."""
+        try:
+            return self.part.stat().st_size, self.tag.read_text().strip() or None
+        except OSError:
+            return 0, None
+
+    def start(self, etag: str | None, resumed: bool) -> Any:
+        """The part file to write to: appended to when resuming, else from empty."""
+        if not resumed:
+            self.tag.write_text(etag or "")
+        return self.part.open("ab" if resumed else "wb")
+
+    def done(self) -> None:
+        self.part.replace(self.dest)
+        self.tag.unlink(missing_ok=True)
+
+    def discard(self) -> None:
+        self.part.unlink(missing_ok=True)
+        self.tag.unlink(missing_ok=True)
+
+
+def resumable(response: httpx.Response, offset: int, etag: str | None) -> bool | None:
+    """Whether an answer to `Range: bytes=<offset>-` continues the part file (True), replaces
+    it (False: a whole file, 200), or the file changed since (None: start again)."""
+    if offset == 0 or response.status_code == 200:
+        return False
+    if response.status_code == 206 and etag and response.headers.get("etag") == etag:
+        return True
+    return None
+
+
 class _Base:
     """What the sync and async clients share: configuration, headers, the retry rule."""
 
@@ -346,7 +418,7 @@ class Client(_Base):
         attempt = 0
         while True:
             try:
-                response = self.http.request(method, path, **kw)
+                response = self.http.request(method, path, **_fresh(kw))
             except httpx.TransportError as exc:
                 delay = self._delay(attempt, None)
                 if delay is None:
@@ -476,6 +548,122 @@ class Client(_Base):
             except httpx.TransportError:
                 time.sleep(0.2)
 
+    # ---- files (docs/files.md)
+
+    def list_files(self, host: str, path: str = "~") -> dict[str, Any]:
+        """A directory's entries (all pages: `items`), or one entry's stat when `path` is not a
+        directory (`type`, `size`, `mode`, `mtime`...)."""
+        params: dict[str, Any] = {"path": path, "limit": 1000}
+        answer: dict[str, Any] = self.request("GET", files_path(host), params=params).json()
+        while answer.get("next_cursor"):
+            params["cursor"] = answer["next_cursor"]
+            more = self.request("GET", files_path(host), params=params).json()
+            answer["items"] += more["items"]
+            answer["next_cursor"] = more["next_cursor"]
+        return answer
+
+    def stat(self, host: str, path: str) -> dict[str, Any]:
+        """One entry: `type` (file, dir, symlink, other), and for a non-directory `size`,
+        `mode`, `mtime`."""
+        answer = self.request("GET", files_path(host), params={"path": path, "limit": 1}).json()
+        return {k: v for k, v in answer.items() if k not in ("items", "next_cursor")}
+
+    def download(
+        self,
+        host: str,
+        path: str,
+        dest: str | os.PathLike[str],
+        *,
+        progress: Progress | None = None,
+    ) -> int:
+        """Download a file to `dest`, streamed to `<dest>.part` and renamed when complete. A
+        dropped connection resumes by Range from the bytes received, and so does a later call
+        after an interrupted one (unless the file changed: then from the start). Its size."""
+        partial = Partial(dest)
+        attempt = 0
+        while True:
+            offset, etag = partial.offset()
+            headers = {"Range": f"bytes={offset}-"} if offset else {}
+            try:
+                with self.http.stream(
+                    "GET",
+                    files_path(host, "/content"),
+                    params={"path": path},
+                    headers=headers,
+                    timeout=httpx.Timeout(60, read=300),
+                ) as response:
+                    status = response.status_code
+                    if status == 416 and offset:  # the part is longer than the file now
+                        partial.discard()
+                        continue
+                    if status < 400:
+                        resume = resumable(response, offset, etag)
+                        if resume is None:
+                            partial.discard()
+                            continue
+                        done = offset if resume else 0
+                        total = done + int(response.headers.get("content-length", 0))
+                        with partial.start(response.headers.get("etag"), resume) as out:
+                            for chunk in response.iter_bytes():
+                                out.write(chunk)
+                                done += len(chunk)
+                                attempt = 0  # progress: the retries count afresh
+                                if progress is not None:
+                                    progress(done, total)
+                        if done != total:
+                            raise httpx.ReadError("the body ended early")
+                        partial.done()
+                        return total
+                    response.read()
+                    delay = self._delay(attempt, response)
+                    if delay is None:
+                        _raise(response)
+            except httpx.TransportError as exc:
+                delay = self._delay(attempt, None)
+                if delay is None:
+                    raise TransportError(f"GET {path}: {exc}") from exc
+            time.sleep(delay)
+            attempt += 1
+
+    def upload(
+        self,
+        host: str,
+        source: str | os.PathLike[str],
+        path: str,
+        *,
+        create_only: bool = False,
+        progress: Progress | None = None,
+    ) -> dict[str, Any]:
+        """Upload a local file to `path`, streamed (never held whole); the server renames it
+        into place only when complete. `create_only`: 412 if `path` exists. A retry sends the
+        file again from its start (the same bytes: replacing is harmless). Answers `path`,
+        `size`, `sha256`."""
+        size = os.path.getsize(source)
+
+        def chunks() -> Iterator[bytes]:
+            done = 0
+            with open(source, "rb") as f:
+                while data := f.read(CHUNK):
+                    done += len(data)
+                    if progress is not None:
+                        progress(done, size)
+                    yield data
+
+        response = self.request(
+            "PUT",
+            files_path(host, "/content"),
+            params={"path": path},
+            content=chunks,
+            headers=_upload_headers(size, create_only),
+            timeout=httpx.Timeout(60, write=300),
+        )
+        result: dict[str, Any] = response.json()
+        return result
+
+    def delete_file(self, host: str, path: str) -> None:
+        """Delete a file, a symlink (not its target) or an empty directory."""
+        self.request("DELETE", files_path(host), params={"path": path})
+
 
 class AsyncClient(_Base):
     """The asyncio client: `Client`'s methods as coroutines. An async context manager."""
@@ -511,7 +699,7 @@ class AsyncClient(_Base):
         attempt = 0
         while True:
             try:
-                response = await self.http.request(method, path, **kw)
+                response = await self.http.request(method, path, **_fresh(kw))
             except httpx.TransportError as exc:
                 delay = self._delay(attempt, None)
                 if delay is None:
@@ -564,6 +752,51 @@ class AsyncClient(_Base):
     async def cancel(self, job_id: str) -> Job:
         return Job.model_validate((await self.request("DELETE", f"/v1/jobs/{job_id}")).json())
 
+    async def list(
+        self, *, state: str | None = None, host: str | None = None, limit: int = 50
+    ) -> list[Job]:
+        """As `Client.list`."""
+        params = {k: v for k, v in {"state": state, "host": host, "limit": limit}.items() if v}
+        items = (await self.request("GET", "/v1/jobs", params=params)).json()["items"]
+        return [Job.model_validate(i) for i in items]
+
+    async def output(self, job_id: str, stream: Stream = "stdout", offset: int = 0) -> bytes:
+        """As `Client.output`."""
+        params = {"stream": stream, "offset": offset}
+        return (await self.request("GET", f"/v1/jobs/{job_id}/output", params=params)).content
+
+    async def follow(
+        self, job_id: str, stream: Stream = "stdout", offset: int = 0
+    ) -> AsyncIterator[bytes]:
+        """As `Client.follow`."""
+        final = False
+        while True:
+            got = 0
+            try:
+                async with self.http.stream(
+                    "GET",
+                    f"/v1/jobs/{job_id}/output",
+                    params={"stream": stream, "offset": offset, "follow": "true"},
+                    timeout=httpx.Timeout(60, read=None),
+                ) as response:
+                    if response.status_code >= 400:
+                        await response.aread()
+                        raise_for_problem(response)
+                    async for chunk in response.aiter_bytes():
+                        offset += len(chunk)
+                        got += len(chunk)
+                        yield chunk
+            except httpx.TransportError:
+                await asyncio.sleep(0.2)
+            except InvalidRequest as exc:
+                if exc.kind != "output-not-kept":
+                    raise
+                offset = int(exc.body["next_offset"])
+                continue
+            if final and got == 0:
+                return
+            final = (await self.get(job_id)).state in FINAL
+
     async def events(self, job_id: str, last_event_id: str | None = None) -> AsyncIterator[Event]:
         """As `Client.events`."""
         while True:
@@ -590,3 +823,116 @@ class AsyncClient(_Base):
                             return
             except httpx.TransportError:
                 await asyncio.sleep(0.2)
+
+    # ---- files
+
+    async def list_files(self, host: str, path: str = "~") -> dict[str, Any]:
+        """As `Client.list_files`."""
+        params: dict[str, Any] = {"path": path, "limit": 1000}
+        answer: dict[str, Any] = (await self.request("GET", files_path(host), params=params)).json()
+        while answer.get("next_cursor"):
+            params["cursor"] = answer["next_cursor"]
+            more = (await self.request("GET", files_path(host), params=params)).json()
+            answer["items"] += more["items"]
+            answer["next_cursor"] = more["next_cursor"]
+        return answer
+
+    async def stat(self, host: str, path: str) -> dict[str, Any]:
+        """As `Client.stat`."""
+        params = {"path": path, "limit": 1}
+        answer = (await self.request("GET", files_path(host), params=params)).json()
+        return {k: v for k, v in answer.items() if k not in ("items", "next_cursor")}
+
+    async def download(
+        self,
+        host: str,
+        path: str,
+        dest: str | os.PathLike[str],
+        *,
+        progress: Progress | None = None,
+    ) -> int:
+        """As `Client.download` (the local file is written in a thread)."""
+        partial = Partial(dest)
+        attempt = 0
+        while True:
+            offset, etag = partial.offset()
+            headers = {"Range": f"bytes={offset}-"} if offset else {}
+            try:
+                async with self.http.stream(
+                    "GET",
+                    files_path(host, "/content"),
+                    params={"path": path},
+                    headers=headers,
+                    timeout=httpx.Timeout(60, read=300),
+                ) as response:
+                    status = response.status_code
+                    if status == 416 and offset:
+                        partial.discard()
+                        continue
+                    if status < 400:
+                        resume = resumable(response, offset, etag)
+                        if resume is None:
+                            partial.discard()
+                            continue
+                        done = offset if resume else 0
+                        total = done + int(response.headers.get("content-length", 0))
+                        with partial.start(response.headers.get("etag"), resume) as out:
+                            async for chunk in response.aiter_bytes():
+                                await asyncio.to_thread(out.write, chunk)
+                                done += len(chunk)
+                                attempt = 0
+                                if progress is not None:
+                                    progress(done, total)
+                        if done != total:
+                            raise httpx.ReadError("the body ended early")
+                        partial.done()
+                        return total
+                    await response.aread()
+                    delay = self._delay(attempt, response)
+                    if delay is None:
+                        _raise(response)
+            except httpx.TransportError as exc:
+                delay = self._delay(attempt, None)
+                if delay is None:
+                    raise TransportError(f"GET {path}: {exc}") from exc
+            await asyncio.sleep(delay)
+            attempt += 1
+
+    async def upload(
+        self,
+        host: str,
+        source: str | os.PathLike[str],
+        path: str,
+        *,
+        create_only: bool = False,
+        progress: Progress | None = None,
+    ) -> dict[str, Any]:
+        """As `Client.upload` (the local file is read in a thread)."""
+        size = (await asyncio.to_thread(os.stat, source)).st_size
+
+        async def chunks() -> AsyncIterator[bytes]:
+            done = 0
+            f = await asyncio.to_thread(Path(source).open, "rb")
+            try:
+                while data := await asyncio.to_thread(f.read, CHUNK):
+                    done += len(data)
+                    if progress is not None:
+                        progress(done, size)
+                    yield data
+            finally:
+                f.close()
+
+        response = await self.request(
+            "PUT",
+            files_path(host, "/content"),
+            params={"path": path},
+            content=chunks,
+            headers=_upload_headers(size, create_only),
+            timeout=httpx.Timeout(60, write=300),
+        )
+        result: dict[str, Any] = response.json()
+        return result
+
+    async def delete_file(self, host: str, path: str) -> None:
+        """As `Client.delete_file`."""
+        await self.request("DELETE", files_path(host), params={"path": path})

@@ -3,6 +3,7 @@
     sshapi run HOST -- ARGV...        live stdout/stderr, exits with the remote exit status
     sshapi jobs list|show|cancel|logs
     sshapi batch submit SCRIPT
+    sshapi files ls|get|put|rm        files on a host (docs/files.md), progress bars for transfers
 
 The server and token come from SSHAPI_URL / SSHAPI_TOKEN or a profile of the client
 configuration file (`--profile`; see `api.client.load_profile`). `--json` prints the API's JSON
@@ -20,13 +21,22 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
 
 from api.client import Client, SshapiError, Stream, exit_code
+from api.client import Progress as OnProgress
 from api.schemas import Job
 from api.states import FINAL
 
 jobs_app = typer.Typer(help="Your jobs on the server (SSHAPI_URL).", no_args_is_help=True)
 batch_app = typer.Typer(help="Batch jobs for a host's scheduler.", no_args_is_help=True)
+files_app = typer.Typer(help="Files on a host (over SFTP, through the API).", no_args_is_help=True)
 
 Profile = Annotated[
     str | None,
@@ -187,8 +197,106 @@ def batch_submit(
         raise typer.Exit(exit_code(job))
 
 
+Host = Annotated[str, typer.Argument(help="A configured host name.")]
+
+
+@contextmanager
+def transfer(label: str, quiet: bool) -> Iterator[OnProgress]:
+    """A progress bar on stderr (bytes, speed, time left) while a transfer runs; none when
+    stderr is not a terminal or with --json."""
+    console = Console(stderr=True)
+    with Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        disable=quiet or not console.is_terminal,
+    ) as bar:
+        task = bar.add_task(label, total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total)
+
+
+@files_app.command("ls")
+def files_ls(
+    host: Host,
+    path: Annotated[str, typer.Argument(help="A directory or file; relative: from home.")] = "~",
+    profile: Profile = None,
+    as_json: AsJson = False,
+) -> None:
+    """List a directory (type, mode, size, modification time, name), or show one entry."""
+    with client(profile) as c:
+        answer = c.list_files(host, path)
+    if as_json:
+        typer.echo(json.dumps(answer, indent=2))
+        return
+    for entry in answer.get("items", [answer]):
+        name = entry.get("name") or entry["path"]
+        if entry.get("target"):
+            name += f" -> {entry['target']}"
+        mode, size, mtime = (str(entry.get(k) or "") for k in ("mode", "size", "mtime"))
+        typer.echo(f"{entry['type']:7} {mode:>6} {size:>12} {mtime:25} {name}")
+
+
+@files_app.command("get")
+def files_get(
+    host: Host,
+    path: Annotated[str, typer.Argument(help="The file on the host.")],
+    dest: Annotated[
+        Path | None, typer.Argument(help="Where to write it (default: its name, here).")
+    ] = None,
+    profile: Profile = None,
+    as_json: AsJson = False,
+) -> None:
+    """Download a file. An interrupted download (`DEST.part`) resumes where it stopped."""
+    target = dest if dest is not None else Path(path.rstrip("/").rsplit("/", 1)[-1])
+    if target.is_dir():
+        target = target / path.rstrip("/").rsplit("/", 1)[-1]
+    with client(profile) as c, transfer(f"get {path}", as_json) as progress:
+        size = c.download(host, path, target, progress=progress)
+    if as_json:
+        typer.echo(json.dumps({"path": path, "dest": str(target), "size": size}))
+
+
+@files_app.command("put")
+def files_put(
+    host: Host,
+    source: Annotated[Path, typer.Argument(help="The local file.", exists=True, dir_okay=False)],
+    path: Annotated[
+        str | None, typer.Argument(help="Where on the host (default: its name, in home).")
+    ] = None,
+    create_only: Annotated[
+        bool, typer.Option(help="Refuse to replace an existing file (412).")
+    ] = False,
+    profile: Profile = None,
+    as_json: AsJson = False,
+) -> None:
+    """Upload a file (streamed; it appears on the host only once complete)."""
+    remote = path or source.name
+    with client(profile) as c, transfer(f"put {source.name}", as_json) as progress:
+        answer = c.upload(host, source, remote, create_only=create_only, progress=progress)
+    if as_json:
+        typer.echo(json.dumps(answer))
+    else:
+        typer.echo(f"{answer['path']}  {answer['size']} bytes  sha256 {answer['sha256']}")
+
+
+@files_app.command("rm")
+def files_rm(
+    host: Host,
+    paths: Annotated[list[str], typer.Argument(help="Files, symlinks or empty directories.")],
+    profile: Profile = None,
+) -> None:
+    """Delete files, symlinks (not their targets) or empty directories."""
+    with client(profile) as c:
+        for path in paths:
+            c.delete_file(host, path)
+
+
 def register(app: typer.Typer) -> None:
     """Add the client commands to the `sshapi` app."""
     app.command("run")(run)
     app.add_typer(jobs_app, name="jobs")
     app.add_typer(batch_app, name="batch")
+    app.add_typer(files_app, name="files")

@@ -42,7 +42,7 @@ from sqlalchemy.exc import IntegrityError
 from api.auth import Principal
 from api.batch import BatchJobs
 from api.config import Config, PolicyRule
-from api.live import Feed, LiveHub
+from api.live import Feed, LiveHub, Relay
 from api.metrics import Metrics
 from api.output import MAX_READ, OutputRange, Stream, pieces
 from api.policy import Grant, Policy
@@ -101,6 +101,7 @@ class JobService:
         replica: str,
         batch: BatchJobs,
         quota: Quota | None = None,
+        relay: Relay | None = None,
     ) -> None:
         self.config = config
         self.policy = policy
@@ -112,7 +113,7 @@ class JobService:
         # Built by the app factory, which also starts it and watches its trackers.
         self.batch = batch
         self._running: dict[str, Running] = {}
-        self.live = LiveHub(store.get, self._read_output_file)
+        self.live = LiveHub(store.get, self._read_output_file, relay)
         # job id -> the cancel in progress here: concurrent DELETEs of a job share it.
         self._cancels: dict[str, asyncio.Task[JobRow]] = {}
 

@@ -22,10 +22,11 @@ Where the bytes come from:
   however many clients follow it, in ranges, until the scheduler reports the job final; a
   follower behind the window reads its range from the file itself.
 - a command run by another replica (several replicas share PostgreSQL): its bytes live in that
-  replica's memory only. A follower here polls the shared store (one watcher per job): it sees
-  state changes within `POLL` seconds and the kept output (the head) once the job is final.
-  Live bytes need the follower on the owning replica (the job's `replica` field names it);
-  proxying between replicas is not built.
+  replica's memory. With Redis (SSHAPI_REDIS_URL) one watcher per job here reads them from the
+  owner's capped Redis streams into a Feed of this process (api/relay.py), so followers here see
+  them live, with the same cursors, cut-offs and gaps. Without Redis (or while it is down) the
+  watcher polls the shared store: state changes within `POLL` seconds and the kept output (the
+  head) once the job is final.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from api.output import Stream
 from api.problems import Problem, retry_after
@@ -93,6 +95,13 @@ class StreamBuffer:
         if offset < len(self.head):
             return bytes(self.head[offset : min(len(self.head), offset + limit)])
         return None
+
+    def skip_to(self, offset: int) -> None:
+        """The bytes up to `offset` will never come (a relayed stream that jumped): the window
+        restarts there, and the head, being the first bytes only, grows no more."""
+        self.cap = len(self.head)
+        self.tail = bytearray()
+        self.tail_start = self.total = offset
 
     def lagging(self, offset: int) -> bool:
         """True when a cursor at `offset` has fallen out of the window and past the head."""
@@ -238,30 +247,64 @@ async def follow(
             yield KeepAlive()
 
 
+Load = Callable[[str], Awaitable[JobRow | None]]
+
+
+class Relay(Protocol):
+    """Commands' live output between replicas (api/relay.py's RedisRelay)."""
+
+    def listen(self, wanted: Callable[[str], None]) -> None:
+        """Call `wanted(job_id)` when another replica wants to follow a job."""
+
+    async def publish(self, feed: Feed) -> None:
+        """Copy a feed of this process out until it is final."""
+
+    async def watch(self, feed: Feed, load: Load) -> None:
+        """Fill a feed of another replica's command until the job is final."""
+
+    async def close(self) -> None: ...
+
+
 class LiveHub:
     """The feeds of this process: commands it runs, and watchers of the jobs it does not."""
 
     def __init__(
         self,
-        load: Callable[[str], Awaitable[JobRow | None]],
+        load: Load,
         read_file: Callable[[JobRow, Stream, int, int], Awaitable[tuple[bytes, int | None]]],
+        relay: Relay | None = None,
     ) -> None:
         self._load = load  # the store's row
         self._read_file = read_file  # a batch job's output file, over SSH
+        self.relay = relay
         self.feeds: dict[str, Feed] = {}
         self._watchers: dict[str, asyncio.Task[None]] = {}
+        self._commands: set[str] = set()  # jobs whose feed this process fills from the pool
+        self._publishers: dict[str, asyncio.Task[None]] = {}
 
     # ---- commands run here
 
     def open_command(self, row: JobRow, cap: int) -> Feed:
         feed = Feed(row, cap)
         self.feeds[row.id] = feed
+        self._commands.add(row.id)
+        if self.relay is not None:
+            self.relay.listen(self._wanted)
         return feed
 
     def close_command(self, row: JobRow) -> None:
+        self._commands.discard(row.id)
         feed = self.feeds.pop(row.id, None)
         if feed is not None:
             feed.finish(row)
+
+    def _wanted(self, job_id: str) -> None:
+        """Another replica follows a command of ours: publish it (once per job)."""
+        if self.relay is None or job_id not in self._commands or job_id in self._publishers:
+            return
+        task = asyncio.create_task(self.relay.publish(self.feeds[job_id]), name=f"pub-{job_id}")
+        self._publishers[job_id] = task
+        task.add_done_callback(lambda _: self._publishers.pop(job_id, None))
 
     # ---- following
 
@@ -309,6 +352,9 @@ class LiveHub:
         delay, cap = POLL
         batch = feed.row.kind == "batch"
         try:
+            if not batch and self.relay is not None:
+                await self.relay.watch(feed, self._load)
+                return
             while True:
                 final = feed.row.state in FINAL
                 grew = False
@@ -328,7 +374,7 @@ class LiveHub:
                 if final and not grew:
                     if not batch:  # another replica's command: its kept output, at the end
                         for stream in STREAMS:
-                            feed.streams[stream] = _head_of(feed.row, stream)
+                            feed.streams[stream] = head_of(feed.row, stream)
                     feed.finish(feed.row)
                     return
                 if grew:
@@ -350,10 +396,13 @@ class LiveHub:
             feed.finish(feed.row)
 
     async def close(self) -> None:
-        for task in self._watchers.values():
+        tasks = [*self._watchers.values(), *self._publishers.values()]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._watchers.values(), return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._watchers.clear()
+        if self.relay is not None:
+            await self.relay.close()
 
 
 def kept(row: JobRow, stream: Stream) -> bytes:
@@ -361,7 +410,7 @@ def kept(row: JobRow, stream: Stream) -> bytes:
     return (row.stdout if stream == "stdout" else row.stderr) or b""
 
 
-def _head_of(row: JobRow, stream: Stream) -> StreamBuffer:
+def head_of(row: JobRow, stream: Stream) -> StreamBuffer:
     """A finished command's stream: the kept head, then nothing until the count of all bytes."""
     head = kept(row, stream)
     total = (row.stdout_bytes if stream == "stdout" else row.stderr_bytes) or len(head)
@@ -374,7 +423,7 @@ def _stored(row: JobRow) -> Feed:
     """A finished command's feed: its kept output, final."""
     feed = Feed(row, 0)
     for stream in STREAMS:
-        feed.streams[stream] = _head_of(row, stream)
+        feed.streams[stream] = head_of(row, stream)
     feed.final = True
     return feed
 

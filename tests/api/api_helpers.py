@@ -4,6 +4,7 @@ tokens, PostgreSQL schemas."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -334,3 +335,18 @@ def server_process(
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
+
+
+async def sse_events(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    """Parse a text/event-stream body into {"id", "event", "data"} dicts."""
+    event: dict[str, Any] = {}
+    async for line in response.aiter_lines():
+        if not line:
+            if "data" in event:
+                yield event
+            event = {}
+        elif line.startswith(":"):
+            continue
+        else:
+            name, _, value = line.partition(": ")
+            event[name] = json.loads(value) if name == "data" else value

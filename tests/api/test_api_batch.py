@@ -491,3 +491,40 @@ async def test_replays_with_prefer_wait_leave_no_waiter_in_the_server(
     figure("300 replays with Prefer: wait=0.05: statuses, waiters left", (dict(statuses), waiters))
     assert statuses == {202: 300}
     assert waiters and all(line.endswith(" 0.0") for line in waiters)
+
+
+async def test_one_remote_reader_per_batch_job_however_many_clients_follow_it(
+    api: Api, workdir: str
+) -> None:
+    """Five followers of a batch job cost the host no more SSH commands than one: the process
+    reads the output files once per poll for all of them (api/live.py's watcher)."""
+
+    async def ssh_commands() -> float:
+        text = (await api.client.get(f"{api.url}/metrics")).text
+        return sum(
+            float(v) for v in re.findall(r"^sshpool_commands_total\{.*\} (\S+)$", text, re.M)
+        )
+
+    async def followed_by(followers: int) -> tuple[float, list[bytes]]:
+        script = "for i in 1 2 3 4 5 6 7 8; do echo tick$i; sleep 0.5; done\n"
+        r = await api.submit(batch(workdir, script))
+        job_id = r.json()["id"]
+        url = f"{api.url}/v1/jobs/{job_id}/output?follow=true"
+
+        async def follower() -> bytes:
+            async with api.client.stream("GET", url, headers=api.auth()) as body:
+                assert body.status_code == 200
+                return b"".join([chunk async for chunk in body.aiter_bytes()])
+
+        before = await ssh_commands()
+        outputs = await asyncio.wait_for(
+            asyncio.gather(*(follower() for _ in range(followers))), 60
+        )
+        return await ssh_commands() - before, outputs
+
+    one, outputs1 = await followed_by(1)
+    five, outputs5 = await followed_by(5)
+    expected = b"".join(f"tick{i}\n".encode() for i in range(1, 9))
+    assert outputs1 == [expected] and outputs5 == [expected] * 5
+    print(f"SSH commands while followed: 1 follower {one:.0f}, 5 followers {five:.0f}")
+    assert five < 1.5 * one + 4  # five readers each would be ~5x

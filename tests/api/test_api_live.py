@@ -4,30 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
-from api_helpers import Api
+from api_helpers import Api, sse_events
 
 TICKS = "for i in 1 2 3 4 5; do echo tick$i; sleep 0.3; done"
-
-
-async def sse_events(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
-    """Parse a text/event-stream body into {"id", "event", "data"} dicts."""
-    event: dict[str, Any] = {}
-    async for line in response.aiter_lines():
-        if not line:
-            if "data" in event:
-                yield event
-            event = {}
-        elif line.startswith(":"):
-            continue
-        else:
-            field, _, value = line.partition(": ")
-            event[field] = json.loads(value) if field == "data" else value
 
 
 async def start(api: Api, command: str, sub: str = "alice") -> str:

@@ -5,14 +5,25 @@ front of the real tuned sshd."""
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
-from api_helpers import LOCAL_ISS, Api, Keys, eventually, free_port, make_settings, pg_schema
+from api_helpers import (
+    LOCAL_ISS,
+    Api,
+    Keys,
+    eventually,
+    free_port,
+    make_settings,
+    pg_schema,
+    sse_events,
+)
 from api_helpers import running_api as run_one
 
 from api.problems import Problem
@@ -168,3 +179,64 @@ async def test_redis_active_jobs_of_a_dead_replica_expire_at_their_deadline() ->
     finally:
         await quota.leave(who, "job-2")
         await quota.close()
+
+
+TICKS = "for i in $(seq 1 8); do echo tick$i; sleep 0.4; done"
+
+
+async def read_events(
+    api: Api, job_id: str, last_id: str | None = None, stop_after: int | None = None
+) -> list[dict[str, Any]]:
+    """The /events of a job through `api` (each with its arrival time), from `last_id`, until
+    `end` or `stop_after` output events (then the connection is dropped)."""
+    headers = api.auth() | ({"Last-Event-ID": last_id} if last_id else {})
+    events: list[dict[str, Any]] = []
+    url = f"{api.url}/v1/jobs/{job_id}/events"
+    async with api.client.stream("GET", url, headers=headers) as r:
+        assert r.status_code == 200, await r.aread()
+        async for event in sse_events(r):
+            events.append(event | {"at": time.monotonic()})
+            outputs = sum(e["event"] == "output" for e in events)
+            if event["event"] == "end" or (stop_after is not None and outputs >= stop_after):
+                break
+    return events
+
+
+def stdout_of(events: list[dict[str, Any]]) -> tuple[str, list[int]]:
+    outputs = [e["data"] for e in events if e["event"] == "output"]
+    return "".join(o["text"] for o in outputs), [o["offset"] for o in outputs]
+
+
+async def test_a_follower_on_another_replica_sees_output_live_and_resumes_by_event_id(
+    tuned_host: LocalHost, config_file: Path, keys: Keys, secret: str, tmp_path: Path
+) -> None:
+    """With Redis, /events on replica b streams the output of a command running on a while it
+    runs; a reconnect with Last-Event-ID continues with no byte lost or repeated."""
+    async with replicas(tmp_path, config_file, keys, secret, REDIS_URL) as (a, b):
+        r = await a.submit({"host": "local", "command": TICKS}, wait=0)
+        job_id = r.json()["id"]
+        first = await read_events(b, job_id, stop_after=2)
+        assert (await a.job(job_id))["state"] == "running"  # the bytes came before the end
+        rest = await read_events(b, job_id, last_id=first[-1]["id"])
+        assert rest[-1]["event"] == "end" and rest[-1]["data"]["state"] == "succeeded"
+        text, offsets = stdout_of(first + rest)
+        assert text == "".join(f"tick{i}\n" for i in range(1, 9))
+        assert offsets == sorted(set(offsets))  # no chunk twice
+        assert rest[-1]["id"] == f"{len(text)}-0"
+
+
+async def test_without_redis_a_follower_on_another_replica_gets_states_and_the_kept_output(
+    tuned_host: LocalHost, config_file: Path, keys: Keys, secret: str, tmp_path: Path
+) -> None:
+    """Redis unreachable: a follower on b of a's command still gets the states and, once the
+    job is final, all of its kept output (no live bytes, nothing lost)."""
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    async with replicas(tmp_path, config_file, keys, secret, dead) as (a, b):
+        r = await a.submit({"host": "local", "command": TICKS}, wait=0)
+        job_id = r.json()["id"]
+        events = await read_events(b, job_id)
+        final = (await a.job(job_id))["finished_at"]
+        assert final is not None
+        states = [e["data"]["state"] for e in events if e["event"] == "state"]
+        assert states[-1] == "succeeded" and "running" in states
+        assert stdout_of(events)[0] == "".join(f"tick{i}\n" for i in range(1, 9))

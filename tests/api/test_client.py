@@ -4,10 +4,13 @@ API and local host. The sync Client runs in a thread: the server shares the test
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
 import uuid
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -16,20 +19,23 @@ from api_helpers import SSHAPI, Api
 
 from api.client import AsyncClient, Client, Forbidden, NotFound, RateLimited
 
+FILES = "jobs:read jobs:write files:read files:write"
+
 
 def env_for(api: Api, sub: str = "alice") -> dict[str, str]:
     return {
         **os.environ,
         "SSHAPI_URL": api.url,
-        "SSHAPI_TOKEN": api.token(sub),
+        "SSHAPI_TOKEN": api.token(sub, FILES),
         "SSHAPI_CLIENT_CONFIG": "/nonexistent/client.toml",
     }
 
 
-async def sshapi(api: Api, *args: str) -> tuple[int, bytes, bytes]:
+async def sshapi(api: Api, *args: str, cwd: Path | None = None) -> tuple[int, bytes, bytes]:
     proc = await asyncio.create_subprocess_exec(
         SSHAPI,
         *args,
+        cwd=cwd,
         env=env_for(api),
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
@@ -178,3 +184,115 @@ async def test_async_events_follow_a_job_to_its_end(api: Api) -> None:
     text = {s: "".join(e.data["text"] for e in events if e.event == "output"
                        and e.data["stream"] == s) for s in ("stdout", "stderr")}  # fmt: skip
     assert text == {"stdout": "a\n", "stderr": "b\n"}
+
+
+async def test_sshapi_files_put_ls_get_rm_round_trip_byte_exact(api: Api, tmp_path: Path) -> None:
+    """`sshapi files put` uploads, `ls --json` lists it with its size, `get` writes the same
+    bytes back, `rm` deletes it."""
+    data = os.urandom(3 << 20)
+    source = tmp_path / "input.bin"
+    source.write_bytes(data)
+    remote = f"sshapi-cli-{uuid.uuid4().hex[:8]}.bin"
+    rc, out, err = await sshapi(api, "files", "put", "local", str(source), remote, "--json")
+    assert rc == 0, err
+    assert json.loads(out)["size"] == len(data)
+    rc, out, _ = await sshapi(api, "files", "ls", "local", "--json")
+    entry = next(e for e in json.loads(out)["items"] if e["name"] == remote)
+    assert (entry["type"], entry["size"]) == ("file", len(data))
+    rc, out, err = await sshapi(api, "files", "ls", "local")
+    assert rc == 0 and remote.encode() in out, err
+    rc, _, err = await sshapi(api, "files", "get", "local", remote, cwd=tmp_path)
+    assert rc == 0, err
+    assert (tmp_path / remote).read_bytes() == data
+    assert not (tmp_path / f"{remote}.part").exists()
+    rc, _, err = await sshapi(api, "files", "rm", "local", remote)
+    assert rc == 0, err
+    rc, _, err = await sshapi(api, "files", "ls", "local", remote)
+    assert rc == 255 and b"file-not-found" in err
+
+
+class DropDownloadMidway(httpx.BaseTransport):
+    """Passes every request on, but cuts the first file download after 1 MiB of its body, as
+    a dropped connection would; records each download's Range header."""
+
+    def __init__(self) -> None:
+        self.inner = httpx.HTTPTransport()
+        self.ranges: list[str | None] = []
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response = self.inner.handle_request(request)
+        if request.method != "GET" or not request.url.path.endswith("/files/content"):
+            return response
+        self.ranges.append(request.headers.get("range"))
+        if len(self.ranges) > 1:
+            return response
+        inner = response.stream
+        assert isinstance(inner, httpx.SyncByteStream)
+
+        class Cut(httpx.SyncByteStream):
+            def __iter__(self) -> Iterator[bytes]:
+                sent = 0
+                for chunk in inner:
+                    yield chunk
+                    sent += len(chunk)
+                    if sent >= 1 << 20:
+                        raise httpx.ReadError("connection dropped", request=request)
+
+            def close(self) -> None:
+                inner.close()
+
+        return httpx.Response(response.status_code, headers=response.headers, stream=Cut())
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+async def test_an_interrupted_download_resumes_by_range_without_fetching_again(
+    api: Api, tmp_path: Path
+) -> None:
+    """A download cut after 1 MiB goes on with `Range: bytes=<received>-` and ends byte-exact."""
+    data = os.urandom(4 << 20)
+    remote = f"sshapi-resume-{uuid.uuid4().hex[:8]}.bin"
+    token = api.token("alice", FILES)
+    transport = DropDownloadMidway()
+
+    def work() -> int:
+        with Client(api.url, token) as c:
+            (tmp_path / "up.bin").write_bytes(data)
+            c.upload("local", tmp_path / "up.bin", remote)
+        with Client(api.url, token, transport=transport) as c:
+            size = c.download("local", remote, tmp_path / "down.bin")
+            c.delete_file("local", remote)
+            return size
+
+    assert await asyncio.to_thread(work) == len(data)
+    assert (tmp_path / "down.bin").read_bytes() == data
+    assert transport.ranges[0] is None
+    assert len(transport.ranges) == 2
+    resumed_at = int(str(transport.ranges[1]).removeprefix("bytes=").removesuffix("-"))
+    assert 1 << 20 <= resumed_at < len(data)
+
+
+async def test_async_client_lists_reads_output_follows_and_moves_files(
+    api: Api, tmp_path: Path
+) -> None:
+    """AsyncClient has the sync client's list, output, follow and files methods."""
+    data = os.urandom(1 << 20)
+    (tmp_path / "up.bin").write_bytes(data)
+    remote = f"sshapi-async-{uuid.uuid4().hex[:8]}.bin"
+    async with AsyncClient(api.url, api.token("alice", FILES)) as c:
+        job = await c.submit("local", ["sh", "-c", "echo one; sleep 0.5; echo two"])
+        chunks = [chunk async for chunk in c.follow(job.id)]
+        assert b"".join(chunks) == b"one\ntwo\n"
+        assert await c.output(job.id) == b"one\ntwo\n"
+        assert job.id in [j.id for j in await c.list(limit=5)]
+        answer = await c.upload("local", tmp_path / "up.bin", remote)
+        assert answer["size"] == len(data)
+        assert (await c.stat("local", remote))["size"] == len(data)
+        listed = await c.list_files("local")
+        assert remote in [e["name"] for e in listed["items"]]
+        assert await c.download("local", remote, tmp_path / "down.bin") == len(data)
+        await c.delete_file("local", remote)
+        with pytest.raises(NotFound):
+            await c.stat("local", remote)
+    assert (tmp_path / "down.bin").read_bytes() == data
