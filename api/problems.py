@@ -31,6 +31,7 @@ from sshpool.errors import (
     RemoteNoSpace,
     RemoteNotFound,
     RemotePermissionDenied,
+    RemoteUnsupported,
     SSHPoolError,
 )
 
@@ -145,6 +146,7 @@ SSH_ERRORS: dict[type[SSHPoolError], tuple[int, str, str]] = {
     RemoteNotFound: (404, "file-not-found", "No such file or directory"),
     RemotePermissionDenied: (403, "file-permission-denied", "The host refused access"),
     RemoteNoSpace: (507, "no-space", "No space left on the host's filesystem"),
+    RemoteUnsupported: (501, "not-supported", "This host's SSH backend cannot do that"),
     RemoteFileFailure: (409, "file-conflict", "The host refused the file operation"),
 }
 

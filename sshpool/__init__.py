@@ -20,6 +20,7 @@ from sshpool.errors import (
     RemoteNoSpace,
     RemoteNotFound,
     RemotePermissionDenied,
+    RemoteUnsupported,
     SSHPoolError,
 )
 from sshpool.pool import Pool
@@ -45,6 +46,7 @@ __all__ = [
     "RemoteNoSpace",
     "RemoteNotFound",
     "RemotePermissionDenied",
+    "RemoteUnsupported",
     "SSHPoolError",
     "Target",
 ]

@@ -16,12 +16,13 @@ SSHPoolError
     ├── RemoteNotFound          no such file or directory
     ├── RemotePermissionDenied  the account may not do that there
     ├── RemoteNoSpace           the host's filesystem (or the account's quota) is full
+    ├── RemoteUnsupported       the backend cannot do that operation (its library lacks it)
     └── RemoteFileFailure       any other refusal: exists, not a directory, not empty, ...
 ```
 
 The API maps PoolTimeout, PoolFull and HostUnavailable to 503 + Retry-After, ConnectTimeout to 504,
 ConnectError to 502, CommandTimeout to the job state `timed_out`, and ConnectionLost after start to
-the job state `lost`. The API maps the RemoteFileError family to 404, 403, 507 and 409.
+the job state `lost`. The API maps the RemoteFileError family to 404, 403, 507, 501 and 409.
 """
 
 from __future__ import annotations
@@ -126,3 +127,7 @@ class RemoteNoSpace(RemoteFileError):
 
 class RemoteFileFailure(RemoteFileError):
     """Any other SFTP failure: the target exists, is not a directory, is not empty, ..."""
+
+
+class RemoteUnsupported(RemoteFileError):
+    """The backend cannot do this file operation: its SSH library lacks it (the host is fine)."""

@@ -45,6 +45,7 @@ ERRORS: dict[int | str, dict[str, Any]] = {
     404: _problem("No such file or directory."),
     409: _problem("Not a file / not a directory / exists / not empty."),
     429: _problem("Rate limit or too many transfers at once: see `Retry-After`."),
+    501: _problem("The host's SSH backend cannot do file operations."),
     502: _problem("The SSH connection failed or dropped."),
     503: _problem("Host saturated or down: see `Retry-After`."),
 }

@@ -22,6 +22,12 @@ What makes this subtle, and how it is handled:
   descriptor, closed only after the session is freed: a reused descriptor number can never
   receive those bytes.
 
+SFTP (`sftp()`) is libssh2's, on a channel of the same session, driven the same way. ssh2-python
+wraps neither readlink nor posix-rename (SFTP v3 rename never replaces), and its close calls
+cannot be repeated after EAGAIN: those few libssh2 calls are made through ctypes on the libssh2
+ssh2-python loaded, with the SFTP and handle pointers read from its objects after checking their
+layout (see `_Extras`). Without them, `sftp()` raises RemoteUnsupported (the API's 501).
+
 Limitation: ssh2-python's get_exit_signal loses the signal name, so a command whose shell was
 killed by a signal reports exit status 0 and no signal (libssh2's default) with this backend.
 """
@@ -31,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import ctypes
 import hashlib
 import hmac
 import os
@@ -38,11 +45,12 @@ import re
 import select
 import socket
 import time
+import weakref
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from sshpool.backends import translate
-from sshpool.backends.base import Exit
+from sshpool.backends.base import DirEntry, Exit, FileAttrs
 from sshpool.backends.translate import describe
 from sshpool.command import Capture
 from sshpool.errors import (
@@ -51,7 +59,9 @@ from sshpool.errors import (
     ConnectError,
     ConnectionLost,
     HostKeyMismatch,
+    RemoteFileError,
     RemoteFileFailure,
+    RemoteUnsupported,
     SSHPoolError,
 )
 from sshpool.target import Limits, Target
@@ -64,6 +74,13 @@ try:
         LIBSSH2_METHOD_HOSTKEY,
         LIBSSH2_SESSION_BLOCK_OUTBOUND,
         Session,
+    )
+    from ssh2.sftp import (
+        LIBSSH2_FXF_CREAT,
+        LIBSSH2_FXF_EXCL,
+        LIBSSH2_FXF_READ,
+        LIBSSH2_FXF_TRUNC,
+        LIBSSH2_FXF_WRITE,
     )
 except ImportError as exc:
     raise ImportError("the ssh2 SSH backend needs ssh2-python: pip install 'sshapi[ssh2]'") from exc
@@ -79,9 +96,11 @@ FALLBACK = 0.05
 # send TERM and CLOSE before the connection is given up as stuck.
 FINISH_TIMEOUT = 5.0
 
-# Errors about one channel, and a refused key: every other libssh2 error means the transport
-# is broken.
+# Errors about one channel, an SFTP status and a refused key: every other libssh2 error means
+# the transport is broken.
 _CHANNEL_ERRORS = (ssh2_errors.ChannelError, ssh2_errors.ChannelWindowFullError)
+# An SFTP status from the host (or a name too long for the buffer): the session is fine.
+_SFTP_ERRORS = (ssh2_errors.SFTPError, ssh2_errors.BufferTooSmallError)
 _KEY_ERRORS = (
     ssh2_errors.AuthenticationError,
     ssh2_errors.KeyfileAuthFailedError,
@@ -206,7 +225,7 @@ class Ssh2Connection:
         had_input = self._input_waiting()
         try:
             result = fn(*args)
-        except (*_CHANNEL_ERRORS, *_KEY_ERRORS):
+        except (*_CHANNEL_ERRORS, *_KEY_ERRORS, *_SFTP_ERRORS):
             # An answer came back: nothing of this call is left half sent.
             if pending is not None:
                 pending.note(fn, args, False)
@@ -442,9 +461,30 @@ class Ssh2Connection:
             await self._flush(fn, *args)
         pending.calls.clear()
 
-    async def sftp(self) -> Any:
-        """Not implemented for libssh2 yet (its SFTP must be driven non-blocking like exec)."""
-        raise RemoteFileFailure("the ssh2 backend has no SFTP yet: use asyncssh or paramiko")
+    async def sftp(self) -> Ssh2SFTP:
+        if _EXTRAS is None:
+            raise RemoteUnsupported(
+                "this ssh2-python build lacks libssh2's readlink and posix-rename: "
+                "use the asyncssh or paramiko backend for files"
+            )
+        pending = _Pending()
+        try:
+            async with self._opening:
+                # sftp_init opens the channel and starts the subsystem: one open at a time.
+                sftp = await self._call(self._session.sftp_init, pending=pending)
+        except ssh2_errors.ChannelFailure as exc:
+            raise ChannelRefused(f"channel refused: {describe(exc)}") from exc
+        except ConnectionLost as exc:
+            raise ConnectionLost(str(exc), started=False) from exc
+        except BaseException:
+            self._spawn(self._finish(None, pending, terminate=False))
+            raise
+        if sftp is None:  # libssh2 gave no handle and no error: the subsystem was refused
+            raise RemoteFileFailure("the host has no sftp subsystem")
+        pointer = _lib_pointer(sftp, self._session)
+        if pointer is None:
+            raise RemoteUnsupported("this ssh2-python build's SFTP object is not the one known")
+        return Ssh2SFTP(self, sftp, pointer)
 
     # ---- closing
 
@@ -473,6 +513,317 @@ class Ssh2Connection:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+# --------------------------------------------------------------------------------------------
+# SFTP: libssh2's SFTP on a channel of the session, driven non-blocking like exec
+
+
+class _Extras(NamedTuple):
+    readlink: Any
+    posix_rename: Any
+    close_handle: Any
+    shutdown: Any
+
+
+def _load_extras() -> _Extras | None:
+    """libssh2 functions ssh2-python does not wrap: readlink (`libssh2_sftp_symlink_ex` with
+    LIBSSH2_SFTP_READLINK), posix-rename@openssh.com (`libssh2_sftp_posix_rename_ex`, libssh2
+    >= 1.11: SFTP v3's rename never replaces, and rename_ex's overwrite flags are only sent to
+    v5 servers), and `libssh2_sftp_close_handle` and `libssh2_sftp_shutdown`, which must be
+    repeated until they stop answering EAGAIN: ssh2-python calls them once (its close marks
+    the handle closed even on EAGAIN) or when the object is freed, in whatever order the
+    garbage collector picks. Taken from the very libssh2 the process has loaded for
+    ssh2-python; None when that is not found."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/libssh2" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            lib = ctypes.CDLL(path)
+            extras = _Extras(
+                lib.libssh2_sftp_symlink_ex,
+                lib.libssh2_sftp_posix_rename_ex,
+                lib.libssh2_sftp_close_handle,
+                lib.libssh2_sftp_shutdown,
+            )
+        except (OSError, AttributeError):
+            continue
+        p, s, u = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_uint
+        extras.readlink.argtypes = [p, s, u, s, u, ctypes.c_int]
+        extras.posix_rename.argtypes = [p, s, ctypes.c_size_t, s, ctypes.c_size_t]
+        extras.close_handle.argtypes = [p]
+        extras.shutdown.argtypes = [p]
+        for fn in extras:
+            fn.restype = ctypes.c_int
+        return extras
+    return None
+
+
+_EXTRAS = _load_extras()
+LIBSSH2_SFTP_READLINK = 1
+LIBSSH2_ERROR_SFTP_PROTOCOL = -31
+SFTP_FAILURE = 4  # SSH_FX_FAILURE
+# The object layouts of ssh2.sftp.SFTP and ssh2.sftp_handle.SFTPHandle (their .pxd): the
+# Python object header, the libssh2 pointer, then the owner (`Session _session`, `SFTP
+# _sftp`). Checked before use: the owner slot must hold the owner, or the extras are not used.
+_PYOBJECT_HEAD = object.__basicsize__
+_PTR = ctypes.sizeof(ctypes.c_void_p)
+
+
+def _lib_pointer(obj: Any, owner: Any) -> int | None:
+    """The libssh2 pointer inside an ssh2-python SFTP or SFTPHandle, after checking the
+    layout (the owner's address follows it)."""
+    if type(obj).__basicsize__ < _PYOBJECT_HEAD + 2 * _PTR:
+        return None
+    if ctypes.c_void_p.from_address(id(obj) + _PYOBJECT_HEAD + _PTR).value != id(owner):
+        return None
+    return ctypes.c_void_p.from_address(id(obj) + _PYOBJECT_HEAD).value
+
+
+def _forget_pointer(obj: Any) -> None:
+    """NULL the libssh2 pointer of an SFTP or SFTPHandle we closed (or gave up on), so that
+    ssh2-python's own close and __dealloc__ find nothing to free (libssh2 answers NULL with
+    LIBSSH2_ERROR_BAD_USE): freed twice, or after its owner in a garbage cycle, it crashes."""
+    ctypes.c_void_p.from_address(id(obj) + _PYOBJECT_HEAD).value = None
+
+
+def _attrs(a: Any) -> FileAttrs:
+    return FileAttrs.from_mode(a.permissions, a.filesize, a.mtime)
+
+
+class Ssh2File:
+    def __init__(self, fs: Ssh2SFTP, handle: Any, pointer: int, path: str) -> None:
+        self._fs = fs
+        self._h = handle
+        self._ptr = pointer
+        self._path = path
+        self._closed = False
+
+    async def read(self, size: int) -> bytes:
+        # libssh2_sftp_read keeps several read requests in flight (read-ahead) and returns what
+        # has arrived: gather up to `size` so the caller gets big pieces.
+        parts: list[bytes] = []
+        got = 0
+        while got < size:
+            n, data = await self._fs.op(self._path, self._h.read, size - got)
+            if n == 0:
+                break
+            parts.append(data)
+            got += n
+        return b"".join(parts)
+
+    async def write(self, data: bytes) -> None:
+        # libssh2_sftp_write splits the buffer into pipelined write requests and says how much
+        # was acknowledged; after EAGAIN the rest must be offered again from that offset.
+        sent = 0
+        try:
+            while sent < len(data):
+                chunk = data if sent == 0 else data[sent:]
+                _, n = await self._fs.op(self._path, self._h.write, chunk, partial=True)
+                sent += n
+        except RemoteFileError as exc:
+            raise translate.write_failed(exc, await self._fs.free_bytes(self._path)) from exc
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await self._fs.close_handle(self._path, self._h, self._ptr)
+        self._fs.files.discard(self)
+
+
+class Ssh2SFTP:
+    """One LIBSSH2_SFTP (its own channel) on an Ssh2Connection, used only from the event loop.
+
+    libssh2 keeps each SFTP operation's progress in the session (one state per kind of
+    operation): a call abandoned after EAGAIN would be resumed by the next call of that kind,
+    with the old request's answer. So an operation interrupted half-way (cancelled, or the
+    transport lost) makes the session unusable: every later call raises ConnectionLost, and
+    closing it only lets libssh2 finish what it half sent."""
+
+    def __init__(self, conn: Ssh2Connection, sftp: Any, pointer: int) -> None:
+        self._conn = conn
+        self._sftp = sftp
+        self._ptr = pointer
+        self._pending = _Pending()
+        self._broken: str | None = None
+        self._closed = False
+        # Open files, to close before the session; a WeakSet: no reference cycle with them.
+        self.files: weakref.WeakSet[Ssh2File] = weakref.WeakSet()
+        # Every handle opened and not yet closed by us: given up on when the session breaks.
+        self._handles: dict[int, Any] = {}
+
+    async def op(
+        self, path: str | None, fn: Callable[..., Any], *args: Any, partial: bool = False
+    ) -> Any:
+        """One libssh2 SFTP call, repeated until done; its failure in our tree. With `partial`,
+        fn returns (code, progress) and is repeated only while code is EAGAIN and progress 0."""
+        if self._broken is not None:
+            raise ConnectionLost(self._broken, started=True)
+        done = False
+        try:
+            while True:
+                result = self._conn._attempt(fn, *args, pending=self._pending)
+                if not _eagain(result) or (partial and result[1] > 0):
+                    break
+                await self._conn._wait()
+            done = True
+        except ssh2_errors.SFTPProtocolError as exc:
+            done = True
+            raise translate.sftp_error(self._sftp.last_error(), describe(exc), path) from exc
+        except _SFTP_ERRORS as exc:
+            done = True
+            code = self._sftp.last_error() or SFTP_FAILURE
+            raise translate.sftp_error(code, describe(exc), path) from exc
+        except ConnectionLost as exc:
+            raise ConnectionLost(f"connection lost during SFTP: {exc}", started=True) from exc
+        except ssh2_errors.SSH2Error as exc:
+            raise ConnectionLost(f"SFTP failed: {describe(exc)}", started=True) from exc
+        finally:
+            if not done:
+                self._broken = "an SFTP operation was interrupted: the session is unusable"
+                self._conn._spawn(self._conn._finish(None, self._pending, terminate=False))
+        # The raw libssh2 calls (ctypes), and some of ssh2-python's, return an error code
+        # instead of raising: first in a tuple or alone.
+        code = result[0] if isinstance(result, tuple) else result
+        if isinstance(code, int) and code < 0 and not (partial and code == EAGAIN):
+            if code == LIBSSH2_ERROR_SFTP_PROTOCOL:
+                status = self._sftp.last_error() or SFTP_FAILURE
+                raise translate.sftp_error(status, f"SFTP status {status}", path)
+            # A socket error or timeout: the transport is gone for every channel.
+            self._conn._shutdown(f"connection lost: libssh2 error {code}")
+            raise ConnectionLost(f"connection lost during SFTP: libssh2 error {code}", started=True)
+        return result
+
+    async def close_handle(self, path: str | None, handle: Any, pointer: int) -> None:
+        """Close a file or directory handle to completion (repeated while EAGAIN), then make
+        ssh2-python's object forget it. libssh2 frees the handle once the host answered, even
+        with an error status."""
+        assert _EXTRAS is not None
+        try:
+            await self.op(path, _EXTRAS.close_handle, pointer)
+        except RemoteFileError:
+            pass  # answered: freed all the same
+        finally:
+            if self._broken is None:
+                _forget_pointer(handle)
+                self._handles.pop(pointer, None)
+
+    def _handle(self, handle: Any) -> int:
+        pointer = _lib_pointer(handle, self._sftp)
+        if pointer is None:
+            raise RemoteUnsupported("this ssh2-python build's SFTP handle is not the one known")
+        self._handles[pointer] = handle
+        return pointer
+
+    async def free_bytes(self, path: str) -> int | None:
+        """Free space where `path` is (statvfs), None when unknown: tells ENOSPC apart."""
+        with contextlib.suppress(RemoteFileError):
+            vfs = await self.op(path, self._sftp.statvfs, path)
+            return int(vfs.f_bavail * vfs.f_frsize)
+        return None
+
+    async def realpath(self, path: str) -> str:
+        result: str = await self.op(path, self._sftp.realpath, path, 4096)
+        return result
+
+    async def stat(self, path: str) -> FileAttrs:
+        return _attrs(await self.op(path, self._sftp.stat, path))
+
+    async def lstat(self, path: str) -> FileAttrs:
+        return _attrs(await self.op(path, self._sftp.lstat, path))
+
+    async def readlink(self, path: str) -> str:
+        assert _EXTRAS is not None  # sftp() refuses without them
+        raw = path.encode()
+        buf = ctypes.create_string_buffer(4096)
+        n = await self.op(
+            path, _EXTRAS.readlink, self._ptr, raw, len(raw), buf, len(buf), LIBSSH2_SFTP_READLINK
+        )
+        return buf.raw[:n].decode(errors="replace")
+
+    async def listdir(self, path: str) -> list[DirEntry]:
+        handle = await self.op(path, self._sftp.opendir, path)
+        pointer = self._handle(handle)
+        entries: list[DirEntry] = []
+        try:
+            # ssh2-python's readdir is a generator that yields (EAGAIN, ...) when it would
+            # block: each next() is one non-blocking call.
+            items = handle.readdir(1024)
+            while True:
+                item = await self.op(path, next, items, None)
+                if item is None:
+                    break
+                _, name, attrs = item
+                text = name.decode(errors="replace")
+                if text not in (".", ".."):
+                    entries.append(DirEntry(text, _attrs(attrs)))
+        finally:
+            if self._broken is None:
+                await self.close_handle(path, handle, pointer)
+        return entries
+
+    async def _open(self, path: str, flags: int, mode: int) -> Ssh2File:
+        handle = await self.op(path, self._sftp.open, path, flags, mode)
+        f = Ssh2File(self, handle, self._handle(handle), path)
+        self.files.add(f)
+        return f
+
+    async def open_read(self, path: str, offset: int = 0) -> Ssh2File:
+        f = await self._open(path, LIBSSH2_FXF_READ, 0)
+        f._h.seek64(offset)  # local: the next read request starts there
+        return f
+
+    async def open_write(self, path: str, *, exclusive: bool = True, mode: int = 0o644) -> Ssh2File:
+        flags = LIBSSH2_FXF_WRITE | LIBSSH2_FXF_CREAT | LIBSSH2_FXF_TRUNC
+        return await self._open(path, flags | (LIBSSH2_FXF_EXCL if exclusive else 0), mode)
+
+    async def rename(self, old: str, new: str, *, overwrite: bool) -> None:
+        if overwrite:
+            assert _EXTRAS is not None
+            a, b = old.encode(), new.encode()
+            await self.op(old, _EXTRAS.posix_rename, self._ptr, a, len(a), b, len(b))
+        else:
+            await self.op(old, self._sftp.rename, old, new)
+
+    async def remove(self, path: str) -> None:
+        await self.op(path, self._sftp.unlink, path)
+
+    async def rmdir(self, path: str) -> None:
+        await self.op(path, self._sftp.rmdir, path)
+
+    async def mkdir(self, path: str, mode: int = 0o755) -> None:
+        await self.op(path, self._sftp.mkdir, path, mode)
+
+    async def close(self) -> None:
+        """Close the files left open, then shut the SFTP session down (its channel closed),
+        each call repeated until done. A broken session sends nothing more: its libssh2
+        handles and SFTP structure are forgotten, not freed (a few hundred bytes each; the
+        pool discards the connection, whose libssh2 session frees the channel)."""
+        if self._closed:
+            return
+        self._closed = True
+        assert _EXTRAS is not None
+        try:
+            for f in list(self.files):
+                with contextlib.suppress(RemoteFileError):
+                    await f.close()
+            if self._broken is None:
+                await self.op(None, _EXTRAS.shutdown, self._ptr)
+        except SSHPoolError:
+            self._broken = self._broken or "closing the SFTP session failed"
+        except asyncio.CancelledError:
+            self._broken = self._broken or "closing the SFTP session was cancelled"
+            raise
+        finally:
+            if self._broken is not None:
+                for handle in self._handles.values():
+                    _forget_pointer(handle)
+                self._handles.clear()
+            _forget_pointer(self._sftp)
 
 
 # --------------------------------------------------------------------------------------------

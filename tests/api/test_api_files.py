@@ -19,12 +19,15 @@ from api_helpers import (
     OwnHostApi,
     config_toml,
     eventually,
+    host_toml,
     make_settings,
     running_api,
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from api.files import file_problem
+from sshpool import RemoteUnsupported
 from sshpool.devhost import LocalHost
 
 FILES_POLICY = """
@@ -39,7 +42,7 @@ burst = 1000
 
 [[policy]]
 subject = "fs-*"
-hosts = ["local", "tiny"]
+hosts = ["local", "tiny", "viassh2"]
 file_roots = { "*" = ["~/sshapi-files/{sub}"] }
 rate = 1000
 burst = 1000
@@ -52,8 +55,12 @@ RW = "files:read files:write"
 async def api(
     tuned_host: LocalHost, secret_file: Path, secret: str, keys: Keys, tmp_path: Path
 ) -> AsyncIterator[Api]:
+    # `viassh2`: the same sshd through the ssh2-python (libssh2) backend.
+    ssh2 = host_toml("viassh2", tuned_host, max_connections=1, max_sessions=4).replace(
+        "[hosts.viassh2.limits]", 'backend = "ssh2"\n[hosts.viassh2.limits]'
+    )
     text = config_toml(tuned_host, secret_file, keys).replace(
-        "[[policy]]", FILES_POLICY + "[[policy]]", 1
+        "[[policy]]", ssh2 + FILES_POLICY + "[[policy]]", 1
     )
     path = tmp_path / "sshapi.toml"
     path.write_text(text)
@@ -62,12 +69,12 @@ async def api(
 
 
 class User:
-    def __init__(self, api: Api, host: LocalHost, sub: str) -> None:
+    def __init__(self, api: Api, host: LocalHost, sub: str, via: str = "local") -> None:
         self.api = api
         self.sub = sub
         self.root = Path(host.account.home) / "sshapi-files" / sub
         self.headers = api.auth(sub, RW)
-        self.base = f"{api.url}/v1/hosts/local/files"
+        self.base = f"{api.url}/v1/hosts/{via}/files"
 
     async def put(self, path: str, data: bytes, **headers: str) -> httpx.Response:
         return await self.api.client.put(
@@ -88,9 +95,9 @@ class User:
         )
 
 
-def make_user(api: Api, host: LocalHost, prefix: str = "fs") -> Iterator[User]:
+def make_user(api: Api, host: LocalHost, prefix: str = "fs", via: str = "local") -> Iterator[User]:
     sub = f"{prefix}-{uuid.uuid4().hex[:10]}"
-    user = User(api, host, sub)
+    user = User(api, host, sub, via)
     host.run_local(["mkdir", "-p", str(user.root)])
     try:
         yield user
@@ -102,6 +109,11 @@ def make_user(api: Api, host: LocalHost, prefix: str = "fs") -> Iterator[User]:
 @pytest.fixture
 def user(api: Api, tuned_host: LocalHost) -> Iterator[User]:
     yield from make_user(api, tuned_host)
+
+
+@pytest.fixture
+def ssh2_user(api: Api, tuned_host: LocalHost) -> Iterator[User]:
+    yield from make_user(api, tuned_host, via="viassh2")
 
 
 @pytest.fixture
@@ -446,3 +458,44 @@ async def test_connection_lost_mid_upload_is_502_and_no_partial_file(
             final.unlink(missing_ok=True)
             for left in temps(host.account.home, name):
                 left.unlink()
+
+
+async def test_the_ssh2_backend_serves_the_same_file_operations(ssh2_user: User) -> None:
+    """On a host with backend = "ssh2" (libssh2): upload, replace (posix-rename), a listing with
+    a symlink's target (readlink), a range download, a move over a file, a delete."""
+    user = ssh2_user
+    data = os.urandom(2 * (1 << 20) + 3)
+    r = await user.put(f"{user.root}/a.bin", data)
+    assert r.status_code == 201, r.text
+    assert r.json()["sha256"] == hashlib.sha256(data).hexdigest()
+    r = await user.put(f"{user.root}/a.bin", data[::-1])
+    assert r.status_code == 200, r.text
+    assert (user.root / "a.bin").read_bytes() == data[::-1]
+    os.symlink("a.bin", user.root / "link")
+    r = await user.meta(str(user.root))
+    assert r.status_code == 200, r.text
+    items = {i["name"]: i for i in r.json()["items"]}
+    assert (items["a.bin"]["size"], items["link"]["target"]) == (len(data), "a.bin")
+    r = await user.get(f"{user.root}/a.bin", Range="bytes=100-")
+    assert r.status_code == 206 and r.content == data[::-1][100:]
+    assert (await user.put(f"{user.root}/b.bin", b"b")).status_code == 201
+    move = {"source": f"{user.root}/b.bin", "destination": f"{user.root}/a.bin"}
+    r = await user.api.client.post(f"{user.base}/move", json=move, headers=user.headers)
+    assert r.status_code == 409, r.text
+    r = await user.api.client.post(
+        f"{user.base}/move", json={**move, "overwrite": True}, headers=user.headers
+    )
+    assert r.status_code == 200, r.text
+    assert (user.root / "a.bin").read_bytes() == b"b"
+    r = await user.api.client.delete(
+        user.base, params={"path": f"{user.root}/a.bin"}, headers=user.headers
+    )
+    assert r.status_code == 204
+    assert sorted(os.listdir(user.root)) == ["link"]
+
+
+def test_an_operation_the_backend_cannot_do_is_501_not_supported() -> None:
+    """RemoteUnsupported (a backend whose library lacks an operation) answers 501
+    `not-supported`, not a misleading 409, and without the backend's detail or the path."""
+    problem = file_problem(RemoteUnsupported("libssh2 lacks posix-rename", "/home/x/secret"))
+    assert (problem.status, problem.kind, problem.detail) == (501, "not-supported", None)

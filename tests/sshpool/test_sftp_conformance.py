@@ -17,14 +17,14 @@ from sshpool import (
     RemoteFileFailure,
     RemoteNotFound,
     RemotePermissionDenied,
+    RemoteUnsupported,
 )
 from sshpool.backends import Backend, Connection, load_backend
 from sshpool.backends.base import SFTPSession
 from sshpool.devhost import LocalHost
 
 MakeHost = Callable[..., LocalHost]
-# ssh2 (libssh2) has no SFTP here yet: see the issue-16 report.
-BACKENDS = ["asyncssh", "paramiko"]
+BACKENDS = ["asyncssh", "paramiko", "ssh2"]
 
 
 @pytest.fixture(params=BACKENDS)
@@ -219,11 +219,10 @@ async def test_connection_lost_mid_transfer_raises_connection_lost(
     discards that connection."""
     host = make_host()
     target = host.target(max_connections=1, keepalive_interval=1, keepalive_count_max=2)
+    path = os.path.join(host.account.home, f"big-{uuid.uuid4().hex[:8]}")
     async with Pool(backend) as pool:
         with pytest.raises(ConnectionLost):
             async with pool.sftp(target, acquire_timeout=10) as fs:
-                home = await fs.realpath(".")
-                path = f"{home}/big-{uuid.uuid4().hex[:8]}"
                 await put(fs, path, os.urandom(1 << 20))
                 f = await fs.open_read(path)
                 await f.read(1 << 16)
@@ -234,3 +233,21 @@ async def test_connection_lost_mid_transfer_raises_connection_lost(
                     await f.close()
                     await fs.stat(path)
         assert pool.stats()[target]["connections"] == 0
+    os.remove(path)  # the account's home is shared by the whole suite
+
+
+async def test_ssh2_without_the_libssh2_extras_refuses_sftp_as_unsupported(
+    stock_host: LocalHost, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An ssh2-python build whose libssh2 lacks readlink/posix-rename refuses SFTP with
+    RemoteUnsupported (the API's 501), and the pool's slot is free again."""
+    from sshpool.backends import ssh2
+
+    monkeypatch.setattr(ssh2, "_EXTRAS", None)
+    target = stock_host.target(max_connections=1, max_sessions=1)
+    async with Pool(load_backend("ssh2")) as pool:
+        with pytest.raises(RemoteUnsupported):
+            async with pool.sftp(target, acquire_timeout=10):
+                pass
+        assert pool.stats()[target]["channels_in_use"] == 0
+        assert (await pool.run(target, ["echo", "ok"], timeout=10)).stdout == b"ok\n"

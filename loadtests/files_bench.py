@@ -1,0 +1,259 @@
+"""File transfer throughput through the API beside `scp`, with the API's memory watched.
+
+    python -m loadtests.files_bench --size-mib 1024
+
+It starts a local sshd (`tuned`) and the API (`loadtests.server.start_api`, pooled), writes a
+file of random bytes, then uploads it with `PUT .../files/content` and downloads it with `GET`
+(streamed both ways, the download hashed on arrival and checked), sampling the API process's RSS
+every 50 ms (psutil) during each. Then `scp` moves the same file both ways over the same sshd
+with the same key and known_hosts (OpenSSH 9's scp speaks SFTP too). It prints MB/s for each,
+the API/scp ratio, the RSS growth per transfer and the load average (this box is shared: the
+figures move with it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+from loadtests.server import start_api, stop_api
+
+MIB = 1 << 20
+PIECE = MIB  # what the client sends and reads at a time
+SAMPLE = 0.05  # seconds between RSS samples
+
+
+@dataclass
+class Transfer:
+    """One transfer: its rate, and the API's RSS before it and at its highest during it."""
+
+    name: str
+    seconds: float
+    mb_per_s: float
+    rss_before_mib: float | None = None
+    rss_peak_mib: float | None = None
+
+    @property
+    def rss_growth_mib(self) -> float | None:
+        if self.rss_before_mib is None or self.rss_peak_mib is None:
+            return None
+        return self.rss_peak_mib - self.rss_before_mib
+
+
+class RssSampler:
+    """The highest RSS of a process while the `with` body runs, sampled in a thread."""
+
+    def __init__(self, pid: int) -> None:
+        self.proc = psutil.Process(pid)
+        self.before = 0
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _rss(self) -> int:
+        rss: int = self.proc.memory_info().rss
+        return rss
+
+    def _run(self) -> None:
+        while not self._stop.wait(SAMPLE):
+            self.peak = max(self.peak, self._rss())
+
+    def __enter__(self) -> RssSampler:
+        self.before = self.peak = self._rss()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._rss())
+
+
+def make_file(path: Path, size: int) -> str:
+    """Write `size` random bytes to `path`; returns their sha256."""
+    digest = hashlib.sha256()
+    block = os.urandom(PIECE)  # one random MiB, varied per piece: cheap and incompressible
+    with path.open("wb") as f:
+        for n in range(0, size, PIECE):
+            piece = (n.to_bytes(8, "little") + block[8:])[: min(PIECE, size - n)]
+            digest.update(piece)
+            f.write(piece)
+    return digest.hexdigest()
+
+
+def _pieces(path: Path) -> Iterator[bytes]:
+    with path.open("rb") as f:
+        while data := f.read(PIECE):
+            yield data
+
+
+def _rate(size: int, seconds: float) -> float:
+    return size / seconds / 1e6
+
+
+def api_transfers(
+    url: str, token: str, api_pid: int, source: Path, remote: str, sha256: str
+) -> list[Transfer]:
+    """Upload `source` to `remote` through the API, then download it; both checked by sha256."""
+    size = source.stat().st_size
+    endpoint = f"{url}/v1/hosts/local/files/content"
+    auth = {"Authorization": f"Bearer {token}"}
+    out: list[Transfer] = []
+    with httpx.Client(timeout=httpx.Timeout(600.0)) as client:
+        with RssSampler(api_pid) as rss:
+            t0 = time.perf_counter()
+            r = client.put(
+                endpoint,
+                params={"path": remote},
+                content=_pieces(source),
+                headers={**auth, "Content-Length": str(size)},
+            )
+            seconds = time.perf_counter() - t0
+        if r.status_code not in (200, 201) or r.json()["sha256"] != sha256:
+            raise RuntimeError(f"upload failed: {r.status_code} {r.text[:300]}")
+        out.append(_transfer("API upload", size, seconds, rss))
+        digest = hashlib.sha256()
+        with RssSampler(api_pid) as rss:
+            t0 = time.perf_counter()
+            with client.stream("GET", endpoint, params={"path": remote}, headers=auth) as r:
+                r.raise_for_status()
+                for data in r.iter_raw(PIECE):
+                    digest.update(data)
+            seconds = time.perf_counter() - t0
+        if digest.hexdigest() != sha256:
+            raise RuntimeError("the download's sha256 differs from the file's")
+        out.append(_transfer("API download", size, seconds, rss))
+    return out
+
+
+def _transfer(name: str, size: int, seconds: float, rss: RssSampler) -> Transfer:
+    return Transfer(name, seconds, _rate(size, seconds), rss.before / MIB, rss.peak / MIB)
+
+
+def scp_argv(ssh_argv: list[str]) -> list[str]:
+    """The LocalHost's ssh argv (key, known_hosts, strict checking) as scp's: `-P` for the
+    port, and without the trailing user@host."""
+    argv = ["scp", "-q", *ssh_argv[1:-1]]
+    return ["-P" if a == "-p" else a for a in argv]
+
+
+def scp_transfers(ssh_argv: list[str], source: Path, remote: str, back: Path) -> list[Transfer]:
+    size = source.stat().st_size
+    where = ssh_argv[-1]  # user@host
+    out = []
+    for name, args in (
+        ("scp upload", [str(source), f"{where}:{remote}"]),
+        ("scp download", [f"{where}:{remote}", str(back)]),
+    ):
+        t0 = time.perf_counter()
+        subprocess.run([*scp_argv(ssh_argv), *args], check=True)
+        seconds = time.perf_counter() - t0
+        out.append(Transfer(name, seconds, _rate(size, seconds)))
+    return out
+
+
+def measure(host: Any, size: int, workdir: Path, backend: str = "asyncssh") -> dict[str, Any]:
+    """Start the API against the started LocalHost `host`, move a `size`-byte file through it
+    both ways and then with scp; returns the transfers, ratios and load averages."""
+    from api.local import local_token, resolve_config
+    from api.settings import Settings
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    api_dir = workdir / "api"
+    source = workdir / "source.bin"
+    back = workdir / "back.bin"
+    sha256 = make_file(source, size)
+    name = f"files-bench-{uuid.uuid4().hex[:8]}.bin"
+    remote = os.path.join(host.account.home, name)
+    load_before = os.getloadavg()
+    proc, url = start_api(
+        host, backend=backend, pool_mode="pooled", data_dir=api_dir, log=workdir / "api.log"
+    )
+    try:
+        settings = Settings(data_dir=api_dir)
+        scopes = ["files:read", "files:write"]
+        token = local_token(settings, resolve_config(settings), "files-bench", scopes)
+        transfers = api_transfers(url, token, proc.pid, source, remote, sha256)
+        os.remove(remote)
+        transfers += scp_transfers(host.ssh_argv(), source, remote, back)
+    finally:
+        stop_api(proc)
+        for path in (remote, source, back):
+            if os.path.exists(path):
+                os.remove(path)
+    rates = {t.name: t.mb_per_s for t in transfers}
+    return {
+        "size_mib": size / MIB,
+        "backend": backend,
+        "transfers": [{**asdict(t), "rss_growth_mib": t.rss_growth_mib} for t in transfers],
+        "ratio_upload": rates["API upload"] / rates["scp upload"],
+        "ratio_download": rates["API download"] / rates["scp download"],
+        "load_before": load_before,
+        "load_after": os.getloadavg(),
+    }
+
+
+def report(result: dict[str, Any]) -> str:
+    lines = [
+        f"{result['size_mib']:.0f} MiB, backend {result['backend']}, load average "
+        f"{'/'.join(f'{x:.2f}' for x in result['load_before'])} before, "
+        f"{'/'.join(f'{x:.2f}' for x in result['load_after'])} after",
+        f"{'transfer':<14} {'seconds':>8} {'MB/s':>8} {'RSS before':>11} {'RSS peak':>9} "
+        f"{'growth':>7}",
+    ]
+    for t in result["transfers"]:
+        rss = (
+            f"{t['rss_before_mib']:>9.1f}MiB {t['rss_peak_mib']:>6.1f}MiB "
+            f"{t['rss_growth_mib']:>+6.1f}"
+            if t["rss_before_mib"] is not None
+            else ""
+        )
+        lines.append(f"{t['name']:<14} {t['seconds']:>8.2f} {t['mb_per_s']:>8.1f} {rss}")
+    lines.append(
+        f"API / scp: upload {result['ratio_upload']:.0%}, download {result['ratio_download']:.0%}"
+        " (target >= 70%)"
+    )
+    return "\n".join(lines)
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m loadtests.files_bench", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--size-mib", type=int, default=1024, help="File size in MiB.")
+    p.add_argument("--backend", default="asyncssh", choices=["asyncssh", "paramiko", "ssh2"])
+    p.add_argument("--out", type=Path, default=None, help="Work directory (default: a temp dir).")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from sshpool.devhost import LocalHost
+
+    args = parse(argv)
+    with tempfile.TemporaryDirectory(prefix="files-bench-") as tmp:
+        out = args.out or Path(tmp)
+        host = LocalHost("files-bench", "tuned", data_dir=out / "hosts").start()
+        try:
+            result = measure(host, args.size_mib * MIB, out / "run", args.backend)
+        finally:
+            host.stop(kill_sessions=True)
+    print(report(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
