@@ -77,7 +77,8 @@ def create_app(
         the_pool = pool or Pool(backend=settings.backend)
         http = httpx.AsyncClient(follow_redirects=False)
         policy = Policy(config)
-        batch = BatchJobs(config, policy, the_store, the_pool, metrics)
+        quota = make_quota(settings.redis_url)
+        batch = BatchJobs(config, policy, the_store, the_pool, metrics, quota)
         services = Services(
             settings=settings,
             config=config,
@@ -93,7 +94,7 @@ def create_app(
                 metrics,
                 settings.replica,
                 batch,
-                make_quota(settings.redis_url),
+                quota,
             ),
             metrics=metrics,
             http=http,
