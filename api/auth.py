@@ -25,13 +25,14 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from cryptography.hazmat.primitives.asymmetric.rsa import RSAPublicKey
 from cryptography.hazmat.primitives.serialization import load_pem_public_key
 
+from api.config import SCOPES as KNOWN_SCOPES
 from api.config import SYMMETRIC, IssuerConfig
 from api.problems import unauthorized
 
 log = logging.getLogger("sshapi.auth")
 
 REQUIRED_CLAIMS = ["exp", "iat", "sub", "aud", "iss"]
-SCOPES = frozenset({"jobs:read", "jobs:write", "admin"})
+SCOPES = frozenset(KNOWN_SCOPES)
 
 # Which public key types can verify which algorithms.
 KEY_TYPES: dict[str, tuple[type, ...]] = {
@@ -169,7 +170,9 @@ class Authenticator:
         sub = claims.get("sub")
         if not isinstance(sub, str) or not sub:
             raise unauthorized("missing subject")
-        return Principal(issuer=issuer.issuer, subject=sub, scopes=scopes_of(claims))
+        # An issuer grants only the scopes its entry lists: another IdP cannot mint admins.
+        scopes = scopes_of(claims) & frozenset(issuer.scopes)
+        return Principal(issuer=issuer.issuer, subject=sub, scopes=scopes)
 
     @staticmethod
     def _verify(token: str, alg: str, issuer: IssuerConfig, keys: list[Any]) -> dict[str, Any]:

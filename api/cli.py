@@ -36,7 +36,7 @@ def serve() -> None:
     settings = Settings()
     try:
         config = require_config(settings)
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, ValueError) as exc:  # missing, or invalid (pydantic, TOML)
         typer.echo(f"sshapi serve: {exc}", err=True)
         raise typer.Exit(2) from None
     run_server(settings, config)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import tomllib
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -18,6 +18,8 @@ from sshpool.target import Limits, Target
 
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
+# The scopes a token can carry (api/auth.py keeps only these).
+SCOPES = ("jobs:read", "jobs:write", "admin")
 ASYMMETRIC = {"RS256", "RS384", "RS512", "ES256", "ES384", "ES512", "PS256", "EdDSA"}
 SYMMETRIC = {"HS256", "HS384", "HS512"}
 
@@ -59,6 +61,17 @@ class IssuerConfig(Strict):
     jwks_min_refresh_seconds: float = Field(default=30.0, ge=0)
     jwks_timeout: float = Field(default=5.0, gt=0)
     leeway: float = Field(default=30.0, ge=0, le=300)
+    # The scopes this issuer may grant: a token's scopes are intersected with this list. Only an
+    # issuer listing `admin` can make anyone an admin.
+    scopes: list[str] = Field(default_factory=lambda: ["jobs:read", "jobs:write"])
+
+    @field_validator("scopes")
+    @classmethod
+    def _known_scopes(cls, value: list[str]) -> list[str]:
+        unknown = set(value) - set(SCOPES)
+        if unknown:
+            raise ValueError(f"unknown scopes {sorted(unknown)}: use {list(SCOPES)}")
+        return value
 
     @field_validator("algorithms")
     @classmethod
@@ -224,9 +237,12 @@ Pattern = Annotated[str, Field(min_length=1)]
 
 
 class PolicyRule(Strict):
-    """Who (issuer and subject glob patterns) may do what. The first matching rule applies."""
+    """Who (issuer and subject glob patterns) may do what. The first matching rule applies.
 
-    issuer: Pattern = "*"
+    `issuer` is required: identity is (iss, sub), and a rule written for `alice` must not also
+    match another identity provider's `alice`. `"*"` is allowed, but must be written."""
+
+    issuer: Pattern
     subject: Pattern = "*"
     hosts: list[str] = Field(default_factory=lambda: ["*"])
     # Hosts where raw shell lines (`command`) are allowed; argv and templates need no permission.
@@ -240,6 +256,17 @@ class PolicyRule(Strict):
     rate: float = Field(default=5.0, gt=0)
     burst: int = Field(default=20, ge=1)
     max_concurrent: int = Field(default=8, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _issuer_required(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "issuer" not in data:
+            subject = data.get("subject", "*")
+            raise ValueError(
+                f"policy rule for subject {subject!r} has no `issuer`: write the issuer it is "
+                'for (identity is issuer + subject), or issuer = "*" to mean any issuer'
+            )
+        return data
 
 
 class Config(Strict):

@@ -78,9 +78,17 @@ def default_config(local: HostConfig | None = None) -> Config:
     """The local configuration: the local HS256 issuer, the local host as `local` (when there is
     one), and a policy letting any authenticated subject use it with argv and raw shell lines."""
     return Config(
-        issuers=[IssuerConfig(issuer=LOCAL_ISSUER, audience=LOCAL_AUDIENCE, algorithms=["HS256"])],
+        issuers=[
+            IssuerConfig(
+                issuer=LOCAL_ISSUER,
+                audience=LOCAL_AUDIENCE,
+                algorithms=["HS256"],
+                # Whoever can read the data dir's secret runs this instance: it may grant admin.
+                scopes=["jobs:read", "jobs:write", "admin"],
+            )
+        ],
         hosts={"local": local} if local else {},
-        policy=[PolicyRule(hosts=["*"], shell_hosts=["*"], templates=["*"])],
+        policy=[PolicyRule(issuer=LOCAL_ISSUER, hosts=["*"], shell_hosts=["*"], templates=["*"])],
     )
 
 

@@ -128,6 +128,7 @@ issuer = "{LOCAL_ISS}"
 audience = "{AUDIENCE}"
 algorithms = ["HS256"]
 secret_file = "{secret_file}"
+scopes = ["jobs:read", "jobs:write", "admin"]
 leeway = 5
 
 [[issuers]]
@@ -163,27 +164,32 @@ type = "str"
 
 [[policy]]
 subject = "anyhost"
+issuer = "*"
 hosts = ["*"]
 shell_hosts = ["*"]
 
 [[policy]]
 subject = "noshell"
+issuer = "*"
 hosts = ["local"]
 
 [[policy]]
 subject = "slow"
+issuer = "*"
 hosts = ["local"]
 rate = 0.2
 burst = 2
 
 [[policy]]
 subject = "solo"
+issuer = "*"
 hosts = ["local"]
 shell_hosts = ["local"]
 max_concurrent = 1
 
 [[policy]]
 subject = "*"
+issuer = "*"
 hosts = ["local", "tiny", "down"]
 shell_hosts = ["local", "tiny"]
 max_timeout = 60

@@ -30,7 +30,7 @@ def test_root_login_needs_allow_root() -> None:
     with pytest.raises(ValidationError, match="allow_root"):
         config(
             hosts={"h": HOST},
-            policy=[{"accounts": {"h": {"username": "root", "client_keys": ["k"]}}}],
+            policy=[{"issuer": "*", "accounts": {"h": {"username": "root", "client_keys": ["k"]}}}],
         )
     config(hosts={"h": {**HOST, "username": "root", "allow_root": True}})
 

@@ -5,6 +5,8 @@ PostgreSQL) and checks it is closed."""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -13,7 +15,9 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 from api_helpers import (
+    KEYS_ISS,
     LOCAL_ISS,
+    SSHAPI,
     Api,
     Keys,
     config_toml,
@@ -21,7 +25,9 @@ from api_helpers import (
     pg_schema,
     running_api,
 )
+from pydantic import ValidationError
 
+from api.config import load_config
 from api.quota import PREFIX
 from sshpool.devhost import LocalHost
 
@@ -38,9 +44,7 @@ settle = 1.0
 
 def with_rule(text: str, rule: str) -> str:
     """The test configuration with `rule` tried before the catch-all rule."""
-    marker = '[[policy]]\nissuer = "*"\nsubject = "*"'
-    if marker not in text:
-        marker = '[[policy]]\nsubject = "*"'
+    marker = '[[policy]]\nsubject = "*"'
     assert marker in text
     return text.replace(marker, rule + "\n" + marker)
 
@@ -153,3 +157,64 @@ max_concurrent = 1
         await api.client.delete(
             f"{api.url}/v1/jobs/{r.json()['id']}", headers=api.auth("one-batch")
         )
+
+
+# ---- item 8: rules name their issuer; issuers grant only the scopes they list
+
+
+def test_policy_rule_without_issuer_fails_to_load_with_a_clear_message(tmp_path: Path) -> None:
+    """A rule written for `alice` with no issuer would match every IdP's alice: refused."""
+    path = tmp_path / "noissuer.toml"
+    path.write_text('[[issuers]]\nissuer = "a"\naudience = "x"\n\n[[policy]]\nsubject = "alice"\n')
+    with pytest.raises(ValidationError) as refused:
+        load_config(path)
+    assert "policy rule for subject 'alice' has no `issuer`" in str(refused.value)
+
+
+def test_sshapi_serve_reports_a_rule_without_issuer_without_a_traceback(tmp_path: Path) -> None:
+    """`sshapi serve` with such a file exits 2 with one line naming the problem."""
+    path = tmp_path / "noissuer.toml"
+    path.write_text('[[issuers]]\nissuer = "a"\naudience = "x"\n\n[[policy]]\nsubject = "*"\n')
+    env = {**os.environ, "SSHAPI_CONFIG": str(path), "SSHAPI_DATA_DIR": str(tmp_path / "d")}
+    done = subprocess.run([SSHAPI, "serve"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "has no `issuer`" in done.stderr and "Traceback" not in done.stderr
+
+
+async def test_a_rule_for_one_issuers_alice_does_not_match_another_issuers_alice(
+    tuned_host: LocalHost, secret_file: Path, secret: str, keys: Keys, tmp_path: Path
+) -> None:
+    """Rule (test-local, alice-a) grants host `secret`; test-keys' alice-a gets the catch-all
+    rule, which does not: 403 there, 201 for the right issuer's alice-a."""
+    rule = f"""[[policy]]
+issuer = "{LOCAL_ISS}"
+subject = "alice-a"
+hosts = ["secret"]
+"""
+    path = tmp_path / "issuers.toml"
+    path.write_text(with_rule(config_toml(tuned_host, secret_file, keys), rule))
+    async with running_api(make_settings(tmp_path, path, "sqlite", None), keys, secret) as api:
+        body = {"host": "secret", "argv": ["true"]}
+        r = await api.submit(body, sub="alice-a")
+        assert r.status_code == 201, r.text
+        other = api.token("alice-a", iss=KEYS_ISS, key=api.keys.rsa, alg="RS256")
+        r = await api.client.post(
+            f"{api.url}/v1/jobs", json=body, headers={"Authorization": f"Bearer {other}"}
+        )
+        assert r.status_code == 403, r.text
+        assert r.json()["type"].endswith(":host-forbidden")
+
+
+async def test_an_issuer_without_admin_in_its_scopes_cannot_grant_admin(api: Api) -> None:
+    """test-keys lists no `admin`: its token claiming admin sees neither host `secret` nor
+    another user's job; test-local's admin token sees both."""
+    r = await api.submit({"host": "local", "argv": ["true"]}, sub="victim")
+    job_id = r.json()["id"]
+    claimed = api.token("mallory", "admin jobs:read", iss=KEYS_ISS, key=api.keys.rsa, alg="RS256")
+    headers = {"Authorization": f"Bearer {claimed}"}
+    r = await api.client.get(f"{api.url}/v1/jobs/{job_id}", headers=headers)
+    assert r.status_code == 404, r.text
+    r = await api.client.get(f"{api.url}/v1/hosts", headers=headers)
+    assert "secret" not in {h["name"] for h in r.json()}
+    r = await api.client.get(f"{api.url}/v1/jobs/{job_id}", headers=api.auth("ops", "admin"))
+    assert r.status_code == 200, r.text
