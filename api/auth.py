@@ -28,6 +28,7 @@ from cryptography.hazmat.primitives.serialization import load_pem_public_key
 from api.config import SCOPES as KNOWN_SCOPES
 from api.config import SYMMETRIC, IssuerConfig
 from api.problems import unauthorized
+from api.settings import read_secret_file
 
 log = logging.getLogger("sshapi.auth")
 
@@ -139,12 +140,17 @@ class Authenticator:
         client: httpx.AsyncClient,
     ) -> None:
         self._issuers: dict[str, IssuerKeys] = {}
+        seen: set[str] = set()
         for issuer in issuers:
             secret = None
             if issuer.symmetric:
+                # Only the local issuer may go without a secret_file (api/config.py checks it).
                 secret = (
-                    issuer.secret_file.read_text().strip() if issuer.secret_file else local_secret()
+                    read_secret_file(issuer.secret_file) if issuer.secret_file else local_secret()
                 )
+                if secret in seen:
+                    raise ValueError(f"issuer {issuer.issuer!r} shares its secret with another")
+                seen.add(secret)
             self._issuers[issuer.issuer] = IssuerKeys(issuer, secret, client)
 
     async def authenticate(self, token: str) -> Principal:

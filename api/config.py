@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from api.settings import read_secret_file
 from sshpool.target import Limits, Target
 
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
@@ -22,6 +23,9 @@ PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 SCOPES = ("jobs:read", "jobs:write", "admin")
 ASYMMETRIC = {"RS256", "RS384", "RS512", "ES256", "ES384", "ES512", "PS256", "EdDSA"}
 SYMMETRIC = {"HS256", "HS384", "HS512"}
+# The issuer of `sshapi token` / `sshapi dev` (api/local.py): the only HS issuer that may go
+# without its own `secret_file` (it uses SSHAPI_JWT_SECRET or the data dir's secret).
+LOCAL_ISSUER = "sshapi-local"
 
 
 class Strict(BaseModel):
@@ -83,8 +87,22 @@ class IssuerConfig(Strict):
 
     @model_validator(mode="after")
     def _has_keys(self) -> IssuerConfig:
-        if set(self.algorithms) & ASYMMETRIC and not (self.public_keys or self.jwks_url):
+        algorithms = set(self.algorithms)
+        if algorithms & ASYMMETRIC and not (self.public_keys or self.jwks_url):
             raise ValueError(f"issuer {self.issuer!r}: asymmetric algorithms need keys or JWKS")
+        if algorithms & ASYMMETRIC and algorithms & SYMMETRIC:
+            # Whoever holds the shared secret could sign as the identity provider.
+            raise ValueError(
+                f"issuer {self.issuer!r} mixes HS and asymmetric algorithms: use one family"
+            )
+        if algorithms & SYMMETRIC:
+            if self.secret_file is not None:
+                read_secret_file(self.secret_file)  # strength and mode, at start
+            elif self.issuer != LOCAL_ISSUER:
+                raise ValueError(
+                    f"HS issuer {self.issuer!r} needs its own secret_file: only the local "
+                    f"issuer {LOCAL_ISSUER!r} uses SSHAPI_JWT_SECRET or the data dir's secret"
+                )
         return self
 
     @property
@@ -283,6 +301,9 @@ class Config(Strict):
         issuers = [i.issuer for i in self.issuers]
         if len(set(issuers)) != len(issuers):
             raise ValueError("issuer names must be unique")
+        files = [i.secret_file.resolve() for i in self.issuers if i.secret_file and i.symmetric]
+        if len(set(files)) != len(files):
+            raise ValueError("each HS issuer needs a secret_file of its own (one secret each)")
         for name, host in self.hosts.items():
             if host.username == "root" and not host.allow_root:
                 raise ValueError(f"host {name!r} logs in as root: set allow_root = true to mean it")

@@ -7,7 +7,7 @@ that file with the normal loader. Nothing here imports `sshpool.devhost`, FastAP
 so a load generator can mint tokens without the web stack:
 
     from api.local import local_token, resolve_config
-    from api.settings import Settings
+    from api.settings import Settings, read_secret_file
 
     settings = Settings()
     token = local_token(settings, resolve_config(settings), "alice", ["jobs:read"], ttl=3600)
@@ -23,6 +23,7 @@ from typing import Protocol
 import jwt
 import tomli_w
 
+from api.config import LOCAL_ISSUER as LOCAL_ISSUER  # re-exported: loadtests, tests use it
 from api.config import (
     Config,
     HostConfig,
@@ -32,10 +33,9 @@ from api.config import (
     SshdLimits,
     load_config,
 )
-from api.settings import Settings
+from api.settings import Settings, read_secret_file
 from sshpool import Limits
 
-LOCAL_ISSUER = "sshapi-local"
 LOCAL_AUDIENCE = "sshapi"
 LOCAL_CONFIG_NAME = "local.toml"
 
@@ -174,9 +174,7 @@ def local_token(
     issuer = next((i for i in config.issuers if "HS256" in i.algorithms), None)
     if issuer is None:
         raise NoLocalIssuer("no HS256 issuer in the configuration: tokens come from your IdP")
-    secret = (
-        issuer.secret_file.read_text().strip() if issuer.secret_file else settings.hs256_secret()
-    )
+    secret = read_secret_file(issuer.secret_file) if issuer.secret_file else settings.hs256_secret()
     return mint(
         secret, issuer=issuer.issuer, audience=issuer.audience, subject=sub, scopes=scopes, ttl=ttl
     )

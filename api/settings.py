@@ -3,6 +3,7 @@ deployment. Hosts, issuers and policy live in the TOML file that `config.py` loa
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import socket
@@ -11,6 +12,8 @@ from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+log = logging.getLogger("sshapi.settings")
 
 # Values people paste from examples. A secret that is one of these (or short) is refused.
 PLACEHOLDER_SECRETS = frozenset(
@@ -89,9 +92,27 @@ class Settings(BaseSettings):
             else:
                 with os.fdopen(fd, "w") as f:
                     f.write(secrets.token_urlsafe(48))
-        value = path.read_text().strip()
+        if path.stat().st_mode & 0o077:
+            # Ours (made 0600 above): an older, looser one is tightened, not refused.
+            log.warning("tightening %s to mode 0600", path)
+            path.chmod(0o600)
+        return read_secret_file(path)
+
+
+def read_secret_file(path: Path) -> str:
+    """An HS secret from a file: refused when group or others may read it (anyone who can read
+    it can mint tokens) or when it fails `check_secret`."""
+    mode = path.stat().st_mode
+    if mode & 0o077:
+        raise ValueError(
+            f"secret file {path} is readable by others (mode {mode & 0o777:o}): chmod 600 it"
+        )
+    value = path.read_text().strip()
+    try:
         check_secret(value)
-        return value
+    except ValueError as exc:
+        raise ValueError(f"secret file {path}: {exc}") from None
+    return value
 
 
 def check_secret(value: str) -> None:

@@ -134,9 +134,8 @@ leeway = 5
 [[issuers]]
 issuer = "{KEYS_ISS}"
 audience = "{AUDIENCE}"
-# HS256 next to RS256: the classic confusion attack has something to aim at.
-algorithms = ["RS256", "ES256", "EdDSA", "HS256"]
-secret_file = "{secret_file}"
+# Asymmetric only: an issuer mixing HS with RS/ES/EdDSA is refused at load (one key family).
+algorithms = ["RS256", "ES256", "EdDSA"]
 public_keys = [{pems}]
 leeway = 5
 

@@ -15,7 +15,7 @@ from api.policy import render
 from api.problems import Problem
 from sshpool import Limits
 
-ISSUER = {"issuer": "i", "audience": "a"}
+ISSUER = {"issuer": "sshapi-local", "audience": "a"}
 HOST = {"hostname": "h", "username": "u", "client_keys": ["k"], "known_hosts": "kh"}
 
 

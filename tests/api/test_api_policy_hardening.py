@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import subprocess
 import uuid
 from collections.abc import AsyncIterator
@@ -28,6 +29,7 @@ from api_helpers import (
 from pydantic import ValidationError
 
 from api.config import load_config
+from api.local import LOCAL_ISSUER as LOCAL_ISSUER_NAME
 from api.quota import PREFIX
 from sshpool.devhost import LocalHost
 
@@ -218,3 +220,94 @@ async def test_an_issuer_without_admin_in_its_scopes_cannot_grant_admin(api: Api
     assert "secret" not in {h["name"] for h in r.json()}
     r = await api.client.get(f"{api.url}/v1/jobs/{job_id}", headers=api.auth("ops", "admin"))
     assert r.status_code == 200, r.text
+
+
+# ---- item 9: one secret per HS issuer, checked like the environment secret
+
+
+def issuer_toml(name: str, algorithms: str, extra: str = "") -> str:
+    return f'[[issuers]]\nissuer = "{name}"\naudience = "x"\nalgorithms = {algorithms}\n{extra}\n'
+
+
+def strong_secret(path: Path, mode: int = 0o600) -> Path:
+    path.write_text(secrets.token_urlsafe(48))
+    path.chmod(mode)
+    return path
+
+
+def test_hs_issuer_other_than_the_local_one_needs_its_own_secret_file(tmp_path: Path) -> None:
+    """An HS issuer without secret_file would be checked with the local secret, so whoever
+    runs `sshapi token` could sign as it: refused at load; the local issuer may do without."""
+    path = tmp_path / "c.toml"
+    path.write_text(issuer_toml("https://idp.example", '["HS256"]'))
+    with pytest.raises(ValidationError, match="needs its own secret_file"):
+        load_config(path)
+    path.write_text(issuer_toml(LOCAL_ISSUER_NAME, '["HS256"]'))
+    assert load_config(path).issuers[0].secret_file is None
+
+
+def test_two_hs_issuers_sharing_one_secret_file_are_refused(tmp_path: Path) -> None:
+    """Two HS issuers on one secret file: a token of one verifies as the other."""
+    secret = strong_secret(tmp_path / "s")
+    extra = f'secret_file = "{secret}"'
+    path = tmp_path / "c.toml"
+    path.write_text(issuer_toml("a", '["HS256"]', extra) + issuer_toml("b", '["HS256"]', extra))
+    with pytest.raises(ValidationError, match="secret_file of its own"):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    ("content", "mode", "says"),
+    [
+        ("12345", 0o600, "at least 32 bytes"),
+        ("changeme", 0o600, "placeholder"),
+        (None, 0o640, "readable by others"),
+        (None, 0o604, "readable by others"),
+    ],
+)
+def test_weak_or_readable_secret_files_are_refused_at_load(
+    tmp_path: Path, content: str | None, mode: int, says: str
+) -> None:
+    """A 5-byte, placeholder, or group/world-readable secret_file fails the start."""
+    secret = strong_secret(tmp_path / "s", mode)
+    if content is not None:
+        secret.write_text(content)
+    path = tmp_path / "c.toml"
+    path.write_text(issuer_toml("a", '["HS256"]', f'secret_file = "{secret}"'))
+    with pytest.raises(ValidationError, match=says):
+        load_config(path)
+
+
+def test_an_issuer_mixing_hs_and_asymmetric_algorithms_is_refused(
+    tmp_path: Path, keys: Keys
+) -> None:
+    """HS256 beside RS256 on one issuer: whoever holds the secret signs as the IdP."""
+    secret = strong_secret(tmp_path / "s")
+    extra = f'secret_file = "{secret}"\npublic_keys = ["{keys.files[0]}"]'
+    path = tmp_path / "c.toml"
+    path.write_text(issuer_toml("a", '["RS256", "HS256"]', extra))
+    with pytest.raises(ValidationError, match="mixes HS and asymmetric"):
+        load_config(path)
+
+
+async def test_a_token_signed_with_the_hs_secret_is_refused_for_the_asymmetric_issuer(
+    api: Api,
+) -> None:
+    """The running server: a token naming test-keys (asymmetric) signed with the HS secret is
+    401."""
+    forged = api.token("mallory", iss=KEYS_ISS)
+    r = await api.client.get(f"{api.url}/v1/jobs", headers={"Authorization": f"Bearer {forged}"})
+    assert r.status_code == 401
+
+
+def test_sshapi_serve_with_a_five_byte_secret_file_exits_saying_why(tmp_path: Path) -> None:
+    """`sshapi serve` with a 5-byte secret_file exits 2 with the reason, no traceback."""
+    weak = tmp_path / "weak"
+    weak.write_text("12345")
+    weak.chmod(0o600)
+    path = tmp_path / "c.toml"
+    path.write_text(issuer_toml("a", '["HS256"]', f'secret_file = "{weak}"'))
+    env = {**os.environ, "SSHAPI_CONFIG": str(path), "SSHAPI_DATA_DIR": str(tmp_path / "d")}
+    done = subprocess.run([SSHAPI, "serve"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "at least 32 bytes" in done.stderr and "Traceback" not in done.stderr
