@@ -311,3 +311,30 @@ def test_sshapi_serve_with_a_five_byte_secret_file_exits_saying_why(tmp_path: Pa
     done = subprocess.run([SSHAPI, "serve"], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "at least 32 bytes" in done.stderr and "Traceback" not in done.stderr
+
+
+# ---- item 10: the rendered element, not the first placeholder, decides
+
+
+async def test_empty_first_placeholder_cannot_smuggle_an_option(
+    tuned_host: LocalHost, secret_file: Path, secret: str, keys: Keys, tmp_path: Path
+) -> None:
+    """Template ["ls", "{dir}{name}"] with dir="" and name="-la" would run `ls -la`: 422."""
+    extra = """
+[templates.ls_in]
+argv = ["ls", "{dir}{name}"]
+[templates.ls_in.params.dir]
+type = "str"
+[templates.ls_in.params.name]
+type = "str"
+"""
+    path = tmp_path / "ls.toml"
+    path.write_text(config_toml(tuned_host, secret_file, keys, extra))
+    async with running_api(make_settings(tmp_path, path, "sqlite", None), keys, secret) as api:
+        body = {"host": "local", "template": "ls_in", "params": {"dir": "", "name": "-la"}}
+        r = await api.submit(body)
+        assert r.status_code == 422, r.text
+        assert r.json()["type"].endswith(":invalid-param")
+        body["params"] = {"dir": "/", "name": "tmp"}
+        r = await api.submit(body)
+        assert (r.status_code, r.json()["state"]) == (201, "succeeded")
