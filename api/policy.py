@@ -220,9 +220,9 @@ def render(name: str, template: TemplateConfig, params: dict[str, Any]) -> list[
         # The rendered element decides, not the first placeholder: with "{dir}{name}", an
         # empty dir lets name's '-' lead. A '-' the operator wrote first is theirs.
         if rendered.startswith("-") and not element.startswith("-") and not after_dashdash:
-            pname = _leading_param(element, values)
-            if pname is None or not template.params[pname].allow_leading_dash:
-                who = pname or "an empty parameter"
+            leader = _leading_param(element, values)
+            if leader is None or not template.params[leader].allow_leading_dash:
+                who = leader or "an empty parameter"
                 raise _invalid(f"{who}: would start an argument with '-' (read as an option)")
         argv.append(rendered)
         after_dashdash = after_dashdash or element == "--"
