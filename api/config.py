@@ -263,8 +263,12 @@ class PolicyRule(Strict):
     issuer: Pattern
     subject: Pattern = "*"
     hosts: list[str] = Field(default_factory=lambda: ["*"])
-    # Hosts where raw shell lines (`command`) are allowed; argv and templates need no permission.
+    # Hosts where raw shell lines (`command`) and batch scripts (shell scripts too) are allowed.
     shell_hosts: list[str] = Field(default_factory=list)
+    # Programs (glob patterns matched against the whole argv[0]) an `argv` job may run. ["*"]:
+    # any; []: no argv at all, so templates (and shell_hosts) are the only way in. A program
+    # that runs others (sh, env, xargs, find, python...) in this list opens everything again.
+    programs: list[str] = Field(default_factory=lambda: ["*"])
     templates: list[str] = Field(default_factory=lambda: ["*"])
     # Remote account per host name; hosts not listed use the host's default account.
     accounts: dict[str, Account] = Field(default_factory=dict)

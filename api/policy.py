@@ -111,6 +111,14 @@ class Policy:
         """Admit `body` for `who` or raise the Problem that says why not (module docstring)."""
         grant = self.grant(who, body.host)
         if body.batch is not None:
+            if not grant.shell:
+                # A batch script is a shell script: the same permission as a raw shell line.
+                raise Problem(
+                    403,
+                    "shell-forbidden",
+                    "Batch scripts not allowed",
+                    f"batch scripts are shell scripts, not allowed for you on {body.host!r}",
+                )
             if grant.host.scheduler is None:
                 raise Problem(
                     422,
@@ -137,6 +145,13 @@ class Policy:
 
     def _command(self, grant: Grant, body: JobRequest) -> str | list[str]:
         if body.argv is not None:
+            if not _listed(body.argv[0], grant.rule.programs):
+                raise Problem(
+                    403,
+                    "program-forbidden",
+                    "Program not allowed",
+                    f"{body.argv[0]!r} may not run as argv on {body.host!r}: use a template",
+                )
             return body.argv
         if body.command is not None:
             if not grant.shell:

@@ -44,6 +44,7 @@ BULK = """[[policy]]
 issuer = "*"
 subject = "bulk"
 hosts = ["local"]
+shell_hosts = ["local"]
 rate = 1000
 burst = 1000
 max_concurrent = 128

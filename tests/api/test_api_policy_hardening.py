@@ -28,8 +28,11 @@ from api_helpers import (
 )
 from pydantic import ValidationError
 
+import api as api_pkg
 from api.config import load_config
 from api.local import LOCAL_ISSUER as LOCAL_ISSUER_NAME
+from api.policy import render
+from api.problems import Problem
 from api.quota import PREFIX
 from sshpool.devhost import LocalHost
 
@@ -83,6 +86,7 @@ async def test_batch_jobs_count_against_the_concurrent_cap_until_final_across_re
 issuer = "{LOCAL_ISS}"
 subject = "cap-*"
 hosts = ["local"]
+shell_hosts = ["local"]
 rate = 1000
 burst = 1000
 max_concurrent = 8
@@ -139,6 +143,7 @@ async def test_batch_job_cancelled_frees_its_slot(
 issuer = "{LOCAL_ISS}"
 subject = "one-batch"
 hosts = ["local"]
+shell_hosts = ["local"]
 max_concurrent = 1
 """
     path = tmp_path / "one.toml"
@@ -338,3 +343,64 @@ type = "str"
         body["params"] = {"dir": "/", "name": "tmp"}
         r = await api.submit(body)
         assert (r.status_code, r.json()["state"]) == (201, "succeeded")
+
+
+# ---- item 11: a rule can make templates the only way in; the example's patterns hold
+
+
+async def test_program_allowlist_and_templates_only_rules(
+    slurm_host: LocalHost,
+    workdir: str,
+    secret_file: Path,
+    secret: str,
+    keys: Keys,
+    tmp_path: Path,
+) -> None:
+    """`programs = ["printf"]`: printf runs, `sh -c` is 403. `programs = []`: argv is 403,
+    templates still run, and a batch script (a shell script) is 403 without shell_hosts."""
+    rules = f"""[[policy]]
+issuer = "{LOCAL_ISS}"
+subject = "listed"
+hosts = ["local"]
+programs = ["printf", "squeue"]
+
+[[policy]]
+issuer = "{LOCAL_ISS}"
+subject = "templated"
+hosts = ["local"]
+programs = []
+templates = ["greet"]
+"""
+    path = tmp_path / "programs.toml"
+    path.write_text(with_rule(config_toml(slurm_host, secret_file, keys, SCHEDULER), rules))
+    async with running_api(make_settings(tmp_path, path, "sqlite", None), keys, secret) as api:
+        r = await api.submit({"host": "local", "argv": ["printf", "ok"]}, sub="listed")
+        assert (r.status_code, r.json().get("stdout")) == (201, "ok"), r.text
+        for argv in (["sh", "-c", "id"], ["/usr/bin/printf", "x"], ["env", "printf", "x"]):
+            r = await api.submit({"host": "local", "argv": argv}, sub="listed")
+            assert r.status_code == 403, r.text
+            assert r.json()["type"].endswith(":program-forbidden")
+
+        r = await api.submit({"host": "local", "argv": ["true"]}, sub="templated")
+        assert r.status_code == 403 and r.json()["type"].endswith(":program-forbidden")
+        r = await api.submit({"host": "local", "command": "id"}, sub="templated")
+        assert r.status_code == 403 and r.json()["type"].endswith(":shell-forbidden")
+        batch = {"script": "#!/bin/sh\nid\n", "workdir": workdir}
+        r = await api.submit({"host": "local", "batch": batch}, sub="templated")
+        assert r.status_code == 403 and r.json()["type"].endswith(":shell-forbidden")
+        body = {"host": "local", "template": "greet", "params": {"count": 2, "word": "hi"}}
+        r = await api.submit(body, sub="templated")
+        assert (r.status_code, r.json().get("stdout")) == (201, "<2|hi>"), r.text
+
+
+def test_example_tail_log_pattern_refuses_dot_dot_segments() -> None:
+    """The example config's tail_log accepted /scratch/../etc/passwd; its pattern now refuses
+    any '.'-led segment and still takes an ordinary path."""
+    config = load_config(Path(api_pkg.__file__).parent / "sshapi.example.toml")
+    template = config.templates["tail_log"]
+    for path in ("/scratch/../etc/passwd", "/scratch/a/../../etc/passwd", "/scratch/./x"):
+        with pytest.raises(Problem) as refused:
+            render("tail_log", template, {"path": path})
+        assert refused.value.status == 422
+    argv = render("tail_log", template, {"path": "/scratch/alice/run-1.log"})
+    assert argv[-1] == "/scratch/alice/run-1.log"
