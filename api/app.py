@@ -66,6 +66,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        settings.secure_data_dir()
         own_store = store is None
         the_store = store or Store(settings.resolved_database_url, schema=settings.database_schema)
         if own_store:

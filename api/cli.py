@@ -19,6 +19,7 @@ from api.local import (
     local_token,
     require_config,
     resolve_config,
+    rig_dir,
     write_local_config,
 )
 from api.settings import Settings
@@ -119,9 +120,10 @@ def dev(
         overrides: dict[str, str] = {}
         if slurm:
             install_packages()
-            cluster = stack.enter_context(LocalSlurm("local", data_dir=settings.data_dir))
+            cluster = stack.enter_context(LocalSlurm("local", data_dir=rig_dir(settings.data_dir)))
             overrides = cluster.sshd_overrides()
-        host = LocalHost("local", "tuned", data_dir=settings.data_dir, overrides=overrides)
+        # Beside the data dir: the host's account must reach its files; the data dir is 0700.
+        host = LocalHost("local", "tuned", data_dir=rig_dir(settings.data_dir), overrides=overrides)
         host.start()
         stack.callback(host.stop, kill_sessions=True)
         # Left as a plain configuration file: `sshapi serve`, `sshapi token` and `sshapi hosts

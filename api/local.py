@@ -69,6 +69,13 @@ class LocalSshd(Protocol):
     def known_hosts(self) -> str: ...
 
 
+def rig_dir(data_dir: Path) -> Path:
+    """Where `sshapi dev` keeps its local host and Slurm: beside the data dir, not in it. The
+    host's account must traverse the rig's directories, while the data dir (the job database,
+    the secret) stays 0700."""
+    return data_dir.parent / f"{data_dir.name}-hosts"
+
+
 def local_config_path(data_dir: Path) -> Path:
     """Where `sshapi dev` leaves the local configuration."""
     return data_dir / LOCAL_CONFIG_NAME
@@ -132,7 +139,7 @@ def require_config(settings: Settings) -> Config:
 def write_local_config(data_dir: Path, config: Config) -> Path:
     """Write `config` as `<data_dir>/local.toml`, a plain configuration file."""
     path = local_config_path(data_dir)
-    data_dir.mkdir(parents=True, exist_ok=True)
+    data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     data = config.model_dump(mode="json", exclude_none=True, exclude_defaults=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(

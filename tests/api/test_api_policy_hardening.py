@@ -7,12 +7,15 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+import signal
+import stat
 import subprocess
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
+import httpx
 import pytest
 import redis.asyncio as aioredis
 from api_helpers import (
@@ -22,6 +25,7 @@ from api_helpers import (
     Api,
     Keys,
     config_toml,
+    free_port,
     make_settings,
     pg_schema,
     running_api,
@@ -34,6 +38,7 @@ from api.local import LOCAL_ISSUER as LOCAL_ISSUER_NAME
 from api.policy import render
 from api.problems import Problem
 from api.quota import PREFIX
+from loadtests.server import wait_ready
 from sshpool.devhost import LocalHost
 
 pytestmark = pytest.mark.timeout(180)
@@ -404,3 +409,50 @@ def test_example_tail_log_pattern_refuses_dot_dot_segments() -> None:
         assert refused.value.status == 422
     argv = render("tail_log", template, {"path": "/scratch/alice/run-1.log"})
     assert argv[-1] == "/scratch/alice/run-1.log"
+
+
+# ---- item 15: dev mode keeps its data private
+
+
+def test_dev_mode_data_dir_is_0700_and_its_database_and_secret_0600(tmp_path: Path) -> None:
+    """`sshapi dev` with a data dir left 0755 and a jwt_secret left 0644: both are tightened at
+    start (logged), the local host still answers a job, and jobs.sqlite3 with its -wal and
+    -shm files are 0600, so the local host's account cannot read other users' outputs."""
+    data = tmp_path / "data"
+    data.mkdir(mode=0o755)
+    data.chmod(0o755)
+    (data / "jwt_secret").write_text(secrets.token_urlsafe(48))
+    (data / "jwt_secret").chmod(0o644)
+    port = free_port()
+    env = {**os.environ, "SSHAPI_DATA_DIR": str(data), "SSHAPI_LOG_LEVEL": "info"}
+    log = tmp_path / "dev.log"
+    with log.open("wb") as sink:
+        proc = subprocess.Popen(
+            [SSHAPI, "dev", "--port", str(port)], env=env, stdout=sink, stderr=sink
+        )
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_ready(proc, url)
+            token = subprocess.run(
+                [SSHAPI, "token", "--sub", "dev"], env=env, capture_output=True, text=True
+            ).stdout.strip()
+            r = httpx.post(
+                f"{url}/v1/jobs",
+                json={"host": "local", "argv": ["echo", "hi"]},
+                headers={"Authorization": f"Bearer {token}"},
+                timeout=30,
+            )
+            assert (r.status_code, r.json()["stdout"]) == (201, "hi\n"), r.text
+            modes = {
+                p.name: stat.S_IMODE(p.stat().st_mode)
+                for p in data.iterdir()
+                if p.name.startswith(("jobs.sqlite3", "jwt_secret"))
+            }
+            assert stat.S_IMODE(data.stat().st_mode) == 0o700
+            assert set(modes) >= {"jobs.sqlite3", "jobs.sqlite3-wal", "jobs.sqlite3-shm"}
+            assert set(modes.values()) == {0o600}, modes
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=30)
+    text = log.read_text()
+    assert f"tightening {data} " in text and f"tightening {data / 'jwt_secret'}" in text
