@@ -31,7 +31,14 @@ from typing import Any
 
 from sshpool.backends import Backend, Connection, Exit, load_backend
 from sshpool.breaker import Breaker
-from sshpool.command import Capture, CommandResult, command_line, kill_group_line, wrap
+from sshpool.command import (
+    Capture,
+    CommandResult,
+    command_line,
+    kill_group_line,
+    new_marker,
+    wrap,
+)
 from sshpool.errors import (
     AuthenticationFailed,
     ChannelRefused,
@@ -71,6 +78,7 @@ class _Conn:
         "idle_since",
         "in_use",
         "leases",
+        "noisy_login",
     )
 
     def __init__(self, conn: Connection, capacity: int, now: float, connect_time: float) -> None:
@@ -83,6 +91,8 @@ class _Conn:
         self.expired = False
         self.leases = 0
         self.clean_opens = 0
+        # Something printed before our marker line (warned once per connection).
+        self.noisy_login = False
 
     def has_room(self) -> bool:
         return not self.expired and self.in_use < self.capacity and self.conn.is_alive()
@@ -127,14 +137,25 @@ class _Lease:
             if on_started is not None and out.pgid is not None:
                 on_started(out.pgid)
 
-        out = self.out = Capture(max_output, marker=True, on_start=started)
+        marker = new_marker()
+        out = self.out = Capture(max_output, marker=marker, on_start=started)
         self.err = Capture(max_output)
         try:
-            return await self.conn.conn.exec(line, stdin, out, self.err)
+            return await self.conn.conn.exec(wrap(line, marker), stdin, out, self.err)
         except ConnectionLost as exc:
             exc.started = exc.started or out.pgid is not None
             exc.remote_pgid = out.pgid
             raise
+        finally:
+            if out.preamble and not self.conn.noisy_login:
+                # A login script or ~/.ssh/rc printed before the command: not its output, but
+                # the operator should know (once per connection).
+                self.conn.noisy_login = True
+                log.warning(
+                    "the login printed %d bytes before the command (dropped from its output): %r",
+                    len(out.preamble),
+                    out.preamble[:200],
+                )
 
     def result(self, end: Exit | None) -> CommandResult:
         """The exec's result (`end` None: it did not end on its own), with its timings."""
@@ -526,7 +547,7 @@ class Pool:
         caller kills the remote process group. `on_started(pgid)` is called once the remote
         command runs, with its process group id (what `kill` takes).
         """
-        line = wrap(command if isinstance(command, str) else command_line(command))
+        line = command if isinstance(command, str) else command_line(command)
         host = self._host(target)
         # Stage timings use perf_counter: uvloop's loop.time() only ticks in milliseconds.
         t0 = time.perf_counter()
