@@ -13,7 +13,6 @@ import typer
 
 from api.app import serve as run_server
 from api.local import (
-    NoLocalIssuer,
     default_config,
     local_host_config,
     local_token,
@@ -47,13 +46,13 @@ def serve() -> None:
 def token(
     sub: Annotated[str, typer.Option(help="The subject (user name) of the token.")],
     scope: Annotated[str, typer.Option(help="Space-separated scopes.")] = "jobs:read jobs:write",
-    ttl: Annotated[float, typer.Option(help="Lifetime in seconds.")] = 3600.0,
+    ttl: Annotated[float, typer.Option(help="Lifetime in seconds, at most 30 days.")] = 3600.0,
 ) -> None:
     """Mint an HS256 token the local server accepts (same data dir secret and configuration)."""
     settings = Settings()
     try:
         typer.echo(local_token(settings, resolve_config(settings), sub, scope.split(), ttl))
-    except NoLocalIssuer as exc:
+    except ValueError as exc:  # NoLocalIssuer, an empty --sub, a --ttl out of range
         raise typer.BadParameter(str(exc)) from None
 
 

@@ -15,6 +15,7 @@ so a load generator can mint tokens without the web stack:
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -37,6 +38,8 @@ from api.settings import Settings, read_secret_file
 from sshpool import Limits
 
 LOCAL_AUDIENCE = "sshapi"
+# A local token lives at most this long: it cannot be revoked (rotate the secret instead).
+MAX_TOKEN_TTL = 30 * 86400.0
 LOCAL_CONFIG_NAME = "local.toml"
 
 # The local host runs sshd_config.tuned (MaxSessions 16, MaxStartups 30:30:100): 12 channels per
@@ -159,7 +162,12 @@ def mint(
     scopes: Iterable[str],
     ttl: float = 3600.0,
 ) -> str:
-    """An HS256 token for the local issuer (what `sshapi token` and `sshapi dev` print)."""
+    """An HS256 token for the local issuer (what `sshapi token` and `sshapi dev` print).
+    ValueError for an empty subject or a lifetime that is not in (0, MAX_TOKEN_TTL]."""
+    if not subject.strip():
+        raise ValueError("--sub: the subject cannot be empty")
+    if not (math.isfinite(ttl) and 0 < ttl <= MAX_TOKEN_TTL):
+        raise ValueError(f"--ttl: seconds, more than 0 and at most {MAX_TOKEN_TTL:g} (30 days)")
     now = int(time.time())
     claims = {
         "iss": issuer,

@@ -7,15 +7,17 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+import shutil
 import signal
 import stat
 import subprocess
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
 import httpx
+import jwt
 import pytest
 import redis.asyncio as aioredis
 from api_helpers import (
@@ -39,7 +41,7 @@ from api.policy import render
 from api.problems import Problem
 from api.quota import PREFIX
 from loadtests.server import wait_ready
-from sshpool.devhost import LocalHost
+from sshpool.devhost import LocalHost, LocalSlurm
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -456,3 +458,125 @@ def test_dev_mode_data_dir_is_0700_and_its_database_and_secret_0600(tmp_path: Pa
             proc.wait(timeout=30)
     text = log.read_text()
     assert f"tightening {data} " in text and f"tightening {data / 'jwt_secret'}" in text
+
+
+# ---- item 17: batch fields and output paths, `sshapi token`
+
+
+async def batch_output(api: Api, job_id: str, sub: str = "alice") -> httpx.Response:
+    return await api.client.get(f"{api.url}/v1/jobs/{job_id}/output", headers=api.auth(sub))
+
+
+async def test_env_name_with_a_trailing_newline_is_422(api: Api) -> None:
+    """`re.match` with `$` let "FOO\\n" through as an environment variable name."""
+    body = {"host": "local", "batch": {"script": "#!/bin/sh\ntrue\n", "env": {"FOO\n": "x"}}}
+    r = await api.submit(body)
+    assert r.status_code == 422, r.text
+    assert "env name" in r.text
+
+
+async def test_sbatch_chdir_in_the_script_does_not_hide_the_output(
+    slurm_host: LocalHost,
+    workdir: str,
+    secret_file: Path,
+    secret: str,
+    keys: Keys,
+    tmp_path: Path,
+) -> None:
+    """A script with `#SBATCH --chdir` and no `workdir`: /output still finds its output."""
+    path = tmp_path / "chdir.toml"
+    path.write_text(config_toml(slurm_host, secret_file, keys, SCHEDULER))
+    script = f"#!/bin/sh\n#SBATCH --chdir={workdir}\necho moved-$(pwd)\n"
+    async with running_api(make_settings(tmp_path, path, "sqlite", None), keys, secret) as api:
+        r = await api.submit({"host": "local", "batch": {"script": script}})
+        assert r.status_code == 202, r.text
+        job = await api.until_final(r.json()["id"], timeout=60)
+        assert job["state"] == "succeeded", job
+        r = await batch_output(api, job["id"])
+        assert (r.status_code, r.text) == (200, f"moved-{workdir}\n"), r.text
+
+
+@pytest.fixture
+def tcsh_slurm_host(slurm: LocalSlurm, tmp_path: Path) -> Iterator[LocalHost]:
+    """A Slurm login host whose account logs in with tcsh."""
+    tcsh = shutil.which("tcsh")
+    if tcsh is None:
+        pytest.fail("tcsh is missing: `make test` installs it", pytrace=False)
+    host = LocalHost(
+        "tcsh-login",
+        "tuned",
+        shell=tcsh,
+        data_dir=tmp_path / "hosts",
+        overrides=slurm.sshd_overrides(),
+    )
+    host.start()
+    yield host
+    host.stop(kill_sessions=True)
+
+
+async def test_batch_output_reads_back_under_tcsh_with_a_bang_in_workdir(
+    tcsh_slurm_host: LocalHost, secret_file: Path, secret: str, keys: Keys, tmp_path: Path
+) -> None:
+    """tcsh expands `!` even inside single quotes: a workdir holding one must still give the
+    job's output back (and its exit code) through the API."""
+    work = tmp_path / "out!dir"
+    work.mkdir()
+    account = tcsh_slurm_host.account
+    os.chown(work, account.uid, account.gid)
+    for directory in (work.parent, *work.parent.parents):
+        directory.chmod(directory.stat().st_mode | 0o111)
+    path = tmp_path / "tcsh.toml"
+    path.write_text(config_toml(tcsh_slurm_host, secret_file, keys, SCHEDULER))
+    body = {
+        "host": "local",
+        "batch": {"script": "#!/bin/sh\necho from-tcsh\nexit 3\n", "workdir": str(work)},
+    }
+    async with running_api(make_settings(tmp_path, path, "sqlite", None), keys, secret) as api:
+        r = await api.submit(body)
+        assert r.status_code == 202, r.text
+        job = await api.until_final(r.json()["id"], timeout=60)
+        assert (job["state"], job["exit_status"]) == ("failed", 3), job
+        r = await batch_output(api, job["id"])
+        assert (r.status_code, r.text) == (200, "from-tcsh\n"), r.text
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--sub", "x", "--ttl", "inf"], "--ttl"),
+        (["--sub", "x", "--ttl", "nan"], "--ttl"),
+        (["--sub", "x", "--ttl", "0"], "--ttl"),
+        (["--sub", "x", "--ttl", str(31 * 86400)], "30 days"),
+        (["--sub", ""], "--sub"),
+        (["--sub", "   "], "--sub"),
+    ],
+)
+def test_sshapi_token_refuses_unbounded_ttls_and_empty_subjects(
+    tmp_path: Path, args: list[str], says: str
+) -> None:
+    """`sshapi token --ttl inf` was a traceback; a year-long TTL or an empty --sub were minted.
+    Each is now a usage error (exit 2) naming the option, with no traceback."""
+    env = {**os.environ, "SSHAPI_DATA_DIR": str(tmp_path / "d")}
+    env.pop("SSHAPI_CONFIG", None)
+    done = subprocess.run(
+        [SSHAPI, "token", *args], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2, done.stdout
+    assert says in done.stderr and "Traceback" not in done.stderr
+    assert done.stdout == ""
+
+
+def test_sshapi_token_mints_up_to_the_cap(tmp_path: Path) -> None:
+    """30 days is accepted, and the token says so."""
+    env = {**os.environ, "SSHAPI_DATA_DIR": str(tmp_path / "d")}
+    env.pop("SSHAPI_CONFIG", None)
+    done = subprocess.run(
+        [SSHAPI, "token", "--sub", "x", "--ttl", str(30 * 86400)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    claims = jwt.decode(done.stdout.strip(), options={"verify_signature": False})
+    assert claims["exp"] - claims["iat"] == 30 * 86400
