@@ -73,6 +73,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        settings.secure_data_dir()
         own_store = store is None
         the_store = store or Store(settings.resolved_database_url, schema=settings.database_schema)
         if own_store:
@@ -84,8 +85,8 @@ def create_app(
         the_pool = pool or Pool(backend=settings.backend)
         http = httpx.AsyncClient(follow_redirects=False)
         policy = Policy(config)
-        batch = BatchJobs(config, policy, the_store, the_pool, metrics)
         quota = make_quota(settings.redis_url)
+        batch = BatchJobs(config, policy, the_store, the_pool, metrics, quota)
         services = Services(
             settings=settings,
             config=config,

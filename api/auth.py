@@ -25,8 +25,10 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from cryptography.hazmat.primitives.asymmetric.rsa import RSAPublicKey
 from cryptography.hazmat.primitives.serialization import load_pem_public_key
 
+from api.config import SCOPES as KNOWN_SCOPES
 from api.config import SYMMETRIC, IssuerConfig
 from api.problems import unauthorized
+from api.settings import read_secret_file
 
 log = logging.getLogger("sshapi.auth")
 
@@ -35,7 +37,7 @@ REQUIRED_CLAIMS = ["exp", "iat", "sub", "aud", "iss"]
 # (base64 + JSON, twice) costs seconds of CPU for a 401.
 MAX_TOKEN_BYTES = 8 << 10
 MAX_SUBJECT = 512
-SCOPES = frozenset({"jobs:read", "jobs:write", "files:read", "files:write", "admin"})
+SCOPES = frozenset(KNOWN_SCOPES)
 
 # Which public key types can verify which algorithms.
 KEY_TYPES: dict[str, tuple[type, ...]] = {
@@ -142,12 +144,17 @@ class Authenticator:
         client: httpx.AsyncClient,
     ) -> None:
         self._issuers: dict[str, IssuerKeys] = {}
+        seen: set[str] = set()
         for issuer in issuers:
             secret = None
             if issuer.symmetric:
+                # Only the local issuer may go without a secret_file (api/config.py checks it).
                 secret = (
-                    issuer.secret_file.read_text().strip() if issuer.secret_file else local_secret()
+                    read_secret_file(issuer.secret_file) if issuer.secret_file else local_secret()
                 )
+                if secret in seen:
+                    raise ValueError(f"issuer {issuer.issuer!r} shares its secret with another")
+                seen.add(secret)
             self._issuers[issuer.issuer] = IssuerKeys(issuer, secret, client)
 
     async def authenticate(self, token: str) -> Principal:
@@ -179,7 +186,9 @@ class Authenticator:
             # Stored with every job and used in keys: NUL, control characters and lone
             # surrogates cannot go into PostgreSQL text or UTF-8 (they were 500s).
             raise unauthorized(f"invalid subject (printable, at most {MAX_SUBJECT} characters)")
-        return Principal(issuer=issuer.issuer, subject=sub, scopes=scopes_of(claims))
+        # An issuer grants only the scopes its entry lists: another IdP cannot mint admins.
+        scopes = scopes_of(claims) & frozenset(issuer.scopes)
+        return Principal(issuer=issuer.issuer, subject=sub, scopes=scopes)
 
     @staticmethod
     def _verify(token: str, alg: str, issuer: IssuerConfig, keys: list[Any]) -> dict[str, Any]:

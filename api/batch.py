@@ -14,6 +14,10 @@ never runs sbatch twice for one key; and sbatch's own unknown outcomes (connecti
 are settled by looking the job id up in the scheduler (`SlurmClient.submit`). A process that dies
 during sbatch leaves the row `queued` without a scheduler id: the next start of the same replica
 looks the id up (`recover`) and adopts the job, or records `error` (nothing ran; a retry is safe).
+
+A batch job counts against its owner's `max_concurrent` until it is final, pending or running
+(api/quota.py): the process tracking it renews its entry every HOLD_REFRESH seconds for its time
+limit plus HOLD_MARGIN, so the entry of a job whose tracking process is gone lapses by itself.
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ from api.metrics import Metrics
 from api.output import PIECE, OutputChunk, OutputRange, Stream, pieces
 from api.policy import Policy
 from api.problems import Problem, log_ssh_failure, retry_after, ssh_detail, ssh_problem
+from api.quota import Identity, LocalQuota, Quota
 from api.scheduler import (
+    BatchOptions,
     BatchRequest,
     JobStatus,
     SchedulerError,
@@ -52,6 +58,12 @@ log = logging.getLogger("sshapi.batch")
 CANCEL_WAIT = 15.0  # seconds DELETE waits for the scheduler to report the job cancelled
 # A lookup that cannot reach the host is retried this long before the job is called `lost`.
 RESOLVE_FOR = 600.0
+# Active-job entries of batch jobs: renewed this often by the tracking process, each time for the
+# job's time limit (DEFAULT_TIME_LIMIT when it names none: the partition's own is unknown here)
+# plus the margin.
+HOLD_REFRESH = 300.0
+HOLD_MARGIN = 3 * HOLD_REFRESH
+DEFAULT_TIME_LIMIT = 86400.0
 
 ERRORS_SAYING = {
     "timed_out": "the job exceeded its time limit",
@@ -67,20 +79,39 @@ def signal_name(number: int | None) -> str | None:
     return str(number)
 
 
+def hold_ttl(options: BatchOptions | None) -> float:
+    """How long a batch job's active-job entry lasts without renewal."""
+    limit = options.time_limit if options is not None else None
+    return float(limit or DEFAULT_TIME_LIMIT) + HOLD_MARGIN
+
+
+def owner_of(row: JobRow) -> Identity:
+    return (row.owner_iss, row.owner_sub)
+
+
 class BatchJobs:
     """The batch jobs of every host with a scheduler, for one API process."""
 
     def __init__(
-        self, config: Config, policy: Policy, store: Store, pool: Pool, metrics: Metrics
+        self,
+        config: Config,
+        policy: Policy,
+        store: Store,
+        pool: Pool,
+        metrics: Metrics,
+        quota: Quota | None = None,
     ) -> None:
         self.config = config
         self.policy = policy
         self.store = store
         self.pool = pool
         self.metrics = metrics
+        self.quota = quota or LocalQuota()
         self.trackers: dict[str, Tracker] = {}
         # (host, scheduler job id) -> job id, for the jobs this process tracks.
         self._jobs: dict[tuple[str, str], str] = {}
+        # Job id -> (owner, entry ttl): the active-job entries this process renews.
+        self._held: dict[str, tuple[Identity, float]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
     def client(self, host_name: str, target: Target) -> SlurmClient:
@@ -117,10 +148,32 @@ class BatchJobs:
         for row in await self.store.active_batch(replica):
             if row.host not in self.trackers:
                 await self._update(row, state="lost", error="the host has no scheduler any more")
-            elif row.scheduler_job_id is not None:
+                continue
+            # Counted again (this process's local counts started empty), whatever the cap.
+            await self.hold(row)
+            if row.scheduler_job_id is not None:
                 self._track(row.host, row.scheduler_job_id, row.id)
             else:
                 self._background(self._resolve(row), f"resolve-{row.id}")
+        self._background(self._renew(), "renew-batch-holds")
+
+    async def hold(self, row: JobRow) -> None:
+        """Count an admitted batch job as active until it is final (renewed by `_renew`)."""
+        ttl = hold_ttl(batch_options(row.batch) if row.batch else None)
+        self._held[row.id] = (owner_of(row), ttl)
+        await self.quota.hold(owner_of(row), row.id, ttl)
+
+    async def _release(self, job_id: str, owner: Identity | None) -> None:
+        held = self._held.pop(job_id, None)
+        owner = owner or (held[0] if held else None)
+        if owner is not None:
+            await self.quota.leave(owner, job_id)
+
+    async def _renew(self) -> None:
+        while True:
+            await asyncio.sleep(HOLD_REFRESH)
+            for job_id, (owner, ttl) in list(self._held.items()):
+                await self.quota.hold(owner, job_id, ttl)
 
     async def close(self) -> None:
         for task in list(self._tasks):
@@ -144,9 +197,11 @@ class BatchJobs:
         except (SubmissionUnknown, SchedulerError) as exc:
             # sbatch may have run: only the scheduler can tell, later.
             log.warning("job %s: submission outcome unknown (%s); resolving", row.id, exc)
+            self._held[row.id] = (owner_of(row), hold_ttl(request.options()))
             self._background(self._resolve(row), f"resolve-{row.id}")
             return
         await self._update(row, scheduler_job_id=submitted.job_id)
+        self._held[row.id] = (owner_of(row), hold_ttl(request.options()))
         self._track(row.host, submitted.job_id, row.id)
 
     async def _resolve(self, row: JobRow) -> None:
@@ -203,6 +258,7 @@ class BatchJobs:
             values["started_at"] = func.coalesce(JobRow.started_at, utcnow())
         if status.final:
             del self._jobs[(host, status.job_id)]
+            await self._release(job_id, None)
             values |= {
                 "exit_status": status.exit_code,
                 "exit_signal": signal_name(status.signal),
@@ -263,6 +319,7 @@ class BatchJobs:
                 status = (await client.states([job]))[job]
         if status.final:
             self._jobs.setdefault((row.host, job), row.id)
+            await self._release(row.id, owner_of(row))
             await self._record(row.host, status)
         fresh = await self.store.get(row.id) or row
         if status.state != "cancelled":
@@ -321,6 +378,8 @@ class BatchJobs:
         if values.get("state") in FINAL:
             values.setdefault("finished_at", utcnow())
         changed = await self.store.update(row.id, only_active=True, **values)
+        if values.get("state") in FINAL:
+            await self._release(row.id, owner_of(row))
         if changed and values.get("state") in FINAL:
             self.metrics.jobs.labels(row.host, values["state"]).inc()
         for name, value in values.items():

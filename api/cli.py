@@ -15,12 +15,12 @@ import typer
 from api.app import serve as run_server
 from api.client_cli import register as register_client_commands
 from api.local import (
-    NoLocalIssuer,
     default_config,
     local_host_config,
     local_token,
     require_config,
     resolve_config,
+    rig_dir,
     write_local_config,
 )
 from api.settings import Settings
@@ -40,7 +40,7 @@ def serve() -> None:
     settings = Settings()
     try:
         config = require_config(settings)
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, ValueError) as exc:  # missing, or invalid (pydantic, TOML)
         typer.echo(f"sshapi serve: {exc}", err=True)
         raise typer.Exit(2) from None
     run_server(settings, config)
@@ -50,13 +50,13 @@ def serve() -> None:
 def token(
     sub: Annotated[str, typer.Option(help="The subject (user name) of the token.")],
     scope: Annotated[str, typer.Option(help="Space-separated scopes.")] = "jobs:read jobs:write",
-    ttl: Annotated[float, typer.Option(help="Lifetime in seconds.")] = 3600.0,
+    ttl: Annotated[float, typer.Option(help="Lifetime in seconds, at most 30 days.")] = 3600.0,
 ) -> None:
     """Mint an HS256 token the local server accepts (same data dir secret and configuration)."""
     settings = Settings()
     try:
         typer.echo(local_token(settings, resolve_config(settings), sub, scope.split(), ttl))
-    except NoLocalIssuer as exc:
+    except ValueError as exc:  # NoLocalIssuer, an empty --sub, a --ttl out of range
         raise typer.BadParameter(str(exc)) from None
 
 
@@ -147,9 +147,10 @@ def dev(
         overrides: dict[str, str] = {}
         if slurm:
             install_packages()
-            cluster = stack.enter_context(LocalSlurm("local", data_dir=settings.data_dir))
+            cluster = stack.enter_context(LocalSlurm("local", data_dir=rig_dir(settings.data_dir)))
             overrides = cluster.sshd_overrides()
-        host = LocalHost("local", "tuned", data_dir=settings.data_dir, overrides=overrides)
+        # Beside the data dir: the host's account must reach its files; the data dir is 0700.
+        host = LocalHost("local", "tuned", data_dir=rig_dir(settings.data_dir), overrides=overrides)
         host.start()
         stack.callback(host.stop, kill_sessions=True)
         # Left as a plain configuration file: `sshapi serve`, `sshapi token` and `sshapi hosts

@@ -10,16 +10,22 @@ from __future__ import annotations
 import re
 import tomllib
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from api.settings import read_secret_file
 from sshpool.target import Limits, Target
 
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
+# The scopes a token can carry (api/auth.py keeps only these).
+SCOPES = ("jobs:read", "jobs:write", "files:read", "files:write", "admin")
 ASYMMETRIC = {"RS256", "RS384", "RS512", "ES256", "ES384", "ES512", "PS256", "EdDSA"}
 SYMMETRIC = {"HS256", "HS384", "HS512"}
+# The issuer of `sshapi token` / `sshapi dev` (api/local.py): the only HS issuer that may go
+# without its own `secret_file` (it uses SSHAPI_JWT_SECRET or the data dir's secret).
+LOCAL_ISSUER = "sshapi-local"
 
 
 class Strict(BaseModel):
@@ -61,6 +67,19 @@ class IssuerConfig(Strict):
     jwks_min_refresh_seconds: float = Field(default=30.0, ge=0)
     jwks_timeout: float = Field(default=5.0, gt=0)
     leeway: float = Field(default=30.0, ge=0, le=300)
+    # The scopes this issuer may grant: a token's scopes are intersected with this list. Only an
+    # issuer listing `admin` can make anyone an admin (by default none does).
+    scopes: list[str] = Field(
+        default_factory=lambda: ["jobs:read", "jobs:write", "files:read", "files:write"]
+    )
+
+    @field_validator("scopes")
+    @classmethod
+    def _known_scopes(cls, value: list[str]) -> list[str]:
+        unknown = set(value) - set(SCOPES)
+        if unknown:
+            raise ValueError(f"unknown scopes {sorted(unknown)}: use {list(SCOPES)}")
+        return value
 
     @field_validator("algorithms")
     @classmethod
@@ -72,8 +91,22 @@ class IssuerConfig(Strict):
 
     @model_validator(mode="after")
     def _has_keys(self) -> IssuerConfig:
-        if set(self.algorithms) & ASYMMETRIC and not (self.public_keys or self.jwks_url):
+        algorithms = set(self.algorithms)
+        if algorithms & ASYMMETRIC and not (self.public_keys or self.jwks_url):
             raise ValueError(f"issuer {self.issuer!r}: asymmetric algorithms need keys or JWKS")
+        if algorithms & ASYMMETRIC and algorithms & SYMMETRIC:
+            # Whoever holds the shared secret could sign as the identity provider.
+            raise ValueError(
+                f"issuer {self.issuer!r} mixes HS and asymmetric algorithms: use one family"
+            )
+        if algorithms & SYMMETRIC:
+            if self.secret_file is not None:
+                read_secret_file(self.secret_file)  # strength and mode, at start
+            elif self.issuer != LOCAL_ISSUER:
+                raise ValueError(
+                    f"HS issuer {self.issuer!r} needs its own secret_file: only the local "
+                    f"issuer {LOCAL_ISSUER!r} uses SSHAPI_JWT_SECRET or the data dir's secret"
+                )
         return self
 
     @property
@@ -226,13 +259,20 @@ Pattern = Annotated[str, Field(min_length=1)]
 
 
 class PolicyRule(Strict):
-    """Who (issuer and subject glob patterns) may do what. The first matching rule applies."""
+    """Who (issuer and subject glob patterns) may do what. The first matching rule applies.
 
-    issuer: Pattern = "*"
+    `issuer` is required: identity is (iss, sub), and a rule written for `alice` must not also
+    match another identity provider's `alice`. `"*"` is allowed, but must be written."""
+
+    issuer: Pattern
     subject: Pattern = "*"
     hosts: list[str] = Field(default_factory=lambda: ["*"])
-    # Hosts where raw shell lines (`command`) are allowed; argv and templates need no permission.
+    # Hosts where raw shell lines (`command`) and batch scripts (shell scripts too) are allowed.
     shell_hosts: list[str] = Field(default_factory=list)
+    # Programs (glob patterns matched against the whole argv[0]) an `argv` job may run. ["*"]:
+    # any; []: no argv at all, so templates (and shell_hosts) are the only way in. A program
+    # that runs others (sh, env, xargs, find, python...) in this list opens everything again.
+    programs: list[str] = Field(default_factory=lambda: ["*"])
     templates: list[str] = Field(default_factory=lambda: ["*"])
     # Remote account per host name; hosts not listed use the host's default account.
     accounts: dict[str, Account] = Field(default_factory=dict)
@@ -252,6 +292,17 @@ class PolicyRule(Strict):
     max_transfer_bytes: int = Field(default=4 << 30, ge=1)
     max_transfers: int = Field(default=4, ge=1)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _issuer_required(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "issuer" not in data:
+            subject = data.get("subject", "*")
+            raise ValueError(
+                f"policy rule for subject {subject!r} has no `issuer`: write the issuer it is "
+                'for (identity is issuer + subject), or issuer = "*" to mean any issuer'
+            )
+        return data
+
 
 class Config(Strict):
     api: ApiConfig = Field(default_factory=ApiConfig)
@@ -267,6 +318,9 @@ class Config(Strict):
         issuers = [i.issuer for i in self.issuers]
         if len(set(issuers)) != len(issuers):
             raise ValueError("issuer names must be unique")
+        files = [i.secret_file.resolve() for i in self.issuers if i.secret_file and i.symmetric]
+        if len(set(files)) != len(files):
+            raise ValueError("each HS issuer needs a secret_file of its own (one secret each)")
         for name, host in self.hosts.items():
             if host.username == "root" and not host.allow_root:
                 raise ValueError(f"host {name!r} logs in as root: set allow_root = true to mean it")

@@ -40,7 +40,7 @@ from typing import Any
 from sqlalchemy.exc import IntegrityError
 
 from api.auth import Principal
-from api.batch import BatchJobs
+from api.batch import BatchJobs, hold_ttl
 from api.config import Config, PolicyRule
 from api.live import Feed, LiveHub, Relay
 from api.metrics import Metrics
@@ -182,8 +182,14 @@ class JobService:
         batch = body.batch.model_dump() if body.batch is not None else None
         job_id = new_id()
         # Counted before the insert so concurrent submissions see it; never active for longer
-        # than it can wait for a channel and run, plus a margin for the kill and the store.
-        await self.quota.enter(owner, job_id, rule.max_concurrent, api.queue_timeout + timeout + 60)
+        # than it can wait for a channel and run, plus a margin for the kill and the store. A
+        # batch job counts until final: its entry is renewed while it is tracked (api/batch.py).
+        ttl = (
+            hold_ttl(body.batch.options())
+            if body.batch is not None
+            else api.queue_timeout + timeout + 60
+        )
+        await self.quota.enter(owner, job_id, rule.max_concurrent, ttl)
         row = JobRow(
             id=job_id,
             owner_iss=who.issuer,
@@ -345,7 +351,9 @@ class JobService:
 
     async def _finish(self, job: Running) -> None:
         row = job.row
-        await self.quota.leave(job.owner, row.id)
+        # A submitted batch job stays counted until the scheduler ends it (api/batch.py).
+        if row.kind != "batch" or row.state in FINAL:
+            await self.quota.leave(job.owner, row.id)
         self._running.pop(row.id, None)
         if job.feed is not None:
             self.live.close_command(row)

@@ -7,7 +7,7 @@ that file with the normal loader. Nothing here imports `sshpool.devhost`, FastAP
 so a load generator can mint tokens without the web stack:
 
     from api.local import local_token, resolve_config
-    from api.settings import Settings
+    from api.settings import Settings, read_secret_file
 
     settings = Settings()
     token = local_token(settings, resolve_config(settings), "alice", ["jobs:read"], ttl=3600)
@@ -15,6 +15,7 @@ so a load generator can mint tokens without the web stack:
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -23,6 +24,7 @@ from typing import Protocol
 import jwt
 import tomli_w
 
+from api.config import LOCAL_ISSUER as LOCAL_ISSUER  # re-exported: loadtests, tests use it
 from api.config import (
     Config,
     HostConfig,
@@ -32,11 +34,12 @@ from api.config import (
     SshdLimits,
     load_config,
 )
-from api.settings import Settings
+from api.settings import Settings, read_secret_file
 from sshpool import Limits
 
-LOCAL_ISSUER = "sshapi-local"
 LOCAL_AUDIENCE = "sshapi"
+# A local token lives at most this long: it cannot be revoked (rotate the secret instead).
+MAX_TOKEN_TTL = 30 * 86400.0
 LOCAL_CONFIG_NAME = "local.toml"
 
 # The local host runs sshd_config.tuned (MaxSessions 16, MaxStartups 30:30:100): 12 channels per
@@ -69,6 +72,13 @@ class LocalSshd(Protocol):
     def known_hosts(self) -> str: ...
 
 
+def rig_dir(data_dir: Path) -> Path:
+    """Where `sshapi dev` keeps its local host and Slurm: beside the data dir, not in it. The
+    host's account must traverse the rig's directories, while the data dir (the job database,
+    the secret) stays 0700."""
+    return data_dir.parent / f"{data_dir.name}-hosts"
+
+
 def local_config_path(data_dir: Path) -> Path:
     """Where `sshapi dev` leaves the local configuration."""
     return data_dir / LOCAL_CONFIG_NAME
@@ -78,9 +88,17 @@ def default_config(local: HostConfig | None = None) -> Config:
     """The local configuration: the local HS256 issuer, the local host as `local` (when there is
     one), and a policy letting any authenticated subject use it with argv and raw shell lines."""
     return Config(
-        issuers=[IssuerConfig(issuer=LOCAL_ISSUER, audience=LOCAL_AUDIENCE, algorithms=["HS256"])],
+        issuers=[
+            IssuerConfig(
+                issuer=LOCAL_ISSUER,
+                audience=LOCAL_AUDIENCE,
+                algorithms=["HS256"],
+                # Whoever can read the data dir's secret runs this instance: it may grant admin.
+                scopes=["jobs:read", "jobs:write", "files:read", "files:write", "admin"],
+            )
+        ],
         hosts={"local": local} if local else {},
-        policy=[PolicyRule(hosts=["*"], shell_hosts=["*"], templates=["*"])],
+        policy=[PolicyRule(issuer=LOCAL_ISSUER, hosts=["*"], shell_hosts=["*"], templates=["*"])],
     )
 
 
@@ -124,7 +142,7 @@ def require_config(settings: Settings) -> Config:
 def write_local_config(data_dir: Path, config: Config) -> Path:
     """Write `config` as `<data_dir>/local.toml`, a plain configuration file."""
     path = local_config_path(data_dir)
-    data_dir.mkdir(parents=True, exist_ok=True)
+    data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     data = config.model_dump(mode="json", exclude_none=True, exclude_defaults=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(
@@ -144,7 +162,12 @@ def mint(
     scopes: Iterable[str],
     ttl: float = 3600.0,
 ) -> str:
-    """An HS256 token for the local issuer (what `sshapi token` and `sshapi dev` print)."""
+    """An HS256 token for the local issuer (what `sshapi token` and `sshapi dev` print).
+    ValueError for an empty subject or a lifetime that is not in (0, MAX_TOKEN_TTL]."""
+    if not subject.strip():
+        raise ValueError("--sub: the subject cannot be empty")
+    if not (math.isfinite(ttl) and 0 < ttl <= MAX_TOKEN_TTL):
+        raise ValueError(f"--ttl: seconds, more than 0 and at most {MAX_TOKEN_TTL:g} (30 days)")
     now = int(time.time())
     claims = {
         "iss": issuer,
@@ -166,9 +189,7 @@ def local_token(
     issuer = next((i for i in config.issuers if "HS256" in i.algorithms), None)
     if issuer is None:
         raise NoLocalIssuer("no HS256 issuer in the configuration: tokens come from your IdP")
-    secret = (
-        issuer.secret_file.read_text().strip() if issuer.secret_file else settings.hs256_secret()
-    )
+    secret = read_secret_file(issuer.secret_file) if issuer.secret_file else settings.hs256_secret()
     return mint(
         secret, issuer=issuer.issuer, audience=issuer.audience, subject=sub, scopes=scopes, ttl=ttl
     )

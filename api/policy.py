@@ -111,6 +111,14 @@ class Policy:
         """Admit `body` for `who` or raise the Problem that says why not (module docstring)."""
         grant = self.grant(who, body.host)
         if body.batch is not None:
+            if not grant.shell:
+                # A batch script is a shell script: the same permission as a raw shell line.
+                raise Problem(
+                    403,
+                    "shell-forbidden",
+                    "Batch scripts not allowed",
+                    f"batch scripts are shell scripts, not allowed for you on {body.host!r}",
+                )
             if grant.host.scheduler is None:
                 raise Problem(
                     422,
@@ -137,6 +145,13 @@ class Policy:
 
     def _command(self, grant: Grant, body: JobRequest) -> str | list[str]:
         if body.argv is not None:
+            if not _listed(body.argv[0], grant.rule.programs):
+                raise Problem(
+                    403,
+                    "program-forbidden",
+                    "Program not allowed",
+                    f"{body.argv[0]!r} may not run as argv on {body.host!r}: use a template",
+                )
             return body.argv
         if body.command is not None:
             if not grant.shell:
@@ -216,11 +231,27 @@ def render(name: str, template: TemplateConfig, params: dict[str, Any]) -> list[
         names = PLACEHOLDER.findall(element)
         if any(n not in values for n in names):
             continue  # an optional parameter left out drops its element
-        lead = PLACEHOLDER.match(element)
-        if lead and not after_dashdash:
-            pname = lead.group(1)
-            if values[pname].startswith("-") and not template.params[pname].allow_leading_dash:
-                raise _invalid(f"{pname}: may not start with '-' (it would be read as an option)")
-        argv.append(PLACEHOLDER.sub(lambda m: values[m.group(1)], element))
+        rendered = PLACEHOLDER.sub(lambda m: values[m.group(1)], element)
+        # The rendered element decides, not the first placeholder: with "{dir}{name}", an
+        # empty dir lets name's '-' lead. A '-' the operator wrote first is theirs.
+        if rendered.startswith("-") and not element.startswith("-") and not after_dashdash:
+            leader = _leading_param(element, values)
+            if leader is None or not template.params[leader].allow_leading_dash:
+                who = leader or "an empty parameter"
+                raise _invalid(f"{who}: would start an argument with '-' (read as an option)")
+        argv.append(rendered)
         after_dashdash = after_dashdash or element == "--"
     return argv
+
+
+def _leading_param(element: str, values: dict[str, str]) -> str | None:
+    """The parameter whose value gives the first character of the rendered element; None when
+    it is literal text the operator wrote after empty values."""
+    pos = 0
+    for match in PLACEHOLDER.finditer(element):
+        if match.start() != pos:
+            return None  # literal text comes first
+        if values[match.group(1)]:
+            return match.group(1)
+        pos = match.end()
+    return None

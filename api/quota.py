@@ -10,6 +10,11 @@ time the job can still be active (created + queue timeout + command timeout + a 
 replica that dies without releasing its jobs therefore cannot block their owner for longer than
 those jobs could have run anyway; no heartbeat, no cleanup task.
 
+Batch jobs count until they are final, however long they pend (api/batch.py): their entry's
+expiry is their time limit plus a margin from the last `hold`, which the process tracking them
+renews periodically. A tracking process that is gone stops renewing, and the entry lapses within
+the job's time limit plus that margin.
+
 Redis down or slow (every call is bounded by REDIS_TIMEOUT): we fail *open to the local limits*,
 not closed. The limits protect fairness between users, not the hosts (the pool's own caps and
 queue do that), and failing closed would turn a Redis outage into an outage of the whole API.
@@ -64,6 +69,10 @@ class Quota(Protocol):
     async def enter(self, who: Identity, job_id: str, cap: int, ttl: float) -> None:
         """Count job_id as active for who (at most `ttl` seconds) or raise 429 `too-many-jobs`."""
 
+    async def hold(self, who: Identity, job_id: str, ttl: float) -> None:
+        """Count job_id (already admitted) as active for `ttl` more seconds, whatever the cap:
+        a batch job's entry renewed by the process tracking it."""
+
     async def leave(self, who: Identity, job_id: str) -> None:
         """The job is no longer active."""
 
@@ -99,6 +108,9 @@ class LocalQuota:
         if len(jobs) >= cap:
             raise too_many_jobs(cap)
         jobs.add(job_id)
+
+    async def hold(self, who: Identity, job_id: str, ttl: float) -> None:
+        self._active.setdefault(who, set()).add(job_id)
 
     async def leave(self, who: Identity, job_id: str) -> None:
         jobs = self._active.get(who)
@@ -140,6 +152,17 @@ return 1
 """
 
 
+# KEYS[1] active-job sorted set; ARGV job id, ttl. Adds or renews the entry, no cap check.
+HOLD = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+local last = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
+redis.call('EXPIREAT', KEYS[1], math.ceil(tonumber(last[2])) + 1)
+return 1
+"""
+
+
 class RedisQuota:
     """The limits shared by every replica through Redis; the local limits while it is down."""
 
@@ -151,6 +174,7 @@ class RedisQuota:
         )
         self._take = self._redis.register_script(TAKE)
         self._enter = self._redis.register_script(ENTER)
+        self._hold = self._redis.register_script(HOLD)
         self.fallback = LocalQuota()
         self._down_since: float | None = None
 
@@ -190,6 +214,14 @@ class RedisQuota:
         self._ok()
         if not ok:
             raise too_many_jobs(cap)
+
+    async def hold(self, who: Identity, job_id: str, ttl: float) -> None:
+        try:
+            await self._hold(keys=[self._key("active", who)], args=[job_id, ttl])
+        except Exception as exc:
+            self._failed(exc)
+            return await self.fallback.hold(who, job_id, ttl)
+        self._ok()
 
     async def leave(self, who: Identity, job_id: str) -> None:
         # The job may have been counted by either side (Redis went down or came back meanwhile).

@@ -19,9 +19,11 @@ Tracking costs one ``squeue --jobs=<all tracked ids>`` per poll (state and reaso
 command running ``scontrol show job`` for the jobs that just became final (exit codes: squeue does
 not show them). At most two SSH commands per poll, whatever the number of jobs.
 
-Output: sbatch gets ``--output``/``--error`` of ``sshapi-%j-<key digest>.out|err`` in the job's
-working directory (its ``workdir``, else the account's home, where SSH sessions start),
-overriding any ``#SBATCH --output`` in the script, so the paths are known without asking Slurm.
+Output: sbatch gets ``--output``/``--error`` of ``sshapi-%j-<key digest>.out|err`` as absolute
+paths in the job's ``workdir``, else in the account's home (where SSH sessions start, resolved
+at submission), overriding any ``#SBATCH --output`` in the script and unmoved by an ``#SBATCH
+--chdir``, so the paths are known without asking Slurm. Every shell line runs under /bin/sh
+with its values as arguments, whatever the account's login shell (tcsh included).
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ import hashlib
 import logging
 import re
 import secrets
-import shlex
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -76,7 +77,7 @@ STATE_MAP: dict[str, State] = {
 }
 
 NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
-ENV_NAME_RE = r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"
+ENV_NAME_RE = r"[A-Za-z_][A-Za-z0-9_]{0,127}"  # fullmatch: `$` would let a trailing \n in
 # Variables that would change sbatch itself (its input environment variables, the program
 # looked up, the loader), not the job: set them in the script instead.
 ENV_RESERVED = re.compile(r"^(SLURM_|SBATCH_|SALLOC_|SRUN_|LD_)|^PATH$")
@@ -148,7 +149,7 @@ class BatchOptions(BaseModel):
     @classmethod
     def _env(cls, value: dict[str, str]) -> dict[str, str]:
         for key, item in value.items():
-            if not re.match(ENV_NAME_RE, key):
+            if not re.fullmatch(ENV_NAME_RE, key):
                 raise ValueError(f"env name {key!r}: use letters, digits and '_'")
             if ENV_RESERVED.match(key):
                 raise ValueError(f"env name {key!r} is reserved (it would change sbatch itself)")
@@ -362,15 +363,23 @@ class SlurmClient:
 
     def _sbatch_argv(self, options: BatchOptions, key: str) -> list[str]:
         env = [f"{name}={value}" for name, value in sorted(options.env.items())]
-        return [
+        out = options.output_path("%j", key, "stdout")
+        err = options.output_path("%j", key, "stderr")
+        sbatch = [
             *(["env", *env] if env else []),
             "sbatch",
             "--parsable",
             f"--comment={key_comment(key)}",
-            "--output=" + options.output_path("%j", key, "stdout"),
-            "--error=" + options.output_path("%j", key, "stderr"),
             *options.sbatch_args(),
         ]
+        # Output paths are absolute, so an `#SBATCH --chdir` in the script cannot move the
+        # files away from where `read_output` looks: without `workdir`, the directory the SSH
+        # session starts in (the account's home) is resolved there, by /bin/sh (any login
+        # shell: argv is quoted for it), and the paths arrive as arguments, never as code.
+        script = 'o=$1 e=$2; shift 2; d=$(pwd) && exec "$@" --output="$d/$o" --error="$d/$e"'
+        if options.workdir is not None:
+            return [*sbatch, f"--output={out}", f"--error={err}"]
+        return ["/bin/sh", "-c", script, "sh", out, err, *sbatch]
 
     @staticmethod
     def _submitted(job_id: str, options: BatchOptions, key: str, *, adopted: bool) -> Submitted:
@@ -485,9 +494,11 @@ class SlurmClient:
     async def _exit_codes(self, job_ids: Sequence[str]) -> dict[str, tuple[int | None, int | None]]:
         """Exit codes from ``scontrol show job`` (squeue has none): one SSH command for all,
         a shell loop over ids that are digits only."""
-        loop = "for j in " + " ".join(shlex.quote(j) for j in job_ids)
-        loop += '; do scontrol --oneliner show job "$j"; done'
-        result = await self._run(loop, max_output=4096 * len(job_ids) + 4096)
+        # Under /bin/sh whatever the login shell (tcsh has no `for ... do`); ids as arguments.
+        loop = 'for j in "$@"; do scontrol --oneliner show job "$j"; done'
+        result = await self._run(
+            ["/bin/sh", "-c", loop, "sh", *job_ids], max_output=4096 * len(job_ids) + 4096
+        )
         codes: dict[str, tuple[int | None, int | None]] = {}
         for line in result.stdout.decode(errors="replace").splitlines():
             job = re.search(r"\bJobId=(\d+)", line)
@@ -502,14 +513,17 @@ class SlurmClient:
             raise ValueError(f"offset must be >= 0 and limit in 1..{MAX_READ}")
         if not path or "\0" in path or "\n" in path:
             raise ValueError("bad output path")
-        quoted = shlex.quote(path if path.startswith("/") else "./" + path)
         # The size on the first line, then the range; tail seeks on regular files. The pipeline's
-        # status is head's (dash has no pipefail), so readability is checked before.
-        line = (
-            f"stat -c %s -- {quoted} || exit 3; test -r {quoted} || exit 4; "
-            f"tail -c +{offset + 1} -- {quoted} | head -c {limit}"
+        # status is head's (dash has no pipefail), so readability is checked before. Run by
+        # /bin/sh whatever the login shell (tcsh expands `!` even inside single quotes), with
+        # the path as an argument: argv is quoted safely for every login shell.
+        script = (
+            'stat -c %s -- "$1" || exit 3; test -r "$1" || exit 4; '
+            'tail -c +"$2" -- "$1" | head -c "$3"'
         )
-        result = await self._run(line, max_output=limit + 64)
+        relative = path if path.startswith("/") else "./" + path
+        argv = ["/bin/sh", "-c", script, "sh", relative, str(offset + 1), str(limit)]
+        result = await self._run(argv, max_output=limit + 64)
         if result.exit_status == 3:
             return OutputChunk(b"", offset, None)
         self._check(result, "reading output")

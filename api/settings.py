@@ -3,6 +3,7 @@ deployment. Hosts, issuers and policy live in the TOML file that `config.py` loa
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import socket
@@ -12,12 +13,15 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+log = logging.getLogger("sshapi.settings")
+
 # Values people paste from examples. A secret that is one of these (or short) is refused.
 PLACEHOLDER_SECRETS = frozenset(
     {"changeme", "change-me", "changethis", "secret", "password", "example", "test", "xxx"}
 )
 MIN_SECRET_BYTES = 32
 SECRET_FILE_NAME = "jwt_secret"
+DATABASE_NAME = "jobs.sqlite3"
 
 
 def default_data_dir() -> Path:
@@ -85,7 +89,24 @@ class Settings(BaseSettings):
     def resolved_database_url(self) -> str:
         if self.database_url:
             return self.database_url
-        return f"sqlite+aiosqlite:///{self.data_dir / 'jobs.sqlite3'}"
+        return f"sqlite+aiosqlite:///{self.data_dir / DATABASE_NAME}"
+
+    def secure_data_dir(self) -> None:
+        """The data dir 0700 and its private files 0600 (the job database with its -wal and
+        -shm files, the secret): the local host's account, which every token holder runs
+        commands as in dev mode, must not read other users' outputs from them. A looser mode
+        left by an older version is tightened, with a log line."""
+        self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _tighten(self.data_dir, 0o700)
+        db = self.data_dir / DATABASE_NAME
+        if self.database_url is None and not db.exists():
+            # SQLite creates -wal and -shm with the database file's mode: make it 0600 first.
+            os.close(os.open(db, os.O_WRONLY | os.O_CREAT, 0o600))
+        for name in (DATABASE_NAME, f"{DATABASE_NAME}-wal", f"{DATABASE_NAME}-shm"):
+            if (self.data_dir / name).exists():
+                _tighten(self.data_dir / name, 0o600)
+        if (self.data_dir / SECRET_FILE_NAME).exists():
+            _tighten(self.data_dir / SECRET_FILE_NAME, 0o600)
 
     def hs256_secret(self, *, create: bool = True) -> str:
         """The local issuer's secret: SSHAPI_JWT_SECRET, else the data dir's file (made if
@@ -96,7 +117,7 @@ class Settings(BaseSettings):
         if not path.exists():
             if not create:
                 raise FileNotFoundError(f"no secret at {path}: set SSHAPI_JWT_SECRET")
-            self.data_dir.mkdir(parents=True, exist_ok=True)
+            self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
             try:
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             except FileExistsError:
@@ -104,9 +125,31 @@ class Settings(BaseSettings):
             else:
                 with os.fdopen(fd, "w") as f:
                     f.write(secrets.token_urlsafe(48))
-        value = path.read_text().strip()
+        _tighten(path, 0o600)  # ours (made 0600 above): an older, looser one is tightened
+        return read_secret_file(path)
+
+
+def _tighten(path: Path, mode: int) -> None:
+    current = path.stat().st_mode & 0o777
+    if current & ~mode:
+        log.warning("tightening %s from mode %o to %o", path, current, mode)
+        path.chmod(mode)
+
+
+def read_secret_file(path: Path) -> str:
+    """An HS secret from a file: refused when group or others may read it (anyone who can read
+    it can mint tokens) or when it fails `check_secret`."""
+    mode = path.stat().st_mode
+    if mode & 0o077:
+        raise ValueError(
+            f"secret file {path} is readable by others (mode {mode & 0o777:o}): chmod 600 it"
+        )
+    value = path.read_text().strip()
+    try:
         check_secret(value)
-        return value
+    except ValueError as exc:
+        raise ValueError(f"secret file {path}: {exc}") from None
+    return value
 
 
 def check_secret(value: str) -> None:

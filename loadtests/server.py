@@ -45,9 +45,24 @@ def config_data(host: dict[str, Any]) -> dict[str, Any]:
     generator (per-identity rate and concurrency limits are a policy feature, not the path
     under test)."""
     return {
-        "issuers": [{"issuer": LOCAL_ISSUER, "audience": LOCAL_AUDIENCE, "algorithms": ["HS256"]}],
+        "issuers": [
+            {
+                "issuer": LOCAL_ISSUER,
+                "audience": LOCAL_AUDIENCE,
+                "algorithms": ["HS256"],
+                "scopes": ["jobs:read", "jobs:write", "admin"],  # the soak's watcher is admin
+            }
+        ],
         "hosts": {"local": host},
-        "policy": [{"hosts": ["*"], "rate": 1e6, "burst": 1_000_000, "max_concurrent": 1_000_000}],
+        "policy": [
+            {
+                "issuer": LOCAL_ISSUER,
+                "hosts": ["*"],
+                "rate": 1e6,
+                "burst": 1_000_000,
+                "max_concurrent": 1_000_000,
+            }
+        ],
     }
 
 

@@ -1,22 +1,27 @@
 """What runs on the host: the wrapper around a command, output capture with caps, the result.
 
 sshd starts every exec session with setsid(), so the login shell is the leader of a new process
-group whose id is its pid. The wrapper prints that pid as the first line of stdout; on timeout or
-cancel the pool kills the whole group with it, because closing the channel leaves the remote
-command running (measured: asyncssh `run(timeout=)` and paramiko leave orphans).
+group whose id is its pid. The wrapper prints that pid on a marker line; on timeout or cancel
+the pool kills the whole group with it, because closing the channel leaves the remote command
+running (measured: asyncssh `run(timeout=)` and paramiko leave orphans).
+
+The marker line carries a random token made for each command (`new_marker`), so nothing that
+runs before the wrapper (a `~/.ssh/rc`, a login script, a forced command printing `1`) can pass
+for it: only `<token> <pid>` counts, and a pid <= 1 is refused (no group kill, only the SSH
+signal), so a timeout can never become `kill -TERM -1`. Whatever came before the marker line is
+not the command's output: it is kept apart in `Capture.preamble` (the pool logs it), up to
+MAX_PREAMBLE bytes; with no marker within that many bytes, everything is output and the command
+is killed by signal only.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import shlex
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
-
-log = logging.getLogger("sshpool")
-
-OutputStream = Literal["stdout", "stderr"]
 
 # Bytes every login shell (sh, bash, zsh, tcsh...) passes through single quotes untouched.
 _INERT = frozenset(range(0x20, 0x7F)) - frozenset(b"'!\\%")
@@ -44,9 +49,24 @@ def command_line(argv: Sequence[str]) -> str:
     return f"""exec /bin/sh -c 'eval "$(printf "$0")"' '{escaped}'"""
 
 
-def wrap(command: str) -> str:
-    """The line sent to sshd: report the process group id, then run the command."""
-    return "echo $$; " + command
+log = logging.getLogger("sshpool")
+
+OutputStream = Literal["stdout", "stderr"]
+
+MARKER_PREFIX = "sshpool-pgid-"
+# Bytes looked through for the marker line before giving up on it (login noise is small).
+MAX_PREAMBLE = 64 << 10
+
+
+def new_marker() -> str:
+    """A token for one command's marker line: unguessable by what runs before the wrapper."""
+    return MARKER_PREFIX + secrets.token_hex(16)
+
+
+def wrap(command: str, marker: str) -> str:
+    """The line sent to sshd: report the process group id after `marker`, then run the
+    command. `echo` and `$$` mean the same in sh, bash, zsh and tcsh."""
+    return f"echo {marker} $$; " + command
 
 
 def kill_group_line(pgid: int, grace: float = 1.0) -> str:
@@ -69,7 +89,9 @@ def kill_group_line(pgid: int, grace: float = 1.0) -> str:
 class Capture:
     """Collects one output stream: keeps the first `cap` bytes, counts all of them.
 
-    With `marker=True` the first line is the wrapper's process group id and is not output.
+    With `marker` (the token `wrap` was given), the line `<marker> <pid>` is the wrapper's
+    process group id and is not output; what came before it goes to `preamble` (module
+    docstring).
 
     `on_data(chunk)` observes the output as it arrives, whatever the cap: it is called on the
     event loop for every chunk the backend feeds (the marker line excluded), in order, before the
@@ -81,11 +103,12 @@ class Capture:
     __slots__ = (
         "_buf",
         "_head",
+        "_marker",
         "cap",
-        "marker",
         "on_data",
         "on_start",
         "pgid",
+        "preamble",
         "total",
         "truncated",
     )
@@ -94,38 +117,44 @@ class Capture:
         self,
         cap: int,
         *,
-        marker: bool = False,
+        marker: str | None = None,
         on_start: Callable[[], None] | None = None,
         on_data: Callable[[bytes], None] | None = None,
     ) -> None:
         self.cap = cap
-        self.marker = marker
+        self._marker = marker.encode() + b" " if marker else None
         # Called once when the marker line arrives: the remote command is running.
         self.on_start = on_start
         self.on_data = on_data
         self.pgid: int | None = None
+        # Printed before the marker line (login scripts, ~/.ssh/rc): not the command's output.
+        self.preamble = b""
         self.total = 0
         self.truncated = False
         self._buf = bytearray()
         self._head = bytearray()
 
     def feed(self, data: bytes) -> None:
-        if self.marker and self.pgid is None:
+        if self._marker is not None:
             self._head += data
-            line, sep, rest = self._head.partition(b"\n")
-            if not sep:
-                if len(self._head) > 64:  # no marker: something else printed first
+            at = self._head.find(self._marker)
+            end = self._head.find(b"\n", at) if at >= 0 else -1
+            if end < 0:
+                if len(self._head) > MAX_PREAMBLE:
                     self._give_up_marker()
                 return
-            try:
-                self.pgid = int(line)
-            except ValueError:
+            value = bytes(self._head[at + len(self._marker) : end])
+            if not value.isdigit():
                 self._give_up_marker()
                 return
-            self._head = bytearray()
+            pid = int(value)
+            # A group id <= 1 would make the kill `kill -TERM -1` (every process of the account).
+            self.pgid = pid if pid > 1 else None
+            self.preamble = bytes(self._head[:at])
+            data = bytes(self._head[end + 1 :])
+            self._head, self._marker = bytearray(), None
             if self.on_start is not None:
                 self.on_start()
-            data = bytes(rest)
             if not data:
                 return
         if self.on_data is not None:
@@ -142,8 +171,8 @@ class Capture:
             self.truncated = True
 
     def _give_up_marker(self) -> None:
-        # A login script printed before the wrapper: keep its bytes as output, kill by signal only.
-        head, self._head, self.marker = bytes(self._head), bytearray(), False
+        # No marker where it should be: keep every byte as output, kill by signal only.
+        head, self._head, self._marker = bytes(self._head), bytearray(), None
         self.feed(head)
 
     def getvalue(self) -> bytes:

@@ -40,6 +40,7 @@ from sshpool.command import (
     OutputStream,
     command_line,
     kill_group_line,
+    new_marker,
     wrap,
 )
 from sshpool.errors import (
@@ -82,6 +83,7 @@ class _Conn:
         "idle_since",
         "in_use",
         "leases",
+        "noisy_login",
     )
 
     def __init__(self, conn: Connection, capacity: int, now: float, connect_time: float) -> None:
@@ -94,6 +96,8 @@ class _Conn:
         self.expired = False
         self.leases = 0
         self.clean_opens = 0
+        # Something printed before our marker line (warned once per connection).
+        self.noisy_login = False
 
     def has_room(self) -> bool:
         return not self.expired and self.in_use < self.capacity and self.conn.is_alive()
@@ -143,14 +147,25 @@ class _Lease:
         if on_output is not None:
             on_out = functools.partial(on_output, "stdout")
             on_err = functools.partial(on_output, "stderr")
-        out = self.out = Capture(max_output, marker=True, on_start=started, on_data=on_out)
+        marker = new_marker()
+        out = self.out = Capture(max_output, marker=marker, on_start=started, on_data=on_out)
         self.err = Capture(max_output, on_data=on_err)
         try:
-            return await self.conn.conn.exec(line, stdin, out, self.err)
+            return await self.conn.conn.exec(wrap(line, marker), stdin, out, self.err)
         except ConnectionLost as exc:
             exc.started = exc.started or out.pgid is not None
             exc.remote_pgid = out.pgid
             raise
+        finally:
+            if out.preamble and not self.conn.noisy_login:
+                # A login script or ~/.ssh/rc printed before the command: not its output, but
+                # the operator should know (once per connection).
+                self.conn.noisy_login = True
+                log.warning(
+                    "the login printed %d bytes before the command (dropped from its output): %r",
+                    len(out.preamble),
+                    out.preamble[:200],
+                )
 
     def result(self, end: Exit | None) -> CommandResult:
         """The exec's result (`end` None: it did not end on its own), with its timings."""
@@ -599,7 +614,7 @@ class Pool:
         `Capture`). The command's own output comes after the start (the wrapper's marker line),
         so the pool's one retry of a connection lost before the start repeats none of it.
         """
-        line = wrap(command if isinstance(command, str) else command_line(command))
+        line = command if isinstance(command, str) else command_line(command)
         host = self._host(target)
         # Stage timings use perf_counter: uvloop's loop.time() only ticks in milliseconds.
         t0 = time.perf_counter()

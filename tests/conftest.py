@@ -81,7 +81,9 @@ def make_host(tmp_path: Path) -> Iterator[MakeHost]:
     hosts: list[LocalHost] = []
 
     def make(profile: Profile = "stock", **kwargs: Any) -> LocalHost:
-        kwargs.setdefault("data_dir", tmp_path / "data")
+        # Not the API's data dir (tmp_path / "data", kept 0700): the host's account must
+        # traverse its own files, as `sshapi dev` keeps its host beside the data dir.
+        kwargs.setdefault("data_dir", tmp_path / "hosts")
         name = kwargs.pop("name", f"host{next(_host_numbers)}")
         host = LocalHost(name, profile, **kwargs)
         hosts.append(host)

@@ -129,14 +129,14 @@ issuer = "{LOCAL_ISS}"
 audience = "{AUDIENCE}"
 algorithms = ["HS256"]
 secret_file = "{secret_file}"
+scopes = ["jobs:read", "jobs:write", "admin"]
 leeway = 5
 
 [[issuers]]
 issuer = "{KEYS_ISS}"
 audience = "{AUDIENCE}"
-# HS256 next to RS256: the classic confusion attack has something to aim at.
-algorithms = ["RS256", "ES256", "EdDSA", "HS256"]
-secret_file = "{secret_file}"
+# Asymmetric only: an issuer mixing HS with RS/ES/EdDSA is refused at load (one key family).
+algorithms = ["RS256", "ES256", "EdDSA"]
 public_keys = [{pems}]
 leeway = 5
 
@@ -164,27 +164,32 @@ type = "str"
 
 [[policy]]
 subject = "anyhost"
+issuer = "*"
 hosts = ["*"]
 shell_hosts = ["*"]
 
 [[policy]]
 subject = "noshell"
+issuer = "*"
 hosts = ["local"]
 
 [[policy]]
 subject = "slow"
+issuer = "*"
 hosts = ["local"]
 rate = 0.2
 burst = 2
 
 [[policy]]
 subject = "solo"
+issuer = "*"
 hosts = ["local"]
 shell_hosts = ["local"]
 max_concurrent = 1
 
 [[policy]]
 subject = "*"
+issuer = "*"
 hosts = ["local", "tiny", "down"]
 shell_hosts = ["local", "tiny"]
 max_timeout = 60

@@ -79,7 +79,8 @@ def rejected_tokens(api: Api) -> dict[str, tuple[str, str]]:
                 claims(iss=KEYS_ISS),
                 lambda m: hmac.new(rsa_public_pem, m, hashlib.sha256).digest(),
             ),
-            "bad signature",
+            # An asymmetric issuer cannot list HS256 at all (refused at load).
+            "algorithm not allowed",
         ),
         "expired": (api.token(exp=now - 3600, iat=now - 7200), "expired"),
         "not yet valid": (api.token(nbf=now + 3600), "not yet valid"),

@@ -15,7 +15,7 @@ from api.policy import render
 from api.problems import Problem
 from sshpool import Limits
 
-ISSUER = {"issuer": "i", "audience": "a"}
+ISSUER = {"issuer": "sshapi-local", "audience": "a"}
 HOST = {"hostname": "h", "username": "u", "client_keys": ["k"], "known_hosts": "kh"}
 
 
@@ -30,7 +30,7 @@ def test_root_login_needs_allow_root() -> None:
     with pytest.raises(ValidationError, match="allow_root"):
         config(
             hosts={"h": HOST},
-            policy=[{"accounts": {"h": {"username": "root", "client_keys": ["k"]}}}],
+            policy=[{"issuer": "*", "accounts": {"h": {"username": "root", "client_keys": ["k"]}}}],
         )
     config(hosts={"h": {**HOST, "username": "root", "allow_root": True}})
 
@@ -134,3 +134,40 @@ def test_template_values_never_become_options_or_extra_arguments(pattern: str, p
         return
     argv = render("grep", _DASH_TEMPLATE, {"pattern": pattern, "path": path})
     assert argv == ["grep", "-c", pattern, "--", path]
+
+
+_PIECES = st.lists(
+    st.one_of(
+        st.sampled_from(["{a}", "{b}", "{c}"]),
+        st.text(alphabet="x-=/.", min_size=1, max_size=3),
+    ),
+    min_size=1,
+    max_size=5,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    elements=st.lists(_PIECES, min_size=1, max_size=3),
+    values=st.fixed_dictionaries(
+        {k: st.text(alphabet="-x= ", max_size=3) for k in ("a", "b", "c")}
+    ),
+)
+def test_no_rendered_element_becomes_an_option_whatever_the_placeholders(
+    elements: list[list[str]], values: dict[str, str]
+) -> None:
+    """Property over elements mixing several placeholders and literal text: either the call is
+    refused (422), or every rendered element that starts with '-' was written with that '-'
+    by the operator: values (empty ones included) never make an option."""
+    argv = ["prog", *("".join(pieces) for pieces in elements)]
+    template = TemplateConfig.model_validate(
+        {"argv": argv, "params": {k: {} for k in ("a", "b", "c")}}
+    )
+    try:
+        rendered = render("t", template, values)
+    except Problem as refused:
+        assert refused.status == 422
+        return
+    for written, out in zip(argv[1:], rendered[1:], strict=True):
+        if out.startswith("-"):
+            assert written.startswith("-"), (written, values, out)

@@ -105,6 +105,7 @@ async def test_one_users_burst_gets_429s_and_leaves_the_other_user_alone(
     b's p95 is printed alone and during a's burst (the 10 % goal is a figure, not asserted)."""
     rule = """[[policy]]
 subject = "tenant-*"
+issuer = "*"
 hosts = ["local"]
 rate = 20
 burst = 20

@@ -36,7 +36,7 @@ from sshpool import (
     Target,
 )
 from sshpool.backends import Backend, Connection, Exit, load_backend
-from sshpool.command import Capture, wrap
+from sshpool.command import Capture, new_marker, wrap
 from sshpool.devhost import LocalHost
 
 MakeHost = Callable[..., LocalHost]
@@ -216,8 +216,9 @@ async def test_failing_output_hook_never_breaks_the_command(conn: Connection) ->
 
 async def test_marker_line_gives_the_process_group(conn: Connection) -> None:
     """Through the pool's wrapper the first line is the remote process group id, not output."""
-    out, err = Capture(MB, marker=True), Capture(MB)
-    end = await conn.exec(wrap("echo hi"), None, out, err)
+    token = new_marker()
+    out, err = Capture(MB, marker=token), Capture(MB)
+    end = await conn.exec(wrap("echo hi", token), None, out, err)
     assert end == Exit(status=0)
     assert out.pgid is not None and out.pgid > 1
     assert out.getvalue() == b"hi\n"
@@ -275,9 +276,11 @@ async def test_cancel_signals_the_shell_and_frees_the_exec(
     returns at once, the TERM request ends the login shell, and the connection keeps working."""
     word = marker()
     running = asyncio.Event()
-    out = Capture(MB, marker=True, on_start=running.set)
+    token = new_marker()
+    out = Capture(MB, marker=token, on_start=running.set)
     stdin = bytes(4 * MB)
-    task = asyncio.create_task(conn.exec(wrap(f"sleep 30; : {word}"), stdin, out, Capture(MB)))
+    line = wrap(f"sleep 30; : {word}", token)
+    task = asyncio.create_task(conn.exec(line, stdin, out, Capture(MB)))
     await asyncio.wait_for(running.wait(), 10)
     assert out.pgid is not None
     await asyncio.sleep(0.2)  # let the stdin writes fill the channel window
