@@ -129,7 +129,7 @@ issuer = "{LOCAL_ISS}"
 audience = "{AUDIENCE}"
 algorithms = ["HS256"]
 secret_file = "{secret_file}"
-scopes = ["jobs:read", "jobs:write", "admin"]
+scopes = ["jobs:read", "jobs:write", "files:read", "files:write", "admin"]
 leeway = 5
 
 [[issuers]]
