@@ -4,9 +4,10 @@ can take it. Each finding is one line: host, check, ok / WARN / FAIL, and what t
 Checks, in order (a failed connection step skips the rest for that host):
 - reachable: a TCP connection to hostname:port answers with an SSH banner;
 - host key / auth: the pool connects with the host's default account, key and known_hosts;
-- login shell: `true` prints nothing. The pool's wrapper (sshpool/command.py) reads the process
-  group id from the first line of stdout; anything the login shell prints first (an rc file that
-  echoes) breaks cancel and timeout kills and lands in every job's output;
+- login shell: `true` prints nothing. The pool's wrapper (sshpool/command.py) finds the process
+  group id on a marker line; what the login prints before it (an rc file that echoes) is kept
+  out of the output up to 64 KiB, costs every command its time, and past that breaks timeout
+  and cancel kills;
 - shell start: the fastest of a few `true` runs on the warm connection (channel open + login
   shell start + exit); past 20 ms every job pays it (a module system or pyenv in the rc: ~100 ms);
 - sshd limits: MaxSessions / MaxStartups / PerSourceMaxStartups from `sshd -T` on the host when
@@ -113,14 +114,15 @@ async def check_host(
         start = time.perf_counter()
         runs.append(await pool.run(target, ["true"], timeout=timeout, acquire_timeout=timeout))
         times.append((time.perf_counter() - start) * 1000.0)
-    noise = runs[0].stdout
+    noise = runs[0].preamble or runs[0].stdout
     if noise:
         add(
             "login shell",
             "FAIL",
-            f"prints {noise[:60]!r} before every command: the pool's process-group marker is "
-            "lost (no kill on timeout or cancel) and jobs' output holds it; make the "
-            f"account's shell rc files silent for non-interactive shells (~{host.username})",
+            f"prints {noise[:60]!r} before every command: every command pays for it, and past "
+            "64 KiB the pool's process-group marker is lost (no kill on timeout or cancel); "
+            f"make the account's shell rc files silent for non-interactive shells "
+            f"(~{host.username})",
         )
     elif runs[0].stderr:
         add(

@@ -193,6 +193,9 @@ class CommandResult:
     stderr_truncated: bool
     # Seconds spent per stage: queue (waiting for a slot), connect, open (channel), exec.
     timings: dict[str, float] = field(default_factory=dict)
+    # What the login (an rc file, ~/.ssh/rc) printed on stdout before the command started: not
+    # output, kept apart so a host check can say the account is noisy (Capture.preamble).
+    preamble: bytes = b""
 
     @property
     def ok(self) -> bool:
@@ -211,4 +214,5 @@ class CommandResult:
             stderr_bytes=err.total,
             stdout_truncated=out.truncated,
             stderr_truncated=err.truncated,
+            preamble=out.preamble,
         )

@@ -177,6 +177,8 @@ hosts = ["local"]
 subject = "slow"
 issuer = "*"
 hosts = ["local"]
+# Batch scripts are shell: the batch output-read test submits one as `slow`.
+shell_hosts = ["local"]
 rate = 0.2
 burst = 2
 

@@ -33,6 +33,7 @@ from sshpool.devhost import LocalHost
 FILES_POLICY = """
 [[policy]]
 subject = "fs-small-*"
+issuer = "*"
 hosts = ["local"]
 file_roots = { "*" = ["~/sshapi-files/{sub}"] }
 max_file_size = 100000
@@ -42,6 +43,7 @@ burst = 1000
 
 [[policy]]
 subject = "fs-*"
+issuer = "*"
 hosts = ["local", "tiny", "viassh2"]
 file_roots = { "*" = ["~/sshapi-files/{sub}"] }
 rate = 1000

@@ -414,6 +414,7 @@ async def test_readers_see_only_their_own_pool_and_metrics_name_no_account(
     targets; /metrics labels pools by host name, never by user@host:port."""
     rule = f"""[[policy]]
 subject = "bob"
+issuer = "*"
 hosts = ["local"]
 [policy.accounts.local]
 username = "otheracct"
