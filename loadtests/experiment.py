@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtests import hdr
+from loadtests.cpu import CpuMeter
 from loadtests.report import run_dir, versions
 from loadtests.schedule import PROFILES
 from loadtests.server import POOL_MODES, limits, start_api, stop_api
@@ -94,17 +95,25 @@ def run_cell(cell: Cell, repeat: int, host: Any, args: argparse.Namespace) -> di
         env = {**os.environ, "SSHAPI_DATA_DIR": str(work)}
         env.pop("SSHAPI_TOKEN", None)
         env.pop("SSHAPI_CONFIG", None)
+        meter = CpuMeter(proc.pid, host.pid).start()
         done = subprocess.run(
             locust_argv(cell, url, args, meta), env=env, capture_output=True, text=True,
             timeout=args.run_timeout,
         )  # fmt: skip
+        found = REPORT_LINE.search(done.stdout + done.stderr)
+        summary = (
+            json.loads((Path(found.group(1)).parent / "summary.json").read_text())
+            if found
+            else None
+        )
+        gen = (summary or {}).get("meta", {}).get("generator_cpu") or {}
+        cpu = meter.stop(int(gen.get("requests") or 0), gen.get("seconds"))
     finally:
         stop_api(proc)
     (work / "locust.log").write_text(done.stdout + done.stderr)
-    found = REPORT_LINE.search(done.stdout + done.stderr)
-    if not found:
+    if not found or summary is None:
         return {"cell": asdict(cell), "repeat": repeat, "error": f"no report ({work}/locust.log)"}
-    summary = json.loads((Path(found.group(1)).parent / "summary.json").read_text())
+    summary["cpu"] = cpu
     return {"cell": asdict(cell), "repeat": repeat, "exit": done.returncode,
             "report": found.group(1), "summary": summary}  # fmt: skip
 
