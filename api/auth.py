@@ -6,13 +6,23 @@ The key is chosen by the algorithm family, so an HS256 token can never be checke
 public key used as an HMAC secret. Required claims: exp, iat, sub, aud, iss. Any doubt is a 401:
 unknown issuer, unknown key id after a (rate-limited) JWKS refresh, JWKS unreachable with no
 cached key.
+
+A verified token is remembered by its SHA-256 digest until its `exp` (`VerifiedTokens`): a
+portal sends the same token with many requests, and a cache hit costs one hash instead of three
+base64 and JSON decodes and a signature check. Only successes are kept (a refusal is decided
+again every time, so a key that appears later in the JWKS is picked up), the cache is bounded,
+and an entry never outlives the token's own expiry. The trade-off: a key removed from the JWKS
+stops new tokens at once, but a token already seen stays accepted until its `exp`, as with any
+stateless bearer token.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -130,6 +140,39 @@ class IssuerKeys:
         return keys
 
 
+class VerifiedTokens:
+    """Principals of verified tokens by token digest, each until its `exp` (Unix seconds);
+    least recently used first out beyond `size`."""
+
+    def __init__(self, size: int = 10_000) -> None:
+        self.size = size
+        self._entries: OrderedDict[bytes, tuple[Principal, float]] = OrderedDict()
+
+    @staticmethod
+    def digest(token: str) -> bytes:
+        return hashlib.sha256(token.encode()).digest()
+
+    def get(self, digest: bytes, now: float) -> Principal | None:
+        entry = self._entries.get(digest)
+        if entry is None:
+            return None
+        principal, exp = entry
+        if now >= exp:
+            del self._entries[digest]
+            return None
+        self._entries.move_to_end(digest)
+        return principal
+
+    def put(self, digest: bytes, principal: Principal, exp: float) -> None:
+        self._entries[digest] = (principal, exp)
+        self._entries.move_to_end(digest)
+        while len(self._entries) > self.size:
+            self._entries.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
 class Authenticator:
     def __init__(
         self,
@@ -145,8 +188,14 @@ class Authenticator:
                     issuer.secret_file.read_text().strip() if issuer.secret_file else local_secret()
                 )
             self._issuers[issuer.issuer] = IssuerKeys(issuer, secret, client)
+        self.verified = VerifiedTokens()
 
     async def authenticate(self, token: str) -> Principal:
+        digest = self.verified.digest(token)
+        now = time.time()
+        known = self.verified.get(digest, now)
+        if known is not None:
+            return known
         try:
             header = jwt.get_unverified_header(token)
             # Unverified read, only to choose the issuer configuration; verified below.
@@ -169,7 +218,13 @@ class Authenticator:
         sub = claims.get("sub")
         if not isinstance(sub, str) or not sub:
             raise unauthorized("missing subject")
-        return Principal(issuer=issuer.issuer, subject=sub, scopes=scopes_of(claims))
+        principal = Principal(issuer=issuer.issuer, subject=sub, scopes=scopes_of(claims))
+        exp = claims.get("exp")
+        if isinstance(exp, int | float) and not isinstance(exp, bool):
+            # Until `exp` itself, not `exp + leeway`: the leeway is for clock skew at
+            # verification, and a cached answer must never be more lenient than a fresh one.
+            self.verified.put(digest, principal, float(exp))
+        return principal
 
     @staticmethod
     def _verify(token: str, alg: str, issuer: IssuerConfig, keys: list[Any]) -> dict[str, Any]:
