@@ -265,7 +265,7 @@ def _run(cell: Cell, host: LocalHost, args: argparse.Namespace, repeat: int = 0)
 
 def bench_profile(host: LocalHost, args: argparse.Namespace) -> dict[str, Any]:
     sshd = host.profile
-    fig: dict[str, Any] = {"sshd": sshd, "backend": args.backend}
+    fig: dict[str, Any] = {"sshd": sshd, "backend": args.backend, "workers": args.workers}
     parts = set(args.parts)
     if "raw" in parts:
         print(f"sshd {sshd}: raw ceiling ({args.raw_duration:g} s per level)", flush=True)
@@ -302,6 +302,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--burst-repeats", type=int, default=3)
     p.add_argument("--burst-all", action="store_true", help="Burst the tuned sshd too.")
     p.add_argument("--run-timeout", type=float, default=900.0, help="Seconds per Locust run.")
+    p.add_argument("--workers", type=int, default=1, help="API worker processes (SSHAPI_WORKERS).")
     p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="What to run.")
     p.add_argument("--out", type=Path, default=Path("reports"))
     args = p.parse_args(argv)

@@ -88,9 +88,12 @@ def run_cell(cell: Cell, repeat: int, host: Any, args: argparse.Namespace) -> di
     lim = limits(cell.pool_mode, cell.sshd)
     meta = {**asdict(cell), "sshd_profile": cell.sshd, "repeat": repeat,
             "pool_limits": dataclasses.asdict(lim), "sshd_port": host.port}  # fmt: skip
+    workers = getattr(args, "workers", 1)
+    meta["workers"] = workers
     proc, url = start_api(
-        host, backend=cell.backend, pool_mode=cell.pool_mode, data_dir=work, log=work / "api.log"
-    )
+        host, backend=cell.backend, pool_mode=cell.pool_mode, data_dir=work,
+        log=work / "api.log", env={"SSHAPI_WORKERS": str(workers)},
+    )  # fmt: skip
     try:
         env = {**os.environ, "SSHAPI_DATA_DIR": str(work)}
         env.pop("SSHAPI_TOKEN", None)
