@@ -19,7 +19,7 @@ from locust.env import Environment
 from locust.runners import LocalRunner, MasterRunner, WorkerRunner
 
 from loadtests import report
-from loadtests.client import JobClient, Outcome, tokens
+from loadtests.client import MAX_IDLE, JobClient, Outcome, tokens
 from loadtests.records import DROPPED, Kind, Record, from_wire, to_wire
 
 DEFAULT_HOST = "http://127.0.0.1:8000"
@@ -39,6 +39,11 @@ def add_common_arguments(parser: Any) -> None:
         help="Reuse HTTP connections, or a new connection per request.",
     )  # fmt: skip
     group.add_argument("--request-timeout", type=float, default=60.0, help="Seconds per request.")
+    group.add_argument(
+        "--max-idle", type=float, default=MAX_IDLE,
+        help="keep-alive: a connection idle longer than this (s) is reconnected, not reused; "
+        "keep it below the server's keep-alive timeout.",
+    )  # fmt: skip
     group.add_argument(
         "--in-flight-cap", type=int, default=1000, help="Open model: most requests in flight."
     )
@@ -111,6 +116,7 @@ class Harness:
             o.connection,
             o.request_timeout,
             pool_size=o.in_flight_cap,
+            max_idle=o.max_idle,
         )
 
     def tokens(self) -> list[str]:
@@ -279,6 +285,7 @@ class Harness:
             "ssh_host": o.ssh_host,
             "remote_command": o.remote_command,
             "connection": o.connection,
+            "max_idle_s": o.max_idle,
             "subjects": len(o.sshapi_tokens),
             "in_flight_cap": o.in_flight_cap,
             "request_timeout_s": o.request_timeout,
