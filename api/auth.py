@@ -11,9 +11,9 @@ A verified token is remembered by its SHA-256 digest until its `exp` (`VerifiedT
 portal sends the same token with many requests, and a cache hit costs one hash instead of three
 base64 and JSON decodes and a signature check. Only successes are kept (a refusal is decided
 again every time, so a key that appears later in the JWKS is picked up), the cache is bounded,
-and an entry never outlives the token's own expiry. The trade-off: a key removed from the JWKS
-stops new tokens at once, but a token already seen stays accepted until its `exp`, as with any
-stateless bearer token.
+an entry never outlives the token's own expiry, and an entry verified under a JWKS key set that
+has been refetched since is checked again (so a retired key stops verifying at the refetch,
+as without the cache).
 """
 
 from __future__ import annotations
@@ -94,6 +94,19 @@ class JwksCache:
         self._fetched_at = -float("inf")
         self._attempted_at = -float("inf")
         self._lock = asyncio.Lock()
+        # Bumped by every successful fetch: a token verified under an older key set is checked
+        # again (a retired key stops verifying even for tokens seen before).
+        self.generation = 0
+
+    async def fresh_generation(self) -> int:
+        """The key set's generation, after a refetch if it is older than `cache_seconds` (at
+        most once per `min_refresh_seconds`, as for unknown key ids)."""
+        now = time.monotonic()
+        if now - self._fetched_at > self.cache_seconds and now - self._attempted_at >= (
+            self.min_refresh
+        ):
+            await self._refresh(now)
+        return self.generation
 
     async def keys(self, kid: str | None) -> list[Any]:
         now = time.monotonic()
@@ -119,6 +132,7 @@ class JwksCache:
                 return
             self._keys = {k.key_id: k.key for k in keyset.keys}
             self._fetched_at = time.monotonic()
+            self.generation += 1
 
 
 class IssuerKeys:
@@ -129,6 +143,10 @@ class IssuerKeys:
         self.secret = secret
         self.public = [load_pem_public_key(p.read_bytes()) for p in issuer.public_keys]
         self.jwks = JwksCache(issuer, client) if issuer.jwks_url else None
+
+    async def generation(self) -> int:
+        """Changes whenever the verification keys may have: a JWKS refetch. Fixed keys: 0."""
+        return 0 if self.jwks is None else await self.jwks.fresh_generation()
 
     async def candidates(self, alg: str, kid: str | None) -> list[Any]:
         if alg in SYMMETRIC:
@@ -146,25 +164,26 @@ class VerifiedTokens:
 
     def __init__(self, size: int = 10_000) -> None:
         self.size = size
-        self._entries: OrderedDict[bytes, tuple[Principal, float]] = OrderedDict()
+        self._entries: OrderedDict[bytes, tuple[Principal, float, int]] = OrderedDict()
 
     @staticmethod
     def digest(token: str) -> bytes:
         return hashlib.sha256(token.encode()).digest()
 
-    def get(self, digest: bytes, now: float) -> Principal | None:
+    def get(self, digest: bytes, now: float) -> tuple[Principal, int] | None:
+        """The principal and the key generation it was verified under; None once past exp."""
         entry = self._entries.get(digest)
         if entry is None:
             return None
-        principal, exp = entry
+        principal, exp, generation = entry
         if now >= exp:
             del self._entries[digest]
             return None
         self._entries.move_to_end(digest)
-        return principal
+        return principal, generation
 
-    def put(self, digest: bytes, principal: Principal, exp: float) -> None:
-        self._entries[digest] = (principal, exp)
+    def put(self, digest: bytes, principal: Principal, exp: float, generation: int = 0) -> None:
+        self._entries[digest] = (principal, exp, generation)
         self._entries.move_to_end(digest)
         while len(self._entries) > self.size:
             self._entries.popitem(last=False)
@@ -192,10 +211,11 @@ class Authenticator:
 
     async def authenticate(self, token: str) -> Principal:
         digest = self.verified.digest(token)
-        now = time.time()
-        known = self.verified.get(digest, now)
+        known = self.verified.get(digest, time.time())
         if known is not None:
-            return known
+            principal, generation = known
+            if await self._issuers[principal.issuer].generation() == generation:
+                return principal
         try:
             header = jwt.get_unverified_header(token)
             # Unverified read, only to choose the issuer configuration; verified below.
@@ -211,6 +231,7 @@ class Authenticator:
         if not isinstance(alg, str) or alg not in issuer.algorithms:
             raise unauthorized("algorithm not allowed")
         kid = header.get("kid")
+        generation = await keys.generation()  # before the keys: never newer than they are
         candidates = await keys.candidates(alg, kid if isinstance(kid, str) else None)
         if not candidates:
             raise unauthorized("no key to verify this token")
@@ -223,7 +244,7 @@ class Authenticator:
         if isinstance(exp, int | float) and not isinstance(exp, bool):
             # Until `exp` itself, not `exp + leeway`: the leeway is for clock skew at
             # verification, and a cached answer must never be more lenient than a fresh one.
-            self.verified.put(digest, principal, float(exp))
+            self.verified.put(digest, principal, float(exp), generation)
         return principal
 
     @staticmethod

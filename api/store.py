@@ -32,7 +32,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import (
     JSON,
@@ -63,6 +63,8 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.pool import ConnectionPoolEntry
+from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.expression import ClauseElement
 
 from api.states import ACTIVE
 
@@ -161,7 +163,7 @@ class _Sql:
     once; values converted by each column's bind processor (JSON, DateTime, Boolean)."""
 
     def __init__(self) -> None:
-        dialect = sqlite_dialect.dialect()
+        self.dialect = dialect = sqlite_dialect.dialect()
         self.process = {
             c.key: c.type.dialect_impl(dialect).bind_processor(dialect) for c in JOBS.columns
         }
@@ -196,6 +198,19 @@ class _Sql:
                 f"VALUES ({', '.join('?' for _ in keys)})"
             )
         return sql
+
+    def expression(self, expr: ClauseElement) -> tuple[str, list[Any]]:
+        """A SQL expression given as a value (e.g. `func.coalesce(JobRow.started_at, now)`):
+        its SQLite text and its processed positional parameters."""
+        compiled = cast(SQLCompiler, expr.compile(dialect=self.dialect))
+        raw = compiled.construct_params() or {}
+        params = []
+        for name in compiled.positiontup or ():
+            value = raw[name]
+            impl = compiled.binds[name].type.dialect_impl(self.dialect)
+            convert = impl.bind_processor(self.dialect)
+            params.append(convert(value) if convert is not None and value is not None else value)
+        return str(compiled), params
 
     def update(self, keys: tuple[str, ...], only_active: bool, unless_cancel: bool) -> str:
         shape = ("update", keys, only_active, unless_cancel)
@@ -403,8 +418,14 @@ class Store:
         late writer never overwrites a final state); with unless_cancel_requested, only while
         no other replica asked to cancel it. True if a row changed."""
         if self._sqlite is not None:
-            sql = self._sql.update(tuple(values), only_active, unless_cancel_requested)
-            params = [*self._sql.params(values), job_id]
+            exprs = {k: v for k, v in values.items() if isinstance(v, ClauseElement)}
+            if exprs:  # rare: built per call, not cached
+                sql, params = self._update_with_expressions(
+                    job_id, values, exprs, only_active, unless_cancel_requested
+                )
+            else:
+                sql = self._sql.update(tuple(values), only_active, unless_cancel_requested)
+                params = [*self._sql.params(values), job_id]
 
             def run(db: sqlite3.Connection) -> bool:
                 return db.execute(sql, params).rowcount > 0
@@ -420,6 +441,27 @@ class Store:
             return bool(conn.execute(query).rowcount)
 
         return bool(await self._write(execute))
+
+    def _update_with_expressions(
+        self,
+        job_id: str,
+        values: dict[str, Any],
+        exprs: dict[str, ClauseElement],
+        only_active: bool,
+        unless_cancel: bool,
+    ) -> tuple[str, list[Any]]:
+        sets, params = [], []
+        for key, value in values.items():
+            if key in exprs:
+                text_, more = self._sql.expression(exprs[key])
+                sets.append(f"{key} = {text_}")
+                params += more
+            else:
+                sets.append(f"{key} = ?")
+                params += self._sql.params({key: value})
+        template = self._sql.update(("__sets__",), only_active, unless_cancel)
+        sql = template.replace("__sets__ = ?", ", ".join(sets))
+        return sql, [*params, job_id]
 
     async def list_jobs(
         self,

@@ -366,11 +366,11 @@ def test_verified_tokens_are_remembered_until_exp_and_bounded() -> None:
     who = Principal("iss", "alice", frozenset({"jobs:read"}))
     cache = VerifiedTokens(size=2)
     a, b, c = (VerifiedTokens.digest(t) for t in ("a", "b", "c"))
-    cache.put(a, who, exp=100.0)
-    assert cache.get(a, now=99.9) == who
+    cache.put(a, who, exp=100.0, generation=3)
+    assert cache.get(a, now=99.9) == (who, 3)
     assert cache.get(a, now=100.0) is None and len(cache) == 0
     cache.put(a, who, 200.0)
     cache.put(b, who, 200.0)
-    assert cache.get(a, 150.0) == who  # a is now the most recently used
+    assert cache.get(a, 150.0) == (who, 0)  # a is now the most recently used
     cache.put(c, who, 200.0)
-    assert len(cache) == 2 and cache.get(b, 150.0) is None and cache.get(a, 150.0) == who
+    assert len(cache) == 2 and cache.get(b, 150.0) is None and cache.get(a, 150.0) == (who, 0)
