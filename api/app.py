@@ -184,10 +184,14 @@ def _exit_with_parent(parent: int) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _worker(settings: Settings, config: Config, index: int, sock: socket.socket) -> None:
-    """One worker process: its own app, pool and store writer, serving the inherited socket."""
+def _worker(
+    settings: Settings, config: Config, index: int, sock: socket.socket, supervisor: int
+) -> None:
+    """One worker process: its own app, pool and store writer, serving the inherited socket.
+    `supervisor` is the parent's pid, passed in: read here, after a start of a second or two,
+    the parent could already be gone (and the orphan would watch init)."""
     _configure_logging(settings)
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    threading.Thread(target=_exit_with_parent, args=(supervisor,), daemon=True).start()
     settings = settings.model_copy(update={"replica": f"{settings.replica}-w{index}"})
     server = uvicorn.Server(
         uvicorn.Config(create_app(settings, config=config), **_uvicorn_options(settings))
@@ -210,7 +214,9 @@ def _supervise(settings: Settings, config: Config) -> None:
 
     def start(index: int) -> multiprocessing.process.BaseProcess:
         proc = ctx.Process(
-            target=_worker, args=(settings, config, index, sock), name=f"sshapi-worker-{index}"
+            target=_worker,
+            args=(settings, config, index, sock, os.getpid()),
+            name=f"sshapi-worker-{index}",
         )
         proc.start()
         return proc

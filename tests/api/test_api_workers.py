@@ -54,7 +54,8 @@ async def test_two_workers_share_the_port_store_and_cancels(
 async def test_a_killed_worker_is_started_again(
     config_file: Path, secret: str, keys: Keys, tmp_path: Path
 ) -> None:
-    """SIGKILL of one worker: the others keep answering and the supervisor starts it again."""
+    """SIGKILL of one worker: the others keep answering and the supervisor starts it again;
+    SIGKILL of the supervisor then: its workers stop rather than serve on unsupervised."""
     settings = make_settings(tmp_path, config_file, "sqlite", None).model_copy(
         update={"workers": 2}
     )
@@ -71,3 +72,7 @@ async def test_a_killed_worker_is_started_again(
                     break
                 await asyncio.sleep(0.2)
             assert len(alive) == 2
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(5)
+        _, running = psutil.wait_procs(alive, timeout=20)
+        assert running == [], running
