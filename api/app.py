@@ -8,6 +8,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import multiprocessing
+import os
+import signal
+import socket
+import threading
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -110,7 +116,8 @@ def create_app(
             files=FileService(config, policy, the_pool, quota, metrics),
         )
         for name, host in config.hosts.items():
-            for problem in host.ssh_budget(settings.replicas):
+            # Every worker of every replica has its own pool: the host sees all of them.
+            for problem in host.ssh_budget(settings.replicas * settings.workers):
                 log.warning("SSH budget of host %s: %s", name, problem)
 
         def pools_by_host() -> dict[str, list[dict[str, Any]]]:
@@ -162,15 +169,20 @@ def create_app(
     return app
 
 
-def serve(settings: Settings, config: Config | None = None) -> None:
-    """Run the API in this process until it is stopped: logging at `settings.log_level`, the
-    app from `create_app(settings, config=config)`, uvicorn on `settings.host:settings.port`."""
+# Seconds between checks of the workers; a worker that died is started again after this.
+SUPERVISE_INTERVAL = 0.5
+
+
+def _configure_logging(settings: Settings) -> None:
     level = logging.getLevelNamesMapping().get(settings.log_level.upper(), logging.INFO)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     # asyncssh logs every channel at INFO: far too much for a server running hundreds a second.
     logging.getLogger("asyncssh").setLevel(max(level, logging.WARNING))
-    config = config or resolve_config(settings)
-    api = create_app(settings, config=config)
+
+
+def _uvicorn_options(settings: Settings, config: Config) -> dict[str, Any]:
+    """What every server process runs uvicorn with: the keep-alive timeout clients rely on, and
+    the edge bounds of api/server.py (header size, header and body deadlines, connections)."""
     policy = Policy(config)
     ssh = sum(h.limits.max_connections * len(policy.targets(n)) for n, h in config.hosts.items())
     limits = EdgeLimits(
@@ -179,12 +191,90 @@ def serve(settings: Settings, config: Config | None = None) -> None:
         body_timeout=settings.body_timeout,
         max_connections=connection_limit(settings.max_connections, ssh),
     )
-    uvicorn.run(
-        api,
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        ws="none",
-        timeout_keep_alive=settings.keepalive_timeout,
-        http=guarded_protocol(limits),
+    return {
+        "log_level": settings.log_level,
+        "ws": "none",
+        "timeout_keep_alive": settings.keepalive_timeout,
+        "http": guarded_protocol(limits),
+    }
+
+
+def serve(settings: Settings, config: Config | None = None) -> None:
+    """Run the API in this process until it is stopped: logging at `settings.log_level`, the
+    app from `create_app(settings, config=config)`, uvicorn on `settings.host:settings.port`.
+    With `settings.workers` > 1, that many worker processes share the port (`_supervise`)."""
+    _configure_logging(settings)
+    config = config or resolve_config(settings)
+    if settings.workers > 1:
+        _supervise(settings, config)
+        return
+    api = create_app(settings, config=config)
+    uvicorn.run(api, host=settings.host, port=settings.port, **_uvicorn_options(settings, config))
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A worker whose supervisor died (SIGKILL leaves no chance to stop it) shuts down
+    gracefully instead of serving on as an orphan nobody supervises."""
+    while os.getppid() == parent:
+        time.sleep(SUPERVISE_INTERVAL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _worker(
+    settings: Settings, config: Config, index: int, sock: socket.socket, supervisor: int
+) -> None:
+    """One worker process: its own app, pool and store writer, serving the inherited socket.
+    `supervisor` is the parent's pid, passed in: read here, after a start of a second or two,
+    the parent could already be gone (and the orphan would watch init)."""
+    _configure_logging(settings)
+    threading.Thread(target=_exit_with_parent, args=(supervisor,), daemon=True).start()
+    settings = settings.model_copy(update={"replica": f"{settings.replica}-w{index}"})
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(settings, config=config), **_uvicorn_options(settings, config))
     )
+    server.run(sockets=[sock])
+
+
+def _exit_on_sigterm(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _supervise(settings: Settings, config: Config) -> None:
+    """Bind the port once, start `settings.workers` processes that all accept on it (the kernel
+    spreads connections), and start again any that dies, under the same index. uvicorn's own
+    `workers=` does the same but names no worker: here worker i is always replica
+    `<replica>-w<i>`, so a restarted worker marks its own unfinished jobs `lost` (and never a
+    sibling's, which a shared name would). Ctrl-C or SIGTERM stops them all."""
+    sock = uvicorn.Config(None, host=settings.host, port=settings.port).bind_socket()  # type: ignore[arg-type]
+    ctx = multiprocessing.get_context("spawn")
+
+    def start(index: int) -> multiprocessing.process.BaseProcess:
+        proc = ctx.Process(
+            target=_worker,
+            args=(settings, config, index, sock, os.getpid()),
+            name=f"sshapi-worker-{index}",
+        )
+        proc.start()
+        return proc
+
+    # SIGTERM (systemd, `kill`) stops the workers through the `finally` below, as Ctrl-C does.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    workers = {i: start(i) for i in range(settings.workers)}
+    log.info("%d workers on %s:%d", settings.workers, settings.host, settings.port)
+    try:
+        while True:
+            time.sleep(SUPERVISE_INTERVAL)
+            for index, proc in list(workers.items()):
+                if not proc.is_alive():
+                    log.warning("worker %d exited with %s: starting it again", index, proc.exitcode)
+                    workers[index] = start(index)
+    finally:
+        for proc in workers.values():
+            if proc.is_alive():
+                proc.terminate()  # uvicorn's graceful shutdown: running jobs get the grace
+        for proc in workers.values():
+            proc.join(settings.shutdown_grace + 5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        sock.close()

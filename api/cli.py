@@ -33,11 +33,27 @@ app.add_typer(hosts_app, name="hosts")
 register_client_commands(app)
 
 
+Workers = Annotated[
+    int | None,
+    typer.Option(
+        min=1,
+        max=64,
+        help="API processes sharing the port, each with its own SSH pool (default: "
+        "SSHAPI_WORKERS, else 1). About one per core; see docs/operations.md.",
+    ),
+]
+
+
+def with_workers(settings: Settings, workers: int | None) -> Settings:
+    """The option wins over SSHAPI_WORKERS."""
+    return settings if workers is None else settings.model_copy(update={"workers": workers})
+
+
 @app.command()
-def serve() -> None:
+def serve(workers: Workers = None) -> None:
     """Run the API (SSHAPI_* settings; hosts and policy from SSHAPI_CONFIG, else from the
     local configuration `sshapi dev` left in the data dir)."""
-    settings = Settings()
+    settings = with_workers(Settings(), workers)
     try:
         config = require_config(settings)
     except (FileNotFoundError, ValueError) as exc:  # missing, or invalid (pydantic, TOML)
@@ -133,13 +149,14 @@ def dev(
             "packages when missing): `local` then takes batch jobs."
         ),
     ] = False,
+    workers: Workers = None,
 ) -> None:
     """Start the local HPC host (sshd, tuned profile) and the API on 127.0.0.1; print a token
     and a curl command. Ctrl-C stops both."""
     # The dev rig is imported here only: `serve`, `token` and `hosts check` never load it.
     from sshpool.devhost import LocalHost, LocalSlurm, install_packages
 
-    settings = Settings(host="127.0.0.1", port=port)
+    settings = with_workers(Settings(host="127.0.0.1", port=port), workers)
     # uvicorn re-raises SIGTERM after its graceful shutdown; with the default handler the process
     # would die there, before the local host and Slurm below are stopped. Exit through Python.
     signal.signal(signal.SIGTERM, _exit_on_signal)

@@ -250,6 +250,9 @@ class JobService:
                 max_output=rule.max_output,
                 on_started=job.on_started,
                 on_output=job.feed.append,
+                # A saturated host serves identities in turns: one caller's backlog never
+                # holds another's single command behind it (sshpool/pool.py `_Waiters`).
+                tenant=owner,
             )
         )
         job.runner = asyncio.create_task(self._run(job, timeout), name=f"job-{row.id}")

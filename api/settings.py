@@ -56,6 +56,10 @@ class Settings(BaseSettings):
     # redis://host:6379/0: rate limits and concurrent-job caps shared by all replicas. Unset:
     # counted per process (N replicas allow N times the rate). See api/quota.py.
     redis_url: str | None = None
+    # API processes on this machine, all on one port (`sshapi serve --workers N`): each has its
+    # own pool, store writer and replica name (`<replica>-w<i>`), as separate replicas would.
+    # The SSH budget check counts workers x replicas.
+    workers: int = Field(default=1, ge=1, le=64)
     backend: Literal["asyncssh", "paramiko", "ssh2"] = "asyncssh"
     host: str = "127.0.0.1"
     port: int = 8000

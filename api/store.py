@@ -10,10 +10,14 @@ while a transaction commits are applied together in the next one, and each calle
 returns only once the transaction holding its write has committed. So durability is per call as
 before, but a burst of jobs costs a few commits instead of one each, and SQLite never sees two
 writers fighting for its lock (which made the losers sleep in its busy handler for seconds).
-On SQLite the writer runs each whole transaction in one call to its own thread, with the plain
-sqlite3 driver: through aiosqlite every statement, cursor, ping and commit was a thread hop with
-a GIL handoff (about 12 per job, 4-5 ms of CPU per job on this box). PostgreSQL (asyncpg) needs
-no thread: the same transaction runs on the event loop through `run_sync`.
+On SQLite the writer runs each whole transaction in one call to its own thread, on a plain
+sqlite3 connection with SQL text built once per statement shape (`_Sql`): through aiosqlite
+every statement, cursor, ping and commit was a thread hop with a GIL handoff (about 12 per job,
+4-5 ms of CPU per job on this box), and building a Core statement per write (cache key,
+coercions) cost about as much as running it. Values go through the columns' own SQLAlchemy bind
+processors, so what the writer stores reads back through the ORM exactly as before.
+PostgreSQL (asyncpg) needs no thread: the same transaction runs on the event loop through
+`run_sync`, with Core statements (SQLAlchemy caches their compiled form).
 """
 
 from __future__ import annotations
@@ -21,20 +25,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
+import sqlite3
 import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import (
     JSON,
     Boolean,
     Connection,
     DateTime,
-    Engine,
     Float,
     Index,
     Integer,
@@ -44,7 +48,6 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
     case,
-    create_engine,
     event,
     insert,
     inspect,
@@ -53,11 +56,15 @@ from sqlalchemy import (
     text,
     update,
 )
+from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.engine import make_url
 from sqlalchemy.engine.interfaces import DBAPIConnection
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, defer, mapped_column
 from sqlalchemy.pool import ConnectionPoolEntry
+from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.expression import ClauseElement
 
 from api.states import ACTIVE
 
@@ -143,10 +150,91 @@ def _sqlite_pragmas(dbapi_conn: DBAPIConnection, _record: ConnectionPoolEntry) -
     cursor.close()
 
 
-# Writes are Core statements on the writer's connection: building an ORM-enabled UPDATE cost
-# about as much CPU as running it (py-spy), and the writer needs no identity map.
-Write = Callable[[Connection], Any]
+# Writes are Core statements on the writer's connection (PostgreSQL), or DB-API calls on the
+# writer thread's sqlite3 connection (SQLite): building an ORM-enabled UPDATE cost about as much
+# CPU as running it (py-spy), and the writer needs no identity map.
+Write = Callable[[Any], Any]
 JOBS: Table = JobRow.__table__  # type: ignore[assignment]
+ACTIVE_SQL = ", ".join(f"'{state}'" for state in sorted(ACTIVE))
+
+
+class _Sql:
+    """SQLite statements as DB-API text, one per shape (which columns, which conditions), built
+    once; values converted by each column's bind processor (JSON, DateTime, Boolean)."""
+
+    def __init__(self) -> None:
+        self.dialect = dialect = sqlite_dialect.dialect()
+        self.process = {
+            c.key: c.type.dialect_impl(dialect).bind_processor(dialect) for c in JOBS.columns
+        }
+        self.cache: dict[tuple[Any, ...], str] = {}
+        # Column defaults as SQLAlchemy would apply them on insert (`default=0`, `default=dict`).
+        # A callable one takes SQLAlchemy's execution context, which it ignores here.
+        self.defaults: dict[str, tuple[bool, Any]] = {
+            c.key: (bool(c.default.is_callable), getattr(c.default, "arg", None))
+            for c in JOBS.columns
+            if c.default is not None and (c.default.is_scalar or c.default.is_callable)
+        }
+
+    def with_defaults(self, values: dict[str, Any]) -> dict[str, Any]:
+        for key, (is_callable, arg) in self.defaults.items():
+            if key not in values:
+                values[key] = arg(None) if is_callable else arg
+        return values
+
+    def params(self, values: dict[str, Any]) -> list[Any]:
+        out = []
+        for key, value in values.items():
+            convert = self.process[key]
+            out.append(convert(value) if convert is not None and value is not None else value)
+        return out
+
+    def insert(self, keys: tuple[str, ...]) -> str:
+        shape = ("insert", keys)
+        sql = self.cache.get(shape)
+        if sql is None:
+            sql = self.cache[shape] = (
+                f"INSERT INTO {JOBS.name} ({', '.join(keys)}) "
+                f"VALUES ({', '.join('?' for _ in keys)})"
+            )
+        return sql
+
+    def expression(self, expr: ClauseElement) -> tuple[str, list[Any]]:
+        """A SQL expression given as a value (e.g. `func.coalesce(JobRow.started_at, now)`):
+        its SQLite text and its processed positional parameters."""
+        compiled = cast(SQLCompiler, expr.compile(dialect=self.dialect))
+        raw = compiled.construct_params() or {}
+        params = []
+        for name in compiled.positiontup or ():
+            value = raw[name]
+            impl = compiled.binds[name].type.dialect_impl(self.dialect)
+            convert = impl.bind_processor(self.dialect)
+            params.append(convert(value) if convert is not None and value is not None else value)
+        return str(compiled), params
+
+    def update(self, keys: tuple[str, ...], only_active: bool, unless_cancel: bool) -> str:
+        shape = ("update", keys, only_active, unless_cancel)
+        sql = self.cache.get(shape)
+        if sql is None:
+            where = ["id = ?"]
+            if only_active:
+                where.append(f"state IN ({ACTIVE_SQL})")
+            if unless_cancel:
+                where.append("cancel_requested IS NULL")
+            sql = self.cache[shape] = (
+                f"UPDATE {JOBS.name} SET {', '.join(f'{k} = ?' for k in keys)} "
+                f"WHERE {' AND '.join(where)}"
+            )
+        return sql
+
+
+def _sqlite_connect(path: str) -> sqlite3.Connection:
+    """The writer thread's connection: autocommit mode, so transactions are the writer's own
+    BEGIN IMMEDIATE ... COMMIT (it takes the write lock at once: with several processes on one
+    file, a second writer waits in the busy handler instead of failing on upgrade)."""
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    _sqlite_pragmas(conn, None)  # type: ignore[arg-type]
+    return conn
 
 
 class Store:
@@ -157,8 +245,9 @@ class Store:
         self._sessions: async_sessionmaker[Any] | None = None
         self._writes: asyncio.Queue[tuple[Write, asyncio.Future[Any]]] = asyncio.Queue()
         self._writer: asyncio.Task[None] | None = None
-        # SQLite only: a synchronous engine and the one thread that uses it.
-        self._sync_engine: Engine | None = None
+        # SQLite only: the writer's DB-API connection and the one thread that uses it.
+        self._sqlite: sqlite3.Connection | None = None
+        self._sql = _Sql()
         self._thread: ThreadPoolExecutor | None = None
 
     @property
@@ -186,10 +275,11 @@ class Store:
         self._engine = engine
         self._sessions = async_sessionmaker(engine, expire_on_commit=False)
         if self.dialect == "sqlite":
-            url = make_url(self.url).set(drivername="sqlite")
-            self._sync_engine = create_engine(url, pool_size=1)
-            event.listen(self._sync_engine, "connect", _sqlite_pragmas)
+            database = make_url(self.url).database or ":memory:"
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="store-writer")
+            self._sqlite = await asyncio.get_running_loop().run_in_executor(
+                self._thread, _sqlite_connect, database
+            )
         self._writer = asyncio.create_task(self._write_loop(), name="store-writer")
 
     async def close(self) -> None:
@@ -200,11 +290,11 @@ class Store:
                 await self._writer
             self._writer = None
         if self._thread is not None:
+            if self._sqlite is not None:
+                self._thread.submit(self._sqlite.close).result()
+                self._sqlite = None
             self._thread.shutdown()
             self._thread = None
-        if self._sync_engine is not None:
-            self._sync_engine.dispose()
-            self._sync_engine = None
         if self._engine is not None:
             await self._engine.dispose()
             self._engine = None
@@ -257,15 +347,21 @@ class Store:
                 done.set_result(result)
 
     async def _transaction(self, writes: list[Write]) -> list[Any]:
-        def apply(conn: Connection) -> list[Any]:
+        def apply(conn: Any) -> list[Any]:
             return [write(conn) for write in writes]
 
-        if self._sync_engine is not None and self._thread is not None:
-            engine = self._sync_engine
+        if self._sqlite is not None and self._thread is not None:
+            db = self._sqlite
 
             def run() -> list[Any]:
-                with engine.begin() as conn:
-                    return apply(conn)
+                db.execute("BEGIN IMMEDIATE")
+                try:
+                    results = apply(db)
+                    db.execute("COMMIT")
+                except BaseException:
+                    db.execute("ROLLBACK")
+                    raise
+                return results
 
             return await asyncio.get_running_loop().run_in_executor(self._thread, run)
         if self._engine is None:
@@ -278,9 +374,21 @@ class Store:
 
         # Unset attributes are left out, so that column defaults apply as they do for the ORM.
         values = {c.key: v for c in JOBS.columns if (v := getattr(row, c.key)) is not None}
+        add: Write
+        if self._sqlite is not None:
+            values = self._sql.with_defaults(values)
+            sql, params = self._sql.insert(tuple(values)), self._sql.params(values)
 
-        def add(conn: Connection) -> None:
-            conn.execute(insert(JOBS).values(values))
+            def add(db: sqlite3.Connection) -> None:
+                try:
+                    db.execute(sql, params)
+                except sqlite3.IntegrityError as exc:
+                    # The same exception as from SQLAlchemy: callers catch one kind.
+                    raise IntegrityError(sql, params, exc) from None
+        else:
+
+            def add(conn: Connection) -> None:
+                conn.execute(insert(JOBS).values(values))
 
         await self._write(add)
         return row
@@ -309,6 +417,20 @@ class Store:
         """Set columns of one job; with only_active, only while it is queued or running (so a
         late writer never overwrites a final state); with unless_cancel_requested, only while
         no other replica asked to cancel it. True if a row changed."""
+        if self._sqlite is not None:
+            exprs = {k: v for k, v in values.items() if isinstance(v, ClauseElement)}
+            if exprs:  # rare: built per call, not cached
+                sql, params = self._update_with_expressions(
+                    job_id, values, exprs, only_active, unless_cancel_requested
+                )
+            else:
+                sql = self._sql.update(tuple(values), only_active, unless_cancel_requested)
+                params = [*self._sql.params(values), job_id]
+
+            def run(db: sqlite3.Connection) -> bool:
+                return db.execute(sql, params).rowcount > 0
+
+            return bool(await self._write(run))
         query = update(JOBS).where(JOBS.c.id == job_id).values(**values)
         if only_active:
             query = query.where(JOBS.c.state.in_(ACTIVE))
@@ -318,8 +440,28 @@ class Store:
         def execute(conn: Connection) -> bool:
             return bool(conn.execute(query).rowcount)
 
-        changed: bool = await self._write(execute)
-        return changed
+        return bool(await self._write(execute))
+
+    def _update_with_expressions(
+        self,
+        job_id: str,
+        values: dict[str, Any],
+        exprs: dict[str, ClauseElement],
+        only_active: bool,
+        unless_cancel: bool,
+    ) -> tuple[str, list[Any]]:
+        sets, params = [], []
+        for key, value in values.items():
+            if key in exprs:
+                text_, more = self._sql.expression(exprs[key])
+                sets.append(f"{key} = {text_}")
+                params += more
+            else:
+                sets.append(f"{key} = ?")
+                params += self._sql.params({key: value})
+        template = self._sql.update(("__sets__",), only_active, unless_cancel)
+        sql = template.replace("__sets__ = ?", ", ".join(sets))
+        return sql, [*params, job_id]
 
     async def list_jobs(
         self,

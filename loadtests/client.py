@@ -1,13 +1,5 @@
-"""The HTTP side of one request: tokens, the session, POST /v1/jobs timed from before the
-connection is made until the last byte of the answer is read.
-
-Idle keep-alive connections: a server closes a connection that stayed idle for its keep-alive
-timeout (uvicorn's default 5 s; `sshapi serve` SSHAPI_KEEPALIVE_TIMEOUT, 75 s). A request sent on
-a connection just as the server closes it fails ("Remote end closed connection without
-response") although the server never saw it: measured, 270 of 1,230 burst requests with 6 s
-between bursts against a 5 s server. So a pooled connection idle longer than `max_idle` (below
-any server's timeout) is closed and reconnected instead of reused; the reconnect is part of the
-request's time, as a new connection is in any case."""
+"""The HTTP side of one request: tokens, the connection pool, POST /v1/jobs timed from before the
+connection is made until the last byte of the answer is read. Imported by locustfiles (gevent)."""
 
 from __future__ import annotations
 
@@ -17,17 +9,16 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import requests
-from requests.adapters import HTTPAdapter
-from urllib3.connection import HTTPConnection, HTTPSConnection
-from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
+from geventhttpclient import URL, HTTPClient
+from geventhttpclient.connectionpool import ConnectionPool
+from geventhttpclient.response import HTTPParseError
 
 from loadtests.records import Connection, error_kind, parse_server_timing
 
 SUBJECT_PREFIX = "loadtest-"
 # Seconds a pooled connection may sit idle and still be reused: below uvicorn's default keep-alive
 # timeout (5 s), the shortest this suite is likely to meet, with room for a server whose timer
-# fires late under load.
+# fires late under load (see _IdleBoundedPool). The same rule and value as issue 14's.
 MAX_IDLE = 2.0
 
 
@@ -50,45 +41,6 @@ def tokens(subjects: int, ttl: float = 24 * 3600.0) -> list[str]:
     ]
 
 
-class IdleLimitedConnection(HTTPConnection):
-    """A connection that reports itself dropped once idle longer than `max_idle`: urllib3's
-    pool then closes it and connects afresh instead of reusing it (`is_connected` is what the
-    pool asks before reuse). Idle counts from the end of the last answer's headers; the answers
-    here are small, read with their headers."""
-
-    max_idle = MAX_IDLE
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.idle_since = time.monotonic()
-
-    def getresponse(self) -> Any:  # urllib3's BaseHTTPResponse
-        try:
-            return super().getresponse()
-        finally:
-            self.idle_since = time.monotonic()
-
-    @property
-    def is_connected(self) -> bool:
-        if time.monotonic() - self.idle_since > self.max_idle:
-            return False
-        return super().is_connected
-
-
-def idle_limited_adapter(pool_size: int, max_idle: float) -> HTTPAdapter:
-    """An adapter whose pools close connections idle longer than `max_idle` seconds instead of
-    reusing them."""
-    limit = {"max_idle": max_idle}
-    plain = type("Connection", (IdleLimitedConnection,), limit)
-    tls = type("TLSConnection", (IdleLimitedConnection, HTTPSConnection), limit)
-    adapter = HTTPAdapter(pool_connections=1, pool_maxsize=pool_size, max_retries=0)
-    adapter.poolmanager.pool_classes_by_scheme = {
-        "http": type("Pool", (HTTPConnectionPool,), {"ConnectionCls": plain}),
-        "https": type("TLSPool", (HTTPSConnectionPool,), {"ConnectionCls": tls}),
-    }
-    return adapter
-
-
 @dataclass(frozen=True, slots=True)
 class Outcome:
     ok: bool
@@ -100,10 +52,41 @@ class Outcome:
     exception: BaseException | None
 
 
+class _IdleBoundedPool(ConnectionPool):
+    """geventhttpclient's pool, plus one rule: a connection idle for longer than `max_idle` is
+    closed instead of reused. The server closes idle keep-alive connections after its timeout;
+    a request sent on one at that moment is lost (reset, or no answer) and would be counted as
+    the server's failure. Reusing only connections idle for less than a fraction of that
+    timeout leaves the race no room."""
+
+    def __init__(self, *args: Any, max_idle: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.max_idle = max_idle
+        self._idle_since: dict[Any, float] = {}
+
+    def get_socket(self) -> Any:
+        while True:
+            sock = super().get_socket()
+            since = self._idle_since.pop(sock, None)  # None: a new connection
+            if since is None or time.monotonic() - since <= self.max_idle:
+                return sock
+            self.release_socket(sock)  # closes it and frees its place in the pool
+
+    def return_socket(self, sock: Any) -> None:
+        self._idle_since[sock] = time.monotonic()
+        super().return_socket(sock)
+
+    def release_socket(self, sock: Any) -> None:
+        self._idle_since.pop(sock, None)
+        super().release_socket(sock)
+
+
 class JobClient:
-    """POST /v1/jobs with a fixed body. keep-alive reuses pooled connections (up to `pool_size`
-    open at once) idle at most `max_idle` seconds; `new` sends `Connection: close` so every
-    request makes its own connection."""
+    """POST /v1/jobs with a fixed body over geventhttpclient (Locust's FastHttpUser client: a C
+    HTTP parser and plain gevent sockets, about a tenth of the CPU of requests + urllib3 per
+    request). keep-alive reuses pooled connections (up to `pool_size` open at once, none idle
+    for longer than `max_idle`); `new` sends `Connection: close`, so every request makes its
+    own connection."""
 
     def __init__(
         self,
@@ -115,41 +98,63 @@ class JobClient:
         pool_size: int,
         max_idle: float = MAX_IDLE,
     ) -> None:
-        self.url = base_url.rstrip("/") + "/v1/jobs"
-        self.body = json.dumps({"host": host, "argv": argv})
+        url = URL(base_url.rstrip("/") + "/v1/jobs")
+        self.path = url.request_uri
+        self.body = json.dumps({"host": host, "argv": argv}).encode()
         self.connection = connection
         self.timeout = timeout
-        self.session = requests.Session()
-        adapter = idle_limited_adapter(pool_size, max_idle)
-        self.session.mount("http://", adapter)
-        self.session.mount("https://", adapter)
+        self.http = HTTPClient(
+            url.host,
+            url.port,
+            ssl=url.scheme == "https",
+            connection_timeout=timeout,
+            network_timeout=timeout,
+            concurrency=pool_size,
+        )
+        if not self.http.ssl:
+            # The same pool with the idle rule (geventhttpclient has no hook for it; its own
+            # pool is replaced before any connection exists).
+            self.http._connection_pool = _IdleBoundedPool(
+                url.host, url.port, url.host, url.port, size=pool_size,
+                connection_timeout=timeout, network_timeout=timeout, max_idle=max_idle,
+            )  # fmt: skip
+
+    def close(self) -> None:
+        """Close the pooled connections."""
+        self.http.close()
 
     def post(self, token: str) -> Outcome:
         """Success is 201 with the job `succeeded`: 202 (not finished within the wait) and any
-        other job state are failures of the run, each with its own error kind."""
+        other job state are failures of the run, each with its own error kind. Timed from
+        before the connection is taken (or made) until the last byte of the body is read."""
         headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
         if self.connection == "new":
             headers["Connection"] = "close"
         start = time.perf_counter()
         try:
-            # stream=False (the default): returns once the whole body has been read.
-            resp = self.session.post(
-                self.url, data=self.body, headers=headers, timeout=self.timeout
-            )
-        except requests.RequestException as exc:
+            # network_timeout bounds each socket operation (connect, send, every read), as
+            # requests' timeout did; a socket that failed is closed by geventhttpclient.
+            resp = self.http.request("POST", self.path, self.body, headers)
+            try:
+                content = resp.read()
+            finally:
+                resp.release()
+        except (OSError, TimeoutError, HTTPParseError) as exc:
             ms = (time.perf_counter() - start) * 1000.0
             return Outcome(False, 0, error_kind(exc), ms, 0, {}, exc)
         ms = (time.perf_counter() - start) * 1000.0
-        server = parse_server_timing(resp.headers.get("Server-Timing"))
+        timing = resp.get("server-timing")
+        server = parse_server_timing(timing if isinstance(timing, str) else None)
+        status = resp.status_code
         error = ""
-        if resp.status_code != 201:
-            error = f"http {resp.status_code}"
+        if status != 201:
+            error = f"http {status}"
         else:
             try:
-                state = resp.json().get("state")
+                state = json.loads(content).get("state")
             except ValueError:
                 state = "unparsable body"
             if state != "succeeded":
                 error = f"job {state}"
         failure = RuntimeError(error) if error else None
-        return Outcome(not error, resp.status_code, error, ms, len(resp.content), server, failure)
+        return Outcome(not error, status, error, ms, len(content), server, failure)

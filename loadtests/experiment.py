@@ -31,9 +31,12 @@ from pathlib import Path
 from typing import Any
 
 from loadtests import hdr
+from loadtests.cpu import CpuMeter
 from loadtests.report import run_dir, versions
 from loadtests.schedule import PROFILES
 from loadtests.server import POOL_MODES, limits, start_api, stop_api
+from loadtests.verdict import render as render_verdicts
+from loadtests.verdict import verdicts
 
 REPO = Path(__file__).resolve().parent.parent
 LOCUST = Path(sys.executable).parent / "locust"
@@ -87,24 +90,35 @@ def run_cell(cell: Cell, repeat: int, host: Any, args: argparse.Namespace) -> di
     lim = limits(cell.pool_mode, cell.sshd)
     meta = {**asdict(cell), "sshd_profile": cell.sshd, "repeat": repeat,
             "pool_limits": dataclasses.asdict(lim), "sshd_port": host.port}  # fmt: skip
+    workers = getattr(args, "workers", 1)
+    meta["workers"] = workers
     proc, url = start_api(
-        host, backend=cell.backend, pool_mode=cell.pool_mode, data_dir=work, log=work / "api.log"
-    )
+        host, backend=cell.backend, pool_mode=cell.pool_mode, data_dir=work,
+        log=work / "api.log", env={"SSHAPI_WORKERS": str(workers)},
+    )  # fmt: skip
     try:
         env = {**os.environ, "SSHAPI_DATA_DIR": str(work)}
         env.pop("SSHAPI_TOKEN", None)
         env.pop("SSHAPI_CONFIG", None)
+        meter = CpuMeter(proc.pid, host.pid).start()
         done = subprocess.run(
             locust_argv(cell, url, args, meta), env=env, capture_output=True, text=True,
             timeout=args.run_timeout,
         )  # fmt: skip
+        found = REPORT_LINE.search(done.stdout + done.stderr)
+        summary = (
+            json.loads((Path(found.group(1)).parent / "summary.json").read_text())
+            if found
+            else None
+        )
+        gen = (summary or {}).get("meta", {}).get("generator_cpu") or {}
+        cpu = meter.stop(int(gen.get("requests") or 0), gen.get("seconds"))
     finally:
         stop_api(proc)
     (work / "locust.log").write_text(done.stdout + done.stderr)
-    found = REPORT_LINE.search(done.stdout + done.stderr)
-    if not found:
+    if not found or summary is None:
         return {"cell": asdict(cell), "repeat": repeat, "error": f"no report ({work}/locust.log)"}
-    summary = json.loads((Path(found.group(1)).parent / "summary.json").read_text())
+    summary["cpu"] = cpu
     return {"cell": asdict(cell), "repeat": repeat, "exit": done.returncode,
             "report": found.group(1), "summary": summary}  # fmt: skip
 
@@ -219,6 +233,12 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[str]:
     return images
 
 
+def _json(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    raise TypeError(f"not JSON serializable: {type(value).__name__}")
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--backends", nargs="+", default=["asyncssh"])
@@ -230,6 +250,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--burst-sizes", type=int, nargs="+", default=[10, 50, 100])
     p.add_argument("--connection", choices=["keep-alive", "new"], default="keep-alive")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--workers", type=int, default=1, help="API worker processes per cell.")
     p.add_argument("--run-timeout", type=float, default=3600.0, help="Seconds per Locust run.")
     p.add_argument("--out", type=Path, default=Path("reports"))
     return p.parse_args(argv)
@@ -264,12 +285,20 @@ def main(argv: list[str] | None = None) -> int:
         for host in hosts.values():
             host.stop(kill_sessions=True)
     rows = compare(results)
+    judged = verdicts(results)
     meta = {"args": {k: str(v) for k, v in vars(args).items()}, "versions": versions(),
             "cpu_count": os.cpu_count(), "duration_s": round(time.time() - started),
             "load_average_end": os.getloadavg(),
             "sshd_skipped_settings": {p: h.skipped_settings for p, h in hosts.items()}}  # fmt: skip
-    (args.out / "comparison.json").write_text(json.dumps({"rows": rows, "meta": meta}, indent=2))
-    (args.out / "comparison.md").write_text(render(rows, meta, plot(rows, args.out)))
+    (args.out / "comparison.json").write_text(
+        json.dumps({"rows": rows, "verdicts": judged, "meta": meta}, indent=2, default=_json)
+    )
+    verdict_text = render_verdicts(judged) if judged else ""
+    (args.out / "comparison.md").write_text(
+        render(rows, meta, plot(rows, args.out)) + "\n" + verdict_text + "\n"
+    )
+    if verdict_text:
+        print(verdict_text)
     print(f"comparison: {args.out / 'comparison.md'}")
     return 0 if all("summary" in r for r in results) else 1
 

@@ -52,6 +52,21 @@ def add_common_arguments(parser: Any) -> None:
     )
 
 
+def generator_cpu(used: dict[str, dict[str, float]]) -> dict[str, float | None]:
+    """All generator processes together: CPU seconds, requests sent, ms of CPU per request."""
+    seconds = sum(u["seconds"] for u in used.values())
+    requests = sum(u["requests"] for u in used.values())
+    return {
+        "seconds": round(seconds, 3),
+        "requests": requests,
+        "ms_per_request": round(seconds * 1000.0 / requests, 3) if requests else None,
+    }
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
 class Harness:
     """One per process. On the master and a local runner it owns the run: tokens, the records of
     every generator, the report. On a worker it records and ships its records at test stop."""
@@ -61,6 +76,9 @@ class Harness:
         self.name = name
         self.records: list[Record] = []
         self.cpu: dict[str, list[float]] = {}
+        # Per generator process: CPU seconds spent over its run and the requests it sent.
+        self.cpu_used: dict[str, dict[str, float]] = {}
+        self._cpu0 = 0.0
         self.done = 0
         self.t0 = time.time()
         self.meta: dict[str, Any] = {}
@@ -145,12 +163,26 @@ class Harness:
         """This generator sent its last request. A worker ships its records with the news: the
         master's shape ends the run on it, so records sent any later (at test stop) would
         arrive after the master wrote the report."""
+        self._measure_cpu()
         runner = self.env.runner
         if isinstance(runner, WorkerRunner):
-            runner.send_message("sshapi_done", {"records": to_wire(self.records), "cpu": self.cpu})
+            runner.send_message(
+                "sshapi_done",
+                {"records": to_wire(self.records), "cpu": self.cpu, "cpu_used": self.cpu_used},
+            )
             self.records = []
         else:
             self.done += 1
+
+    def _measure_cpu(self) -> None:
+        """This generator's CPU since the test started, beside the requests it sent (dropped
+        arrivals left out: they cost next to nothing)."""
+        t = psutil.Process(os.getpid()).cpu_times()
+        sent = sum(1 for r in self.records if r.error != DROPPED)
+        self.cpu_used[self.worker_label] = {
+            "seconds": t.user + t.system - self._cpu0,
+            "requests": float(sent),
+        }
 
     # -- lifecycle
     def _on_init(self, environment: Environment, **_: Any) -> None:
@@ -164,11 +196,15 @@ class Harness:
     def _on_done_message(self, msg: Any, **_: Any) -> None:
         self.records.extend(from_wire(msg.data["records"]))
         self.cpu.update(msg.data["cpu"])
+        self.cpu_used.update(msg.data.get("cpu_used", {}))
         self.done += 1
 
     def _on_test_start(self, environment: Environment, **_: Any) -> None:
         self.records = []
         self.cpu = {}
+        self.cpu_used = {}
+        t = psutil.Process(os.getpid()).cpu_times()
+        self._cpu0 = t.user + t.system
         self.done = 0
         self.t0 = time.time()
         runner = environment.runner
@@ -200,7 +236,10 @@ class Harness:
             print("sshapi load suite: no requests were recorded, no report written")
             self.exit_code = 1
             return
+        if not isinstance(runner, MasterRunner) and not self.cpu_used:
+            self._measure_cpu()  # the closed model never reports done
         meta = {**self.meta, **self._meta_after(), "duration_s": round(time.time() - self.t0, 1)}
+        meta["generator_cpu"] = generator_cpu(self.cpu_used)
         out = report.run_dir(Path(self.options.report_dir), self.name)
         summary = report.write_run(out, self.records, meta, self.cpu)
         failed = sum(1 for r in self.records if not r.ok)
@@ -211,6 +250,7 @@ class Harness:
             f"\nsshapi load suite: {summary['requests']} measured requests, {summary['failed']} "
             f"failed ({summary['errors'] or 'no errors'}); latency ms p50 {lat['p50']} "
             f"p90 {lat['p90']} p99 {lat['p99']} p99.9 {lat['p99.9']} max {lat['max']}\n"
+            f"generator CPU {_ms(meta['generator_cpu']['ms_per_request'])} ms per request\n"
             f"run {'VALID' if v['valid'] else 'INVALID: ' + '; '.join(v['reasons'])}\n"
             f"report: {out / 'report.md'}\n",
             flush=True,

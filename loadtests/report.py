@@ -114,6 +114,7 @@ def render(summary: dict[str, Any], images: dict[str, str | None]) -> str:
     lines += ["", "## Plots", ""]
     lines += [f"![{name}]({file})" for name, file in images.items() if file]
     late = v["lateness_ms"] or {}
+    gen = meta.get("generator_cpu") or {}
     lines += [
         "",
         "## Validity",
@@ -124,6 +125,8 @@ def render(summary: dict[str, Any], images: dict[str, str | None]) -> str:
         f"- dropped arrivals (in-flight cap): {v['dropped']}",
         "- generator CPU p90: "
         + (", ".join(f"{w} {c:.0f}%" for w, c in v["generator_cpu_p90"].items()) or "-"),
+        f"- generator CPU per request: {_ms(gen.get('ms_per_request'))} ms "
+        f"({gen.get('seconds', '-')} s over {gen.get('requests', '-')} requests)",
         "",
         "## Metadata",
         "",

@@ -60,6 +60,8 @@ PROFILES: dict[str, list[Stage]] = {
         Stage(20.0, 90.0),
         *(Stage(10.0, r) for r in (150.0, 200.0, 250.0, 300.0, 350.0, 400.0, 500.0, 600.0)),
     ],
+    # loadtests.bench's CPU row: a steady 100/s, the API's CPU per job at the rate.
+    "cpu": [Stage(3.0, 20.0, warmup=True), Stage(20.0, 100.0)],
     "bench-per-request": [
         Stage(5.0, 5.0, warmup=True),
         *(Stage(10.0, r) for r in (5.0, 10.0, 20.0, 30.0)),

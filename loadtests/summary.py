@@ -5,6 +5,7 @@ validity verdict. Pure functions over lists of Record."""
 from __future__ import annotations
 
 import math
+import statistics
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from typing import Any
@@ -136,7 +137,19 @@ def bursts(records: Sequence[Record]) -> list[dict[str, Any]]:
     for size, groups in sorted(by_size.items()):
         flat = [r for g in groups for r in g]
         makespans = [max(r.latency_ms for r in g) for g in groups]
+        # Where the median answer lands within its burst: near 0.5 when requests are served
+        # first come first served at a steady rate, near 1.0 when nearly all wait for the end.
+        medians = [statistics.median(r.latency_ms for r in g) for g in groups]
         rows.append(
-            {"size": size, **_group(flat), "makespan_ms": makespans, "repeats": len(groups)}
+            {
+                "size": size,
+                **_group(flat),
+                "makespan_ms": makespans,
+                "p50_over_makespan": [
+                    round(m / span, 3) if span else None
+                    for m, span in zip(medians, makespans, strict=True)
+                ],
+                "repeats": len(groups),
+            }
         )
     return rows

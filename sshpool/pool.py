@@ -14,7 +14,12 @@ Invariants of a host pool:
 - 0 <= conn.in_use <= conn.capacity <= limits.max_sessions for every pooled connection;
 - len(conns) + connecting <= limits.max_connections;
 - connecting <= limits.max_handshakes (the handshake gate: stock MaxStartups drops from 10);
-- a waiter is served in FIFO order: a new caller never takes a free slot while others wait;
+- waiters take turns by tenant (`Pool.run(..., tenant=...)`): each tenant's waiters are
+  served in FIFO order, and tenants with waiters are served round robin, one slot each per
+  turn, so one tenant's backlog delays another's command by at most one turn (`_Waiters`);
+  callers without a tenant share one queue (plain FIFO among them);
+- a new caller never takes a free slot while others wait;
+- len(waiters) <= limits.max_waiters, counted over all tenants;
 - an expired or dead connection takes no new lease and is closed once it has none.
 """
 
@@ -28,7 +33,7 @@ import logging
 import random
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Hashable, Iterator, Sequence
 from typing import Any
 
 from sshpool.backends import Backend, Connection, Exit, load_backend
@@ -183,6 +188,64 @@ class _Lease:
         return result
 
 
+class _Waiters:
+    """Callers waiting for a slot: a FIFO queue per tenant, and the tenants with waiters in a
+    ring. The next waiter is the head of the first tenant's queue; once served, that tenant
+    goes to the back of the ring if it still has waiters (round robin: with every command
+    costing one channel, deficit round robin reduces to this). A tenant that arrives joins the
+    back of the ring, so it waits for at most one turn of each tenant ahead of it, however long
+    their queues are."""
+
+    __slots__ = ("_len", "_queues", "_ring")
+
+    def __init__(self) -> None:
+        self._queues: dict[Hashable, deque[asyncio.Future[_Conn]]] = {}
+        self._ring: deque[Hashable] = deque()
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[asyncio.Future[_Conn]]:
+        for queue in self._queues.values():
+            yield from queue
+
+    def append(self, tenant: Hashable, fut: asyncio.Future[_Conn]) -> None:
+        queue = self._queues.get(tenant)
+        if queue is None:
+            queue = self._queues[tenant] = deque()
+            self._ring.append(tenant)
+        queue.append(fut)
+        self._len += 1
+
+    def peek(self) -> asyncio.Future[_Conn]:
+        """The waiter to serve next (IndexError when none)."""
+        return self._queues[self._ring[0]][0]
+
+    def popleft(self) -> asyncio.Future[_Conn]:
+        """Take the next waiter and end its tenant's turn."""
+        tenant = self._ring.popleft()
+        queue = self._queues[tenant]
+        fut = queue.popleft()
+        self._len -= 1
+        if queue:
+            self._ring.append(tenant)
+        else:
+            del self._queues[tenant]
+        return fut
+
+    def remove(self, tenant: Hashable, fut: asyncio.Future[_Conn]) -> None:
+        """Drop a waiter that gave up; ValueError if it is not waiting."""
+        queue = self._queues.get(tenant)
+        if queue is None:
+            raise ValueError("not waiting")
+        queue.remove(fut)
+        self._len -= 1
+        if not queue:
+            del self._queues[tenant]
+            self._ring.remove(tenant)
+
+
 async def _kill_exec(conn: Connection, pgid: int) -> None:
     """The one kill: TERM the remote process group, KILL it after a grace period."""
     await conn.exec(kill_group_line(pgid), None, Capture(4096), Capture(4096))
@@ -194,7 +257,7 @@ class _HostPool:
         self.limits = target.limits
         self.backend = backend
         self.conns: list[_Conn] = []
-        self.waiters: deque[asyncio.Future[_Conn]] = deque()
+        self.waiters = _Waiters()
         self.connecting = 0
         self.breaker = Breaker(
             self.limits.breaker_threshold,
@@ -215,10 +278,11 @@ class _HostPool:
         return best
 
     def _dispatch(self) -> None:
-        """Hand free slots to waiters in FIFO order, then grow if waiters remain."""
+        """Hand free slots to waiters in their turns (see `_Waiters`), then grow if waiters
+        remain."""
         self._prune()
         while self.waiters:
-            fut = self.waiters[0]
+            fut = self.waiters.peek()
             if fut.done():
                 self.waiters.popleft()
                 continue
@@ -336,7 +400,7 @@ class _HostPool:
         self._dispatch()
         return None
 
-    async def acquire(self, deadline: float | None) -> _Conn:
+    async def acquire(self, deadline: float | None, tenant: Hashable = None) -> _Conn:
         if not self.waiters:
             c = self._pick()
             if c is not None:
@@ -351,7 +415,7 @@ class _HostPool:
             self.counters["refused_full"] += 1
             raise PoolFull(f"{self.target}: {len(self.waiters)} callers already waiting")
         fut: asyncio.Future[_Conn] = self.loop.create_future()
-        self.waiters.append(fut)
+        self.waiters.append(tenant, fut)
         self._maybe_grow()
         try:
             async with asyncio.timeout_at(deadline):
@@ -361,7 +425,7 @@ class _HostPool:
             if not fut.done():
                 fut.cancel()
                 with contextlib.suppress(ValueError):
-                    self.waiters.remove(fut)
+                    self.waiters.remove(tenant, fut)
             elif not fut.cancelled() and fut.exception() is None:
                 # Served at the same moment we gave up: give the slot back.
                 self._release(fut.result())
@@ -371,9 +435,11 @@ class _HostPool:
             raise
 
     @contextlib.asynccontextmanager
-    async def lease(self, deadline: float | None, since: float) -> AsyncIterator[_Lease]:
-        """A channel slot for one exec (`since`: when the caller started, for the queue time).
-        How the body ends decides what becomes of the slot:
+    async def lease(
+        self, deadline: float | None, since: float, tenant: Hashable = None
+    ) -> AsyncIterator[_Lease]:
+        """A channel slot for one exec (`since`: when the caller started, for the queue time;
+        `tenant`: whose turn it waits for). How the body ends decides what becomes of the slot:
 
         - cleanly: released (and a shrunk connection earns back capacity);
         - ChannelRefused: the connection shrinks to what it holds now;
@@ -381,7 +447,7 @@ class _HostPool:
         - TimeoutError (the command's timeout): the remote group is killed, then released;
         - cancelled: killed and released in the background, so the caller returns at once.
         """
-        lease = _Lease(await self.acquire(deadline), since)
+        lease = _Lease(await self.acquire(deadline, tenant), since)
         c = lease.conn
         try:
             yield lease
@@ -600,8 +666,14 @@ class Pool:
         max_output: int = 1 << 20,
         on_started: Callable[[int], None] | None = None,
         on_output: Callable[[OutputStream, bytes], None] | None = None,
+        tenant: Hashable = None,
     ) -> CommandResult:
         """Run `command` (argv, quoted for the remote shell, or a raw shell line) on `target`.
+
+        When the target's slots are all taken, callers wait in turns by `tenant` (any hashable:
+        the API passes the job's owner): FIFO within a tenant, round robin across tenants, so a
+        tenant with a long backlog delays another tenant by at most one turn. Without a tenant,
+        callers share one FIFO queue.
 
         Raises PoolTimeout, PoolFull, HostUnavailable, ConnectTimeout, ConnectError,
         CommandTimeout (with the partial result) or ConnectionLost(started=True). Cancelling the
@@ -623,7 +695,7 @@ class Pool:
         refusals = 0
         while True:
             try:
-                async with host.lease(deadline, since=t0) as lease:
+                async with host.lease(deadline, since=t0, tenant=tenant) as lease:
                     async with asyncio.timeout(timeout):
                         end = await lease.exec(line, stdin, max_output, on_started, on_output)
             except ChannelRefused:

@@ -272,6 +272,20 @@ class AsyncsshConnection:
             await asyncio.wait_for(self._conn.wait_closed(), timeout=5)
 
 
+# Cipher preference, first match with the server wins. asyncssh's own default puts
+# chacha20-poly1305 first, which it runs as two separate cryptography calls per packet (ChaCha20
+# for the length and payload, Poly1305 for the tag); AES-GCM is one AEAD call, with AES-NI on
+# x86 and ARMv8 crypto extensions. Measured in docs/benchmarks.md (cipher choice).
+ENCRYPTION_ALGS = (
+    "aes128-gcm@openssh.com",
+    "aes256-gcm@openssh.com",
+    "chacha20-poly1305@openssh.com",
+    "aes256-ctr",
+    "aes192-ctr",
+    "aes128-ctr",
+)
+
+
 class AsyncsshBackend:
     name = "asyncssh"
 
@@ -290,6 +304,7 @@ class AsyncsshBackend:
             "config": None,
             "preferred_auth": "publickey",
             "password": None,
+            "encryption_algs": list(ENCRYPTION_ALGS),
         }
         try:
             conn = await asyncssh.connect(

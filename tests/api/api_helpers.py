@@ -333,6 +333,7 @@ def server_process(
         env["SSHAPI_CONFIG"] = str(settings.config)
     if settings.database_schema:
         env["SSHAPI_DATABASE_SCHEMA"] = settings.database_schema
+    env["SSHAPI_WORKERS"] = str(settings.workers)
     proc = subprocess.Popen([*wrapper, SSHAPI, "serve"], env=env, stdin=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -35,6 +35,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from api.auth import Principal, VerifiedTokens
 from sshpool.devhost import LocalHost
 
 
@@ -347,3 +348,30 @@ async def test_placeholder_secret_is_refused() -> None:
     for bad in ("changeme", "short"):
         with pytest.raises(ValidationError):
             Settings(jwt_secret=bad)  # type: ignore[arg-type]
+
+
+async def test_a_token_seen_before_is_refused_once_past_expiry_and_leeway(api: Api) -> None:
+    """A token verified (and remembered) while inside the leeway is refused once past it."""
+    exp = int(time.time()) - 3  # the test issuers' leeway is 5 s
+    headers = {"Authorization": f"Bearer {api.token(exp=exp)}"}
+    for _ in range(2):
+        r = await api.client.get(f"{api.url}/v1/jobs", headers=headers)
+        assert r.status_code == 200, r.text
+    await asyncio.sleep(exp + 5 + 0.5 - time.time())
+    r = await api.client.get(f"{api.url}/v1/jobs", headers=headers)
+    assert r.status_code == 401 and "expired" in r.json()["detail"]
+
+
+def test_verified_tokens_are_remembered_until_exp_and_bounded() -> None:
+    """The cache answers until `exp`, forgets after it, and keeps the most recently used."""
+    who = Principal("iss", "alice", frozenset({"jobs:read"}))
+    cache = VerifiedTokens(size=2)
+    a, b, c = (VerifiedTokens.digest(t) for t in ("a", "b", "c"))
+    cache.put(a, who, exp=100.0, generation=3)
+    assert cache.get(a, now=99.9) == (who, 3)
+    assert cache.get(a, now=100.0) is None and len(cache) == 0
+    cache.put(a, who, 200.0)
+    cache.put(b, who, 200.0)
+    assert cache.get(a, 150.0) == (who, 0)  # a is now the most recently used
+    cache.put(c, who, 200.0)
+    assert len(cache) == 2 and cache.get(b, 150.0) is None and cache.get(a, 150.0) == (who, 0)

@@ -6,11 +6,11 @@ import asyncio
 from typing import Any
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import func, text
 from sqlalchemy.exc import IntegrityError
 
 from api.settings import Settings
-from api.store import JobRow, Store, new_id, utcnow
+from api.store import JobRow, Store, aware, new_id, utcnow
 
 
 def job(**over: Any) -> JobRow:
@@ -121,3 +121,19 @@ async def test_a_database_from_before_batch_jobs_gets_the_new_columns_on_start(
         assert await again.mark_lost("r1") == 1  # the command; the batch job stays tracked
     finally:
         await again.close()
+
+
+async def test_update_with_a_sql_expression_keeps_the_first_start_time(store: Store) -> None:
+    """`started_at = coalesce(started_at, now)` (what the batch tracker writes) sets the start
+    once: a second such write keeps the first time, and the row reads back with it."""
+    row = await store.insert(job())
+    first = utcnow()
+    assert await store.update(
+        row.id, only_active=True, state="running",
+        started_at=func.coalesce(JobRow.started_at, first),
+    )  # fmt: skip
+    await asyncio.sleep(0.01)
+    assert await store.update(row.id, started_at=func.coalesce(JobRow.started_at, utcnow()))
+    back = await store.get(row.id)
+    assert back is not None and back.state == "running"
+    assert aware(back.started_at) == first

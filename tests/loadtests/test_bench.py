@@ -24,7 +24,8 @@ def rates(profile: str) -> set[str]:
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_bench_smoke_run_writes_every_figure(tmp_path: Path) -> None:
-    """One stock-sshd run: raw ceiling, API and per-request sweeps, a burst; figures add up."""
+    """One stock-sshd run: raw ceiling, CPU row, API and per-request sweeps, a burst; figures
+    add up."""
     done = subprocess.run(
         [sys.executable, "-m", "loadtests.bench", "--sshd", "stock", "--duration-factor", "0.02",
          "--raw-duration", "0.5", "--burst-size", "50", "--burst-repeats", "1",
@@ -53,6 +54,17 @@ def test_bench_smoke_run_writes_every_figure(tmp_path: Path) -> None:
     b = fig["burst"]
     assert (b["size"], b["repeats"], b["requests"]) == (50, 1, 50)
     assert len(b["makespan_ms"]) == 1 and b["makespan_max_ms"] == b["makespan_ms"][0]
+    assert len(b["p50_over_makespan"]) == 1 and 0 < b["p50_over_makespan"][0] <= 1
+
+    # Where the CPU went, for the steady run and every other Locust run: each job costs the API,
+    # the generator and sshd some CPU; the jobs counted are those the generator sent.
+    assert "| API | generator | sshd + shells | rest |" in output
+    runs = [fig["cpu"], fig["api"]["cpu"], fig["per_request"]["cpu"], *b["cpu"]]
+    for cpu in runs:
+        assert cpu["jobs"] > 0
+        for key in ("api_ms_per_job", "generator_ms_per_job", "sshd_ms_per_job"):
+            assert cpu[key] > 0, (key, cpu)
+    assert b["cpu"][0]["jobs"] == 50
 
     r = fig["ratios"]
     api, per = fig["api"], fig["per_request"]

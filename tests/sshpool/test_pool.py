@@ -310,3 +310,27 @@ async def test_target_can_choose_its_own_backend(tuned_host: LocalHost, backend:
         stats = pool.stats()
     assert [r.stdout for r in results] == [b"a\n", b"b\n"]
     assert (stats[default]["backend"], stats[chosen]["backend"]) == ("asyncssh", backend)
+
+
+async def test_a_backlog_on_real_sshd_delays_another_tenant_by_one_turn(
+    tuned_host: LocalHost,
+) -> None:
+    """100 queued `sleep 0.2` of one tenant: another tenant's commands wait one turn at most."""
+    target = tuned_host.target(max_connections=1, max_sessions=4)
+    async with Pool() as pool:
+        await pool.run(target, ["true"])  # connected: what follows measures the queue only
+        backlog = [
+            asyncio.create_task(pool.run(target, ["sleep", "0.2"], tenant="batchy"))
+            for _ in range(100)
+        ]
+        await asyncio.sleep(0.3)
+        queued = []
+        for _ in range(5):
+            result = await pool.run(target, ["true"], tenant="interactive")
+            queued.append(result.timings["queue"])
+        for task in backlog:
+            task.cancel()
+        await asyncio.gather(*backlog, return_exceptions=True)
+    # One turn is the next of four `sleep 0.2` slots to free up (<= 0.2 s, plus the channel
+    # close and open around it on a shared box); FIFO would put it behind ~95 of them (~5 s).
+    assert max(queued) <= 0.2 + 0.15, queued

@@ -11,7 +11,7 @@ import pytest
 from sshpool import ConnectionLost, Limits, Pool, Target
 from sshpool.breaker import Breaker
 from sshpool.devhost import FakeBackend
-from sshpool.errors import ConnectError
+from sshpool.errors import ConnectError, PoolFull, PoolTimeout
 
 
 def target(**limits: object) -> Target:
@@ -145,3 +145,71 @@ async def test_reuse_off_opens_one_connection_per_command() -> None:
     assert len(backend.conns) == 12
     assert [c.execs for c in backend.conns] == [1] * 12
     assert not any(c.alive for c in backend.conns)
+
+
+async def _backlog_and_singles(tenants: tuple[object, object]) -> tuple[list[float], float]:
+    """Tenant A queues 300 commands at once; tenant B then sends 10 single commands one after
+    the other. Returns B's queue times (s) and one channel turn (the fake exec time)."""
+    backend = FakeBackend(exec_time=0.05)
+    t = target(max_connections=1, max_sessions=4)
+    a, b = tenants
+    async with Pool(backend) as pool:
+        backlog = [asyncio.create_task(pool.run(t, ["a"], tenant=a)) for _ in range(300)]
+        await asyncio.sleep(0.1)  # the backlog is queued, the four slots busy
+        queued = []
+        for _ in range(10):
+            result = await pool.run(t, ["b"], tenant=b)
+            queued.append(result.timings["queue"])
+        for task in backlog:
+            task.cancel()
+        await asyncio.gather(*backlog, return_exceptions=True)
+    return queued, backend.exec_time
+
+
+async def test_a_tenants_backlog_delays_another_tenant_by_one_turn_at_most() -> None:
+    """With 300 of A's commands queued, each of B's single commands waits at most one channel
+    turn (the next slot to free), not behind A's backlog."""
+    queued, turn = await _backlog_and_singles(("alice", "bob"))
+    # One turn, plus scheduling slack on a shared box.
+    assert max(queued) <= turn + 0.02, queued
+
+
+async def test_without_tenants_the_queue_is_one_fifo_behind_the_backlog() -> None:
+    """Callers without a tenant share one FIFO queue: B's first command waits behind A's."""
+    queued, turn = await _backlog_and_singles((None, None))
+    assert queued[0] >= 50 * turn, queued  # ~290 commands ahead on 4 slots: ~3.6 s
+
+
+async def test_tenants_are_served_in_turns_and_each_in_its_own_order() -> None:
+    """With one slot, three tenants' queued commands run round robin, FIFO within each."""
+    backend = FakeBackend()
+    t = target(max_connections=1, max_sessions=1)
+    async with Pool(backend) as pool:
+        tasks = []
+        for tenant, n in (("a", 4), ("b", 2), ("c", 1)):
+            for i in range(n):
+                tasks.append(asyncio.create_task(pool.run(t, [f"{tenant}{i}"], tenant=tenant)))
+                await asyncio.sleep(0)
+        await asyncio.gather(*tasks)
+    ran = [line.rsplit("; ", 1)[1] for line in backend.order]
+    # All queue while the connection is made; then one each in turn: a, b, c, a, b, a, a.
+    assert ran == ["a0", "b0", "c0", "a1", "b1", "a2", "a3"]
+
+
+async def test_a_tenant_that_gives_up_leaves_the_turns_and_the_cap_counts_all_tenants() -> None:
+    """A waiter that times out leaves its tenant's queue; max_waiters counts every tenant."""
+    backend = FakeBackend(exec_time=0.2)
+    t = target(max_connections=1, max_sessions=1, max_waiters=2)
+    async with Pool(backend) as pool:
+        await pool.run(t, ["warm"])  # the connection is open: `busy` takes its one slot
+        busy = asyncio.create_task(pool.run(t, ["busy"], tenant="a"))
+        await asyncio.sleep(0.01)
+        with pytest.raises(PoolTimeout):
+            await pool.run(t, ["gives up"], tenant="b", acquire_timeout=0.01)
+        waiting = [asyncio.create_task(pool.run(t, [f"w{n}"], tenant=n)) for n in range(2)]
+        await asyncio.sleep(0.01)
+        with pytest.raises(PoolFull):
+            await pool.run(t, ["third"], tenant="c")
+        assert pool.stats()[t]["waiters"] == 2
+        await asyncio.gather(busy, *waiting)
+    assert not any("gives up" in line for line in backend.order)
