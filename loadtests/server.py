@@ -50,7 +50,8 @@ def config_data(host: dict[str, Any]) -> dict[str, Any]:
                 "issuer": LOCAL_ISSUER,
                 "audience": LOCAL_AUDIENCE,
                 "algorithms": ["HS256"],
-                "scopes": ["jobs:read", "jobs:write", "admin"],  # the soak's watcher is admin
+                # The soak's watcher is admin; the files benchmark uploads and downloads.
+                "scopes": ["jobs:read", "jobs:write", "files:read", "files:write", "admin"],
             }
         ],
         "hosts": {"local": host},

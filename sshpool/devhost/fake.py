@@ -11,8 +11,9 @@ a per-connection channel limit (ChannelRefused past `sshd_max_sessions`), connec
 order (`connect_failures`), connections that drop before or after the command started (`lose`).
 What it records (`order`, `conns`, `max_in_flight`) is what the tests assert on.
 
-Every exec prints ``4242\\n`` first, read by the pool as the remote process group id, then
-``conn<number>`` once it ran `exec_time` seconds.
+Every exec prints the wrapper's marker line first (``<token> 4242``, the token taken from the
+line the pool sent, as the remote shell's ``echo <token> $$`` would), read by the pool as the
+remote process group id, then ``conn<number>`` once it ran `exec_time` seconds.
 """
 
 from __future__ import annotations
@@ -57,7 +58,9 @@ class FakeConnection:
         self.execs += 1
         b.order.append(command)
         try:
-            stdout.feed(f"{FAKE_PGID}\n".encode())
+            # `wrap` sends "echo <token> $$; <command>": answer as the shell would.
+            token = command.partition(" $$; ")[0].removeprefix("echo ")
+            stdout.feed(f"{token} {FAKE_PGID}\n".encode())
             if b.lose and b.lose[0] == "after":
                 b.lose.pop(0)
                 self.alive = False
