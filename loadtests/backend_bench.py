@@ -26,10 +26,11 @@ from importlib.metadata import PackageNotFoundError, version
 
 from loadtests import hdr
 from sshpool import Pool, Target
+from sshpool.backends import BACKENDS as REGISTRY
 from sshpool.backends import load_backend
 from sshpool.devhost import LocalHost, sshd_version
 
-BACKENDS = ["asyncssh", "paramiko", "ssh2"]
+BACKENDS = list(REGISTRY)  # every backend the registry knows
 DISTRIBUTIONS = {"asyncssh": "asyncssh", "paramiko": "paramiko", "ssh2": "ssh2-python"}
 CONCURRENCY = [1, 8, 32]
 

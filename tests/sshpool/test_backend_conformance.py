@@ -35,12 +35,13 @@ from sshpool import (
     Pool,
     Target,
 )
+from sshpool.backends import BACKENDS as REGISTRY
 from sshpool.backends import Backend, Connection, Exit, load_backend
 from sshpool.command import Capture, new_marker, wrap
 from sshpool.devhost import LocalHost
 
 MakeHost = Callable[..., LocalHost]
-BACKENDS = ["asyncssh", "paramiko", "ssh2"]
+BACKENDS = list(REGISTRY)  # every backend the registry knows
 MB = 1 << 20
 
 

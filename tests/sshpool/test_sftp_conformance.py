@@ -19,12 +19,13 @@ from sshpool import (
     RemotePermissionDenied,
     RemoteUnsupported,
 )
+from sshpool.backends import BACKENDS as REGISTRY
 from sshpool.backends import Backend, Connection, load_backend
 from sshpool.backends.base import SFTPSession
 from sshpool.devhost import LocalHost
 
 MakeHost = Callable[..., LocalHost]
-BACKENDS = ["asyncssh", "paramiko", "ssh2"]
+BACKENDS = list(REGISTRY)  # every backend the registry knows
 
 
 @pytest.fixture(params=BACKENDS)
