@@ -16,8 +16,9 @@ every statement, cursor, ping and commit was a thread hop with a GIL handoff (ab
 4-5 ms of CPU per job on this box), and building a Core statement per write (cache key,
 coercions) cost about as much as running it. Values go through the columns' own SQLAlchemy bind
 processors, so what the writer stores reads back through the ORM exactly as before.
-PostgreSQL (asyncpg) needs no thread: the same transaction runs on the event loop through
-`run_sync`, with Core statements (SQLAlchemy caches their compiled form).
+PostgreSQL needs no thread: the writer keeps its own asyncpg connection on the event loop and
+runs the same statement shapes as text with `$n` parameters, each prepared once per connection
+by asyncpg's statement cache (`_PgWriter`); reads still go through SQLAlchemy.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, cast
 
+import asyncpg
 from sqlalchemy import (
     JSON,
     Boolean,
@@ -58,8 +60,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.engine import make_url
-from sqlalchemy.engine.interfaces import DBAPIConnection
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.engine.interfaces import DBAPIConnection, Dialect
+from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, defer, mapped_column
 from sqlalchemy.pool import ConnectionPoolEntry
@@ -162,8 +164,8 @@ class _Sql:
     """SQLite statements as DB-API text, one per shape (which columns, which conditions), built
     once; values converted by each column's bind processor (JSON, DateTime, Boolean)."""
 
-    def __init__(self) -> None:
-        self.dialect = dialect = sqlite_dialect.dialect()
+    def __init__(self, dialect: Dialect | None = None) -> None:
+        self.dialect = dialect = dialect or sqlite_dialect.dialect()
         self.process = {
             c.key: c.type.dialect_impl(dialect).bind_processor(dialect) for c in JOBS.columns
         }
@@ -237,6 +239,88 @@ def _sqlite_connect(path: str) -> sqlite3.Connection:
     return conn
 
 
+class _PgSql(_Sql):
+    """The same statement shapes for PostgreSQL: `$n` placeholders, values converted by the
+    asyncpg dialect's bind processors (JSON as text, which asyncpg passes to a json column)."""
+
+    def __init__(self) -> None:
+        super().__init__(make_url("postgresql+asyncpg://").get_dialect()())
+
+    def insert(self, keys: tuple[str, ...]) -> str:
+        shape = ("insert", keys)
+        sql = self.cache.get(shape)
+        if sql is None:
+            marks = ", ".join(f"${n}" for n in range(1, len(keys) + 1))
+            sql = self.cache[shape] = (
+                f"INSERT INTO {JOBS.name} ({', '.join(keys)}) VALUES ({marks})"
+            )
+        return sql
+
+    def update(self, keys: tuple[str, ...], only_active: bool, unless_cancel: bool) -> str:
+        shape = ("update", keys, only_active, unless_cancel)
+        sql = self.cache.get(shape)
+        if sql is None:
+            sets = ", ".join(f"{k} = ${n}" for n, k in enumerate(keys, 1))
+            where = self.where(len(keys) + 1, only_active, unless_cancel)
+            sql = self.cache[shape] = f"UPDATE {JOBS.name} SET {sets} {where}"
+        return sql
+
+    @staticmethod
+    def where(id_mark: int, only_active: bool, unless_cancel: bool) -> str:
+        """The WHERE clause of an update, the job id as parameter `$id_mark`."""
+        where = [f"id = ${id_mark}"]
+        if only_active:
+            where.append(f"state IN ({ACTIVE_SQL})")
+        if unless_cancel:
+            where.append("cancel_requested IS NULL")
+        return f"WHERE {' AND '.join(where)}"
+
+    def compiled(self, statement: ClauseElement) -> tuple[str, list[Any]]:
+        """Any Core statement as asyncpg text and its processed positional parameters (the rare
+        update whose value is a SQL expression)."""
+        compiled = cast(SQLCompiler, statement.compile(dialect=self.dialect))
+        raw = compiled.construct_params() or {}
+        params = []
+        for name in compiled.positiontup or ():
+            value = raw[name]
+            convert = (
+                compiled.binds[name].type.dialect_impl(self.dialect).bind_processor(self.dialect)
+            )
+            params.append(convert(value) if convert is not None and value is not None else value)
+        return str(compiled), params
+
+
+class _PgWriter:
+    """The writer's own asyncpg connection (PostgreSQL). Each statement shape is prepared once
+    per connection (asyncpg's statement cache) and executed with plain values: through
+    SQLAlchemy's `run_sync` every write built and compiled a Core statement, crossed greenlets,
+    and every transaction checked a connection out of the pool with a ping (`pool_pre_ping`),
+    a round trip of its own. Connection errors surface as SQLAlchemy's OperationalError, as
+    they did through the engine, so an unreachable store is still a 503; the next transaction
+    reconnects."""
+
+    def __init__(self, url: str, schema: str | None) -> None:
+        self.dsn = make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+        self.settings = {"search_path": schema} if schema else {}
+        self.sql = _PgSql()
+        self.conn: asyncpg.Connection | None = None
+
+    async def transaction(self, writes: list[Write]) -> list[Any]:
+        try:
+            if self.conn is None or self.conn.is_closed():
+                self.conn = await asyncpg.connect(self.dsn, server_settings=self.settings)
+            async with self.conn.transaction():
+                return [await write(self.conn) for write in writes]
+        except (asyncpg.InterfaceError, asyncpg.PostgresConnectionError, OSError) as exc:
+            await self.close()
+            raise OperationalError("store writer transaction", None, exc) from exc
+
+    async def close(self) -> None:
+        conn, self.conn = self.conn, None
+        if conn is not None and not conn.is_closed():
+            conn.terminate()  # never waits on a server that went away
+
+
 class Store:
     def __init__(self, url: str, *, schema: str | None = None) -> None:
         self.url = url
@@ -249,6 +333,8 @@ class Store:
         self._sqlite: sqlite3.Connection | None = None
         self._sql = _Sql()
         self._thread: ThreadPoolExecutor | None = None
+        # PostgreSQL only: the writer's own asyncpg connection.
+        self._pg: _PgWriter | None = None
 
     @property
     def dialect(self) -> str:
@@ -274,6 +360,8 @@ class Store:
             await conn.run_sync(_add_missing_columns)
         self._engine = engine
         self._sessions = async_sessionmaker(engine, expire_on_commit=False)
+        if self.dialect == "postgresql":
+            self._pg = _PgWriter(self.url, self.schema)
         if self.dialect == "sqlite":
             database = make_url(self.url).database or ":memory:"
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="store-writer")
@@ -295,6 +383,9 @@ class Store:
                 self._sqlite = None
             self._thread.shutdown()
             self._thread = None
+        if self._pg is not None:
+            await self._pg.close()
+            self._pg = None
         if self._engine is not None:
             await self._engine.dispose()
             self._engine = None
@@ -364,6 +455,8 @@ class Store:
                 return results
 
             return await asyncio.get_running_loop().run_in_executor(self._thread, run)
+        if self._pg is not None:
+            return await self._pg.transaction(writes)
         if self._engine is None:
             raise RuntimeError("store not started")
         async with self._engine.begin() as conn:
@@ -384,6 +477,16 @@ class Store:
                     db.execute(sql, params)
                 except sqlite3.IntegrityError as exc:
                     # The same exception as from SQLAlchemy: callers catch one kind.
+                    raise IntegrityError(sql, params, exc) from None
+        elif self._pg is not None:
+            pg = self._pg.sql
+            values = pg.with_defaults(values)
+            sql, params = pg.insert(tuple(values)), pg.params(values)
+
+            async def add(conn: asyncpg.Connection) -> None:
+                try:
+                    await conn.execute(sql, *params)
+                except asyncpg.UniqueViolationError as exc:
                     raise IntegrityError(sql, params, exc) from None
         else:
 
@@ -431,6 +534,21 @@ class Store:
                 return db.execute(sql, params).rowcount > 0
 
             return bool(await self._write(run))
+        if self._pg is not None:
+            pg = self._pg.sql
+            if any(isinstance(v, ClauseElement) for v in values.values()):  # rare: per call
+                sets, params = pg.compiled(update(JOBS).values(**values))
+                params.append(job_id)
+                sql = f"{sets} {pg.where(len(params), only_active, unless_cancel_requested)}"
+            else:
+                sql = pg.update(tuple(values), only_active, unless_cancel_requested)
+                params = [*pg.params(values), job_id]
+
+            async def change(conn: asyncpg.Connection) -> bool:
+                status: str = await conn.execute(sql, *params)  # "UPDATE <rows>"
+                return status.rsplit(" ", 1)[-1] != "0"
+
+            return bool(await self._write(change))
         query = update(JOBS).where(JOBS.c.id == job_id).values(**values)
         if only_active:
             query = query.where(JOBS.c.state.in_(ACTIVE))

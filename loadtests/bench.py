@@ -304,6 +304,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--run-timeout", type=float, default=900.0, help="Seconds per Locust run.")
     p.add_argument("--workers", type=int, default=1, help="API worker processes (SSHAPI_WORKERS).")
     p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="What to run.")
+    p.add_argument(
+        "--database-url",
+        help="The API's job store (SSHAPI_DATABASE_URL), e.g. "
+        "postgresql+asyncpg://postgres@127.0.0.1:5432/test: each run gets a fresh schema, "
+        "dropped after. Default: SQLite in each run's directory.",
+    )
     p.add_argument("--out", type=Path, default=Path("reports"))
     args = p.parse_args(argv)
     # What experiment.run_cell reads besides the above.

@@ -16,6 +16,7 @@ cell merge the HdrHistograms of its repeats.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import itertools
 import json
@@ -25,13 +26,17 @@ import re
 import subprocess
 import sys
 import time
+import uuid
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy.engine import make_url
+
 from loadtests import hdr
 from loadtests.cpu import CpuMeter
+from loadtests.replicas import drop_schema
 from loadtests.report import run_dir, versions
 from loadtests.schedule import PROFILES
 from loadtests.server import POOL_MODES, limits, start_api, stop_api
@@ -92,9 +97,16 @@ def run_cell(cell: Cell, repeat: int, host: Any, args: argparse.Namespace) -> di
             "pool_limits": dataclasses.asdict(lim), "sshd_port": host.port}  # fmt: skip
     workers = getattr(args, "workers", 1)
     meta["workers"] = workers
+    api_env = {"SSHAPI_WORKERS": str(workers)}
+    database_url = getattr(args, "database_url", None)
+    if database_url:
+        # PostgreSQL: a fresh schema per run (dropped after), as a fresh SQLite file would be.
+        api_env["SSHAPI_DATABASE_URL"] = database_url
+        api_env["SSHAPI_DATABASE_SCHEMA"] = f"sshapi_bench_{uuid.uuid4().hex[:12]}"
+        meta["store"] = make_url(database_url).render_as_string(hide_password=True)
     proc, url = start_api(
         host, backend=cell.backend, pool_mode=cell.pool_mode, data_dir=work,
-        log=work / "api.log", env={"SSHAPI_WORKERS": str(workers)},
+        log=work / "api.log", env=api_env,
     )  # fmt: skip
     try:
         env = {**os.environ, "SSHAPI_DATA_DIR": str(work)}
@@ -115,6 +127,8 @@ def run_cell(cell: Cell, repeat: int, host: Any, args: argparse.Namespace) -> di
         cpu = meter.stop(int(gen.get("requests") or 0), gen.get("seconds"))
     finally:
         stop_api(proc)
+        if database_url:
+            asyncio.run(drop_schema(database_url, api_env["SSHAPI_DATABASE_SCHEMA"]))
     (work / "locust.log").write_text(done.stdout + done.stderr)
     if not found or summary is None:
         return {"cell": asdict(cell), "repeat": repeat, "error": f"no report ({work}/locust.log)"}
