@@ -35,11 +35,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from loadtests import hdr
 from loadtests.backend_bench import BACKENDS, closed_loop
 from loadtests.experiment import Cell, run_cell
 from loadtests.report import run_dir, versions
+from loadtests.schedule import PROFILES
 from loadtests.server import limits
-from sshpool import Pool
+from sshpool import Pool, Target
 from sshpool.devhost import LocalHost, sshd_version
 
 KNEE_P99_MS = 100.0
@@ -49,10 +51,31 @@ PARTS = ("raw", "cpu", "api", "per-request", "burst")
 COMMAND = ("hostname",)  # what loadtests/sustained.py runs by default (--remote-command)
 
 
+async def paced(
+    pool: Pool, target: Target, rate: float, duration: float
+) -> tuple[float | None, int]:
+    """One caller running COMMAND at intended times 1/rate apart (the open model of the API's
+    low-rate step, without the API): p50 ms from the intended time, and the errors."""
+    times: list[float] = []
+    errors = 0
+    start = time.perf_counter()
+    for n in range(int(rate * duration)):
+        due = start + n / rate
+        await asyncio.sleep(max(0.0, due - time.perf_counter()))
+        try:
+            await pool.run(target, list(COMMAND), timeout=30)
+        except Exception:
+            errors += 1
+            continue
+        times.append((time.perf_counter() - due) * 1000)
+    return hdr.percentiles(hdr.histogram(times))["p50"], errors
+
+
 async def raw_ceiling(
-    host: LocalHost, backend: str, concurrency: int, duration: float
+    host: LocalHost, backend: str, concurrency: int, duration: float, low_duration: float
 ) -> dict[str, Any]:
-    """sshpool alone with the API's limits for this sshd: low-load p50 and saturation."""
+    """sshpool alone with the API's limits for this sshd: low-load p50 (back to back, and paced
+    at the API's low rate), and saturation."""
     target = host.target(**dataclasses.asdict(limits("pooled", host.profile)))
     async with Pool(backend=backend) as pool:
         await pool.prewarm(target)
@@ -60,6 +83,7 @@ async def raw_ceiling(
             pool, target, concurrency, min(1.0, duration / 5), COMMAND
         )  # warm every slot
         low = await closed_loop(pool, target, 1, duration, COMMAND)
+        low_paced, paced_errors = await paced(pool, target, LOW_RATE, low_duration)
         sat = await closed_loop(pool, target, concurrency, duration, COMMAND)
     return {
         "concurrency": concurrency,
@@ -67,7 +91,8 @@ async def raw_ceiling(
         "p50_ms": sat.p50_ms,
         "p99_ms": sat.p99_ms,
         "low_load_p50_ms": low.p50_ms,
-        "errors": low.errors + sat.errors,
+        "low_rate_p50_ms": low_paced,
+        "errors": low.errors + paced_errors + sat.errors,
     }
 
 
@@ -120,22 +145,27 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def ratios(fig: dict[str, Any]) -> dict[str, float | None]:
-    if not all(k in fig for k in ("raw", "api", "per_request")):
-        return {}
-    raw, api, per = fig["raw"], fig["api"], fig["per_request"]
-    at50 = f"{PAPER_RATES[0]:g}"
-    return {
-        "api_knee_over_raw_ceiling": _ratio(api["knee_per_s"], raw["commands_per_s"]),
-        "api_knee_over_per_request_knee": _ratio(api["knee_per_s"], per["knee_per_s"]),
-        "per_request_p50_over_api_p50_at_50": _ratio(
+    """The ratios whose parts were run (`--parts raw api` still gives the overheads)."""
+    out: dict[str, float | None] = {}
+    raw, api, per = fig.get("raw"), fig.get("api"), fig.get("per_request")
+    if raw and api:
+        low = api["stages"][f"{LOW_RATE:g}"]["p50_ms"]
+        out["api_knee_over_raw_ceiling"] = _ratio(api["knee_per_s"], raw["commands_per_s"])
+        out["api_overhead_low_load_ms"] = _difference(low, raw["low_load_p50_ms"])
+        # The same overhead against sshpool paced at the same rate: at 10/s every process on
+        # the path wakes from idle for each command, with or without the API in front.
+        out["api_overhead_at_same_rate_ms"] = _difference(low, raw.get("low_rate_p50_ms"))
+    if api and per:
+        at50 = f"{PAPER_RATES[0]:g}"
+        out["api_knee_over_per_request_knee"] = _ratio(api["knee_per_s"], per["knee_per_s"])
+        out["per_request_p50_over_api_p50_at_50"] = _ratio(
             per["stages"][at50]["p50_ms"], api["stages"][at50]["p50_ms"]
-        ),
-        "api_overhead_low_load_ms": (
-            api["stages"][f"{LOW_RATE:g}"]["p50_ms"] - raw["low_load_p50_ms"]
-            if api["stages"][f"{LOW_RATE:g}"]["p50_ms"] is not None and raw["low_load_p50_ms"]
-            else None
-        ),
-    }
+        )
+    return out
+
+
+def _difference(a: float | None, b: float | None) -> float | None:
+    return a - b if a is not None and b else None
 
 
 # (name, where in the figures, comparison, goal). The issue's targets for this box.
@@ -195,7 +225,8 @@ def table(figures: list[dict[str, Any]]) -> str:
                 f"| {f['sshd']} | raw sshpool | {_fmt(raw['commands_per_s'])}/s at "
                 f"{raw['concurrency']} callers | {_fmt(raw['p50_ms'])} | - "
                 f"| {_fmt(raw['p99_ms'])} | {raw['errors']} | 1 caller p50 "
-                f"{_fmt(raw['low_load_p50_ms'])} |"
+                f"{_fmt(raw['low_load_p50_ms'])}; paced {LOW_RATE:g}/s p50 "
+                f"{_fmt(raw.get('low_rate_p50_ms'))} |"
             )
         for design in ("api", "per_request", "cpu_run"):
             d = f.get(design)
@@ -269,8 +300,9 @@ def bench_profile(host: LocalHost, args: argparse.Namespace) -> dict[str, Any]:
     parts = set(args.parts)
     if "raw" in parts:
         print(f"sshd {sshd}: raw ceiling ({args.raw_duration:g} s per level)", flush=True)
+        low_duration = PROFILES["bench"][1].duration * args.duration_factor  # the API's 10/s
         fig["raw"] = asyncio.run(
-            raw_ceiling(host, args.backend, args.raw_concurrency, args.raw_duration)
+            raw_ceiling(host, args.backend, args.raw_concurrency, args.raw_duration, low_duration)
         )
     if "cpu" in parts:
         fig["cpu_run"] = sustained(_run(Cell(args.backend, sshd, "pooled", "cpu"), host, args))

@@ -42,6 +42,7 @@ def test_bench_smoke_run_writes_every_figure(tmp_path: Path) -> None:
     raw = fig["raw"]
     assert raw["commands_per_s"] > 0 and raw["errors"] == 0
     assert raw["low_load_p50_ms"] > 0 and 0 < raw["p50_ms"] <= raw["p99_ms"]
+    assert raw["low_rate_p50_ms"] > 0  # sshpool paced at the API's low rate
     for design, profile in (("api", "bench"), ("per_request", "bench-per-request")):
         assert set(fig[design]["stages"]) == rates(profile)
         for st in fig[design]["stages"].values():
@@ -75,6 +76,9 @@ def test_bench_smoke_run_writes_every_figure(tmp_path: Path) -> None:
         )
     assert math.isclose(
         r["api_overhead_low_load_ms"], api["stages"]["10"]["p50_ms"] - raw["low_load_p50_ms"]
+    )
+    assert math.isclose(
+        r["api_overhead_at_same_rate_ms"], api["stages"]["10"]["p50_ms"] - raw["low_rate_p50_ms"]
     )
     assert [t["target"] for t in fig["targets"]] == [name for name, *_ in TARGETS]
     assert all(isinstance(t["met"], bool) for t in fig["targets"])

@@ -84,6 +84,17 @@ def test_a_connection_idle_past_the_limit_is_not_reused(server: Server) -> None:
     assert server.ports[0] == server.ports[1] != server.ports[2]
 
 
+def test_a_steady_low_rate_over_many_identities_keeps_one_connection(server: Server) -> None:
+    """Connections are shared by every identity (tokens are headers, not connections) and the
+    most recently used one is taken first: at a steady low rate, requests spaced well below
+    max_idle all go over one connection, so no request pays a TCP connect."""
+    c = client(server.url, max_idle=0.5)
+    for n in range(5):
+        assert c.post(f"identity-{n}").ok
+        gevent.sleep(0.1)
+    assert len(server.ports) == 5 and len(set(server.ports)) == 1
+
+
 def test_connection_new_opens_one_connection_per_request(server: Server) -> None:
     """`new` sends Connection: close: every request has its own connection."""
     c = client(server.url, connection="new")
