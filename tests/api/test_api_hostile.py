@@ -261,7 +261,9 @@ async def test_huge_tokens_and_headers_are_refused_cheaply(
     assert r.status_code == 401
     assert 'error="invalid_token"' in r.headers["WWW-Authenticate"]
     assert "too large" in r.json()["detail"]
-    assert max(latencies) < 1000
+    # Blocked, the probes time out (5 s each, counted as 5000); the bound leaves room for a busy
+    # shared box (1.7 s seen at load 9) and still tells a served probe from a stalled loop.
+    assert max(latencies) < 3000
 
 
 async def test_idle_and_half_sent_connections_are_closed_and_cannot_exhaust_descriptors(
