@@ -31,13 +31,15 @@ READY_TIMEOUT = 30.0
 def limits(mode: str, sshd_profile: str) -> Limits:
     """Pool limits per pool mode. `pooled` uses what the API uses for that sshd: the embedded
     host's limits for `tuned` (MaxSessions 16, MaxStartups 30:30:100), the pool's defaults for
-    `stock`. `per-request` opens up to 64 connections at once, one command each, as the old
-    design did (stock MaxStartups 10:30:100 starts refusing them at 10)."""
+    `stock` with one connection kept open, as api/sshapi.example.toml deploys it (without it,
+    a burst on a fresh API waited 0.4-0.7 s for its first handshakes before any command ran:
+    docs/benchmarks.md). `per-request` opens up to 64 connections at once, one command each, as
+    the old design did (stock MaxStartups 10:30:100 starts refusing them at 10)."""
     if mode == "per-request":
         return Limits(max_connections=64, max_sessions=1, max_handshakes=64, reuse=False)
     if mode != "pooled":
         raise ValueError(f"pool mode {mode!r} is not one of {POOL_MODES}")
-    return LOCAL_LIMITS if sshd_profile == "tuned" else Limits()
+    return LOCAL_LIMITS if sshd_profile == "tuned" else Limits(min_connections=1)
 
 
 def config_data(host: dict[str, Any]) -> dict[str, Any]:
