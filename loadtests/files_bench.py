@@ -8,14 +8,20 @@ file of random bytes, then uploads it with `PUT .../files/content` and downloads
 every 50 ms (psutil) during each. Then `scp` moves the same file both ways over the same sshd
 with the same key and known_hosts (OpenSSH 9's scp speaks SFTP too). It prints MB/s for each,
 the API/scp ratio, the RSS growth per transfer and the load average (this box is shared: the
-figures move with it).
+figures move with it), and where the CPU went during each transfer: seconds of CPU of the API
+process, of this client, of the sshd side (the listener and every session process under it,
+internal-sftp included) and of scp with its ssh child. On a box with few cores a path that needs
+more CPU per byte is slower however it is written, so the CPU split says which process to make
+cheaper.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -46,6 +52,7 @@ class Transfer:
     mb_per_s: float
     rss_before_mib: float | None = None
     rss_peak_mib: float | None = None
+    cpu: dict[str, float] | None = None  # CPU seconds per process group during the transfer
 
     @property
     def rss_growth_mib(self) -> float | None:
@@ -83,6 +90,74 @@ class RssSampler:
         self.peak = max(self.peak, self._rss())
 
 
+def tree_cpu(pid: int) -> dict[tuple[int, float], float]:
+    """CPU seconds (user + system, reaped children included) of a process and of each of its
+    descendants, by (pid, start time)."""
+    out: dict[tuple[int, float], float] = {}
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return out
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            t = proc.cpu_times()
+            out[(proc.pid, proc.create_time())] = (
+                t.user + t.system + t.children_user + t.children_system
+            )
+    return out
+
+
+class CpuMeter:
+    """CPU seconds spent during a `with` body by the API process, this process (the client),
+    this process's waited-for children (scp and its ssh: exact, from getrusage), and the sshd
+    tree. sshd does not count its ended session processes in its own children times, so the
+    trees are sampled every SAMPLE seconds and each process's last sample counts (a session
+    that ends loses at most its last SAMPLE seconds)."""
+
+    def __init__(self, api_pid: int | None, sshd_pid: int | None) -> None:
+        self.trees = {k: v for k, v in (("API", api_pid), ("sshd", sshd_pid)) if v is not None}
+        self.spent: dict[str, float] = {}
+        self._base: dict[str, dict[tuple[int, float], float]] = {}
+        self._last: dict[str, dict[tuple[int, float], float]] = {k: {} for k in self.trees}
+        self._own: dict[str, float] = {}
+        self._sampling = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def _own_now() -> dict[str, float]:
+        me = psutil.Process().cpu_times()
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return {"client": me.user + me.system, "scp+ssh": kids.ru_utime + kids.ru_stime}
+
+    def _sample(self) -> None:
+        for name, pid in self.trees.items():
+            self._last[name].update(tree_cpu(pid))
+
+    def _run(self) -> None:
+        while not self._stop.wait(SAMPLE):
+            self._sample()
+        self._sampling = time.thread_time()  # the meter's own cost, not the client's
+
+    def __enter__(self) -> CpuMeter:
+        self._own = self._own_now()
+        self._base = {name: tree_cpu(pid) for name, pid in self.trees.items()}
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        own = self._own_now()
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+        self.spent = {k: own[k] - self._own[k] for k in own}
+        self.spent["client"] -= self._sampling
+        for name, last in self._last.items():
+            base = self._base[name]
+            self.spent[name] = sum(v - base.get(key, 0.0) for key, v in last.items())
+
+
 def make_file(path: Path, size: int) -> str:
     """Write `size` random bytes to `path`; returns their sha256."""
     digest = hashlib.sha256()
@@ -106,7 +181,7 @@ def _rate(size: int, seconds: float) -> float:
 
 
 def api_transfers(
-    url: str, token: str, api_pid: int, source: Path, remote: str, sha256: str
+    url: str, token: str, api_pid: int, sshd_pid: int | None, source: Path, remote: str, sha256: str
 ) -> list[Transfer]:
     """Upload `source` to `remote` through the API, then download it; both checked by sha256."""
     size = source.stat().st_size
@@ -114,7 +189,7 @@ def api_transfers(
     auth = {"Authorization": f"Bearer {token}"}
     out: list[Transfer] = []
     with httpx.Client(timeout=httpx.Timeout(600.0)) as client:
-        with RssSampler(api_pid) as rss:
+        with RssSampler(api_pid) as rss, CpuMeter(api_pid, sshd_pid) as cpu:
             t0 = time.perf_counter()
             r = client.put(
                 endpoint,
@@ -125,9 +200,9 @@ def api_transfers(
             seconds = time.perf_counter() - t0
         if r.status_code not in (200, 201) or r.json()["sha256"] != sha256:
             raise RuntimeError(f"upload failed: {r.status_code} {r.text[:300]}")
-        out.append(_transfer("API upload", size, seconds, rss))
+        out.append(_transfer("API upload", size, seconds, rss, cpu))
         digest = hashlib.sha256()
-        with RssSampler(api_pid) as rss:
+        with RssSampler(api_pid) as rss, CpuMeter(api_pid, sshd_pid) as cpu:
             t0 = time.perf_counter()
             with client.stream("GET", endpoint, params={"path": remote}, headers=auth) as r:
                 r.raise_for_status()
@@ -136,12 +211,13 @@ def api_transfers(
             seconds = time.perf_counter() - t0
         if digest.hexdigest() != sha256:
             raise RuntimeError("the download's sha256 differs from the file's")
-        out.append(_transfer("API download", size, seconds, rss))
+        out.append(_transfer("API download", size, seconds, rss, cpu))
     return out
 
 
-def _transfer(name: str, size: int, seconds: float, rss: RssSampler) -> Transfer:
-    return Transfer(name, seconds, _rate(size, seconds), rss.before / MIB, rss.peak / MIB)
+def _transfer(name: str, size: int, seconds: float, rss: RssSampler, cpu: CpuMeter) -> Transfer:
+    rate = _rate(size, seconds)
+    return Transfer(name, seconds, rate, rss.before / MIB, rss.peak / MIB, cpu.spent)
 
 
 def scp_argv(ssh_argv: list[str]) -> list[str]:
@@ -151,7 +227,9 @@ def scp_argv(ssh_argv: list[str]) -> list[str]:
     return ["-P" if a == "-p" else a for a in argv]
 
 
-def scp_transfers(ssh_argv: list[str], source: Path, remote: str, back: Path) -> list[Transfer]:
+def scp_transfers(
+    ssh_argv: list[str], sshd_pid: int | None, source: Path, remote: str, back: Path
+) -> list[Transfer]:
     size = source.stat().st_size
     where = ssh_argv[-1]  # user@host
     out = []
@@ -159,10 +237,11 @@ def scp_transfers(ssh_argv: list[str], source: Path, remote: str, back: Path) ->
         ("scp upload", [str(source), f"{where}:{remote}"]),
         ("scp download", [f"{where}:{remote}", str(back)]),
     ):
-        t0 = time.perf_counter()
-        subprocess.run([*scp_argv(ssh_argv), *args], check=True)
-        seconds = time.perf_counter() - t0
-        out.append(Transfer(name, seconds, _rate(size, seconds)))
+        with CpuMeter(None, sshd_pid) as cpu:
+            t0 = time.perf_counter()
+            subprocess.run([*scp_argv(ssh_argv), *args], check=True)
+            seconds = time.perf_counter() - t0
+        out.append(Transfer(name, seconds, _rate(size, seconds), cpu=cpu.spent))
     return out
 
 
@@ -187,9 +266,9 @@ def measure(host: Any, size: int, workdir: Path, backend: str = "asyncssh") -> d
         settings = Settings(data_dir=api_dir)
         scopes = ["files:read", "files:write"]
         token = local_token(settings, resolve_config(settings), "files-bench", scopes)
-        transfers = api_transfers(url, token, proc.pid, source, remote, sha256)
+        transfers = api_transfers(url, token, proc.pid, host.pid, source, remote, sha256)
         os.remove(remote)
-        transfers += scp_transfers(host.ssh_argv(), source, remote, back)
+        transfers += scp_transfers(host.ssh_argv(), host.pid, source, remote, back)
     finally:
         stop_api(proc)
         for path in (remote, source, back):
@@ -223,6 +302,14 @@ def report(result: dict[str, Any]) -> str:
             else ""
         )
         lines.append(f"{t['name']:<14} {t['seconds']:>8.2f} {t['mb_per_s']:>8.1f} {rss}")
+    lines.append("CPU seconds during each transfer (cores busy = total CPU / wall seconds):")
+    for t in result["transfers"]:
+        cpu = {k: v for k, v in (t["cpu"] or {}).items() if v >= 0.05}
+        total = sum(cpu.values())
+        split = "  ".join(f"{k} {v:.1f}" for k, v in cpu.items())
+        lines.append(
+            f"{t['name']:<14} {split}  total {total:.1f} ({total / t['seconds']:.2f} cores)"
+        )
     lines.append(
         f"API / scp: upload {result['ratio_upload']:.0%}, download {result['ratio_download']:.0%}"
         " (target >= 70%)"
