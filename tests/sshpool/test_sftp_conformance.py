@@ -4,6 +4,7 @@ internal-sftp), and the pool's SFTP lease. Parametrized like test_backend_confor
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -231,19 +232,22 @@ async def test_a_lease_cancelled_mid_read_keeps_the_connection_unless_the_backen
             while True:
                 await f.read(1 << 20)
 
-    async with Pool(backend) as pool:
-        task = asyncio.create_task(read_forever())
-        await asyncio.wait_for(started.wait(), 30)
-        await asyncio.sleep(0.05)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        stats = pool.stats()[target]
-        assert stats["channels_in_use"] == 0
-        assert (await pool.run(target, ["echo", "ok"], timeout=10)).stdout == b"ok\n"
-        connects = pool.stats()[target]["counters"]["connects"]
-        assert connects == (2 if backend.name == "ssh2" else 1)
-    os.remove(path)  # the account's home is shared by the whole suite
+    try:
+        async with Pool(backend) as pool:
+            task = asyncio.create_task(read_forever())
+            await asyncio.wait_for(started.wait(), 30)
+            await asyncio.sleep(0.05)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            stats = pool.stats()[target]
+            assert stats["channels_in_use"] == 0
+            assert (await pool.run(target, ["echo", "ok"], timeout=10)).stdout == b"ok\n"
+            connects = pool.stats()[target]["counters"]["connects"]
+            assert connects == (2 if backend.name == "ssh2" else 1)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)  # the account's home is shared by the whole suite
 
 
 async def test_connection_lost_mid_transfer_raises_connection_lost(
