@@ -5,17 +5,27 @@
 It starts a local sshd (`tuned`) and the API (`loadtests.server.start_api`, pooled), writes a
 file of random bytes, then uploads it with `PUT .../files/content` and downloads it with `GET`
 (streamed both ways, the download hashed on arrival and checked), sampling the API process's RSS
-every 50 ms (psutil) during each. Then `scp` moves the same file both ways over the same sshd
-with the same key and known_hosts (OpenSSH 9's scp speaks SFTP too). It prints MB/s for each,
+every 50 ms (psutil) during each. Then the same backend moves it through SFTP alone, in this
+process, with the API's chunk size (what the SSH library costs without HTTP), and `scp` moves
+it both ways over the same sshd with the same key and known_hosts (OpenSSH 9's scp speaks SFTP
+too). It prints MB/s for each,
 the API/scp ratio, the RSS growth per transfer and the load average (this box is shared: the
-figures move with it).
+figures move with it), and where the CPU went during each transfer: seconds of CPU of the API
+process, of this client, of the sshd side (the listener and every session process under it,
+internal-sftp included) and of scp with its ssh child. On a box with few cores a path that needs
+more CPU per byte is slower however it is written, so the CPU split says which process to make
+cheaper.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import hashlib
 import os
+import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,6 +56,8 @@ class Transfer:
     mb_per_s: float
     rss_before_mib: float | None = None
     rss_peak_mib: float | None = None
+    cpu: dict[str, float] | None = None  # CPU seconds per process group during the transfer
+    round: int = 1
 
     @property
     def rss_growth_mib(self) -> float | None:
@@ -83,6 +95,74 @@ class RssSampler:
         self.peak = max(self.peak, self._rss())
 
 
+def tree_cpu(pid: int) -> dict[tuple[int, float], float]:
+    """CPU seconds (user + system, reaped children included) of a process and of each of its
+    descendants, by (pid, start time)."""
+    out: dict[tuple[int, float], float] = {}
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return out
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            t = proc.cpu_times()
+            out[(proc.pid, proc.create_time())] = (
+                t.user + t.system + t.children_user + t.children_system
+            )
+    return out
+
+
+class CpuMeter:
+    """CPU seconds spent during a `with` body by the API process, this process (the client),
+    this process's waited-for children (scp and its ssh: exact, from getrusage), and the sshd
+    tree. sshd does not count its ended session processes in its own children times, so the
+    trees are sampled every SAMPLE seconds and each process's last sample counts (a session
+    that ends loses at most its last SAMPLE seconds)."""
+
+    def __init__(self, api_pid: int | None, sshd_pid: int | None) -> None:
+        self.trees = {k: v for k, v in (("API", api_pid), ("sshd", sshd_pid)) if v is not None}
+        self.spent: dict[str, float] = {}
+        self._base: dict[str, dict[tuple[int, float], float]] = {}
+        self._last: dict[str, dict[tuple[int, float], float]] = {k: {} for k in self.trees}
+        self._own: dict[str, float] = {}
+        self._sampling = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def _own_now() -> dict[str, float]:
+        me = psutil.Process().cpu_times()
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return {"client": me.user + me.system, "scp+ssh": kids.ru_utime + kids.ru_stime}
+
+    def _sample(self) -> None:
+        for name, pid in self.trees.items():
+            self._last[name].update(tree_cpu(pid))
+
+    def _run(self) -> None:
+        while not self._stop.wait(SAMPLE):
+            self._sample()
+        self._sampling = time.thread_time()  # the meter's own cost, not the client's
+
+    def __enter__(self) -> CpuMeter:
+        self._own = self._own_now()
+        self._base = {name: tree_cpu(pid) for name, pid in self.trees.items()}
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        own = self._own_now()
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+        self.spent = {k: own[k] - self._own[k] for k in own}
+        self.spent["client"] -= self._sampling
+        for name, last in self._last.items():
+            base = self._base[name]
+            self.spent[name] = sum(v - base.get(key, 0.0) for key, v in last.items())
+
+
 def make_file(path: Path, size: int) -> str:
     """Write `size` random bytes to `path`; returns their sha256."""
     digest = hashlib.sha256()
@@ -105,43 +185,100 @@ def _rate(size: int, seconds: float) -> float:
     return size / seconds / 1e6
 
 
-def api_transfers(
-    url: str, token: str, api_pid: int, source: Path, remote: str, sha256: str
-) -> list[Transfer]:
-    """Upload `source` to `remote` through the API, then download it; both checked by sha256."""
+def api_upload(
+    client: httpx.Client,
+    url: str,
+    token: str,
+    pids: tuple[int, int | None],
+    source: Path,
+    remote: str,
+    sha256: str,
+) -> Transfer:
+    """PUT `source` to `remote` through the API, streamed; the answer's sha256 checked."""
     size = source.stat().st_size
-    endpoint = f"{url}/v1/hosts/local/files/content"
-    auth = {"Authorization": f"Bearer {token}"}
-    out: list[Transfer] = []
-    with httpx.Client(timeout=httpx.Timeout(600.0)) as client:
-        with RssSampler(api_pid) as rss:
+    headers = {"Authorization": f"Bearer {token}", "Content-Length": str(size)}
+    with RssSampler(pids[0]) as rss, CpuMeter(*pids) as cpu:
+        t0 = time.perf_counter()
+        r = client.put(
+            f"{url}/v1/hosts/local/files/content",
+            params={"path": remote},
+            content=_pieces(source),
+            headers=headers,
+        )
+        seconds = time.perf_counter() - t0
+    if r.status_code not in (200, 201) or r.json()["sha256"] != sha256:
+        raise RuntimeError(f"upload failed: {r.status_code} {r.text[:300]}")
+    return _transfer("API upload", size, seconds, rss, cpu)
+
+
+def api_download(
+    client: httpx.Client,
+    url: str,
+    token: str,
+    pids: tuple[int, int | None],
+    size: int,
+    remote: str,
+    sha256: str,
+) -> Transfer:
+    """GET `remote` through the API, streamed, hashed on arrival and checked."""
+    digest = hashlib.sha256()
+    headers = {"Authorization": f"Bearer {token}"}
+    with RssSampler(pids[0]) as rss, CpuMeter(*pids) as cpu:
+        t0 = time.perf_counter()
+        endpoint = f"{url}/v1/hosts/local/files/content"
+        with client.stream("GET", endpoint, params={"path": remote}, headers=headers) as r:
+            r.raise_for_status()
+            for data in r.iter_raw(PIECE):
+                digest.update(data)
+        seconds = time.perf_counter() - t0
+    if digest.hexdigest() != sha256:
+        raise RuntimeError("the download's sha256 differs from the file's")
+    return _transfer("API download", size, seconds, rss, cpu)
+
+
+def _transfer(name: str, size: int, seconds: float, rss: RssSampler, cpu: CpuMeter) -> Transfer:
+    rate = _rate(size, seconds)
+    return Transfer(name, seconds, rate, rss.before / MIB, rss.peak / MIB, cpu.spent)
+
+
+def sftp_transfer(
+    host: Any, backend: str, upload: bool, source: Path, remote: str, sha256: str
+) -> Transfer:
+    """The file through the backend's SFTP alone, in this process: a pooled session (opened
+    before the clock starts), the API's CHUNK-sized sequential writes or reads, no HTTP and no
+    hashing but the check after a download. What the API adds on top of its SSH library is the
+    difference."""
+    from api.files import CHUNK
+    from sshpool import Pool
+    from sshpool.backends import load_backend
+
+    size = source.stat().st_size
+    digest = hashlib.sha256()
+
+    async def run() -> float:
+        async with (
+            Pool(load_backend(backend)) as pool,
+            pool.sftp(host.target(), acquire_timeout=30) as fs,
+        ):
             t0 = time.perf_counter()
-            r = client.put(
-                endpoint,
-                params={"path": remote},
-                content=_pieces(source),
-                headers={**auth, "Content-Length": str(size)},
-            )
-            seconds = time.perf_counter() - t0
-        if r.status_code not in (200, 201) or r.json()["sha256"] != sha256:
-            raise RuntimeError(f"upload failed: {r.status_code} {r.text[:300]}")
-        out.append(_transfer("API upload", size, seconds, rss))
-        digest = hashlib.sha256()
-        with RssSampler(api_pid) as rss:
-            t0 = time.perf_counter()
-            with client.stream("GET", endpoint, params={"path": remote}, headers=auth) as r:
-                r.raise_for_status()
-                for data in r.iter_raw(PIECE):
+            if upload:
+                f = await fs.open_write(remote, exclusive=False)
+                with source.open("rb") as local:
+                    while data := local.read(CHUNK):
+                        await f.write(data)
+            else:
+                f = await fs.open_read(remote)
+                while data := await f.read(CHUNK):
                     digest.update(data)
-            seconds = time.perf_counter() - t0
-        if digest.hexdigest() != sha256:
-            raise RuntimeError("the download's sha256 differs from the file's")
-        out.append(_transfer("API download", size, seconds, rss))
-    return out
+            await f.close()
+            return time.perf_counter() - t0
 
-
-def _transfer(name: str, size: int, seconds: float, rss: RssSampler) -> Transfer:
-    return Transfer(name, seconds, _rate(size, seconds), rss.before / MIB, rss.peak / MIB)
+    with CpuMeter(None, host.pid) as cpu:
+        seconds = asyncio.run(run())
+    if not upload and digest.hexdigest() != sha256:
+        raise RuntimeError("the SFTP download's sha256 differs from the file's")
+    name = "SFTP upload" if upload else "SFTP download"
+    return Transfer(name, seconds, _rate(size, seconds), cpu=cpu.spent)
 
 
 def scp_argv(ssh_argv: list[str]) -> list[str]:
@@ -151,24 +288,25 @@ def scp_argv(ssh_argv: list[str]) -> list[str]:
     return ["-P" if a == "-p" else a for a in argv]
 
 
-def scp_transfers(ssh_argv: list[str], source: Path, remote: str, back: Path) -> list[Transfer]:
-    size = source.stat().st_size
-    where = ssh_argv[-1]  # user@host
-    out = []
-    for name, args in (
-        ("scp upload", [str(source), f"{where}:{remote}"]),
-        ("scp download", [f"{where}:{remote}", str(back)]),
-    ):
+def scp_transfer(host: Any, upload: bool, source: Path, remote: str, back: Path) -> Transfer:
+    ssh_argv = host.ssh_argv()
+    where = f"{ssh_argv[-1]}:{remote}"  # user@host:path
+    args = [str(source), where] if upload else [where, str(back)]
+    with CpuMeter(None, host.pid) as cpu:
         t0 = time.perf_counter()
         subprocess.run([*scp_argv(ssh_argv), *args], check=True)
         seconds = time.perf_counter() - t0
-        out.append(Transfer(name, seconds, _rate(size, seconds)))
-    return out
+    name = "scp upload" if upload else "scp download"
+    return Transfer(name, seconds, _rate(source.stat().st_size, seconds), cpu=cpu.spent)
 
 
-def measure(host: Any, size: int, workdir: Path, backend: str = "asyncssh") -> dict[str, Any]:
-    """Start the API against the started LocalHost `host`, move a `size`-byte file through it
-    both ways and then with scp; returns the transfers, ratios and load averages."""
+def measure(
+    host: Any, size: int, workdir: Path, backend: str = "asyncssh", rounds: int = 1
+) -> dict[str, Any]:
+    """Start the API against the started LocalHost `host` and move a `size`-byte file `rounds`
+    times: each round uploads it through the API, through SFTP alone and with scp back to back,
+    then downloads it the same three ways, so that each API / scp pair ran under the same load.
+    Returns the transfers, the ratios (the median of the rounds') and load averages."""
     from api.local import local_token, resolve_config
     from api.settings import Settings
 
@@ -177,31 +315,58 @@ def measure(host: Any, size: int, workdir: Path, backend: str = "asyncssh") -> d
     source = workdir / "source.bin"
     back = workdir / "back.bin"
     sha256 = make_file(source, size)
-    name = f"files-bench-{uuid.uuid4().hex[:8]}.bin"
-    remote = os.path.join(host.account.home, name)
+    tag = uuid.uuid4().hex[:8]
+    remotes = {
+        way: os.path.join(host.account.home, f"files-bench-{tag}-{way}.bin")
+        for way in ("api", "sftp", "scp")
+    }
     load_before = os.getloadavg()
+    # The whole body within 10 minutes: the edge's default (30 s) would cut a slow 1 GiB upload
+    # on a loaded box, and the deadline is not what this measures.
     proc, url = start_api(
-        host, backend=backend, pool_mode="pooled", data_dir=api_dir, log=workdir / "api.log"
+        host,
+        backend=backend,
+        pool_mode="pooled",
+        data_dir=api_dir,
+        log=workdir / "api.log",
+        env={"SSHAPI_BODY_TIMEOUT": "600"},
     )
+    transfers: list[Transfer] = []
+    ratios: dict[str, list[float]] = {"upload": [], "download": []}
     try:
         settings = Settings(data_dir=api_dir)
         scopes = ["files:read", "files:write"]
         token = local_token(settings, resolve_config(settings), "files-bench", scopes)
-        transfers = api_transfers(url, token, proc.pid, source, remote, sha256)
-        os.remove(remote)
-        transfers += scp_transfers(host.ssh_argv(), source, remote, back)
+        pids = (proc.pid, host.pid)
+        with httpx.Client(timeout=httpx.Timeout(600.0)) as client:
+            for n in range(rounds):
+                up = api_upload(client, url, token, pids, source, remotes["api"], sha256)
+                sftp_up = sftp_transfer(host, backend, True, source, remotes["sftp"], sha256)
+                scp_up = scp_transfer(host, True, source, remotes["scp"], back)
+                down = api_download(client, url, token, pids, size, remotes["api"], sha256)
+                sftp_down = sftp_transfer(host, backend, False, source, remotes["sftp"], sha256)
+                scp_down = scp_transfer(host, False, source, remotes["scp"], back)
+                for t in (up, sftp_up, scp_up, down, sftp_down, scp_down):
+                    t.round = n + 1
+                    transfers.append(t)
+                ratios["upload"].append(up.mb_per_s / scp_up.mb_per_s)
+                ratios["download"].append(down.mb_per_s / scp_down.mb_per_s)
+                for remote in remotes.values():
+                    os.remove(remote)
     finally:
         stop_api(proc)
-        for path in (remote, source, back):
-            if os.path.exists(path):
-                os.remove(path)
-    rates = {t.name: t.mb_per_s for t in transfers}
+        for leftover in [*remotes.values(), str(source), str(back)]:
+            if os.path.exists(leftover):
+                os.remove(leftover)
     return {
         "size_mib": size / MIB,
         "backend": backend,
+        "rounds": rounds,
         "transfers": [{**asdict(t), "rss_growth_mib": t.rss_growth_mib} for t in transfers],
-        "ratio_upload": rates["API upload"] / rates["scp upload"],
-        "ratio_download": rates["API download"] / rates["scp download"],
+        "ratios_upload": ratios["upload"],
+        "ratios_download": ratios["download"],
+        "ratio_upload": statistics.median(ratios["upload"]),
+        "ratio_download": statistics.median(ratios["download"]),
         "load_before": load_before,
         "load_after": os.getloadavg(),
     }
@@ -212,9 +377,10 @@ def report(result: dict[str, Any]) -> str:
         f"{result['size_mib']:.0f} MiB, backend {result['backend']}, load average "
         f"{'/'.join(f'{x:.2f}' for x in result['load_before'])} before, "
         f"{'/'.join(f'{x:.2f}' for x in result['load_after'])} after",
-        f"{'transfer':<14} {'seconds':>8} {'MB/s':>8} {'RSS before':>11} {'RSS peak':>9} "
+        f"{'transfer':<17} {'seconds':>8} {'MB/s':>8} {'RSS before':>11} {'RSS peak':>9} "
         f"{'growth':>7}",
     ]
+    many = result["rounds"] > 1
     for t in result["transfers"]:
         rss = (
             f"{t['rss_before_mib']:>9.1f}MiB {t['rss_peak_mib']:>6.1f}MiB "
@@ -222,11 +388,24 @@ def report(result: dict[str, Any]) -> str:
             if t["rss_before_mib"] is not None
             else ""
         )
-        lines.append(f"{t['name']:<14} {t['seconds']:>8.2f} {t['mb_per_s']:>8.1f} {rss}")
-    lines.append(
-        f"API / scp: upload {result['ratio_upload']:.0%}, download {result['ratio_download']:.0%}"
-        " (target >= 70%)"
-    )
+        name = f"{t['round']}: {t['name']}" if many else t["name"]
+        lines.append(f"{name:<17} {t['seconds']:>8.2f} {t['mb_per_s']:>8.1f} {rss}")
+    lines.append("CPU seconds during each transfer (cores busy = total CPU / wall seconds):")
+    for t in result["transfers"]:
+        cpu = {k: v for k, v in (t["cpu"] or {}).items() if v >= 0.05}
+        total = sum(cpu.values())
+        split = "  ".join(f"{k} {v:.1f}" for k, v in cpu.items())
+        name = f"{t['round']}: {t['name']}" if many else t["name"]
+        lines.append(f"{name:<17} {split}  total {total:.1f} ({total / t['seconds']:.2f} cores)")
+    for way in ("upload", "download"):
+        rounds = ", ".join(f"{r:.0%}" for r in result[f"ratios_{way}"])
+        sftp = [t["mb_per_s"] for t in result["transfers"] if t["name"] == f"SFTP {way}"]
+        scp = [t["mb_per_s"] for t in result["transfers"] if t["name"] == f"scp {way}"]
+        alone = statistics.median(a / b for a, b in zip(sftp, scp, strict=True))
+        lines.append(
+            f"API / scp {way}: {result[f'ratio_{way}']:.0%} (target >= 70%; rounds: {rounds});"
+            f" SFTP alone / scp: {alone:.0%}"
+        )
     return "\n".join(lines)
 
 
@@ -237,6 +416,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--size-mib", type=int, default=1024, help="File size in MiB.")
     p.add_argument("--backend", default="asyncssh", choices=["asyncssh", "paramiko", "ssh2"])
     p.add_argument("--out", type=Path, default=None, help="Work directory (default: a temp dir).")
+    p.add_argument(
+        "--rounds", type=int, default=1, help="Rounds of the six transfers (ratios: the median)."
+    )
     return p.parse_args(argv)
 
 
@@ -248,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         out = args.out or Path(tmp)
         host = LocalHost("files-bench", "tuned", data_dir=out / "hosts").start()
         try:
-            result = measure(host, args.size_mib * MIB, out / "run", args.backend)
+            result = measure(host, args.size_mib * MIB, out / "run", args.backend, args.rounds)
         finally:
             host.stop(kill_sessions=True)
     print(report(result))

@@ -735,8 +735,10 @@ class Pool:
         PoolFull, HostUnavailable, ConnectTimeout, ConnectError as there. A refused channel is
         retried like a command's; a connection lost before the session started is retried once
         on a fresh one. In the body, RemoteFileError leaves the slot reusable;
-        ConnectionLost(started=True) discards the connection. When the body ends (whatever
-        way) the session's channel is closed and its slot released.
+        ConnectionLost(started=True) discards the connection; so does an operation cut short
+        (cancelled) where the backend's session says it left the connection unusable
+        (`SFTPSession.intact`): ssh2's; asyncssh's and paramiko's keep it. When the body
+        ends (whatever way) the session's channel is closed and its slot released.
         """
         host = self._host(target)
         t0 = time.perf_counter()
@@ -757,8 +759,16 @@ class Pool:
             # be mid-request, but the connection is as good as before.
             healthy = c.conn.is_alive()
             raise
+        except asyncio.CancelledError:
+            # A cancelled caller (a client gone mid-download) may have cut an operation short:
+            # that costs the connection only where the backend says so (intact, below).
+            healthy = c.conn.is_alive()
+            raise
         finally:
-            # Shielded: a cancelled caller still closes the channel and frees the slot.
+            # Shielded: a cancelled caller still closes the channel and frees the slot. Also
+            # asked on a normal exit: a caller may cancel an operation of its own (a read
+            # ahead nobody wants any more) and still end the body cleanly.
+            healthy = healthy and session.intact()
             await asyncio.shield(host.close_sftp(c, session, healthy))
 
     async def kill(self, target: Target, pgid: int) -> None:

@@ -4,6 +4,7 @@ contract."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import re
 from collections.abc import AsyncIterator
@@ -184,16 +185,25 @@ async def download(
 
     async def body() -> AsyncIterator[bytes]:
         remaining = end - start
+        ahead: asyncio.Future[bytes] | None = None
         try:
             while remaining > 0:
-                data = await remote.read(min(CHUNK, remaining))
+                data = await (ahead or remote.read(min(CHUNK, remaining)))
                 if not data:
                     # The file shrank since the stat: the client sees a short body and knows.
                     raise ConnectionLost("file shrank during download", started=True)
                 remaining -= len(data)
+                # The next chunk is read from the host while this one goes to the client (one
+                # chunk ahead at most); alternating, each side sat idle while the other worked.
+                ahead = (
+                    asyncio.ensure_future(remote.read(min(CHUNK, remaining))) if remaining else None
+                )
                 counter.inc(len(data))
                 yield data
         finally:
+            # A read ahead the client never took: stopped, or its error marked as seen.
+            if ahead is not None and not ahead.cancel() and not ahead.cancelled():
+                ahead.exception()
             await stack.aclose()
 
     return StreamingResponse(
@@ -245,23 +255,14 @@ async def upload(
         if if_match is not None and (existing is None or etag_of(existing) != if_match.strip()):
             raise Problem(412, "etag-mismatch", "File changed", "If-Match did not match")
         temp = temp_name(place.path)
-        upload = Upload(limit)
         async with service.transfer(who, grant, "upload"):
             remote = await files.fs.open_write(temp, exclusive=True, mode=0o600)
+            upload = Upload(limit, remote, svc.metrics.file_bytes.labels("upload"))
             done = False
             try:
-                counter = svc.metrics.file_bytes.labels("upload")
-                buffer = bytearray()
                 async for data in request.stream():
-                    upload.add(data)
-                    buffer += data
-                    if len(buffer) >= CHUNK:
-                        await remote.write(bytes(buffer))
-                        counter.inc(len(buffer))
-                        buffer.clear()
-                if buffer:
-                    await remote.write(bytes(buffer))
-                    counter.inc(len(buffer))
+                    await upload.add(data)
+                await upload.finish()
                 await remote.close()
                 try:
                     await files.fs.rename(temp, place.path, overwrite=if_none_match is None)
@@ -274,6 +275,7 @@ async def upload(
                 raise Problem(400, "client-disconnected", "The upload was cut off") from None
             finally:
                 if not done:
+                    await upload.abort()
                     await _discard(files, remote, temp)
             attrs = await files.fs.stat(place.path)
     response.status_code = 200 if existing is not None else 201

@@ -204,6 +204,11 @@ class AsyncsshSFTP:
         async with _sftp_errors(path):
             await self._sftp.mkdir(path, asyncssh.SFTPAttrs(permissions=mode))
 
+    def intact(self) -> bool:
+        # A cancelled request only leaves its reply unread on this session's own channel,
+        # which close() ends; the connection and its other channels never see it.
+        return True
+
     async def close(self) -> None:
         self._sftp.exit()
         with contextlib.suppress(Exception):

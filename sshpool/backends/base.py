@@ -132,6 +132,12 @@ class SFTPSession(Protocol):
         """Create the directory `path` (its parent must exist)."""
         ...
 
+    def intact(self) -> bool:
+        """Whether the connection can still serve other channels once this session is closed,
+        also after an operation was cancelled half-way (a client gone mid-download). Judged
+        without I/O; the pool retires the connection when it is not."""
+        ...
+
     async def close(self) -> None:
         """Close the session's channel. Idempotent, best effort, never raises."""
         ...

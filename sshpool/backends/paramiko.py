@@ -408,6 +408,11 @@ class ParamikoSFTP:
     async def mkdir(self, path: str, mode: int = 0o755) -> None:
         await self._c.call(path, self._sftp.mkdir, path, mode)
 
+    def intact(self) -> bool:
+        # A cancelled call waits for its thread to finish with the object (_Confined.call):
+        # nothing is left half-done on the transport.
+        return True
+
     async def close(self) -> None:
         if self._closed:
             return

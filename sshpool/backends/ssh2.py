@@ -798,6 +798,11 @@ class Ssh2SFTP:
     async def mkdir(self, path: str, mode: int = 0o755) -> None:
         await self.op(path, self._sftp.mkdir, path, mode)
 
+    def intact(self) -> bool:
+        # An interrupted operation breaks the session for good, and a broken session cannot
+        # close its channel (see close()): only retiring the connection frees that channel.
+        return self._broken is None
+
     async def close(self) -> None:
         """Close the files left open, then shut the SFTP session down (its channel closed),
         each call repeated until done. A broken session sends nothing more: its libssh2

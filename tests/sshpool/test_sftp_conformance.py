@@ -4,6 +4,7 @@ internal-sftp), and the pool's SFTP lease. Parametrized like test_backend_confor
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -211,6 +212,42 @@ async def test_pool_sftp_waits_in_the_queue_and_times_out(
                 await pool.run(target, ["true"], acquire_timeout=0.3)
         async with pool.sftp(target, acquire_timeout=10) as fs:
             assert await fs.realpath(".")
+
+
+async def test_a_lease_cancelled_mid_read_keeps_the_connection_unless_the_backend_cannot(
+    backend: Backend, stock_host: LocalHost
+) -> None:
+    """A caller cancelled in the middle of a read (a client gone mid-download) frees its slot;
+    the connection serves the next command without a new handshake, except on ssh2, whose
+    interrupted session cannot close its channel (the pool retires that connection)."""
+    target = stock_host.target(max_connections=1, max_sessions=2)
+    path = os.path.join(stock_host.account.home, f"cancel-{uuid.uuid4().hex[:8]}")
+    started = asyncio.Event()
+
+    async def read_forever() -> None:
+        async with pool.sftp(target, acquire_timeout=10) as fs:
+            await put(fs, path, os.urandom(8 << 20), exclusive=False)
+            f = await fs.open_read(path)
+            started.set()
+            while True:
+                await f.read(1 << 20)
+
+    try:
+        async with Pool(backend) as pool:
+            task = asyncio.create_task(read_forever())
+            await asyncio.wait_for(started.wait(), 30)
+            await asyncio.sleep(0.05)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            stats = pool.stats()[target]
+            assert stats["channels_in_use"] == 0
+            assert (await pool.run(target, ["echo", "ok"], timeout=10)).stdout == b"ok\n"
+            connects = pool.stats()[target]["counters"]["connects"]
+            assert connects == (2 if backend.name == "ssh2" else 1)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)  # the account's home is shared by the whole suite
 
 
 async def test_connection_lost_mid_transfer_raises_connection_lost(
