@@ -14,7 +14,6 @@ from typing import Annotated, Any, NoReturn
 import typer
 from pydantic import ValidationError
 
-from api.app import serve as run_server
 from api.client_cli import register as register_client_commands
 from api.config import Config
 from api.local import (
@@ -96,6 +95,8 @@ def load_config(command: str, settings: Settings, *, require: bool = False) -> C
 def serve(workers: Workers = None) -> None:
     """Run the API (SSHAPI_* settings; hosts and policy from SSHAPI_CONFIG, else from the
     local configuration `sshapi dev` left in the data dir)."""
+    from api.app import serve as run_server  # the server, loaded by the commands that serve only
+
     settings = load_settings("serve", workers)
     run_server(settings, load_config("serve", settings, require=True))
 
@@ -195,6 +196,7 @@ def dev(
     """Start the local HPC host (sshd, tuned profile) and the API on 127.0.0.1; print a token
     and a curl command. Ctrl-C stops both."""
     # The dev rig is imported here only: `serve`, `token` and `hosts check` never load it.
+    from api.app import serve as run_server
     from sshpool.devhost import LocalHost, LocalSlurm, install_packages
 
     settings = load_settings("dev", workers, host="127.0.0.1", port=port)

@@ -52,6 +52,7 @@ import httpx
 
 from api.schemas import Job
 from api.states import FINAL
+from api.tls import tls_context
 
 Stream = Literal["stdout", "stderr"]
 # A transfer's progress: (bytes done, bytes in all).
@@ -425,7 +426,11 @@ class Client(_Base):
             url, token, profile=profile, retries=retries, max_retry_wait=max_retry_wait
         )
         self.http = httpx.Client(
-            base_url=self.url, headers=self.headers, timeout=timeout, transport=transport
+            base_url=self.url,
+            headers=self.headers,
+            timeout=timeout,
+            transport=transport,
+            verify=tls_context(),
         )
 
     def __enter__(self) -> Client:
@@ -707,7 +712,11 @@ class AsyncClient(_Base):
             url, token, profile=profile, retries=retries, max_retry_wait=max_retry_wait
         )
         self.http = httpx.AsyncClient(
-            base_url=self.url, headers=self.headers, timeout=timeout, transport=transport
+            base_url=self.url,
+            headers=self.headers,
+            timeout=timeout,
+            transport=transport,
+            verify=tls_context(),
         )
 
     async def __aenter__(self) -> AsyncClient:
