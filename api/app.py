@@ -44,6 +44,7 @@ from api.routes.ops import router as ops_router
 from api.server import EdgeLimits, connection_limit, guarded_protocol
 from api.settings import Settings
 from api.store import Store
+from api.tls import tls_context
 from sshpool import Pool, SSHPoolError
 
 log = logging.getLogger("sshapi")
@@ -90,7 +91,7 @@ def create_app(
             log.warning("%d job(s) left active by a previous run are now `lost`", lost)
         own_pool = pool is None
         the_pool = pool or Pool(backend=settings.backend)
-        http = httpx.AsyncClient(follow_redirects=False)
+        http = httpx.AsyncClient(follow_redirects=False, verify=tls_context())
         policy = Policy(config)
         quota = make_quota(settings.redis_url)
         batch = BatchJobs(config, policy, the_store, the_pool, metrics, quota)

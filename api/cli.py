@@ -8,14 +8,17 @@ import contextlib
 import shlex
 import signal
 import time
-from typing import Annotated
+import tomllib
+from typing import Annotated, Any, NoReturn
 
 import typer
+from pydantic import ValidationError
 
-from api.app import serve as run_server
 from api.client_cli import register as register_client_commands
+from api.config import Config
 from api.local import (
     default_config,
+    local_config_path,
     local_host_config,
     local_token,
     require_config,
@@ -44,22 +47,58 @@ Workers = Annotated[
 ]
 
 
-def with_workers(settings: Settings, workers: int | None) -> Settings:
-    """The option wins over SSHAPI_WORKERS."""
+def fail(command: str, problem: str) -> NoReturn:
+    """End the command with one line on stderr and exit 2: an operator's mistake in a setting
+    or the configuration file gets what to fix, not a traceback."""
+    typer.echo(f"sshapi {command}: {problem}", err=True)
+    raise typer.Exit(2)
+
+
+def problems(exc: ValidationError, *, env: bool = False) -> str:
+    """pydantic's errors on one line, each as `where: what`: `where` is the SSHAPI_* variable
+    when `env`, else the dotted key in the file."""
+    found = []
+    for error in exc.errors():
+        loc = error["loc"]
+        where = f"SSHAPI_{loc[0]}".upper() if env and loc else ".".join(map(str, loc)) or "file"
+        found.append(f"{where}: {' '.join(error['msg'].split())}")
+    return "; ".join(found)
+
+
+def load_settings(command: str, workers: int | None = None, **values: Any) -> Settings:
+    """Settings from SSHAPI_* (`values` and --workers win); invalid ones end the command."""
+    try:
+        settings = Settings(**values)
+    except ValidationError as exc:
+        fail(command, f"invalid setting: {problems(exc, env=True)}")
     return settings if workers is None else settings.model_copy(update={"workers": workers})
+
+
+def load_config(command: str, settings: Settings, *, require: bool = False) -> Config:
+    """The configuration `resolve_config` (or, to serve, `require_config`) finds; a missing,
+    unreadable, malformed or invalid file ends the command with one line naming the file and
+    the problem."""
+    path = settings.config or local_config_path(settings.data_dir)
+    try:
+        return require_config(settings) if require else resolve_config(settings)
+    except tomllib.TOMLDecodeError as exc:
+        fail(command, f"{path}: not valid TOML: {exc}")
+    except ValidationError as exc:
+        fail(command, f"{path}: invalid configuration: {problems(exc)}")
+    except OSError as exc:  # missing (require_config says what to do), a directory, unreadable
+        fail(command, f"{path}: {exc.strerror}" if exc.strerror else str(exc))
+    except ValueError as exc:  # not UTF-8
+        fail(command, f"{path}: {exc}")
 
 
 @app.command()
 def serve(workers: Workers = None) -> None:
     """Run the API (SSHAPI_* settings; hosts and policy from SSHAPI_CONFIG, else from the
     local configuration `sshapi dev` left in the data dir)."""
-    settings = with_workers(Settings(), workers)
-    try:
-        config = require_config(settings)
-    except (FileNotFoundError, ValueError) as exc:  # missing, or invalid (pydantic, TOML)
-        typer.echo(f"sshapi serve: {exc}", err=True)
-        raise typer.Exit(2) from None
-    run_server(settings, config)
+    from api.app import serve as run_server  # the server, loaded by the commands that serve only
+
+    settings = load_settings("serve", workers)
+    run_server(settings, load_config("serve", settings, require=True))
 
 
 @app.command()
@@ -69,9 +108,12 @@ def token(
     ttl: Annotated[float, typer.Option(help="Lifetime in seconds, at most 30 days.")] = 3600.0,
 ) -> None:
     """Mint an HS256 token the local server accepts (same data dir secret and configuration)."""
-    settings = Settings()
+    settings = load_settings("token")
+    config = load_config("token", settings)
     try:
-        typer.echo(local_token(settings, resolve_config(settings), sub, scope.split(), ttl))
+        typer.echo(local_token(settings, config, sub, scope.split(), ttl))
+    except OSError as exc:  # the data dir's secret cannot be made or read
+        fail("token", f"{exc.filename}: {exc.strerror}" if exc.strerror else str(exc))
     except ValueError as exc:  # NoLocalIssuer, an empty --sub, a --ttl out of range
         raise typer.BadParameter(str(exc)) from None
 
@@ -81,8 +123,8 @@ def hosts_check(
     timeout: Annotated[float, typer.Option(help="Seconds per host.")] = 15.0,
 ) -> None:
     """Connect to every configured host with its default account, run `true`, report."""
-    settings = Settings()
-    config = resolve_config(settings)
+    settings = load_settings("hosts check")
+    config = load_config("hosts check", settings)
     if not config.hosts:
         typer.echo("no hosts configured (set SSHAPI_CONFIG, or run `sshapi dev` once)")
         raise typer.Exit(1)
@@ -119,8 +161,8 @@ def doctor(
     per check saying what to change; exit 1 on any FAIL."""
     from api.doctor import diagnose
 
-    settings = Settings()
-    config = resolve_config(settings)
+    settings = load_settings("doctor")
+    config = load_config("doctor", settings)
     if not config.hosts:
         typer.echo("no hosts configured (set SSHAPI_CONFIG, or run `sshapi dev` once)")
         raise typer.Exit(1)
@@ -154,9 +196,10 @@ def dev(
     """Start the local HPC host (sshd, tuned profile) and the API on 127.0.0.1; print a token
     and a curl command. Ctrl-C stops both."""
     # The dev rig is imported here only: `serve`, `token` and `hosts check` never load it.
+    from api.app import serve as run_server
     from sshpool.devhost import LocalHost, LocalSlurm, install_packages
 
-    settings = with_workers(Settings(host="127.0.0.1", port=port), workers)
+    settings = load_settings("dev", workers, host="127.0.0.1", port=port)
     # uvicorn re-raises SIGTERM after its graceful shutdown; with the default handler the process
     # would die there, before the local host and Slurm below are stopped. Exit through Python.
     signal.signal(signal.SIGTERM, _exit_on_signal)

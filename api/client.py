@@ -52,6 +52,7 @@ import httpx
 
 from api.schemas import Job
 from api.states import FINAL
+from api.tls import tls_context
 
 Stream = Literal["stdout", "stderr"]
 # A transfer's progress: (bytes done, bytes in all).
@@ -181,6 +182,10 @@ class Profile:
     token: str | None
 
 
+# The keys a profile of the client configuration file may have.
+PROFILE_KEYS = ("url", "token", "token_file")
+
+
 def load_profile(name: str | None = None, path: str | None = None) -> Profile:
     """The server URL and token: SSHAPI_URL / SSHAPI_TOKEN, else the named profile (or the
     file's `default`) of the client configuration file (SSHAPI_CLIENT_CONFIG, else
@@ -201,18 +206,38 @@ def load_profile(name: str | None = None, path: str | None = None) -> Profile:
     ).expanduser()
     entry: dict[str, Any] = {}
     if file.is_file():
-        data = tomllib.loads(file.read_text())
+        # A hand-written file: whatever is wrong in it is an SshapiError naming the file and
+        # the key (one line from the commands), never a traceback.
+        try:
+            data = tomllib.loads(file.read_text())
+        except (OSError, ValueError) as exc:  # unreadable, not UTF-8, not TOML
+            raise SshapiError(f"{file}: not a valid client configuration: {exc}") from None
         profiles = data.get("profiles", {})
+        if not isinstance(profiles, dict):
+            raise SshapiError(f"{file}: `profiles` must be tables [profiles.NAME]")
         wanted = name or os.environ.get("SSHAPI_PROFILE") or data.get("default")
         if wanted is not None:
-            if wanted not in profiles:
+            if not isinstance(wanted, str) or wanted not in profiles:
                 raise SshapiError(f"no profile {wanted!r} in {file}")
             entry = profiles[wanted]
+            if not isinstance(entry, dict):
+                raise SshapiError(f"{file}: profiles.{wanted} must be a table")
+            for key, value in entry.items():
+                if key not in PROFILE_KEYS:
+                    known = ", ".join(PROFILE_KEYS)
+                    raise SshapiError(f"{file}: unknown key profiles.{wanted}.{key} ({known})")
+                if not isinstance(value, str):
+                    raise SshapiError(f"{file}: profiles.{wanted}.{key} must be a string")
     elif name is not None:
         raise SshapiError(f"no profile {name!r}: {file} does not exist")
     token = entry.get("token")
     if token is None and "token_file" in entry:
-        token = Path(entry["token_file"]).expanduser().read_text().strip()
+        token_file = Path(entry["token_file"]).expanduser()
+        try:
+            token = token_file.read_text().strip()
+        except (OSError, ValueError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) else exc
+            raise SshapiError(f"token_file {token_file}: {reason}") from None
     return Profile(
         url=os.environ.get("SSHAPI_URL") or entry.get("url") or DEFAULT_URL,
         token=os.environ.get("SSHAPI_TOKEN") or token,
@@ -401,7 +426,11 @@ class Client(_Base):
             url, token, profile=profile, retries=retries, max_retry_wait=max_retry_wait
         )
         self.http = httpx.Client(
-            base_url=self.url, headers=self.headers, timeout=timeout, transport=transport
+            base_url=self.url,
+            headers=self.headers,
+            timeout=timeout,
+            transport=transport,
+            verify=tls_context(),
         )
 
     def __enter__(self) -> Client:
@@ -683,7 +712,11 @@ class AsyncClient(_Base):
             url, token, profile=profile, retries=retries, max_retry_wait=max_retry_wait
         )
         self.http = httpx.AsyncClient(
-            base_url=self.url, headers=self.headers, timeout=timeout, transport=transport
+            base_url=self.url,
+            headers=self.headers,
+            timeout=timeout,
+            transport=transport,
+            verify=tls_context(),
         )
 
     async def __aenter__(self) -> AsyncClient:

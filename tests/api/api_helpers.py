@@ -29,6 +29,7 @@ from starlette.types import ASGIApp
 from api.app import create_app
 from api.config import Config, load_config
 from api.settings import Settings
+from api.tls import tls_context
 from loadtests.server import wait_ready
 from sshpool.devhost import LocalHost
 
@@ -204,6 +205,37 @@ max_concurrent = 50
     )
 
 
+# Host `local` as a batch host: fast scheduler polls, so tests see Slurm's states within a second.
+SCHEDULER = """
+[hosts.local.scheduler]
+poll_interval = 0.3
+max_poll_interval = 2.0
+settle = 1.0
+"""
+# Batch jobs count against max_concurrent until final: the hundred-jobs test's subject may
+# have them all active at once.
+BULK = """[[policy]]
+issuer = "*"
+subject = "bulk"
+hosts = ["local"]
+shell_hosts = ["local"]
+rate = 1000
+burst = 1000
+max_concurrent = 128
+
+"""
+
+
+def write_batch_config(path: Path, host: LocalHost, secret_file: Path, keys: Keys) -> Path:
+    """The test configuration with `host` (a Slurm login host) as `local`, a batch host, and
+    subject `bulk` allowed 128 active jobs."""
+    text = config_toml(host, secret_file, keys, SCHEDULER)
+    catch_all = '[[policy]]\nsubject = "*"'
+    assert catch_all in text
+    path.write_text(text.replace(catch_all, BULK + catch_all))
+    return path
+
+
 @dataclass
 class Api:
     """A running API and what a test needs to talk to it."""
@@ -297,7 +329,7 @@ async def running_api(settings: Settings, keys: Keys, secret: str) -> AsyncItera
     assert settings.config is not None
     config = load_config(settings.config)
     app = create_app(settings)
-    async with serve(app) as url, httpx.AsyncClient(timeout=30) as client:
+    async with serve(app) as url, httpx.AsyncClient(timeout=30, verify=tls_context()) as client:
         yield Api(url, client, secret, config, settings, keys)
 
 

@@ -1,15 +1,18 @@
 """Fixtures for the API tests: a real uvicorn server on a free loopback port, in the test's event
 loop, in front of the real sshd of `tuned_host`; tokens; a store on SQLite or PostgreSQL.
 
-`api` uses SQLite; `api_any_store` runs the test once per store (SQLite, PostgreSQL)."""
+`api` uses SQLite; `api_any_store` runs the test once per store (SQLite, PostgreSQL).
+`batch_api`: one `sshapi serve` process for the whole session whose host `local` is the Slurm
+login host (`slurm_host`), shared by the batch tests of every module."""
 
 from __future__ import annotations
 
 import secrets
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import httpx
 import pytest
 from api_helpers import (
     Api,
@@ -20,11 +23,15 @@ from api_helpers import (
     make_settings,
     pg_schema,
     running_api,
+    server_process,
+    write_batch_config,
 )
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
 
+from api.config import Config, load_config
 from api.settings import Settings
 from api.store import Store
+from api.tls import tls_context
 from sshpool.devhost import LocalHost
 
 
@@ -135,3 +142,28 @@ def api_with_own_host(
             yield api, host
 
     return start
+
+
+@pytest.fixture(scope="session")
+def batch_server(
+    slurm_host: LocalHost,
+    secret_file: Path,
+    keys: Keys,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[str, Settings, Config]]:
+    """`sshapi serve` (SQLite) with the Slurm login host as `local`: its URL, settings, config.
+    Started once: the batch tests only add jobs of their own (unique markers, own dirs)."""
+    folder = tmp_path_factory.mktemp("batch-api")
+    config = write_batch_config(folder / "sshapi.toml", slurm_host, secret_file, keys)
+    settings = make_settings(folder, config, "sqlite", None)
+    with server_process(settings) as (_, url):
+        yield url, settings, load_config(config)
+
+
+@pytest.fixture
+async def batch_api(
+    batch_server: tuple[str, Settings, Config], secret: str, keys: Keys
+) -> AsyncIterator[Api]:
+    url, settings, config = batch_server
+    async with httpx.AsyncClient(timeout=60, verify=tls_context()) as client:
+        yield Api(url, client, secret, config, settings, keys)

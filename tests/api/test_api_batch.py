@@ -1,8 +1,8 @@
 """Batch jobs through the HTTP API against the real Slurm of tests/conftest.py (`slurm`).
 
-One `sshapi serve` process for the module, its host `local` being the Slurm login host. Slurm
-enforces time limits in whole minutes, checked every 30 s: the over-time job is submitted when
-the module starts and checked by its last test.
+One `sshapi serve` process for the session (conftest.py `batch_server`), its host `local` being
+the Slurm login host. Slurm enforces time limits in whole minutes, checked every 30 s: the
+over-time job is submitted when the module starts and checked by a late test.
 """
 
 from __future__ import annotations
@@ -13,17 +13,16 @@ import re
 import signal
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import psutil
 import pytest
-from api_helpers import Api, Keys, config_toml, eventually, make_settings, server_process
+from api_helpers import Api, Keys, eventually, make_settings, server_process, write_batch_config
 from faults import figure
 
-from api.config import load_config
+from api.config import Config, load_config
 from api.scheduler import BatchOptions, key_comment
 from api.settings import Settings
 from sshpool import Pool
@@ -33,56 +32,12 @@ pytestmark = pytest.mark.timeout(120)
 
 SH = "#!/bin/sh\n"
 BIG = 9  # CPUs: two of these never run at once on the 16-CPU node
-SCHEDULER = """
-[hosts.local.scheduler]
-poll_interval = 0.3
-max_poll_interval = 2.0
-settle = 1.0
-"""
-
-
-# Batch jobs count against max_concurrent until final: the hundred-jobs test's subject may
-# have them all active at once.
-BULK = """[[policy]]
-issuer = "*"
-subject = "bulk"
-hosts = ["local"]
-shell_hosts = ["local"]
-rate = 1000
-burst = 1000
-max_concurrent = 128
-
-"""
-
-
-def write_config(path: Path, host: LocalHost, secret_file: Path, keys: Keys) -> Path:
-    text = config_toml(host, secret_file, keys, SCHEDULER)
-    catch_all = '[[policy]]\nsubject = "*"'
-    assert catch_all in text
-    path.write_text(text.replace(catch_all, BULK + catch_all))
-    return path
-
-
-@pytest.fixture(scope="module")
-def server(
-    slurm_host: LocalHost,
-    secret_file: Path,
-    keys: Keys,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[tuple[str, Settings]]:
-    folder = tmp_path_factory.mktemp("batch-api")
-    config = write_config(folder / "sshapi.toml", slurm_host, secret_file, keys)
-    settings = make_settings(folder, config, "sqlite", None)
-    with server_process(settings) as (_, url):
-        yield url, settings
 
 
 @pytest.fixture
-async def api(server: tuple[str, Settings], secret: str, keys: Keys) -> AsyncIterator[Api]:
-    url, settings = server
-    assert settings.config is not None
-    async with httpx.AsyncClient(timeout=60) as client:
-        yield Api(url, client, secret, load_config(settings.config), settings, keys)
+def api(batch_api: Api) -> Api:
+    """This module's API: the session's `sshapi serve` in front of Slurm (conftest.py)."""
+    return batch_api
 
 
 def batch(workdir: str, script: str, **options: Any) -> dict[str, Any]:
@@ -90,14 +45,15 @@ def batch(workdir: str, script: str, **options: Any) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def overtime_job(server: tuple[str, Settings], secret: str, keys: Keys, workdir: str) -> str:
+def overtime_job(
+    batch_server: tuple[str, Settings, Config], secret: str, keys: Keys, workdir: str
+) -> str:
     """A job past its one-minute limit, submitted first so Slurm's clock runs meanwhile."""
 
     async def submit() -> str:
+        url, settings, config = batch_server
         async with httpx.AsyncClient(timeout=60) as client:
-            url, settings = server
-            assert settings.config is not None
-            api = Api(url, client, secret, load_config(settings.config), settings, keys)
+            api = Api(url, client, secret, config, settings, keys)
             r = await api.submit(batch(workdir, "sleep 300\n", time_limit=60))
             assert r.status_code == 202, r.text
             return str(r.json()["id"])
@@ -307,7 +263,7 @@ async def test_api_killed_after_sbatch_and_retried_with_the_same_key_makes_one_s
     host = make_host("tuned", overrides={"SetEnv": f"{env} PATH={bin_dir}:/usr/bin:/bin"})
     folder = tmp_path_factory.mktemp("kill-api")
     settings = make_settings(
-        folder, write_config(folder / "c.toml", host, secret_file, keys), "sqlite", None
+        folder, write_batch_config(folder / "c.toml", host, secret_file, keys), "sqlite", None
     )
     body = batch(workdir, "echo once\n")
     async with httpx.AsyncClient(timeout=60) as client:
@@ -330,13 +286,6 @@ async def test_api_killed_after_sbatch_and_retried_with_the_same_key_makes_one_s
             assert done["state"] == "succeeded"
             assert (await output(second, job_id)).content == b"once\n"
     assert await slurm_jobs(host, comment) == [done["scheduler"]["job_id"]]
-
-
-async def test_time_limit_exceeded_is_timed_out(api: Api, overtime_job: str) -> None:
-    """Last in the module: Slurm ends the one-minute job 60-90 s after it started."""
-    job = await api.until_final(overtime_job, timeout=110)
-    assert (job["state"], job["scheduler"]["state"]) == ("timed_out", "TIMEOUT")
-    assert job["exit_signal"] == "TERM" and "time limit" in job["error"]
 
 
 async def test_an_unreadable_output_file_is_a_502_not_empty_bytes(
@@ -547,3 +496,11 @@ async def test_one_remote_reader_per_batch_job_however_many_clients_follow_it(
     assert outputs1 == [expected] and outputs5 == [expected] * 5
     print(f"SSH commands while followed: 1 follower {one:.0f}, 5 followers {five:.0f}")
     assert five < 1.5 * one + 4  # five readers each would be ~5x
+
+
+async def test_time_limit_exceeded_is_timed_out(api: Api, overtime_job: str) -> None:
+    """Last in the module, so the tests before it run while Slurm's clock does: Slurm ends the
+    one-minute job 60-90 s after it started."""
+    job = await api.until_final(overtime_job, timeout=110)
+    assert (job["state"], job["scheduler"]["state"]) == ("timed_out", "TIMEOUT")
+    assert job["exit_signal"] == "TERM" and "time limit" in job["error"]

@@ -1,4 +1,5 @@
-"""The `sshapi` command line: token minting matches the local server; hosts check."""
+"""The `sshapi` command line: token minting matches the local server; hosts check; an invalid
+setting or configuration file is one line saying what is wrong."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 from api_helpers import serve
+from typer.testing import CliRunner
 
 from api.app import create_app
+from api.cli import app
 from api.settings import Settings
 from sshpool.devhost import LocalHost
 
@@ -64,3 +68,88 @@ async def test_hosts_check_reports_each_host(config_file: Path, tuned_host: Loca
     assert code == 1, out
     assert " ok " in lines["local"]
     assert "FAIL" in lines["down"]
+
+
+# ---- an invalid setting or configuration file: one line naming the problem, exit 2
+
+BROKEN_CONFIGS = {
+    # file content -> what the error line names
+    "malformed": ("[api]\nwait_default = \n", "not valid TOML"),
+    "unknown-key": ("[api]\nwait_defualt = 5\n", "api.wait_defualt: Extra inputs"),
+    "bad-value": ("[api]\nwait_default = 'soon'\n", "api.wait_default: Input should be"),
+    "not-utf8": (b"\xff\xfe[api]\n", "utf-8"),
+    "missing": (None, "No such file or directory"),
+}
+
+
+# The commands that read the configuration file: name -> argv.
+CONFIG_COMMANDS = {
+    "token": ["token", "--sub", "a"],
+    "hosts check": ["hosts", "check"],
+    "doctor": ["doctor"],
+    "serve": ["serve"],
+}
+
+
+@pytest.mark.parametrize("command", CONFIG_COMMANDS)
+@pytest.mark.parametrize("case", BROKEN_CONFIGS)
+def test_an_invalid_configuration_file_is_one_line_naming_it_and_exit_2(
+    command: str, case: str, tmp_path: Path
+) -> None:
+    content, says = BROKEN_CONFIGS[case]
+    path = tmp_path / "sshapi.toml"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        path.write_text(content)
+    env = {"SSHAPI_CONFIG": str(path), "SSHAPI_DATA_DIR": str(tmp_path / "data")}
+    result = CliRunner().invoke(app, CONFIG_COMMANDS[command], env=env)
+    lines = result.stderr.splitlines()
+    assert result.exit_code == 2, result.output
+    assert len(lines) == 1 and lines[0].startswith(f"sshapi {command}: {path}: "), lines
+    assert says in lines[0], lines
+    assert not result.stdout  # and no token, no host line
+
+
+def test_an_invalid_setting_names_its_variable_and_exits_2(tmp_path: Path) -> None:
+    env = {"SSHAPI_DATA_DIR": str(tmp_path), "SSHAPI_REPLICAS": "0"}
+    for command, argv in {**CONFIG_COMMANDS, "dev": ["dev"]}.items():
+        result = CliRunner().invoke(app, argv, env=env)
+        assert result.exit_code == 2, result.output
+        assert result.stderr.splitlines() == [
+            f"sshapi {command}: invalid setting: SSHAPI_REPLICAS: "
+            "Input should be greater than or equal to 1"
+        ]
+
+
+def test_a_configuration_path_that_is_a_directory_is_named(tmp_path: Path) -> None:
+    env = {"SSHAPI_CONFIG": str(tmp_path), "SSHAPI_DATA_DIR": str(tmp_path / "data")}
+    result = CliRunner().invoke(app, ["hosts", "check"], env=env)
+    assert result.exit_code == 2
+    assert result.stderr == f"sshapi hosts check: {tmp_path}: Is a directory\n"
+
+
+BROKEN_PROFILES = {
+    "malformed": ('default = "x"\n[profiles\n', "not a valid client configuration"),
+    "profiles-not-tables": ("profiles = 3\n", "`profiles` must be tables"),
+    "profile-not-a-table": ('profiles.x = "http://h"\n', "profiles.x must be a table"),
+    "unknown-key": ('[profiles.x]\ntokn = "abc"\n', "unknown key profiles.x.tokn"),
+    "url-not-a-string": ("[profiles.x]\nurl = 5\n", "profiles.x.url must be a string"),
+    "missing-token-file": ('[profiles.x]\ntoken_file = "/nonexistent/t"\n', "/nonexistent/t"),
+}
+
+
+@pytest.mark.parametrize("case", BROKEN_PROFILES)
+def test_an_invalid_client_configuration_is_one_line_and_exit_255(
+    case: str, tmp_path: Path
+) -> None:
+    """The client commands keep their own exit status for their errors (255, as ssh): 2 could
+    be the remote command's."""
+    content, says = BROKEN_PROFILES[case]
+    path = tmp_path / "client.toml"
+    path.write_text(content)
+    env = {"SSHAPI_CLIENT_CONFIG": str(path), "SSHAPI_URL": "", "SSHAPI_TOKEN": ""}
+    result = CliRunner().invoke(app, ["jobs", "list", "--profile", "x"], env=env)
+    assert result.exit_code == 255, result.output
+    assert len(result.stderr.splitlines()) == 1 and says in result.stderr, result.stderr
+    assert result.stderr.startswith("sshapi: ")

@@ -8,46 +8,23 @@ import hashlib
 import os
 import shutil
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
-from api_helpers import Api, Keys, config_toml, make_settings, server_process
+from api_helpers import Api
 
-from api.config import load_config
-from api.settings import Settings
 from sshpool.devhost import LocalHost
 
 pytestmark = pytest.mark.timeout(120)
 
-SCHEDULER = """
-[hosts.local.scheduler]
-poll_interval = 0.3
-max_poll_interval = 2.0
-settle = 1.0
-"""
 FILES = "files:read files:write"
 
 
-@pytest.fixture(scope="module")
-def server(
-    slurm_host: LocalHost, secret_file: Path, keys: Keys, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[str, Settings]]:
-    folder = tmp_path_factory.mktemp("files-batch-api")
-    config = folder / "sshapi.toml"
-    config.write_text(config_toml(slurm_host, secret_file, keys, SCHEDULER))
-    settings = make_settings(folder, config, "sqlite", None)
-    with server_process(settings) as (_, url):
-        yield url, settings
-
-
 @pytest.fixture
-async def api(server: tuple[str, Settings], secret: str, keys: Keys) -> AsyncIterator[Api]:
-    url, settings = server
-    assert settings.config is not None
-    async with httpx.AsyncClient(timeout=60) as client:
-        yield Api(url, client, secret, load_config(settings.config), settings, keys)
+def api(batch_api: Api) -> Api:
+    """This module's API: the session's `sshapi serve` in front of Slurm (conftest.py)."""
+    return batch_api
 
 
 @pytest.fixture

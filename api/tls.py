@@ -1,0 +1,18 @@
+"""The TLS verification context every httpx client of the package uses, built once per process."""
+
+from __future__ import annotations
+
+import functools
+import ssl
+
+import httpx
+
+
+@functools.cache
+def tls_context() -> ssl.SSLContext:
+    """httpx's default verification (certifi's CAs, or SSL_CERT_FILE / SSL_CERT_DIR), shared.
+
+    httpx loads the whole CA bundle for every client it makes with the default `verify=True`:
+    50-150 ms of CPU each, paid by every app start (its JWKS client) and every `Client`. One
+    context serves them all (httpx's advice for many clients); it is only read once built."""
+    return httpx.create_ssl_context()
