@@ -202,6 +202,7 @@ def _uvicorn_options(settings: Settings, config: Config) -> dict[str, Any]:
         max_header_bytes=settings.max_header_bytes,
         header_timeout=settings.header_timeout,
         body_timeout=settings.body_timeout,
+        body_min_rate=settings.body_min_rate,
         max_connections=connection_limit(settings.max_connections, ssh),
     )
     return {

@@ -11,7 +11,12 @@ httptools protocol with four bounds added:
   close (memory bounded by that plus one socket read);
 - header deadline: the header complete within `header_timeout` seconds of the connection (or
   of the request's first byte on a kept-alive connection), else 408 and close;
-- body deadline: the whole body within `body_timeout` seconds of the header, else 408 and close;
+- body deadline: the body complete within `body_timeout` seconds of the header plus one second
+  per `body_min_rate` bytes received (Apache mod_reqtimeout's `body=...,MinRate=...`), else 408
+  and close: a client sending at least `body_min_rate` bytes a second is never cut off, however
+  large its upload, while one that stalls or trickles is closed after `body_timeout` plus what its
+  few bytes bought. The time the server itself stops reading (its buffer full while the app
+  waits on the host) is not held against the client;
 - connections: at most `max_connections` open; a new one beyond it closes the oldest connection
   with no request in progress (idle, or still sending its header), or itself if there is none,
   so that descriptors never run out and a client that sends its request at once is served.
@@ -43,6 +48,7 @@ class EdgeLimits:
     max_header_bytes: int
     header_timeout: float
     body_timeout: float
+    body_min_rate: int
     max_connections: int
 
 
@@ -79,6 +85,9 @@ class GuardedHttp(HttpToolsProtocol):
         self._reading_header = False
         self._header_bytes = 0
         self._deadline: asyncio.TimerHandle | None = None
+        # The body being read: when its header was complete, and its bytes counted so far.
+        self._body_since: float | None = None
+        self._body_bytes = 0
 
     # ---- connection limit
 
@@ -106,6 +115,7 @@ class GuardedHttp(HttpToolsProtocol):
     def _start_header(self) -> None:
         if not self._reading_header:
             self._reading_header = True
+            self._body_since = None
             self._header_bytes = 0
             self._arm(self.limits.header_timeout)
 
@@ -123,6 +133,8 @@ class GuardedHttp(HttpToolsProtocol):
         if self.transport.is_closing():
             return
         started = self.cycle is not None and self.cycle.response_started
+        if not started and self._body_since is not None and self._body_time_left() > 0:
+            return  # the client's bytes bought it more time: re-armed for it
         if started or (self._reading_header and not self._header_bytes):
             self.transport.close()  # answered already, or sent nothing: nothing to say
         else:
@@ -156,12 +168,36 @@ class GuardedHttp(HttpToolsProtocol):
         super().on_message_begin()
         self._start_header()
 
+    # ---- body deadline
+
+    def _body_time_left(self) -> float:
+        """Re-arms the body deadline and returns the seconds left if the client has earned more
+        time since the timer was armed, else 0. The deadline is extended lazily, here when its
+        timer fires, not on every read: a timer per 64 KiB read would cost a hot path. While the
+        server has paused reading (the app has not taken what it was sent), the client cannot
+        send: its budget starts afresh from here."""
+        assert self._body_since is not None
+        now = time.monotonic()
+        if self.flow.read_paused:
+            self._body_since, self._body_bytes = now, 0
+        allowed = self.limits.body_timeout + self._body_bytes / self.limits.body_min_rate
+        left = self._body_since + allowed - now
+        if left > 0:
+            self._arm(left)
+        return max(left, 0.0)
+
     def on_headers_complete(self) -> None:
         self._reading_header = False
+        self._body_since, self._body_bytes = time.monotonic(), 0
         self._arm(self.limits.body_timeout)
         super().on_headers_complete()
 
+    def on_body(self, body: bytes) -> None:
+        self._body_bytes += len(body)  # a count only: the deadline catches up when it fires
+        super().on_body(body)
+
     def on_message_complete(self) -> None:
+        self._body_since = None
         self._disarm()
         super().on_message_complete()
 

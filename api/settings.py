@@ -74,12 +74,17 @@ class Settings(BaseSettings):
     shutdown_grace: float = 10.0
     # The server's edge (api/server.py): bytes of request header (request line + headers)
     # before 431; seconds from connecting (or a kept-alive request's first byte) until the
-    # header is complete, then until the body is, before 408 and close; client connections
-    # open at once (lowered to what the descriptor limit allows), beyond which the oldest idle
-    # one is closed.
+    # header is complete, then until the body is (plus one second per `body_min_rate` bytes
+    # received), before 408 and close; client connections open at once (lowered to what the
+    # descriptor limit allows), beyond which the oldest idle one is closed.
     max_header_bytes: int = Field(default=32 << 10, ge=1024)
     header_timeout: float = Field(default=10.0, gt=0)
     body_timeout: float = Field(default=30.0, gt=0)
+    # Bytes a second a body must keep arriving at to earn more time than `body_timeout`.
+    # 64 KiB/s (512 kbit/s) is below any link a researcher uploads data over (a slow hotel or
+    # field link, a congested VPN), so an honest upload of any size is never cut off, while a
+    # client holding a connection with a trickle of bytes still is: it buys 1 s per 64 KiB.
+    body_min_rate: int = Field(default=64 << 10, gt=0)
     max_connections: int = Field(default=4096, ge=1)
 
     @field_validator("jwt_secret")

@@ -4,11 +4,16 @@ against another user's latency. Figures are printed as `FIGURE name: value`."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
 import json
 import logging
+import os
 import statistics
 import time
+import uuid
 from collections import Counter
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -327,6 +332,87 @@ async def test_idle_and_half_sent_connections_are_closed_and_cannot_exhaust_desc
     assert health.status_code == 200
     assert len(opened) == 300
     assert by_kind[0] < 4 and by_kind[1] < 4 and by_kind[2] < 6
+
+
+UPLOAD_POLICY = """
+[[policy]]
+subject = "slow-*"
+issuer = "*"
+hosts = ["local"]
+file_roots = { "*" = ["~/sshapi-files/{sub}"] }
+
+"""
+
+
+async def test_slow_steady_uploads_pass_the_body_deadline_and_tricklers_do_not(
+    tuned_host: LocalHost, secret_file: Path, secret: str, keys: Keys, tmp_path: Path
+) -> None:
+    """Body deadline 2 s, the default minimum rate (64 KiB/s): an upload sent in 64 KiB chunks
+    every 0.3 s (~210 KiB/s) for over 4 s is stored whole (201, same sha256), while one that
+    trickles 1 KiB every 0.3 s is answered 408 and closed long before it is done."""
+    text = config_toml(tuned_host, secret_file, keys).replace(
+        "[[policy]]", UPLOAD_POLICY + "[[policy]]", 1
+    )
+    config_file = tmp_path / "sshapi.toml"
+    config_file.write_text(text)
+    settings_ = make_settings(tmp_path, config_file, "sqlite", None)
+    sub = f"slow-{uuid.uuid4().hex[:10]}"
+    root = Path(tuned_host.account.home) / "sshapi-files" / sub
+    tuned_host.run_local(["mkdir", "-p", str(root)])
+    chunk, chunks = os.urandom(64 << 10), 15
+    try:
+        with server_process(settings_, extra_env={"SSHAPI_BODY_TIMEOUT": "2"}) as (_, url):
+            async with httpx.AsyncClient(timeout=30) as client:
+                api = Api(url, client, secret, load_config(config_file), settings_, keys)
+                headers = api.auth(sub, "files:read files:write")
+
+                async def steady() -> AsyncIterator[bytes]:
+                    for _ in range(chunks):
+                        yield chunk
+                        await asyncio.sleep(0.3)
+
+                t0 = time.perf_counter()
+                r = await client.put(
+                    f"{url}/v1/hosts/local/files/content",
+                    params={"path": f"{root}/steady.bin"},
+                    content=steady(),
+                    headers={**headers, "Content-Length": str(len(chunk) * chunks)},
+                )
+                steady_s = time.perf_counter() - t0
+            port = int(url.rsplit(":", 1)[1])
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(
+                f"PUT /v1/hosts/local/files/content?path={root}/trickle.bin HTTP/1.1\r\n"
+                f"Host: x\r\nAuthorization: {headers['Authorization']}\r\n"
+                f"Content-Length: {1 << 20}\r\n\r\n".encode()
+            )
+
+            async def trickle() -> int:
+                sent = 0
+                with contextlib.suppress(ConnectionError):
+                    while sent < 1 << 20:
+                        writer.write(b"x" * 1024)
+                        await writer.drain()
+                        sent += 1024
+                        await asyncio.sleep(0.3)
+                return sent
+
+            t0 = time.perf_counter()
+            sending = asyncio.create_task(trickle())
+            async with asyncio.timeout(20):
+                answer = await reader.read()  # to the server's close
+            trickle_s = time.perf_counter() - t0
+            sending.cancel()
+            writer.close()
+    finally:
+        tuned_host.run_local(["rm", "-rf", str(root)])
+    figure("steady 960 KiB upload over (s), status", (round(steady_s, 2), r.status_code))
+    figure("trickler closed after (s)", round(trickle_s, 2))
+    assert steady_s > 4
+    assert r.status_code == 201, r.text
+    assert r.json()["sha256"] == hashlib.sha256(chunk * chunks).hexdigest()
+    assert answer.startswith(b"HTTP/1.1 408 "), answer[:100]
+    assert trickle_s < 10  # 1 MiB at 1 KiB per 0.3 s would take 5 minutes
 
 
 async def test_validation_errors_are_capped_in_count_and_size(

@@ -4,6 +4,7 @@ one replica killed mid-run; the systemd units; the environment file."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import re
 import shutil
@@ -16,8 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
+import httpx
 import pytest
 
+from api.local import local_token, resolve_config
 from api.settings import Settings
 from loadtests.records import read_jsonl
 from loadtests.replicas import PG_URL, cluster, finish, locust
@@ -99,6 +102,42 @@ def test_two_replicas_behind_nginx_lose_no_job_when_one_is_killed(
     assert {state for _, state in states} <= {"succeeded", "lost"}
     assert all(replica == "r1" for replica, state in states if state == "lost")
     assert succeeded <= lines(ran_file) <= total  # each job's command ran at most once
+
+
+@pytest.mark.timeout(120)
+def test_nginx_streams_large_uploads_and_still_caps_json_bodies(
+    tuned_host: LocalHost, tmp_path: Path
+) -> None:
+    """Through the shipped nginx: an 8 MiB upload (past the 1 MiB JSON cap) is stored whole
+    (201, same sha256) and downloads back identical, while a 2 MiB JSON body to /v1/jobs is
+    still refused by nginx (413)."""
+    data = os.urandom(8 << 20)
+    remote = f"{tuned_host.account.home}/nginx-upload-{uuid.uuid4().hex[:8]}.bin"
+    with cluster(tuned_host, tmp_path / "cluster", replicas=2) as c:
+        settings = Settings(
+            data_dir=tmp_path / "cluster" / "r1", jwt_secret=c.env["SSHAPI_JWT_SECRET"]
+        )
+        token = local_token(settings, resolve_config(settings), "uploader",
+                            ["files:read", "files:write", "jobs:write"])  # fmt: skip
+        headers = {"Authorization": f"Bearer {token}"}
+        content = f"{c.url}/v1/hosts/local/files/content"
+        try:
+            with httpx.Client(timeout=60) as client:
+                up = client.put(content, params={"path": remote}, content=data, headers=headers)
+                down = client.get(content, params={"path": remote}, headers=headers)
+                big = client.post(
+                    f"{c.url}/v1/jobs",
+                    json={"host": "local", "command": "true", "pad": "x" * (2 << 20)},
+                    headers=headers,
+                )
+        finally:
+            tuned_host.run_local(["rm", "-f", remote])
+    assert up.status_code == 201, up.text
+    assert up.json()["sha256"] == hashlib.sha256(data).hexdigest()
+    assert down.status_code == 200
+    assert down.content == data
+    assert big.status_code == 413
+    assert "nginx" in big.text  # nginx's own page: the body never reached a replica
 
 
 def test_systemd_units_verify() -> None:
