@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import multiprocessing
 import os
@@ -182,17 +181,6 @@ def _configure_logging(settings: Settings) -> None:
     logging.getLogger("asyncssh").setLevel(max(level, logging.WARNING))
 
 
-def _tune_gc() -> None:
-    """Make the cyclic garbage collector cheap for a server. At 100 jobs/s it took 13% of the
-    API's CPU (gc.callbacks, thread time): a young collection every 700 allocations, and full
-    collections that walked the ~100k objects of the imported libraries every time. Those live
-    as long as the process: frozen, no collection walks them again; and the young generation is
-    collected every 10,000 allocations (a few MB of cyclic garbage at most): 2-3.5% then."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(10_000, 10, 10)
-
-
 def _uvicorn_options(settings: Settings, config: Config) -> dict[str, Any]:
     """What every server process runs uvicorn with: the keep-alive timeout clients rely on, and
     the edge bounds of api/server.py (header size, header and body deadlines, connections)."""
@@ -223,7 +211,6 @@ def serve(settings: Settings, config: Config | None = None) -> None:
         _supervise(settings, config)
         return
     api = create_app(settings, config=config)
-    _tune_gc()
     uvicorn.run(api, host=settings.host, port=settings.port, **_uvicorn_options(settings, config))
 
 
@@ -247,7 +234,6 @@ def _worker(
     server = uvicorn.Server(
         uvicorn.Config(create_app(settings, config=config), **_uvicorn_options(settings, config))
     )
-    _tune_gc()
     server.run(sockets=[sock])
 
 
