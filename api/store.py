@@ -203,7 +203,7 @@ class _Sql:
 
     def expression(self, expr: ClauseElement) -> tuple[str, list[Any]]:
         """A SQL expression given as a value (e.g. `func.coalesce(JobRow.started_at, now)`):
-        its SQLite text and its processed positional parameters."""
+        its text in this dialect and its processed positional parameters."""
         compiled = cast(SQLCompiler, expr.compile(dialect=self.dialect))
         raw = compiled.construct_params() or {}
         params = []
@@ -218,16 +218,21 @@ class _Sql:
         shape = ("update", keys, only_active, unless_cancel)
         sql = self.cache.get(shape)
         if sql is None:
-            where = ["id = ?"]
-            if only_active:
-                where.append(f"state IN ({ACTIVE_SQL})")
-            if unless_cancel:
-                where.append("cancel_requested IS NULL")
             sql = self.cache[shape] = (
                 f"UPDATE {JOBS.name} SET {', '.join(f'{k} = ?' for k in keys)} "
-                f"WHERE {' AND '.join(where)}"
+                f"{self.where('?', only_active, unless_cancel)}"
             )
         return sql
+
+    @staticmethod
+    def where(id_mark: str, only_active: bool, unless_cancel: bool) -> str:
+        """The WHERE clause of an update, the job id as the parameter `id_mark`."""
+        where = [f"id = {id_mark}"]
+        if only_active:
+            where.append(f"state IN ({ACTIVE_SQL})")
+        if unless_cancel:
+            where.append("cancel_requested IS NULL")
+        return f"WHERE {' AND '.join(where)}"
 
 
 def _sqlite_connect(path: str) -> sqlite3.Connection:
@@ -261,33 +266,9 @@ class _PgSql(_Sql):
         sql = self.cache.get(shape)
         if sql is None:
             sets = ", ".join(f"{k} = ${n}" for n, k in enumerate(keys, 1))
-            where = self.where(len(keys) + 1, only_active, unless_cancel)
+            where = self.where(f"${len(keys) + 1}", only_active, unless_cancel)
             sql = self.cache[shape] = f"UPDATE {JOBS.name} SET {sets} {where}"
         return sql
-
-    @staticmethod
-    def where(id_mark: int, only_active: bool, unless_cancel: bool) -> str:
-        """The WHERE clause of an update, the job id as parameter `$id_mark`."""
-        where = [f"id = ${id_mark}"]
-        if only_active:
-            where.append(f"state IN ({ACTIVE_SQL})")
-        if unless_cancel:
-            where.append("cancel_requested IS NULL")
-        return f"WHERE {' AND '.join(where)}"
-
-    def compiled(self, statement: ClauseElement) -> tuple[str, list[Any]]:
-        """Any Core statement as asyncpg text and its processed positional parameters (the rare
-        update whose value is a SQL expression)."""
-        compiled = cast(SQLCompiler, statement.compile(dialect=self.dialect))
-        raw = compiled.construct_params() or {}
-        params = []
-        for name in compiled.positiontup or ():
-            value = raw[name]
-            convert = (
-                compiled.binds[name].type.dialect_impl(self.dialect).bind_processor(self.dialect)
-            )
-            params.append(convert(value) if convert is not None and value is not None else value)
-        return str(compiled), params
 
 
 class _PgWriter:
@@ -537,9 +518,9 @@ class Store:
         if self._pg is not None:
             pg = self._pg.sql
             if any(isinstance(v, ClauseElement) for v in values.values()):  # rare: per call
-                sets, params = pg.compiled(update(JOBS).values(**values))
+                sets, params = pg.expression(update(JOBS).values(**values))
                 params.append(job_id)
-                sql = f"{sets} {pg.where(len(params), only_active, unless_cancel_requested)}"
+                sql = f"{sets} {pg.where(f'${len(params)}', only_active, unless_cancel_requested)}"
             else:
                 sql = pg.update(tuple(values), only_active, unless_cancel_requested)
                 params = [*pg.params(values), job_id]

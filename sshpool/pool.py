@@ -754,14 +754,11 @@ class Pool:
         except ConnectionLost:
             host.counters["connections_lost"] += 1
             raise
-        except Exception:
-            # The caller's own error (a refused path, a client that went away): the session may
-            # be mid-request, but the connection is as good as before.
-            healthy = c.conn.is_alive()
-            raise
-        except asyncio.CancelledError:
-            # A cancelled caller (a client gone mid-download) may have cut an operation short:
-            # that costs the connection only where the backend says so (intact, below).
+        except (Exception, asyncio.CancelledError):
+            # The caller's own error (a refused path, a client that went away) or its
+            # cancellation (a client gone mid-download): the session may be mid-request, but
+            # the connection is as good as before, unless the backend says otherwise (intact,
+            # below).
             healthy = c.conn.is_alive()
             raise
         finally:
