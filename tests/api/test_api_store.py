@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import sqlite3
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -137,3 +139,59 @@ async def test_update_with_a_sql_expression_keeps_the_first_start_time(store: St
     back = await store.get(row.id)
     assert back is not None and back.state == "running"
     assert aware(back.started_at) == first
+
+
+async def _loop_lag(during: asyncio.Future[Any], tick: float = 0.01) -> float:
+    """The worst lateness (seconds) of a `tick` sleep on this event loop until `during` is done."""
+    loop, worst = asyncio.get_running_loop(), 0.0
+    while not during.done():
+        start = loop.time()
+        await asyncio.sleep(tick)
+        worst = max(worst, loop.time() - start - tick)
+    return worst
+
+
+async def test_sqlite_writes_wait_for_another_process_lock_without_blocking_the_loop(
+    tmp_path: Path,
+) -> None:
+    """Another worker holding SQLite's write lock (workers share one file) delays this
+    process's writes until it commits, but never freezes the event loop meanwhile: every other
+    request goes on being served."""
+    path = tmp_path / "jobs.sqlite3"
+    store = Store(f"sqlite+aiosqlite:///{path}")
+    await store.start()
+    other = sqlite3.connect(path, isolation_level=None)
+    try:
+        await store.insert(job())  # the file and its WAL exist
+        other.execute("BEGIN IMMEDIATE")  # the other worker's transaction, held open
+        insert = asyncio.ensure_future(store.insert(job(stdout=b"x" * 100)))
+        release = asyncio.get_running_loop().call_later(0.6, other.execute, "COMMIT")
+        lag = await _loop_lag(insert)
+        release.cancel()
+        row = await insert
+        assert lag < 0.2, f"the event loop stalled {lag:.3f} s behind the lock"
+        back = await store.get(row.id)
+        assert back is not None and back.stdout == b"x" * 100
+    finally:
+        other.close()
+        await store.close()
+
+
+async def test_sqlite_wal_stays_bounded_and_large_outputs_round_trip(tmp_path: Path) -> None:
+    """Writing far more than a WAL's worth of job output, in outputs small and large, keeps the
+    WAL file near its checkpoint size (a disk that fills up with WAL is an outage) and every
+    output reads back whole."""
+    path = tmp_path / "jobs.sqlite3"
+    store = Store(f"sqlite+aiosqlite:///{path}")
+    await store.start()
+    try:
+        small, large = b"s" * (100 << 10), b"L" * (2 << 20)
+        rows = [await store.insert(job(stdout=small, stderr=b"")) for _ in range(400)]  # 40 MiB
+        wal = (tmp_path / "jobs.sqlite3-wal").stat().st_size
+        assert wal < 24 << 20, f"WAL grew to {wal >> 20} MiB for 40 MiB written"
+        rows += [await store.insert(job(stdout=large, stderr=small)) for _ in range(3)]
+        for row in (rows[0], rows[399], rows[-1]):
+            back = await store.get(row.id)
+            assert back is not None and (back.stdout, back.stderr) == (row.stdout, row.stderr)
+    finally:
+        await store.close()
