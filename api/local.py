@@ -42,9 +42,12 @@ LOCAL_AUDIENCE = "sshapi"
 MAX_TOKEN_TTL = 30 * 86400.0
 LOCAL_CONFIG_NAME = "local.toml"
 
-# The local host runs sshd_config.tuned (MaxSessions 16, MaxStartups 30:30:100): 12 channels per
-# connection leave room for the kill channel and for session slots sshd frees late.
-LOCAL_LIMITS = Limits(max_connections=4, min_connections=1, max_sessions=12, max_handshakes=8)
+# The pool's defaults (4 connections x 8 channels, inside a stock sshd) with one connection kept
+# open: a burst on a cold pool waited 0.4-0.7 s for its handshakes. Until 2026-11-24 these were
+# 4 x 12 channels and 8 handshakes, which sshd_config.tuned allows; `loadtests.raw_matrix` on a
+# quiet box measured no difference from the defaults (+-30 commands/s of ~780, 8 and 32
+# callers, 5 rounds, every interval across 0; docs/benchmarks.md), so nothing backs them.
+LOCAL_LIMITS = Limits(min_connections=1)
 
 NO_CONFIG = (
     "no configuration: set SSHAPI_CONFIG to your TOML file (see api/sshapi.example.toml), "

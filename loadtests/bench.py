@@ -76,7 +76,7 @@ async def raw_ceiling(
 ) -> dict[str, Any]:
     """sshpool alone with the API's limits for this sshd: low-load p50 (back to back, and paced
     at the API's low rate), and saturation."""
-    target = host.target(**dataclasses.asdict(limits("pooled", host.profile)))
+    target = host.target(**dataclasses.asdict(limits("pooled")))
     async with Pool(backend=backend) as pool:
         await pool.prewarm(target)
         await closed_loop(

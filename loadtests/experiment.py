@@ -92,7 +92,7 @@ def locust_argv(cell: Cell, url: str, args: argparse.Namespace, meta: dict[str, 
 def run_cell(cell: Cell, repeat: int, host: Any, args: argparse.Namespace) -> dict[str, Any]:
     """One run: a fresh API for the cell, one Locust run, its summary (or why there is none)."""
     work = args.out / "api" / f"{len(list((args.out / 'api').glob('*'))):03d}"
-    lim = limits(cell.pool_mode, cell.sshd)
+    lim = limits(cell.pool_mode)
     meta = {**asdict(cell), "sshd_profile": cell.sshd, "repeat": repeat,
             "pool_limits": dataclasses.asdict(lim), "sshd_port": host.port}  # fmt: skip
     workers = getattr(args, "workers", 1)

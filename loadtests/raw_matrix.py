@@ -4,10 +4,10 @@ explains a difference in the raw ceiling?
     .venv/bin/python -m loadtests.raw_matrix                      # stock + tuned x default + local
     .venv/bin/python -m loadtests.raw_matrix --limits default local sessions12 --rounds 5
 
-`loadtests.bench` measures the raw ceiling of each sshd profile with the pool limits the API uses
-for it (`loadtests.server.limits`: the pool's defaults on stock sshd, `LOCAL_LIMITS` on tuned),
-one profile after the other, so a difference between its two rows mixes the sshd settings, the
-pool limits and the drift of a shared machine. Here every combination runs once per round, in a
+`loadtests.bench` measures the raw ceiling of each sshd profile (with the limits the API uses,
+`loadtests.server.limits`; until 2026-11-24 they differed per profile) one profile after the
+other, so a difference between its two rows mixes the sshd settings and the drift of a shared
+machine. Here every combination runs once per round, in a
 different order each round, as a closed loop of `hostname` at each --concurrency; the table gives
 commands/s per cell (mean and range over rounds) and, per concurrency, the difference of each
 cell from the baseline (the first profile with the first limits) with a bootstrap 95% interval
@@ -26,6 +26,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from api.local import LOCAL_LIMITS
 from loadtests.backend_bench import BACKENDS, closed_loop
 from loadtests.report import run_dir
 from loadtests.verdict import mean_difference
@@ -34,11 +35,13 @@ from sshpool.devhost import LocalHost
 
 COMMAND = ("hostname",)  # what loadtests.bench's raw ceiling runs
 BASE = Limits()
-# Named pool limits. `local` is api.local.LOCAL_LIMITS (the embedded host's, used with tuned
-# sshd); the single-change ones tell which of its differences from the defaults matters.
+# Named pool limits. `local` is api.local.LOCAL_LIMITS (the embedded host's, and what the API
+# benchmarks use with either sshd); `s12h8` is what it was until 2026-11-24; the single-change
+# ones tell which difference from the defaults matters.
 LIMITS: dict[str, Limits] = {
     "default": BASE,
-    "local": Limits(max_connections=4, min_connections=1, max_sessions=12, max_handshakes=8),
+    "local": LOCAL_LIMITS,
+    "s12h8": Limits(max_connections=4, min_connections=1, max_sessions=12, max_handshakes=8),
     "sessions12": replace(BASE, max_sessions=12),
     "min1": replace(BASE, min_connections=1),
     "conns2x16": replace(BASE, max_connections=2, max_sessions=16),

@@ -28,18 +28,18 @@ POOL_MODES = ("pooled", "per-request")
 READY_TIMEOUT = 30.0
 
 
-def limits(mode: str, sshd_profile: str) -> Limits:
-    """Pool limits per pool mode. `pooled` uses what the API uses for that sshd: the embedded
-    host's limits for `tuned` (MaxSessions 16, MaxStartups 30:30:100), the pool's defaults for
-    `stock` with one connection kept open, as api/sshapi.example.toml deploys it (without it,
-    a burst on a fresh API waited 0.4-0.7 s for its first handshakes before any command ran:
-    docs/benchmarks.md). `per-request` opens up to 64 connections at once, one command each, as
+def limits(mode: str) -> Limits:
+    """Pool limits per pool mode. `pooled` uses what the API uses with either sshd: the
+    embedded host's limits, the pool's defaults with one connection kept open, as
+    api/sshapi.example.toml deploys a host (without it, a burst on a fresh API waited 0.4-0.7 s
+    for its first handshakes before any command ran: docs/benchmarks.md); so `stock` and `tuned`
+    differ by sshd alone. `per-request` opens up to 64 connections at once, one command each, as
     the old design did (stock MaxStartups 10:30:100 starts refusing them at 10)."""
     if mode == "per-request":
         return Limits(max_connections=64, max_sessions=1, max_handshakes=64, reuse=False)
     if mode != "pooled":
         raise ValueError(f"pool mode {mode!r} is not one of {POOL_MODES}")
-    return LOCAL_LIMITS if sshd_profile == "tuned" else Limits(min_connections=1)
+    return LOCAL_LIMITS
 
 
 def config_data(host: dict[str, Any]) -> dict[str, Any]:
@@ -89,7 +89,7 @@ def start_api(
     """Start the API on 127.0.0.1 against a started LocalHost; returns the process and its base
     URL once /readyz answers. `env` adds SSHAPI_* settings (a shared database, a replica name).
     The caller stops the process."""
-    lim = limits(pool_mode, local_host.profile)
+    lim = limits(pool_mode)
     host = {
         "hostname": local_host.address,
         "port": local_host.port,
