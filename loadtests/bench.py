@@ -5,9 +5,10 @@ one run, against the local HPC host (`stock` and `tuned` sshd).
     .venv/bin/python -m loadtests.bench --sshd tuned --duration-factor 0.3   # a quick look
 
 Per sshd profile:
-1. raw ceiling: `sshpool` alone (no HTTP) with the pool limits the API uses for that sshd, in a
-   closed loop at 1 caller (the low-load p50) and at --raw-concurrency callers (saturation:
-   commands/s, p50/p99). `backend_bench.closed_loop`.
+1. raw ceiling: `sshpool` alone (no HTTP) with the pool limits the API uses (the same for both
+   sshd profiles, `loadtests.server.limits`), in a closed loop at 1 caller (the low-load p50)
+   and at --raw-concurrency callers (saturation: commands/s, p50/p99).
+   `backend_bench.closed_loop`.
 2. API: a fresh API process, the open-model generator (`loadtests/sustained.py`, profile
    `bench`): 10/s, the paper's 50 and 90/s, then steps to 600/s. The knee is the highest step
    with no failure and p99 <= 100 ms.
