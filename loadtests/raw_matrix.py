@@ -7,11 +7,12 @@ explains a difference in the raw ceiling?
 `loadtests.bench` measures the raw ceiling of each sshd profile (with the limits the API uses,
 `loadtests.server.limits`; until 2026-11-24 they differed per profile) one profile after the
 other, so a difference between its two rows mixes the sshd settings and the drift of a shared
-machine. Here every combination runs once per round, in a
-different order each round, as a closed loop of `hostname` at each --concurrency; the table gives
-commands/s per cell (mean and range over rounds) and, per concurrency, the difference of each
-cell from the baseline (the first profile with the first limits) with a bootstrap 95% interval
-over the rounds and its verdict (`loadtests.verdict.mean_difference`).
+machine. Here every combination runs once per round, in a different order each round, as a
+closed loop of `hostname` at each --concurrency; the table gives commands/s per cell (mean and
+range over rounds) and, per concurrency, the difference of each cell from the baseline (the
+first profile with the first limits) with a bootstrap 95% interval over the rounds and its
+verdict (`loadtests.verdict.mean_difference`). Since 2026-11-24 `local` and `min1` are the
+same limits (LOCAL_LIMITS is the defaults with one connection kept open).
 """
 
 from __future__ import annotations
