@@ -42,6 +42,7 @@ from loadtests.experiment import Cell, run_cell
 from loadtests.report import run_dir, versions
 from loadtests.schedule import PROFILES
 from loadtests.server import limits
+from loadtests.timer import DeadlineTimer
 from sshpool import Pool, Target
 from sshpool.devhost import LocalHost, sshd_version
 
@@ -60,15 +61,16 @@ async def paced(
     times: list[float] = []
     errors = 0
     start = time.perf_counter()
-    for n in range(int(rate * duration)):
-        due = start + n / rate
-        await asyncio.sleep(max(0.0, due - time.perf_counter()))
-        try:
-            await pool.run(target, list(COMMAND), timeout=30)
-        except Exception:
-            errors += 1
-            continue
-        times.append((time.perf_counter() - due) * 1000)
+    with DeadlineTimer() as timer:  # as precise as the API's generator (loadtests/timer.py)
+        for n in range(int(rate * duration)):
+            due = start + n / rate
+            await timer.wait_until(due)
+            try:
+                await pool.run(target, list(COMMAND), timeout=30)
+            except Exception:
+                errors += 1
+                continue
+            times.append((time.perf_counter() - due) * 1000)
     return hdr.percentiles(hdr.histogram(times))["p50"], errors
 
 
