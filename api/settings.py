@@ -94,6 +94,22 @@ class Settings(BaseSettings):
             check_secret(value.get_secret_value())
         return value
 
+    @field_validator("database_url")
+    @classmethod
+    def _refuse_sqlite_in_memory(cls, value: str | None) -> str | None:
+        # The store reads on SQLAlchemy's connections and writes on its own (api/store.py); an
+        # in-memory SQLite database exists once per connection, so the jobs it wrote would
+        # never be found. (The URL is not parsed with SQLAlchemy: Locust workers load these
+        # settings and stay free of it.)
+        if value is not None and value.split(":", 1)[0].split("+", 1)[0] == "sqlite":
+            path = value.split("://", 1)[-1].removeprefix("/").split("?", 1)[0]
+            if not path or path == ":memory:" or "mode=memory" in value:
+                raise ValueError(
+                    "SQLite needs a database file, as in sqlite+aiosqlite:////var/lib/sshapi/"
+                    "jobs.sqlite3: an in-memory database is one per connection"
+                )
+        return value
+
     @property
     def resolved_database_url(self) -> str:
         if self.database_url:

@@ -122,6 +122,22 @@ def test_an_invalid_setting_names_its_variable_and_exits_2(tmp_path: Path) -> No
         ]
 
 
+def test_an_in_memory_sqlite_store_is_refused_at_start(tmp_path: Path) -> None:
+    """The store reads and writes on separate connections: an in-memory SQLite database
+    would lose every job it wrote. Refused before anything starts, with what to set instead."""
+    for url in ("sqlite+aiosqlite://", "sqlite+aiosqlite:///:memory:", "sqlite://"):
+        env = {"SSHAPI_DATA_DIR": str(tmp_path), "SSHAPI_DATABASE_URL": url}
+        result = CliRunner().invoke(app, ["serve"], env=env)
+        assert result.exit_code == 2, (url, result.output)
+        assert result.stderr.startswith(
+            "sshapi serve: invalid setting: SSHAPI_DATABASE_URL: Value error, SQLite needs a "
+            "database file"
+        ), (url, result.stderr)
+    # A file is fine, relative (three slashes) or absolute (four).
+    for url in ("sqlite+aiosqlite:///jobs.sqlite3", f"sqlite+aiosqlite:///{tmp_path}/j.sqlite3"):
+        assert Settings(database_url=url).resolved_database_url == url
+
+
 def test_a_configuration_path_that_is_a_directory_is_named(tmp_path: Path) -> None:
     env = {"SSHAPI_CONFIG": str(tmp_path), "SSHAPI_DATA_DIR": str(tmp_path / "data")}
     result = CliRunner().invoke(app, ["hosts", "check"], env=env)
