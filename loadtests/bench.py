@@ -109,6 +109,8 @@ def sustained(summary: dict[str, Any]) -> dict[str, Any]:
             "failed": st["failed"],
             "errors": st["errors"],
             "achieved_per_s": st["throughput"],
+            # The generator's share of the latency: how late the median send left.
+            "lateness_p50_ms": st["lateness_ms"]["p50"],
         }
         for st in summary["stages"]
     }
@@ -239,7 +241,8 @@ def table(figures: list[dict[str, Any]]) -> str:
                 lines.append(
                     f"| {f['sshd']} | {design.replace('_', '-')} | {rate}/s | {_fmt(st['p50_ms'])} "
                     f"| {_fmt(st['p90_ms'])} | {_fmt(st['p99_ms'])} | {st['failed']} | "
-                    f"achieved {_fmt(st['achieved_per_s'])}/s |"
+                    f"achieved {_fmt(st['achieved_per_s'])}/s; sent "
+                    f"{_fmt(st['lateness_p50_ms'])} ms late (p50) |"
                 )
             lines.append(
                 f"| {f['sshd']} | {design.replace('_', '-')} | knee {_fmt(d['knee_per_s'])}/s "

@@ -86,14 +86,15 @@ def render(summary: dict[str, Any], images: dict[str, str | None]) -> str:
         lines += [
             "## Per stage",
             "",
-            f"| offered/s | achieved/s | requests | failed | {PCT_HEAD} | service p50 | p99 |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            f"| offered/s | achieved/s | requests | failed | {PCT_HEAD} | service p50 | p99 "
+            "| sent late p50 |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for s in summary["stages"]:
             lines.append(
                 f"| {s['offered_rate']:g} | {_ms(s['throughput'])} | {s['requests']} | "
                 f"{s['failed']} | {_pct_cells(s['latency_ms'])} | {_ms(s['service_ms']['p50'])} "
-                f"| {_ms(s['service_ms']['p99'])} |"
+                f"| {_ms(s['service_ms']['p99'])} | {_ms(s['lateness_ms']['p50'])} |"
             )
     if "bursts" in summary:
         lines += [

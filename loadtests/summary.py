@@ -82,6 +82,8 @@ def _group(records: Sequence[Record]) -> dict[str, Any]:
         "errors": _errors(records),
         "latency_ms": _pcts([r.latency_ms for r in ok]),
         "service_ms": _pcts([r.service_ms for r in ok]),
+        # How late the sends left: the generator's part of `latency_ms` (open model).
+        "lateness_ms": _pcts([max(0.0, r.lateness_ms) for r in records if r.error != DROPPED]),
         # Successes per second over the span of intended times (the achieved throughput).
         "throughput": len(ok) / span if span > 0 else None,
     }

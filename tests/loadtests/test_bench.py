@@ -47,10 +47,13 @@ def test_bench_smoke_run_writes_every_figure(tmp_path: Path) -> None:
         assert set(fig[design]["stages"]) == rates(profile)
         for st in fig[design]["stages"].values():
             assert {"p50_ms", "p90_ms", "p99_ms", "failed", "achieved_per_s"} <= set(st)
+            # The generator's share of each step's latency, printed with the step.
+            assert 0 <= st["lateness_p50_ms"] < st["p50_ms"]
         assert fig[design]["knee_per_s"] in {0.0, *map(float, rates(profile))}
     # A fresh SSH connection per request costs a handshake: never cheaper than an exec on a
     # warm connection.
     assert fig["per_request"]["stages"]["5"]["p50_ms"] > raw["low_load_p50_ms"]
+    assert "ms late (p50) |" in output
 
     b = fig["burst"]
     assert (b["size"], b["repeats"], b["requests"]) == (50, 1, 50)

@@ -146,6 +146,16 @@ def test_summary_counts_successes_only_and_leaves_warmup_out() -> None:
     assert s["warmup_requests"] == 1
 
 
+def test_each_stage_says_how_late_its_sends_left() -> None:
+    """The generator's part of a stage's latency, per stage; dropped arrivals were never sent."""
+    records = [rec(lateness_ms=0.1, stage=0, rate=10.0) for _ in range(9)]
+    records += [rec(lateness_ms=2.0, stage=1, rate=90.0) for _ in range(9)]
+    records += [rec(ok=False, error=DROPPED, lateness_ms=500.0, stage=1, rate=90.0)]
+    slow, fast = summarize(records, {}, {})["stages"]
+    assert math.isclose(slow["lateness_ms"]["p50"], 0.1, rel_tol=0.01)
+    assert math.isclose(fast["lateness_ms"]["max"], 2.0, rel_tol=0.01)
+
+
 def test_validity_flags_late_sends_drops_and_busy_cpu() -> None:
     """Each of the three generator problems makes the run invalid with its own reason."""
     ok = [rec() for _ in range(100)]
