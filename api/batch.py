@@ -50,7 +50,7 @@ from api.scheduler import (
     batch_options,
 )
 from api.states import FINAL
-from api.store import JobRow, Store, utcnow
+from api.store import JOBS, JobRow, Store, utcnow
 from sshpool import Pool, SSHPoolError, Target
 
 log = logging.getLogger("sshapi.batch")
@@ -255,7 +255,7 @@ class BatchJobs:
             "scheduler_reason": status.reason,
         }
         if status.state != "queued":
-            values["started_at"] = func.coalesce(JobRow.started_at, utcnow())
+            values["started_at"] = func.coalesce(JOBS.c.started_at, utcnow())
         if status.final:
             del self._jobs[(host, status.job_id)]
             await self._release(job_id, None)

@@ -199,7 +199,8 @@ class JobService:
             replica=self.replica,
             host=body.host,
             target=str(grant.target),
-            argv=body.argv or (command if body.template else None),
+            # A template's rendered argv is stored as what ran (its command is always a list).
+            argv=body.argv or (command if isinstance(command, list) and body.template else None),
             command=body.command,
             template=body.template,
             params=body.params,

@@ -16,8 +16,8 @@ built once per statement shape (`_Sql`), on the event loop itself unless it woul
 with a GIL handoff (about 12 per job, 4-5 ms of CPU per job on this box), even one hop per
 transaction cost a burst tens of milliseconds per commit, and building a Core statement per
 write (cache key, coercions) cost about as much as running it. Values go through the columns'
-own SQLAlchemy bind processors, so what the writer stores reads back through the ORM exactly as
-before.
+own SQLAlchemy bind processors, so what the writer stores reads back through Core exactly as
+what SQLAlchemy itself writes. Rows are read with Core into plain `JobRow` records (no ORM).
 PostgreSQL needs no thread: the writer keeps its own asyncpg connection on the event loop and
 runs the same statement shapes as text with `$n` parameters, each prepared once per connection
 by asyncpg's statement cache (`_PgWriter`); reads still go through SQLAlchemy.
@@ -34,6 +34,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
@@ -43,12 +44,16 @@ import asyncpg
 from sqlalchemy import (
     JSON,
     Boolean,
+    Column,
     Connection,
     DateTime,
     Float,
     Index,
     Integer,
     LargeBinary,
+    MetaData,
+    Row,
+    Select,
     String,
     Table,
     Text,
@@ -66,8 +71,7 @@ from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.engine import make_url
 from sqlalchemy.engine.interfaces import DBAPIConnection, Dialect
 from sqlalchemy.exc import IntegrityError, OperationalError
-from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
-from sqlalchemy.orm import DeclarativeBase, Mapped, defer, mapped_column
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import ConnectionPoolEntry
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.expression import ClauseElement
@@ -93,59 +97,108 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
-class Base(DeclarativeBase):
-    pass
+METADATA = MetaData()
 
-
-class JobRow(Base):
-    __tablename__ = "sshapi_jobs"
-    __table_args__ = (
-        UniqueConstraint("owner_iss", "owner_sub", "idempotency_key", name="sshapi_jobs_idem"),
-        Index("sshapi_jobs_owner", "owner_iss", "owner_sub", "id"),
-        Index("sshapi_jobs_replica_state", "replica", "state"),
-    )
-
-    id: Mapped[str] = mapped_column(String(36), primary_key=True)
-    owner_iss: Mapped[str] = mapped_column(String(512))
-    owner_sub: Mapped[str] = mapped_column(String(512))
-    replica: Mapped[str] = mapped_column(String(255))
-    host: Mapped[str] = mapped_column(String(64))
+JOBS = Table(
+    "sshapi_jobs",
+    METADATA,
+    Column("id", String(36), primary_key=True),
+    Column("owner_iss", String(512), nullable=False),
+    Column("owner_sub", String(512), nullable=False),
+    Column("replica", String(255), nullable=False),
+    Column("host", String(64), nullable=False),
     # user@host:port the command ran as (the policy's account), for operators.
-    target: Mapped[str] = mapped_column(String(512))
-    argv: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
-    command: Mapped[str | None] = mapped_column(Text, nullable=True)
-    template: Mapped[str | None] = mapped_column(String(64), nullable=True)
-    params: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
-    timeout: Mapped[float] = mapped_column(Float)
-    state: Mapped[str] = mapped_column(String(16))
-    error: Mapped[str | None] = mapped_column(Text, nullable=True)
-    error_kind: Mapped[str | None] = mapped_column(String(64), nullable=True)
-    exit_status: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    exit_signal: Mapped[str | None] = mapped_column(String(32), nullable=True)
-    stdout: Mapped[bytes] = mapped_column(LargeBinary, default=b"")
-    stderr: Mapped[bytes] = mapped_column(LargeBinary, default=b"")
-    stdout_bytes: Mapped[int] = mapped_column(Integer, default=0)
-    stderr_bytes: Mapped[int] = mapped_column(Integer, default=0)
-    stdout_truncated: Mapped[bool] = mapped_column(Boolean, default=False)
-    stderr_truncated: Mapped[bool] = mapped_column(Boolean, default=False)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
-    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    Column("target", String(512), nullable=False),
+    Column("argv", JSON, nullable=True),
+    Column("command", Text, nullable=True),
+    Column("template", String(64), nullable=True),
+    Column("params", JSON, nullable=True),
+    Column("timeout", Float, nullable=False),
+    Column("state", String(16), nullable=False),
+    Column("error", Text, nullable=True),
+    Column("error_kind", String(64), nullable=True),
+    Column("exit_status", Integer, nullable=True),
+    Column("exit_signal", String(32), nullable=True),
+    Column("stdout", LargeBinary, nullable=False, default=b""),
+    Column("stderr", LargeBinary, nullable=False, default=b""),
+    Column("stdout_bytes", Integer, nullable=False, default=0),
+    Column("stderr_bytes", Integer, nullable=False, default=0),
+    Column("stdout_truncated", Boolean, nullable=False, default=False),
+    Column("stderr_truncated", Boolean, nullable=False, default=False),
+    Column("created_at", DateTime(timezone=True), nullable=False),
+    Column("started_at", DateTime(timezone=True), nullable=True),
+    Column("finished_at", DateTime(timezone=True), nullable=True),
     # Milliseconds per stage: queue, connect, open, exec.
-    timings: Mapped[dict[str, float]] = mapped_column(JSON, default=dict)
-    idempotency_key: Mapped[str | None] = mapped_column(String(255), nullable=True)
-    request_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    Column("timings", JSON, nullable=False, default=dict),
+    Column("idempotency_key", String(255), nullable=True),
+    Column("request_hash", String(64), nullable=True),
     # Batch jobs (kind "batch"): the request's script and options, and the scheduler's view. NULL
     # kind is "command" (rows written before batch jobs existed).
-    kind: Mapped[str | None] = mapped_column(String(16), nullable=True)
-    batch: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True), nullable=True)
-    scheduler_job_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
-    scheduler_state: Mapped[str | None] = mapped_column(String(64), nullable=True)
-    scheduler_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    Column("kind", String(16), nullable=True),
+    Column("batch", JSON(none_as_null=True), nullable=True),
+    Column("scheduler_job_id", String(32), nullable=True),
+    Column("scheduler_state", String(64), nullable=True),
+    Column("scheduler_reason", Text, nullable=True),
     # The remote process group of a started command (the wrapper's `$$`), so that any replica
     # can kill it; and why a replica other than the owner asked to cancel it.
-    pgid: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    cancel_requested: Mapped[str | None] = mapped_column(Text, nullable=True)
+    Column("pgid", Integer, nullable=True),
+    Column("cancel_requested", Text, nullable=True),
+    UniqueConstraint("owner_iss", "owner_sub", "idempotency_key", name="sshapi_jobs_idem"),
+    Index("sshapi_jobs_owner", "owner_iss", "owner_sub", "id"),
+    Index("sshapi_jobs_replica_state", "replica", "state"),
+)
+
+
+@dataclass(slots=True, kw_only=True)
+class JobRow:
+    """One job as the service holds it: a row of JOBS as a plain record. Not an ORM-mapped
+    class: SQLAlchemy's attribute instrumentation (a descriptor call and an event check on every
+    read and write, about 140 per job) was 10% of the API's Python calls per job. The store reads
+    rows with Core and builds these from them; writes are statements (`Store.update`), so a
+    field set here changes only this copy."""
+
+    id: str
+    owner_iss: str
+    owner_sub: str
+    replica: str
+    host: str
+    target: str
+    timeout: float
+    state: str
+    created_at: datetime
+    argv: list[str] | None = None
+    command: str | None = None
+    template: str | None = None
+    params: dict[str, Any] | None = None
+    error: str | None = None
+    error_kind: str | None = None
+    exit_status: int | None = None
+    exit_signal: str | None = None
+    stdout: bytes = b""
+    stderr: bytes = b""
+    stdout_bytes: int = 0
+    stderr_bytes: int = 0
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    idempotency_key: str | None = None
+    request_hash: str | None = None
+    kind: str | None = None
+    batch: dict[str, Any] | None = None
+    scheduler_job_id: str | None = None
+    scheduler_state: str | None = None
+    scheduler_reason: str | None = None
+    pgid: int | None = None
+    cancel_requested: str | None = None
+
+
+FIELDS = tuple(c.key for c in JOBS.columns)
+
+
+def _job(row: Row[Any]) -> JobRow:
+    return JobRow(**row._mapping)
 
 
 def _sqlite_pragmas(dbapi_conn: DBAPIConnection, _record: ConnectionPoolEntry) -> None:
@@ -158,12 +211,11 @@ def _sqlite_pragmas(dbapi_conn: DBAPIConnection, _record: ConnectionPoolEntry) -
     cursor.close()
 
 
-# Writes are Core statements on the writer's connection (PostgreSQL), or DB-API calls on the
-# writer thread's sqlite3 connection (SQLite): building an ORM-enabled UPDATE cost about as much
-# CPU as running it (py-spy), and the writer needs no identity map.
+# Writes are DB-API calls on the writer's sqlite3 connection (SQLite), text statements on its
+# asyncpg connection (PostgreSQL) or Core statements (any other URL): building a statement per
+# write cost about as much CPU as running it (py-spy).
 Write = Callable[[Any], Any]
 _Queued = tuple[Write, int, "asyncio.Future[Any]"]  # a write, the output it carries, its caller
-JOBS: Table = JobRow.__table__  # type: ignore[assignment]
 ACTIVE_SQL = ", ".join(f"'{state}'" for state in sorted(ACTIVE))
 
 
@@ -209,7 +261,7 @@ class _Sql:
         return sql
 
     def expression(self, expr: ClauseElement) -> tuple[str, list[Any]]:
-        """A SQL expression given as a value (e.g. `func.coalesce(JobRow.started_at, now)`):
+        """A SQL expression given as a value (e.g. `func.coalesce(JOBS.c.started_at, now)`):
         its text in this dialect and its processed positional parameters."""
         compiled = cast(SQLCompiler, expr.compile(dialect=self.dialect))
         raw = compiled.construct_params() or {}
@@ -426,7 +478,6 @@ class Store:
         self.url = url
         self.schema = schema
         self._engine: AsyncEngine | None = None
-        self._sessions: async_sessionmaker[Any] | None = None
         self._writes: asyncio.Queue[_Queued] = asyncio.Queue()
         self._writer: asyncio.Task[None] | None = None
         # SQLite only: the writer's DB-API connections (the loop's and its thread's).
@@ -455,10 +506,9 @@ class Store:
             if self.schema and self.dialect == "postgresql":
                 quoted = engine.dialect.identifier_preparer.quote_identifier(self.schema)
                 await conn.execute(text(f"CREATE SCHEMA IF NOT EXISTS {quoted}"))
-            await conn.run_sync(Base.metadata.create_all)
+            await conn.run_sync(METADATA.create_all)
             await conn.run_sync(_add_missing_columns)
         self._engine = engine
-        self._sessions = async_sessionmaker(engine, expire_on_commit=False)
         if self.dialect == "postgresql":
             self._pg = _PgWriter(self.url, self.schema)
         if self.dialect == "sqlite":
@@ -483,14 +533,18 @@ class Store:
             await self._engine.dispose()
             self._engine = None
 
-    def _session(self) -> Any:
-        if self._sessions is None:
+    def _reader(self) -> AsyncEngine:
+        if self._engine is None:
             raise RuntimeError("store not started")
-        return self._sessions()
+        return self._engine
+
+    async def _rows(self, query: Select[Any]) -> list[JobRow]:
+        async with self._reader().connect() as conn:
+            return [_job(r) for r in await conn.execute(query)]
 
     async def ping(self) -> None:
-        async with self._session() as session:
-            await session.execute(text("SELECT 1"))
+        async with self._reader().connect() as conn:
+            await conn.execute(text("SELECT 1"))
 
     async def _write(self, write: Write, size: int = 0) -> Any:
         """Queue a write for the writer; returns its result once its transaction committed.
@@ -548,8 +602,8 @@ class Store:
     async def insert(self, row: JobRow) -> JobRow:
         """Insert a job; IntegrityError on a duplicate (owner, idempotency key)."""
 
-        # Unset attributes are left out, so that column defaults apply as they do for the ORM.
-        values = {c.key: v for c in JOBS.columns if (v := getattr(row, c.key)) is not None}
+        # None is left out, so that the columns' defaults apply as in a Core insert.
+        values = {k: v for k in FIELDS if (v := getattr(row, k)) is not None}
         add: Write
         size = 0  # the output it carries: SQLite writes a large one off the event loop
         if self._sqlite is not None:
@@ -582,17 +636,14 @@ class Store:
         return row
 
     async def get(self, job_id: str) -> JobRow | None:
-        async with self._session() as session:
-            row: JobRow | None = await session.get(JobRow, job_id)
-            return row
+        rows = await self._rows(select(JOBS).where(JOBS.c.id == job_id))
+        return rows[0] if rows else None
 
     async def by_key(self, iss: str, sub: str, key: str) -> JobRow | None:
-        query = select(JobRow).where(
-            JobRow.owner_iss == iss, JobRow.owner_sub == sub, JobRow.idempotency_key == key
-        )
-        async with self._session() as session:
-            row: JobRow | None = (await session.execute(query)).scalar_one_or_none()
-            return row
+        c = JOBS.c
+        query = select(JOBS).where(c.owner_iss == iss, c.owner_sub == sub, c.idempotency_key == key)
+        rows = await self._rows(query)
+        return rows[0] if rows else None
 
     async def update(
         self,
@@ -676,58 +727,55 @@ class Store:
         before: str | None,
     ) -> list[JobRow]:
         """Newest first; `before` is the id of the last job of the previous page. Without the
-        output columns (up to the policy's max_output each): a list never carries them."""
-        query = (
-            select(JobRow)
-            .options(defer(JobRow.stdout, raiseload=True), defer(JobRow.stderr, raiseload=True))
-            .order_by(JobRow.id.desc())
-            .limit(limit)
-        )
+        output columns (up to the policy's max_output each): a list never carries them, so a
+        listed row's stdout and stderr are empty whatever the job wrote."""
+        c = JOBS.c
+        listed = [col for col in JOBS.columns if col.key not in ("stdout", "stderr")]
+        query = select(*listed).order_by(c.id.desc()).limit(limit)
         if owner is not None:
-            query = query.where(JobRow.owner_iss == owner[0], JobRow.owner_sub == owner[1])
+            query = query.where(c.owner_iss == owner[0], c.owner_sub == owner[1])
         if state is not None:
-            query = query.where(JobRow.state == state)
+            query = query.where(c.state == state)
         if host is not None:
-            query = query.where(JobRow.host == host)
+            query = query.where(c.host == host)
         if before is not None:
-            query = query.where(JobRow.id < before)
-        async with self._session() as session:
-            return list((await session.execute(query)).scalars())
+            query = query.where(c.id < before)
+        return await self._rows(query)
 
     async def mark_lost(self, replica: str) -> int:
         """Commands this replica left queued or running when it died: their outcome is unknown,
         except those another replica cancelled (and killed) meanwhile. Batch jobs are not
         touched: the scheduler still knows them (see `active_batch`)."""
-        cancelled = JobRow.cancel_requested.is_not(None)
+        c = JOBS.c
+        cancelled = c.cancel_requested.is_not(None)
         query = (
-            update(JobRow)
-            .where(JobRow.replica == replica, JobRow.state.in_(ACTIVE))
-            .where(or_(JobRow.kind.is_(None), JobRow.kind != "batch"))
+            update(JOBS)
+            .where(c.replica == replica, c.state.in_(ACTIVE))
+            .where(or_(c.kind.is_(None), c.kind != "batch"))
             .values(
                 state=case((cancelled, "cancelled"), else_="lost"),
                 error=case(
-                    (cancelled, JobRow.cancel_requested),
+                    (cancelled, c.cancel_requested),
                     else_="the API restarted while the job was active",
                 ),
                 finished_at=utcnow(),
             )
         )
-        async with self._session() as session, session.begin():
-            result = await session.execute(query)
-            return int(getattr(result, "rowcount", 0))
+        async with self._reader().begin() as conn:
+            result = await conn.execute(query)
+            return int(result.rowcount)
 
     async def active_batch(self, replica: str) -> list[JobRow]:
         """Batch jobs of this replica not final yet: tracked again (or resolved) on start."""
-        query = select(JobRow).where(
-            JobRow.replica == replica, JobRow.kind == "batch", JobRow.state.in_(ACTIVE)
+        c = JOBS.c
+        return await self._rows(
+            select(JOBS).where(c.replica == replica, c.kind == "batch", c.state.in_(ACTIVE))
         )
-        async with self._session() as session:
-            return list((await session.execute(query)).scalars())
 
 
 def _add_missing_columns(conn: Connection) -> None:
     """ADD COLUMN for every mapped column an existing table lacks (all added ones are nullable)."""
-    table = Base.metadata.tables[JobRow.__tablename__]
+    table = JOBS
     present = {c["name"] for c in inspect(conn).get_columns(table.name)}
     for column in table.columns:
         if column.name not in present:

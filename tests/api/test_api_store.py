@@ -12,7 +12,7 @@ from sqlalchemy import func, text
 from sqlalchemy.exc import IntegrityError
 
 from api.settings import Settings
-from api.store import JobRow, Store, aware, new_id, utcnow
+from api.store import JOBS, JobRow, Store, aware, new_id, utcnow
 
 
 def job(**over: Any) -> JobRow:
@@ -108,9 +108,9 @@ async def test_a_database_from_before_batch_jobs_gets_the_new_columns_on_start(
     old = job()
     await store.insert(old)
     added = ("kind", "batch", "scheduler_job_id", "scheduler_state", "scheduler_reason")
-    async with store._session() as session, session.begin():
+    async with store._reader().begin() as conn:
         for column in added:
-            await session.execute(text(f"ALTER TABLE sshapi_jobs DROP COLUMN {column}"))
+            await conn.execute(text(f"ALTER TABLE sshapi_jobs DROP COLUMN {column}"))
     await store.close()
     again = Store(store_settings.resolved_database_url, schema=store_settings.database_schema)
     await again.start()
@@ -132,10 +132,10 @@ async def test_update_with_a_sql_expression_keeps_the_first_start_time(store: St
     first = utcnow()
     assert await store.update(
         row.id, only_active=True, state="running",
-        started_at=func.coalesce(JobRow.started_at, first),
+        started_at=func.coalesce(JOBS.c.started_at, first),
     )  # fmt: skip
     await asyncio.sleep(0.01)
-    assert await store.update(row.id, started_at=func.coalesce(JobRow.started_at, utcnow()))
+    assert await store.update(row.id, started_at=func.coalesce(JOBS.c.started_at, utcnow()))
     back = await store.get(row.id)
     assert back is not None and back.state == "running"
     assert aware(back.started_at) == first
