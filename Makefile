@@ -1,5 +1,8 @@
 # The two commands a newcomer needs: `make run` and `make test`. Both install what they need.
-PYTHON ?= python3
+# The OS's python3 when there is one: what deploy/sshapi@.service runs, so the benchmarks measure
+# the interpreter a deployment has (Debian's build costs ~10% less CPU per job than a plain
+# source build such as pyenv's: docs/benchmarks.md). Else python3 on PATH.
+PYTHON ?= $(firstword $(wildcard /usr/bin/python3) python3)
 VENV := .venv
 STAMP := $(VENV)/.installed-stamp
 # root installs OS packages directly; anyone else through sudo.
@@ -17,17 +20,28 @@ ZSH_BIN ?= /bin/zsh
 TCSH_BIN ?= /bin/tcsh
 CHROMIUM_BIN ?= /usr/bin/chromium
 CHROMEDRIVER_BIN ?= /usr/bin/chromedriver
+# venv needs ensurepip, which Debian ships apart from Python (package python3-venv).
+ENSUREPIP_MAIN ?= $(shell $(PYTHON) -c 'import sysconfig; print(sysconfig.get_path("stdlib"))')/ensurepip/__main__.py
 # Where `sshpool.devhost.slurm install` looks for Slurm's programs; empty: its default.
 SLURM_SEARCH_PATH ?=
 
-.PHONY: run test lint sshd slurm deploy-tools shells browser
+.PHONY: run test lint python-venv sshd slurm deploy-tools shells browser
 
-# Create or refresh .venv whenever pyproject.toml changes.
-$(STAMP): pyproject.toml
+# Create or refresh .venv whenever pyproject.toml changes. An existing .venv keeps the interpreter
+# it was made with: remove it to move to another one.
+$(STAMP): pyproject.toml | python-venv
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
 	$(VENV)/bin/python -m pip install -q -e '.[dev,paramiko,ssh2,loadtests]'
 	touch $(STAMP)
+
+# Creating .venv with Debian's python3 needs its ensurepip (a separate package there); an existing
+# .venv needs nothing.
+python-venv:
+	@test -x $(VENV)/bin/python -o -e $(ENSUREPIP_MAIN) || { \
+	  echo "installing python3-venv (creating .venv needs ensurepip)"; \
+	  $(APT_GET) update -q && \
+	  $(APT_GET) install -y -q python3-venv; }
 
 # The local HPC host and the test fixtures run a real OpenSSH sshd.
 sshd:

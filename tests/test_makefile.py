@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # recipe -> {package: [programs it installs that the recipe checks, by make variable]}
 RECIPES: dict[str, dict[str, dict[str, str]]] = {
+    "python-venv": {"python3-venv": {"ENSUREPIP_MAIN": "ensurepip-main"}},
     "sshd": {"openssh-server": {"SSHD_BIN": "sshd"}},
     "deploy-tools": {
         "nginx": {"NGINX_BIN": "nginx"},
@@ -95,6 +96,8 @@ def make(target: str, tmp: Path, sudo: str) -> subprocess.CompletedProcess[str]:
     stamp = tmp / "stamp"
     stamp.touch()
     variables |= {"VENV": str(Path(sys.executable).parent.parent), "STAMP": str(stamp)}
+    if target == "python-venv":  # what it installs is only needed to create a missing venv
+        variables["VENV"] = str(tmp / "no-venv")
     env = {**os.environ, "PATH": f"{tmp / 'bin'}:{os.environ['PATH']}"}
     env.pop("DEBIAN_FRONTEND", None)
     env.pop("RUNLEVEL", None)
