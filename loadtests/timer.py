@@ -40,8 +40,8 @@ def _check(result: int) -> int:
 
 
 class DeadlineTimer:
-    """One timerfd, armed with absolute `time.perf_counter()` deadlines. One per generator: a
-    timer is armed for one deadline at a time."""
+    """One timerfd, armed with absolute `time.perf_counter()` deadlines, one deadline at a
+    time: several waiters at once take one each (`Timers`)."""
 
     def __init__(self) -> None:
         self.fd = _check(_libc.timerfd_create(CLOCK_MONOTONIC, os.O_NONBLOCK | os.O_CLOEXEC))
@@ -85,6 +85,41 @@ class DeadlineTimer:
         os.close(self.fd)
 
     def __enter__(self) -> DeadlineTimer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Timers:
+    """DeadlineTimers for greenlets that wait at the same time, kept for reuse (a timerfd per
+    send would be two more system calls each)."""
+
+    def __init__(self) -> None:
+        self._free: list[DeadlineTimer] = []
+        self._all: list[DeadlineTimer] = []
+
+    def sleep_until(self, deadline: float) -> None:
+        """`DeadlineTimer.sleep_until` on a timer no other greenlet is waiting on."""
+        if deadline <= time.perf_counter():
+            return
+        timer = self._free.pop() if self._free else self._new()
+        try:
+            timer.sleep_until(deadline)
+        finally:
+            self._free.append(timer)
+
+    def _new(self) -> DeadlineTimer:
+        timer = DeadlineTimer()
+        self._all.append(timer)
+        return timer
+
+    def close(self) -> None:
+        for timer in self._all:
+            timer.close()
+        self._all, self._free = [], []
+
+    def __enter__(self) -> Timers:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -12,7 +12,7 @@ import time
 
 import gevent
 
-from loadtests.timer import DeadlineTimer
+from loadtests.timer import DeadlineTimer, Timers
 
 SENDS = 30
 AHEAD = 0.0002  # each deadline this far ahead of the previous wake: under the 1 ms rounding
@@ -70,3 +70,28 @@ async def test_asyncio_wait_until_wakes_at_the_intended_time() -> None:
     _check(lateness)
     # The descriptor is gone with the timer, and the loop holds no reader for it.
     assert not asyncio.get_running_loop().remove_reader(timer.fd)
+
+
+def test_greenlets_waiting_at_once_each_wake_at_their_own_time() -> None:
+    """The generator starts a send's greenlet before its intended time (after a quiet gap), so
+    several wait at once: each on a timer of its own, none woken by another's deadline nor held
+    until a later one, and the timers are reused rather than made per send."""
+    woke: dict[str, float] = {}
+    start = time.perf_counter()
+    due = {"late": start + 0.030, "early": start + 0.005, "middle": start + 0.015}
+
+    with Timers() as timers:
+
+        def wait(name: str) -> None:
+            timers.sleep_until(due[name])
+            woke[name] = time.perf_counter()
+
+        gevent.joinall([gevent.spawn(wait, name) for name in due])
+        assert len(timers._all) == 3  # three at once: three timers
+        due["past"] = start  # returns at once
+        gevent.spawn(wait, "past").join()
+        due["again"] = time.perf_counter() + 0.002
+        gevent.spawn(wait, "again").join()
+        assert len(timers._all) == 3  # reused
+    assert all(woke[name] >= due[name] for name in due), "woke before the intended time"
+    assert woke["early"] < due["middle"] and woke["middle"] < due["late"], woke
