@@ -70,7 +70,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.engine import make_url
 from sqlalchemy.engine.interfaces import DBAPIConnection, Dialect
-from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import ConnectionPoolEntry
 from sqlalchemy.sql.compiler import SQLCompiler
@@ -81,6 +81,7 @@ from api.states import ACTIVE
 log = logging.getLogger("sshapi.store")
 
 MAX_BATCH = 256  # writes per transaction: bounds the time one commit holds the lock
+SCHEMA_ATTEMPTS = 3  # creating the tables on start, against another process doing the same
 
 
 def new_id() -> str:
@@ -502,12 +503,23 @@ class Store:
         engine = create_async_engine(self.url, **kwargs)
         if self.dialect == "sqlite":
             event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
-        async with engine.begin() as conn:
-            if self.schema and self.dialect == "postgresql":
-                quoted = engine.dialect.identifier_preparer.quote_identifier(self.schema)
-                await conn.execute(text(f"CREATE SCHEMA IF NOT EXISTS {quoted}"))
-            await conn.run_sync(METADATA.create_all)
-            await conn.run_sync(_add_missing_columns)
+        for attempt in range(SCHEMA_ATTEMPTS):
+            try:
+                async with engine.begin() as conn:
+                    if self.schema and self.dialect == "postgresql":
+                        quoted = engine.dialect.identifier_preparer.quote_identifier(self.schema)
+                        await conn.execute(text(f"CREATE SCHEMA IF NOT EXISTS {quoted}"))
+                    await conn.run_sync(METADATA.create_all)
+                    await conn.run_sync(_add_missing_columns)
+                break
+            except DBAPIError:
+                # Workers (or replicas) starting together on a new database race between
+                # create_all's check and its CREATE ("table sshapi_jobs already exists": the
+                # loser crashed and was restarted). Checked again, the table is there.
+                if attempt == SCHEMA_ATTEMPTS - 1:
+                    await engine.dispose()
+                    raise
+                await asyncio.sleep(0.05 * (attempt + 1))
         self._engine = engine
         if self.dialect == "postgresql":
             self._pg = _PgWriter(self.url, self.schema)

@@ -8,8 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import func, text
+from sqlalchemy import event, func, text
+from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.schema import CreateTable
 
 from api.settings import Settings
 from api.store import JOBS, JobRow, Store, aware, new_id, utcnow
@@ -193,5 +195,32 @@ async def test_sqlite_wal_stays_bounded_and_large_outputs_round_trip(tmp_path: P
         for row in (rows[0], rows[399], rows[-1]):
             back = await store.get(row.id)
             assert back is not None and (back.stdout, back.stderr) == (row.stdout, row.stderr)
+    finally:
+        await store.close()
+
+
+async def test_a_store_starts_when_another_process_creates_the_table_first(tmp_path: Path) -> None:
+    """Two workers starting on a new SQLite file: the other one creates the table after this
+    one checked for it and before its CREATE TABLE. The start still succeeds (it crashed the
+    worker before, found by tests/api/test_api_workers.py on a fresh clone)."""
+    path = tmp_path / "jobs.sqlite3"
+    raced = []
+
+    def other_process_wins(*_args: Any, **_kw: Any) -> None:
+        if not raced:  # the first attempt only: the check said "no table"
+            raced.append(True)
+            with sqlite3.connect(path) as db:  # what the other worker's create_all runs
+                db.execute(str(CreateTable(JOBS).compile(dialect=sqlite_dialect.dialect())))
+
+    event.listen(JOBS, "before_create", other_process_wins)
+    try:
+        store = Store(f"sqlite+aiosqlite:///{path}")
+        await store.start()
+    finally:
+        event.remove(JOBS, "before_create", other_process_wins)
+    try:
+        assert raced
+        row = await store.insert(job())
+        assert (await store.get(row.id)) is not None
     finally:
         await store.close()
