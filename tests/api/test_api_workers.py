@@ -17,7 +17,16 @@ from api.config import load_config
 
 
 def workers_of(pid: int) -> list[psutil.Process]:
-    return [p for p in psutil.Process(pid).children() if "spawn" in " ".join(p.cmdline())]
+    """The supervisor's live workers. A worker that just died and is not reaped yet (a zombie
+    between a kill and the supervisor's restart) is not one: its cmdline cannot be read."""
+    workers = []
+    for child in psutil.Process(pid).children():
+        try:
+            if "spawn" in " ".join(child.cmdline()):
+                workers.append(child)
+        except (psutil.ZombieProcess, psutil.NoSuchProcess):
+            continue
+    return workers
 
 
 async def test_two_workers_share_the_port_store_and_cancels(
