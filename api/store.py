@@ -196,6 +196,8 @@ class JobRow:
 
 
 FIELDS = tuple(c.key for c in JOBS.columns)
+# What a list selects: never the output columns (up to the policy's max_output each).
+LISTED = [c for c in JOBS.columns if c.key not in ("stdout", "stderr")]
 
 
 def _job(row: Row[Any]) -> JobRow:
@@ -545,17 +547,22 @@ class Store:
             await self._engine.dispose()
             self._engine = None
 
-    def _reader(self) -> AsyncEngine:
+    def _started(self) -> AsyncEngine:
+        """The engine, for reads and the rare statements outside the writer (mark_lost)."""
         if self._engine is None:
             raise RuntimeError("store not started")
         return self._engine
 
     async def _rows(self, query: Select[Any]) -> list[JobRow]:
-        async with self._reader().connect() as conn:
+        async with self._started().connect() as conn:
             return [_job(r) for r in await conn.execute(query)]
 
+    async def _one(self, query: Select[Any]) -> JobRow | None:
+        rows = await self._rows(query)
+        return rows[0] if rows else None
+
     async def ping(self) -> None:
-        async with self._reader().connect() as conn:
+        async with self._started().connect() as conn:
             await conn.execute(text("SELECT 1"))
 
     async def _write(self, write: Write, size: int = 0) -> Any:
@@ -648,14 +655,13 @@ class Store:
         return row
 
     async def get(self, job_id: str) -> JobRow | None:
-        rows = await self._rows(select(JOBS).where(JOBS.c.id == job_id))
-        return rows[0] if rows else None
+        return await self._one(select(JOBS).where(JOBS.c.id == job_id))
 
     async def by_key(self, iss: str, sub: str, key: str) -> JobRow | None:
         c = JOBS.c
-        query = select(JOBS).where(c.owner_iss == iss, c.owner_sub == sub, c.idempotency_key == key)
-        rows = await self._rows(query)
-        return rows[0] if rows else None
+        return await self._one(
+            select(JOBS).where(c.owner_iss == iss, c.owner_sub == sub, c.idempotency_key == key)
+        )
 
     async def update(
         self,
@@ -742,8 +748,7 @@ class Store:
         output columns (up to the policy's max_output each): a list never carries them, so a
         listed row's stdout and stderr are empty whatever the job wrote."""
         c = JOBS.c
-        listed = [col for col in JOBS.columns if col.key not in ("stdout", "stderr")]
-        query = select(*listed).order_by(c.id.desc()).limit(limit)
+        query = select(*LISTED).order_by(c.id.desc()).limit(limit)
         if owner is not None:
             query = query.where(c.owner_iss == owner[0], c.owner_sub == owner[1])
         if state is not None:
@@ -773,7 +778,7 @@ class Store:
                 finished_at=utcnow(),
             )
         )
-        async with self._reader().begin() as conn:
+        async with self._started().begin() as conn:
             result = await conn.execute(query)
             return int(result.rowcount)
 
@@ -786,14 +791,13 @@ class Store:
 
 
 def _add_missing_columns(conn: Connection) -> None:
-    """ADD COLUMN for every mapped column an existing table lacks (all added ones are nullable)."""
-    table = JOBS
-    present = {c["name"] for c in inspect(conn).get_columns(table.name)}
-    for column in table.columns:
+    """ADD COLUMN for every column of JOBS an existing table lacks (all added ones are nullable)."""
+    present = {c["name"] for c in inspect(conn).get_columns(JOBS.name)}
+    for column in JOBS.columns:
         if column.name not in present:
             kind = column.type.compile(dialect=conn.dialect)
             quoted = conn.dialect.identifier_preparer.quote(column.name)
-            conn.execute(text(f"ALTER TABLE {table.name} ADD COLUMN {quoted} {kind}"))
+            conn.execute(text(f"ALTER TABLE {JOBS.name} ADD COLUMN {quoted} {kind}"))
 
 
 def aware(value: datetime | None) -> datetime | None:

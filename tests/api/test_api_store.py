@@ -110,7 +110,7 @@ async def test_a_database_from_before_batch_jobs_gets_the_new_columns_on_start(
     old = job()
     await store.insert(old)
     added = ("kind", "batch", "scheduler_job_id", "scheduler_state", "scheduler_reason")
-    async with store._reader().begin() as conn:
+    async with store._started().begin() as conn:
         for column in added:
             await conn.execute(text(f"ALTER TABLE sshapi_jobs DROP COLUMN {column}"))
     await store.close()
