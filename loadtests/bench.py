@@ -111,6 +111,9 @@ def sustained(summary: dict[str, Any]) -> dict[str, Any]:
             "achieved_per_s": st["throughput"],
             # The generator's share of the latency: how late the median send left.
             "lateness_p50_ms": st["lateness_ms"]["p50"],
+            # And where the rest went: the API's Server-Timing stages, and what none covers.
+            "server_p50_ms": {k: v["p50"] for k, v in st["server_timing_ms"].items()},
+            "untimed_p50_ms": st["untimed_ms"]["p50"],
         }
         for st in summary["stages"]
     }
@@ -254,6 +257,26 @@ def table(figures: list[dict[str, Any]]) -> str:
                 f"| {f['sshd']} | burst {b['size']} x {b['repeats']} | | | | | {b['failed']} | "
                 f"makespan ms {', '.join(_fmt(m) for m in b['makespan_ms'])}; p50/makespan "
                 f"{', '.join(_fmt(x) for x in b['p50_over_makespan'])} |"
+            )
+    lines += [
+        "",
+        f"Where the API's {LOW_RATE:g}/s latency went (p50s in ms, so they need not add up: SSH is "
+        "the pool's open and exec stages, untimed is what no Server-Timing stage covers: the "
+        "HTTP round trip, the framework, the handler between stages, the client's parse):",
+        "",
+        "| sshd | p50 | SSH | store | auth | untimed | sent late | raw sshpool paced |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for f in figures:
+        low = (f.get("api") or {}).get("stages", {}).get(f"{LOW_RATE:g}")
+        if low:
+            server = low["server_p50_ms"]
+            ssh = sum(server.get(k) or 0.0 for k in ("open", "exec")) if server else None
+            lines.append(
+                f"| {f['sshd']} | {_fmt(low['p50_ms'])} | {_fmt(ssh)} | "
+                f"{_fmt(server.get('store'))} | {_fmt(server.get('auth'))} | "
+                f"{_fmt(low['untimed_p50_ms'])} | {_fmt(low['lateness_p50_ms'])} | "
+                f"{_fmt((f.get('raw') or {}).get('low_rate_p50_ms'))} |"
             )
     lines += [
         "",

@@ -74,6 +74,7 @@ def validity(measured: Sequence[Record], cpu: dict[str, list[float]]) -> dict[st
 
 def _group(records: Sequence[Record]) -> dict[str, Any]:
     ok = [r for r in records if r.ok]
+    timed = [r for r in ok if r.server]
     span = (max(r.t for r in records) - min(r.t for r in records)) if len(records) > 1 else 0.0
     return {
         "requests": len(records),
@@ -86,10 +87,15 @@ def _group(records: Sequence[Record]) -> dict[str, Any]:
         "lateness_ms": _pcts([max(0.0, r.lateness_ms) for r in records if r.error != DROPPED]),
         # Successes per second over the span of intended times (the achieved throughput).
         "throughput": len(ok) / span if span > 0 else None,
+        "server_timing_ms": server_timing(ok),
+        # What no Server-Timing stage covers: the HTTP round trip, the framework, the handler's
+        # own work between stages, the client's parse. With the stages, where a latency went.
+        "untimed_ms": _pcts([max(0.0, r.service_ms - sum(r.server.values())) for r in timed]),
     }
 
 
 def server_timing(records: Sequence[Record]) -> dict[str, dict[str, float | int | None]]:
+    """Percentiles of each Server-Timing stage over the successes among `records`."""
     stages: dict[str, list[float]] = defaultdict(list)
     for r in records:
         if r.ok:
@@ -109,7 +115,6 @@ def summarize(
         "meta": meta,
         "warmup_requests": len(records) - len(measured),
         **_group(measured),
-        "server_timing_ms": server_timing(measured),
         "validity": validity(measured, cpu),
         "latency_hdr": hdr.encode(hdr.histogram(r.latency_ms for r in ok)),
     }

@@ -54,6 +54,11 @@ def test_bench_smoke_run_writes_every_figure(tmp_path: Path) -> None:
     # warm connection.
     assert fig["per_request"]["stages"]["5"]["p50_ms"] > raw["low_load_p50_ms"]
     assert "ms late (p50) |" in output
+    # Where the low rate's latency went: the pool's stages and the rest, beside raw paced.
+    low = fig["api"]["stages"]["10"]
+    assert {"open", "exec", "store", "auth"} <= set(low["server_p50_ms"])
+    assert 0 < low["untimed_p50_ms"] < low["p50_ms"]
+    assert "| sshd | p50 | SSH | store | auth | untimed | sent late | raw sshpool paced |" in output
 
     b = fig["burst"]
     assert (b["size"], b["repeats"], b["requests"]) == (50, 1, 50)

@@ -156,6 +156,23 @@ def test_each_stage_says_how_late_its_sends_left() -> None:
     assert math.isclose(fast["lateness_ms"]["max"], 2.0, rel_tol=0.01)
 
 
+def test_each_stage_says_where_its_latency_went() -> None:
+    """Per stage, the Server-Timing stages of its successes and the rest of each answer's time
+    (the HTTP round trip and what runs between stages), so a low rate's figure explains itself;
+    a failure's timings stay out."""
+    slow = {"auth": 0.1, "open": 2.0, "exec": 1.0, "store": 0.3}
+    records = [rec(6.0, stage=0, rate=10.0, server=slow) for _ in range(9)]
+    records += [rec(4.0, stage=1, rate=90.0, server={**slow, "open": 1.5}) for _ in range(9)]
+    records += [rec(900.0, ok=False, status=503, error="http 503", stage=1, rate=90.0,
+                    server={"queue": 800.0})]  # fmt: skip
+    low, high = summarize(records, {}, {})["stages"]
+    assert math.isclose(low["server_timing_ms"]["open"]["p50"], 2.0, rel_tol=0.01)
+    assert math.isclose(low["untimed_ms"]["p50"], 6.0 - 3.4, rel_tol=0.01)
+    assert math.isclose(high["server_timing_ms"]["open"]["p50"], 1.5, rel_tol=0.01)
+    assert "queue" not in high["server_timing_ms"]
+    assert math.isclose(high["untimed_ms"]["p50"], 4.0 - 2.9, rel_tol=0.01)
+
+
 def test_validity_flags_late_sends_drops_and_busy_cpu() -> None:
     """Each of the three generator problems makes the run invalid with its own reason."""
     ok = [rec() for _ in range(100)]
