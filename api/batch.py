@@ -377,9 +377,9 @@ class BatchJobs:
     async def _update(self, row: JobRow, **values: Any) -> None:
         if values.get("state") in FINAL:
             values.setdefault("finished_at", utcnow())
-        changed = await self.store.update(row.id, only_active=True, **values)
-        if values.get("state") in FINAL:
+        if values.get("state") in FINAL:  # given back before the state is readable (api/jobs.py)
             await self._release(row.id, owner_of(row))
+        changed = await self.store.update(row.id, only_active=True, **values)
         if changed and values.get("state") in FINAL:
             self.metrics.jobs.labels(row.host, values["state"]).inc()
         for name, value in values.items():

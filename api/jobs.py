@@ -285,14 +285,19 @@ class JobService:
             await self.batch.submit(job.row, grant.target, body.batch)
         except SSHPoolError as exc:
             values = _error_values(exc, job.row)
-            await self._record_outcome(job.row, values | {"finished_at": utcnow()})
+            await self._record_outcome(job, values | {"finished_at": utcnow()})
         except Exception:
             log.exception("batch job %s failed unexpectedly", job.row.id)
-            await self._record_outcome(job.row, _internal_error())
+            await self._record_outcome(job, _internal_error())
         finally:
             await self._finish(job)
 
-    async def _record_outcome(self, row: JobRow, values: dict[str, Any]) -> None:
+    async def _record_outcome(self, job: Running, values: dict[str, Any]) -> None:
+        """The job's final state, after its place under the concurrency cap is given back: who
+        reads that state may submit again at once (a client whose DELETE another replica
+        answered once the store said `cancelled`) and must not meet the cap of this job."""
+        row = job.row
+        await self.quota.leave(job.owner, row.id)
         try:
             await self.store.update(row.id, only_active=True, **values)
         except Exception:
@@ -352,14 +357,13 @@ class JobService:
                 current = await self.store.get(row.id)
                 if current is not None and current.cancel_requested is not None:
                     values.update(state="cancelled", error=current.cancel_requested)
-        await self._record_outcome(row, values)
+        await self._record_outcome(job, values)
         await self._finish(job)
 
     async def _finish(self, job: Running) -> None:
+        # Its place under the cap was given back with its outcome; a submitted batch job stays
+        # counted until the scheduler ends it (api/batch.py).
         row = job.row
-        # A submitted batch job stays counted until the scheduler ends it (api/batch.py).
-        if row.kind != "batch" or row.state in FINAL:
-            await self.quota.leave(job.owner, row.id)
         self._running.pop(row.id, None)
         if job.feed is not None:
             self.live.close_command(row)

@@ -149,6 +149,42 @@ async def test_rate_limit_and_job_cap_hold_across_replicas_with_redis(
         assert r.status_code == 201, r.text
 
 
+async def test_a_job_cancelled_through_another_replica_frees_its_place_before_the_answer(
+    tuned_host: LocalHost,
+    config_file: Path,
+    keys: Keys,
+    secret: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`solo` may run 1 job. Its job on a, cancelled through b, is answered `cancelled` by b
+    only once a has given its place back: the next submission on b runs, even when Redis is
+    slow to forget the job (3 s here, longer than b's DELETE takes). Before, a recorded the
+    state first and b could answer the DELETE while the job still counted: the next
+    submission met the cap (429)."""
+    await forget("solo")
+    leave = RedisQuota.leave
+    slowed: list[str] = []
+
+    async def slow_leave(self: RedisQuota, who: Any, job_id: str) -> None:
+        if not slowed:  # the cancelled job's; the next job's leaves at once
+            slowed.append(job_id)
+            await asyncio.sleep(3.0)
+        await leave(self, who, job_id)
+
+    monkeypatch.setattr(RedisQuota, "leave", slow_leave)
+    async with replicas(tmp_path, config_file, keys, secret, REDIS_URL) as (a, b):
+        r = await a.submit({"host": "local", "command": "sleep 30"}, sub="solo", wait=0)
+        running = r.json()["id"]
+        await b.wait_state(running, ("running",), "solo")
+        r = await b.client.delete(f"{b.url}/v1/jobs/{running}", headers=b.auth("solo"))
+        assert r.status_code == 200, r.text
+        assert r.json()["state"] == "cancelled"
+        r = await b.submit({"host": "local", "argv": ["true"]}, sub="solo")
+        assert r.status_code == 201, r.text
+    assert slowed == [running]
+
+
 async def test_redis_down_falls_back_to_the_limits_of_each_replica(
     tuned_host: LocalHost, config_file: Path, keys: Keys, secret: str, tmp_path: Path
 ) -> None:
