@@ -375,12 +375,13 @@ class BatchJobs:
             at = chunk.next_offset
 
     async def _update(self, row: JobRow, **values: Any) -> None:
-        if values.get("state") in FINAL:
+        final = values.get("state") in FINAL
+        if final:
             values.setdefault("finished_at", utcnow())
-        if values.get("state") in FINAL:  # given back before the state is readable (api/jobs.py)
+            # Given back before the state is readable (as api/jobs.py `_record_outcome` does).
             await self._release(row.id, owner_of(row))
         changed = await self.store.update(row.id, only_active=True, **values)
-        if changed and values.get("state") in FINAL:
+        if changed and final:
             self.metrics.jobs.labels(row.host, values["state"]).inc()
         for name, value in values.items():
             setattr(row, name, value)

@@ -361,9 +361,9 @@ class JobService:
         await self._finish(job)
 
     async def _finish(self, job: Running) -> None:
+        row = job.row
         # Its place under the cap was given back with its outcome; a submitted batch job stays
         # counted until the scheduler ends it (api/batch.py).
-        row = job.row
         self._running.pop(row.id, None)
         if job.feed is not None:
             self.live.close_command(row)
