@@ -83,7 +83,7 @@ def _fire(client: JobClient, tokens: list[str], burst: Burst, n: int) -> None:
         barrier.wait()
         sent = time.perf_counter()
         outcome = client.post(tokens[k % len(tokens)])
-        latency = (time.perf_counter() - release[0]) * 1000.0
+        latency = (outcome.end - release[0]) * 1000.0  # to the last byte, before the parse
         HARNESS.record(
             "burst", release[1], latency, (sent - release[0]) * 1000.0, outcome, burst.index,
             False, burst_size=burst.size, name=f"/v1/jobs [burst {burst.size}]",

@@ -48,6 +48,9 @@ class Outcome:
     error: str
     service_ms: float
     length: int
+    # time.perf_counter() when the last byte was read (or the request failed): the end of the
+    # request's latency, taken before the answer is parsed.
+    end: float
     server: dict[str, float]
     exception: BaseException | None
 
@@ -140,9 +143,10 @@ class JobClient:
             finally:
                 resp.release()
         except (OSError, TimeoutError, HTTPParseError) as exc:
-            ms = (time.perf_counter() - start) * 1000.0
-            return Outcome(False, 0, error_kind(exc), ms, 0, {}, exc)
-        ms = (time.perf_counter() - start) * 1000.0
+            end = time.perf_counter()
+            return Outcome(False, 0, error_kind(exc), (end - start) * 1000.0, 0, end, {}, exc)
+        end = time.perf_counter()
+        ms = (end - start) * 1000.0
         timing = resp.get("server-timing")
         server = parse_server_timing(timing if isinstance(timing, str) else None)
         status = resp.status_code
@@ -157,4 +161,4 @@ class JobClient:
             if state != "succeeded":
                 error = f"job {state}"
         failure = RuntimeError(error) if error else None
-        return Outcome(not error, status, error, ms, len(content), server, failure)
+        return Outcome(not error, status, error, ms, len(content), end, server, failure)

@@ -4,6 +4,7 @@ failure, against a small real HTTP/1.1 server."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -111,3 +112,26 @@ def test_other_statuses_and_unfinished_jobs_are_failures_by_kind(server: Server)
     server.wsgi.stop()
     refused = client(server.url).post("t")
     assert not refused.ok and refused.error == "refused"
+
+
+def test_a_request_ends_at_its_last_byte_not_after_the_client_parsed_it(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The open model's latency runs to `Outcome.end`: the answer's last byte. Reading the JSON
+    afterwards is the generator's work, not the API's (it cost 0.09 ms per request at 10/s)."""
+    c = client(server.url)
+    assert c.post("t").ok  # connected
+    parse = json.loads
+
+    def slow_parse(text: str | bytes) -> Any:
+        time.sleep(0.2)
+        return parse(text)
+
+    monkeypatch.setattr(json, "loads", slow_parse)
+    before = time.perf_counter()
+    outcome = c.post("t")
+    after = time.perf_counter()
+    assert outcome.ok
+    assert after - outcome.end >= 0.2  # the parse came after the end
+    assert outcome.service_ms == pytest.approx((outcome.end - before) * 1000.0, abs=5.0)
+    assert outcome.service_ms < 150.0
