@@ -21,9 +21,9 @@ from locust.runners import LocalRunner, MasterRunner, WorkerRunner
 from loadtests import report
 from loadtests.client import MAX_IDLE, JobClient, Outcome, tokens
 from loadtests.records import DROPPED, Kind, Record, from_wire, to_wire
+from loadtests.summary import CPU_INTERVAL
 
 DEFAULT_HOST = "http://127.0.0.1:8000"
-CPU_INTERVAL = 1.0
 
 
 def add_common_arguments(parser: Any) -> None:
@@ -75,7 +75,8 @@ class Harness:
         self.env = Environment()  # replaced by Locust's own at init
         self.name = name
         self.records: list[Record] = []
-        self.cpu: dict[str, list[float]] = {}
+        # worker -> [(Unix time, percent of one core), ...] (summary.CpuSamples)
+        self.cpu: dict[str, list[tuple[float, float]]] = {}
         # Per generator process: CPU seconds spent over its run and the requests it sent.
         self.cpu_used: dict[str, dict[str, float]] = {}
         self._cpu0 = 0.0
@@ -223,7 +224,7 @@ class Harness:
         samples = self.cpu.setdefault(label, [])
         while True:
             gevent.sleep(CPU_INTERVAL)
-            samples.append(proc.cpu_percent(None))
+            samples.append((time.time(), proc.cpu_percent(None)))
 
     def _on_test_stop(self, environment: Environment, **_: Any) -> None:
         if self._sampler is not None:

@@ -14,7 +14,7 @@ from typing import Any
 
 from loadtests import plots
 from loadtests.records import Record, write_jsonl
-from loadtests.summary import summarize
+from loadtests.summary import CpuSamples, summarize
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("sshapi", "locust", "hdrhistogram", "asyncssh", "paramiko", "ssh2-python", "uvicorn")
@@ -87,14 +87,15 @@ def render(summary: dict[str, Any], images: dict[str, str | None]) -> str:
             "## Per stage",
             "",
             f"| offered/s | achieved/s | requests | failed | {PCT_HEAD} | service p50 | p99 "
-            "| sent late p50 |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| sent late p50 | stage |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for s in summary["stages"]:
             lines.append(
                 f"| {s['offered_rate']:g} | {_ms(s['throughput'])} | {s['requests']} | "
                 f"{s['failed']} | {_pct_cells(s['latency_ms'])} | {_ms(s['service_ms']['p50'])} "
-                f"| {_ms(s['service_ms']['p99'])} | {_ms(s['lateness_ms']['p50'])} |"
+                f"| {_ms(s['service_ms']['p99'])} | {_ms(s['lateness_ms']['p50'])} | "
+                f"{_stage_verdict(s['validity'])} |"
             )
     if "bursts" in summary:
         lines += [
@@ -139,8 +140,13 @@ def render(summary: dict[str, Any], images: dict[str, str | None]) -> str:
     return "\n".join(lines)
 
 
+def _stage_verdict(v: dict[str, Any]) -> str:
+    """A stage's own validity: `valid`, or INVALID and why (the same reasons as the run's)."""
+    return "valid" if v["valid"] else "INVALID: " + "; ".join(v["reasons"])
+
+
 def write_run(
-    out: Path, records: Sequence[Record], meta: dict[str, Any], cpu: dict[str, list[float]]
+    out: Path, records: Sequence[Record], meta: dict[str, Any], cpu: CpuSamples
 ) -> dict[str, Any]:
     """Everything about one run into `out`; returns the summary."""
     summary = summarize(records, meta, cpu)

@@ -1,13 +1,13 @@
 """From raw records to the numbers of a run: HdrHistogram percentiles (successes only, warm-up
 left out), errors by kind, per-stage and per-burst-size tables, Server-Timing stages, and the
-validity verdict. Pure functions over lists of Record."""
+validity verdicts (the run's, and each stage's). Pure functions over lists of Record."""
 
 from __future__ import annotations
 
 import math
 import statistics
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from loadtests import hdr
@@ -19,6 +19,10 @@ from loadtests.records import DROPPED, Record
 LATE_MS = 10.0
 LATE_FRACTION = 0.01
 CPU_LIMIT = 80.0  # percent of one core, 90th percentile of the generator's samples
+# The generator samples its own CPU this often: each sample is (Unix time, percent of one core)
+# over the interval that ends at its time, so a stage is judged by the samples of its own time.
+CPU_INTERVAL = 1.0
+CpuSamples = Mapping[str, Sequence[Sequence[float]]]  # worker -> [(time, percent), ...]
 
 
 def _pcts(values: Sequence[float]) -> dict[str, float | int | None]:
@@ -34,7 +38,7 @@ def _quantile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)] if ordered else 0.0
 
 
-def validity(measured: Sequence[Record], cpu: dict[str, list[float]]) -> dict[str, Any]:
+def validity(measured: Sequence[Record], cpu: CpuSamples) -> dict[str, Any]:
     """valid + the reasons it is not: late sends (open model), dropped arrivals, a busy
     generator CPU. A valid closed-model run is still only what it is: its latency starts at the
     actual send, so a stalled server delays sends instead of showing in latency."""
@@ -44,7 +48,7 @@ def validity(measured: Sequence[Record], cpu: dict[str, list[float]]) -> dict[st
     # to put N requests on the wire after the release: part of the burst, shown, not judged.
     late = sum(1 for r in sent if r.kind == "open" and r.lateness_ms > LATE_MS)
     dropped = sum(1 for r in measured if r.error == DROPPED)
-    cpu_p90 = {w: _quantile(samples, 0.9) for w, samples in cpu.items() if samples}
+    cpu_p90 = {w: _quantile([p for _, p in s], 0.9) for w, s in cpu.items() if s}
     if sent and late / len(sent) > LATE_FRACTION:
         reasons.append(
             f"{late} of {len(sent)} requests ({100 * late / len(sent):.1f}%) were sent more than "
@@ -104,9 +108,16 @@ def server_timing(records: Sequence[Record]) -> dict[str, dict[str, float | int 
     return {name: _pcts(values) for name, values in stages.items()}
 
 
-def summarize(
-    records: Sequence[Record], meta: dict[str, Any], cpu: dict[str, list[float]]
-) -> dict[str, Any]:
+def during(cpu: CpuSamples, records: Sequence[Record]) -> dict[str, list[Sequence[float]]]:
+    """The CPU samples whose interval overlaps the intended send times of `records`."""
+    start, end = min(r.t for r in records), max(r.t for r in records)
+    return {
+        w: [s for s in samples if s[0] > start and s[0] - CPU_INTERVAL < end]
+        for w, samples in cpu.items()
+    }
+
+
+def summarize(records: Sequence[Record], meta: dict[str, Any], cpu: CpuSamples) -> dict[str, Any]:
     """The content of summary.json. `latency_hdr` (base64 HdrHistogram of the successful
     measured latencies, microseconds) lets the experiment runner merge repeats exactly."""
     measured = [r for r in records if not r.warmup]
@@ -122,8 +133,15 @@ def summarize(
     for r in measured:
         stages[r.stage].append(r)
     if any(r.kind != "burst" for r in measured):
+        # Each stage is judged on its own: a last step past what the generator can send
+        # leaves the run INVALID, not the steps before it (where the targets are read).
         out["stages"] = [
-            {"stage": n, "offered_rate": group[0].rate, **_group(group)}
+            {
+                "stage": n,
+                "offered_rate": group[0].rate,
+                **_group(group),
+                "validity": validity(group, during(cpu, group)),
+            }
             for n, group in sorted(stages.items())
         ]
     else:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.bench import TARGETS
+from loadtests.bench import TARGETS, sustained, verdicts
 from loadtests.schedule import PROFILES
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,7 +49,10 @@ def test_bench_smoke_run_writes_every_figure(tmp_path: Path) -> None:
             assert {"p50_ms", "p90_ms", "p99_ms", "failed", "achieved_per_s"} <= set(st)
             # The generator's share of each step's latency, printed with the step.
             assert 0 <= st["lateness_p50_ms"] < st["p50_ms"]
-        assert fig[design]["knee_per_s"] in {0.0, *map(float, rates(profile))}
+            assert isinstance(st["valid"], bool)
+        knee = fig[design]["knee_per_s"]
+        assert knee in {0.0, *map(float, rates(profile))}
+        assert not knee or fig[design]["stages"][f"{knee:g}"]["valid"]
     # A fresh SSH connection per request costs a handshake: never cheaper than an exec on a
     # warm connection.
     assert fig["per_request"]["stages"]["5"]["p50_ms"] > raw["low_load_p50_ms"]
@@ -90,3 +93,31 @@ def test_bench_smoke_run_writes_every_figure(tmp_path: Path) -> None:
     )
     assert [t["target"] for t in fig["targets"]] == [name for name, *_ in TARGETS]
     assert all(isinstance(t["met"], bool) for t in fig["targets"])
+
+
+def _stage(rate: float, p99: float, valid: bool = True) -> dict[str, object]:
+    pcts = {"p50": p99 / 2, "p90": p99 * 0.8, "p99": p99}
+    return {
+        "offered_rate": rate, "latency_ms": pcts, "failed": 0, "errors": {}, "throughput": rate,
+        "lateness_ms": {"p50": 0.1}, "server_timing_ms": {}, "untimed_ms": {"p50": 1.0},
+        "validity": {"valid": valid, "reasons": [] if valid else ["the generator fell behind"]},
+    }  # fmt: skip
+
+
+def test_the_knee_and_the_targets_count_only_stages_the_generator_kept_up_with() -> None:
+    """A step whose own verdict failed (the generator fell behind) is not the knee however good
+    its p99 looks, and a target read from such a step is not met; the steps before it count."""
+    summary = {
+        "stages": [_stage(10, 6.0), _stage(50, 8.0), _stage(90, 9.0, valid=False),
+                   _stage(300, 40.0), _stage(600, 50.0, valid=False)],
+        "validity": {"valid": False, "reasons": ["the generator fell behind"]},
+        "server_timing_ms": {},
+    }  # fmt: skip
+    api = sustained(summary)
+    assert api["knee_per_s"] == 300
+    fig = {"sshd": "stock", "api": api, "ratios": {"api_overhead_low_load_ms": 2.0}}
+    met = {t["target"]: (t["met"], t["stage_valid"]) for t in verdicts(fig)}
+    assert met["knee jobs/s"] == (True, True)
+    assert met["50/s p90 ms"] == (True, True)
+    assert met["90/s p99 ms"] == (False, False)
+    assert met["API overhead at 10/s ms"] == (True, True)

@@ -176,15 +176,32 @@ def test_each_stage_says_where_its_latency_went() -> None:
 def test_validity_flags_late_sends_drops_and_busy_cpu() -> None:
     """Each of the three generator problems makes the run invalid with its own reason."""
     ok = [rec() for _ in range(100)]
-    assert validity(ok, {"local": [10.0] * 10})["valid"]
+    assert validity(ok, {"local": [(1000.0 + n, 10.0) for n in range(10)]})["valid"]
     late = [rec(lateness_ms=LATE_MS * 2) for _ in range(5)] + ok
     dropped = [rec(ok=False, error=DROPPED), *ok]
     v_late = validity(late, {})
     v_drop = validity(dropped, {})
-    v_cpu = validity(ok, {"worker0": [95.0] * 10})
+    v_cpu = validity(ok, {"worker0": [(1000.0 + n, 95.0) for n in range(10)]})
     assert not v_late["valid"] and "intended time" in v_late["reasons"][0]
     assert not v_drop["valid"] and v_drop["dropped"] == 1
     assert not v_cpu["valid"] and "worker0" in v_cpu["reasons"][0]
+
+
+def test_each_stage_has_its_own_validity_verdict() -> None:
+    """A last stage where the generator fell behind (late sends, its CPU busy in that stage's
+    seconds only) is INVALID, and so is the run; the stages before it keep their own verdict."""
+    records = [rec(t=1000.0 + n / 10, stage=0, rate=10.0) for n in range(100)]
+    records += [rec(t=1010.0 + n / 90, stage=1, rate=90.0) for n in range(900)]
+    records += [rec(t=1020.0 + n / 600, stage=2, rate=600.0, lateness_ms=LATE_MS * 3)
+                for n in range(600)]  # fmt: skip
+    # One sample a second, each over the second that ends at its time: busy only in stage 2.
+    cpu = {"local": [(1001.0 + n, 95.0 if n >= 20 else 20.0) for n in range(21)]}
+    s = summarize(records, {}, cpu)
+    verdicts = [(st["validity"]["valid"], st["validity"]["generator_cpu_p90"]["local"])
+                for st in s["stages"]]  # fmt: skip
+    assert verdicts == [(True, 20.0), (True, 20.0), (False, 95.0)]
+    assert len(s["stages"][2]["validity"]["reasons"]) == 2  # late sends and the busy CPU
+    assert not s["validity"]["valid"]
 
 
 def test_burst_lateness_is_not_judged() -> None:
@@ -207,7 +224,7 @@ def test_write_run_writes_summary_records_report_and_plots(tmp_path: Path) -> No
     """A run directory holds summary.json, one JSON line per record, report.md and its plots."""
     records = [rec(10.0 + i, t=1000.0 + i / 10, stage=i // 20, rate=10.0 * (1 + i // 20))
                for i in range(60)]  # fmt: skip
-    summary = write_run(tmp_path, records, {"title": "t"}, {"local": [5.0]})
+    summary = write_run(tmp_path, records, {"title": "t"}, {"local": [(1001.0, 5.0)]})
     assert (tmp_path / "summary.json").is_file()
     assert len(list(read_jsonl(tmp_path / "records.jsonl"))) == 60
     text = (tmp_path / "report.md").read_text()
