@@ -200,11 +200,16 @@ async def test_cancel_right_after_a_202_cancels(api_any_store: Api) -> None:
 async def test_concurrent_requests_with_one_idempotency_key_make_one_job(
     api_any_store: Api,
 ) -> None:
-    """Five simultaneous submissions with the same key and body: one job, five equal answers."""
+    """Five simultaneous submissions with the same key and body: one job, five equal answers,
+    and the command ran once (the four that lost the insert had their channels asked for, and
+    never sent the command)."""
     api = api_any_store
-    body = {"host": "local", "argv": ["echo", "once"]}
+    path = f"/tmp/sshapi-race-{time.time_ns()}"
+    body = {"host": "local", "command": f"echo x >> {path}"}
     answers = await asyncio.gather(*(api.submit(body, key="race") for _ in range(5)))
     assert {r.status_code for r in answers} == {201}
     assert len({r.json()["id"] for r in answers}) == 1
     listed = await api.client.get(f"{api.url}/v1/jobs", headers=api.auth())
     assert len(listed.json()["items"]) == 1
+    ran = await api.submit({"host": "local", "command": f"cat {path}; rm -f {path}"})
+    assert ran.json()["stdout"] == "x\n"
