@@ -9,6 +9,10 @@ hierarchical bootstrap estimates the difference B - A of
   sample;
 - throughput (successes per second of the stage): resample the repeats, mean of the chosen.
 
+Only repeats whose stage kept its own validity verdict count: a repeat in which the generator
+fell behind at that load measured the generator (its throughput and latency understated), so it
+is left out and counted apart; with no valid repeat on a side, the verdict is "no valid run".
+
 The 95% interval of the difference gives the verdict: entirely on B's good side, "B better";
 entirely on its bad side, "B worse"; containing 0, "indistinguishable". With two repeats the
 interval is wide by design: a single lucky or unlucky run cannot decide anything, which is the
@@ -89,11 +93,13 @@ def mean_difference(a: Sequence[float], b: Sequence[float], seed: int = 1) -> In
 
 @dataclass(slots=True)
 class Runs:
-    """One cell's repeats for one stage: successful latencies and throughput per repeat."""
+    """One cell's valid repeats for one stage: successful latencies and throughput per repeat,
+    the failures among them; and how many repeats of the stage were INVALID (left out)."""
 
     latencies: list[list[float]]
     throughput: list[float]
     failed: int
+    invalid: int = 0
 
 
 def stage_runs(results: list[dict[str, Any]]) -> dict[tuple[str, str], dict[float, Runs]]:
@@ -116,6 +122,9 @@ def stage_runs(results: list[dict[str, Any]]) -> dict[tuple[str, str], dict[floa
                 failed[rec.stage] += 1
         for st in r["summary"]["stages"]:
             runs = out[key].setdefault(st["offered_rate"], Runs([], [], 0))
+            if not st.get("validity", {"valid": True})["valid"]:
+                runs.invalid += 1
+                continue
             runs.latencies.append(by_stage.get(st["stage"], []))
             runs.throughput.append(st["throughput"] or 0.0)
             runs.failed += failed.get(st["stage"], 0)
@@ -139,16 +148,18 @@ def verdicts(
             ref = base[rate]
             p99 = p99_difference(ref.latencies, cand.latencies)
             thr = mean_difference(ref.throughput, cand.throughput)
+            missing = "no data" if ref.throughput and cand.throughput else "no valid run"
             rows.append(
                 {
                     "cells": label,
                     "offered_rate": rate,
                     "repeats": (len(ref.throughput), len(cand.throughput)),
+                    "invalid": (ref.invalid, cand.invalid),
                     "failed": (ref.failed, cand.failed),
                     "p99_diff_ms": p99,
-                    "p99_verdict": p99.verdict(True, candidate) if p99 else "no data",
+                    "p99_verdict": p99.verdict(True, candidate) if p99 else missing,
                     "throughput_diff": thr,
-                    "throughput_verdict": thr.verdict(False, candidate) if thr else "no data",
+                    "throughput_verdict": thr.verdict(False, candidate) if thr else missing,
                 }
             )
     return rows
@@ -162,15 +173,17 @@ def render(rows: list[dict[str, Any]], baseline: str = "stock", candidate: str =
         f"## Verdicts: {candidate} against {baseline}",
         "",
         f"Differences {candidate} - {baseline} with {CONFIDENCE:.0%} hierarchical bootstrap "
-        f"intervals over repeats ({RESAMPLES} resamples); failures are not in the p99.",
+        f"intervals over the valid repeats ({RESAMPLES} resamples; a repeat whose stage was "
+        "INVALID is left out); failures are not in the p99.",
         "",
-        "| cells | offered/s | repeats | failed | p99 diff ms | p99 | throughput diff /s "
-        "| throughput |",
-        "|---|---|---|---|---|---|---|---|",
+        "| cells | offered/s | valid repeats | INVALID | failed | p99 diff ms | p99 "
+        "| throughput diff /s | throughput |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['cells']} | {r['offered_rate']:g} | {r['repeats'][0]}, {r['repeats'][1]} | "
+            f"{r['invalid'][0]}, {r['invalid'][1]} | "
             f"{r['failed'][0]}, {r['failed'][1]} | {iv(r['p99_diff_ms'])} | {r['p99_verdict']} | "
             f"{iv(r['throughput_diff'])} | {r['throughput_verdict']} |"
         )

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
+from typing import Any
 
-from loadtests.verdict import Interval, mean_difference, p99_difference
+from loadtests.records import Record, write_jsonl
+from loadtests.summary import LATE_MS, summarize
+from loadtests.verdict import Interval, mean_difference, p99_difference, render, verdicts
 
 
 def latencies(center: float, n: int, seed: int) -> list[float]:
@@ -42,3 +46,37 @@ def test_interval_verdicts_cover_both_signs() -> None:
     assert Interval(5, 1, 9).verdict(True, "x") == "x worse"
     assert Interval(-5, -9, -1).verdict(False, "x") == "x worse"
     assert Interval(0, -1, 1).verdict(True, "x") == "indistinguishable"
+
+
+def _run(out: Path, sshd: str, center: float, seed: int, late: bool = False) -> dict[str, Any]:
+    """One experiment run at 50/s (500 requests) with its records on disk beside its report,
+    as run_cell leaves it; `late`: the generator sent them all 3x LATE_MS late (an INVALID
+    stage)."""
+    rng = random.Random(seed)
+    records = [
+        Record(kind="open", t=1000.0 + n / 50, latency_ms=(v := rng.gauss(center, center / 10)),
+               service_ms=v, lateness_ms=3 * LATE_MS if late else 0.1, ok=True, status=201,
+               error="", stage=0, warmup=False, rate=50.0, burst_size=0,
+               connection="keep-alive", worker=0)
+        for n in range(500)
+    ]  # fmt: skip
+    out.mkdir()
+    write_jsonl(out / "records.jsonl", records)
+    summary = summarize(records, {}, {})
+    cell = {"backend": "asyncssh", "sshd": sshd, "pool_mode": "pooled", "profile": "paper"}
+    return {"cell": cell, "summary": summary, "report": str(out / "report.md")}
+
+
+def test_a_repeat_whose_generator_fell_behind_is_left_out_of_the_verdict(tmp_path: Path) -> None:
+    """tuned is twice as fast in both of its valid repeats; its third repeat is INVALID (late
+    sends) with 100 ms answers: left out and counted, tuned is still judged better. With no
+    valid repeat on a side there is no verdict."""
+    stock = [_run(tmp_path / f"s{n}", "stock", 10.0, n) for n in range(2)]
+    tuned = [_run(tmp_path / f"t{n}", "tuned", 5.0, 10 + n) for n in range(2)]
+    tuned.append(_run(tmp_path / "t-late", "tuned", 100.0, 20, late=True))
+    (row,) = verdicts(stock + tuned)
+    assert (row["repeats"], row["invalid"]) == ((2, 2), (0, 1))
+    assert row["p99_verdict"] == "tuned better"
+    assert "| 2, 2 | 0, 1 |" in render([row])
+    (none,) = verdicts(stock + tuned[2:])
+    assert (none["p99_verdict"], none["throughput_verdict"]) == ("no valid run", "no valid run")
