@@ -122,7 +122,7 @@ def stage_runs(results: list[dict[str, Any]]) -> dict[tuple[str, str], dict[floa
                 failed[rec.stage] += 1
         for st in r["summary"]["stages"]:
             runs = out[key].setdefault(st["offered_rate"], Runs([], [], 0))
-            if not st.get("validity", {"valid": True})["valid"]:
+            if not st["validity"]["valid"]:
                 runs.invalid += 1
                 continue
             runs.latencies.append(by_stage.get(st["stage"], []))

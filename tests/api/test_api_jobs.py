@@ -201,8 +201,8 @@ async def test_concurrent_requests_with_one_idempotency_key_make_one_job(
     api_any_store: Api,
 ) -> None:
     """Five simultaneous submissions with the same key and body: one job, five equal answers,
-    and the command ran once (the four that lost the insert had their channels asked for, and
-    never sent the command)."""
+    and the command ran once (the four that lost the insert answer as its replay and launch
+    nothing)."""
     api = api_any_store
     path = f"/tmp/sshapi-race-{time.time_ns()}"
     body = {"host": "local", "command": f"echo x >> {path}"}
