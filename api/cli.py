@@ -193,8 +193,9 @@ def dev(
     ] = False,
     workers: Workers = None,
 ) -> None:
-    """Start the local HPC host (sshd, tuned profile) and the API on 127.0.0.1; print a token
-    and a curl command. Ctrl-C stops both."""
+    """Start the local HPC host (sshd, tuned profile) and the API on 127.0.0.1; print a token,
+    the exports the client commands need (SSHAPI_URL, SSHAPI_TOKEN) and a curl command. Ctrl-C
+    stops both."""
     # The dev rig is imported here only: `serve`, `token` and `hosts check` never load it.
     from api.app import serve as run_server
     from sshpool.devhost import LocalHost, LocalSlurm, install_packages
@@ -228,7 +229,9 @@ def dev(
             + (", single-node Slurm)" if slurm else ")")
             + f"\nAPI:            {base}  (docs: {base}/docs)\n\n"
             f"Token for {sub!r} (24 h; another: .venv/bin/sshapi token --sub NAME):\n\n"
-            f"export TOKEN={tok}\n\n"
+            f"export TOKEN={tok}\n"
+            # The client commands send a token only to a server named to them (docs/client.md).
+            f"export SSHAPI_URL={base} SSHAPI_TOKEN=$TOKEN  # for .venv/bin/sshapi\n\n"
             "Try:\n\n"
             f'curl -s -H "Authorization: Bearer $TOKEN" -H "Content-Type: application/json" \\\n'
             f"     -d {shlex.quote(body)} {base}/v1/jobs\n"

@@ -38,15 +38,18 @@ A command that ran and exited non-zero is not an error: `run` returns its job (s
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import os
 import random
 import time
 import uuid
+import warnings
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from email.utils import parsedate_to_datetime
 from pathlib import Path
-from typing import Any, Literal, NoReturn
+from typing import Any, BinaryIO, Literal, NoReturn
 
 import httpx
 
@@ -57,6 +60,8 @@ from api.tls import tls_context
 Stream = Literal["stdout", "stderr"]
 # A transfer's progress: (bytes done, bytes in all).
 Progress = Callable[[int, int], None]
+# Where `sshapi dev` listens: only ever a suggestion in an error message, and the URL of a client
+# made without a token (nothing to leak). A token is sent only to a URL somebody wrote down.
 DEFAULT_URL = "http://127.0.0.1:8000"
 CHUNK = 1 << 20  # bytes per upload read (the server writes to the host in 1 MiB writes too)
 RETRY_STATUS = (429, 503)
@@ -69,6 +74,10 @@ class SshapiError(Exception):
 
 class TransportError(SshapiError):
     """The server could not be reached, or dropped the connection, after the retries."""
+
+
+class InsecureHTTPWarning(UserWarning):
+    """A token goes over plain HTTP to another host than this one, as opted in to."""
 
 
 class JobFailed(SshapiError):
@@ -178,12 +187,13 @@ class Event:
 
 @dataclass(frozen=True, slots=True)
 class Profile:
-    url: str
+    url: str | None  # None: nobody named a server
     token: str | None
+    allow_http: bool = False
 
 
-# The keys a profile of the client configuration file may have.
-PROFILE_KEYS = ("url", "token", "token_file")
+# The keys a profile of the client configuration file may have, and the type of each.
+PROFILE_KEYS: dict[str, type] = {"url": str, "token": str, "token_file": str, "allow_http": bool}
 
 
 def load_profile(name: str | None = None, path: str | None = None) -> Profile:
@@ -195,6 +205,8 @@ def load_profile(name: str | None = None, path: str | None = None) -> Profile:
         [profiles.dev]
         url = "http://127.0.0.1:8000"
         token_file = "~/.config/sshapi/dev.token"   # or: token = "..."
+
+    `url` is None when neither names a server: see `server_url`.
     """
     import tomllib
     from pathlib import Path
@@ -226,8 +238,9 @@ def load_profile(name: str | None = None, path: str | None = None) -> Profile:
                 if key not in PROFILE_KEYS:
                     known = ", ".join(PROFILE_KEYS)
                     raise SshapiError(f"{file}: unknown key profiles.{wanted}.{key} ({known})")
-                if not isinstance(value, str):
-                    raise SshapiError(f"{file}: profiles.{wanted}.{key} must be a string")
+                if not isinstance(value, PROFILE_KEYS[key]):
+                    kind = "a boolean" if PROFILE_KEYS[key] is bool else "a string"
+                    raise SshapiError(f"{file}: profiles.{wanted}.{key} must be {kind}")
     elif name is not None:
         raise SshapiError(f"no profile {name!r}: {file} does not exist")
     token = entry.get("token")
@@ -239,9 +252,59 @@ def load_profile(name: str | None = None, path: str | None = None) -> Profile:
             reason = exc.strerror if isinstance(exc, OSError) else exc
             raise SshapiError(f"token_file {token_file}: {reason}") from None
     return Profile(
-        url=os.environ.get("SSHAPI_URL") or entry.get("url") or DEFAULT_URL,
+        url=os.environ.get("SSHAPI_URL") or entry.get("url"),
         token=os.environ.get("SSHAPI_TOKEN") or token,
+        allow_http=entry.get("allow_http", False),
     )
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def server_url(url: str | None, token: str | None, allow_http: bool = False) -> str:
+    """The base URL to talk to, or an SshapiError when a token would go where nobody chose.
+
+    A token is a password: it goes only to a URL given (argument, SSHAPI_URL or a profile), never
+    to the default, which on a shared login node is whoever listens on that port first; over
+    plain HTTP only to this machine's loopback, unless `allow_http` (SSHAPI_ALLOW_HTTP=1, a
+    profile's `allow_http = true`) says so, with a warning: anyone on the path reads it."""
+    if url is None:
+        if token:
+            raise SshapiError(
+                f"no server URL given: the token is not sent to {DEFAULT_URL}, a default nobody "
+                f"chose; name the server: export SSHAPI_URL={DEFAULT_URL} (as `sshapi dev` "
+                "prints), a profile's url (--profile), or Client(url)"
+            )
+        return DEFAULT_URL
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL as exc:
+        raise SshapiError(f"{url!r}: not a URL ({exc})") from None
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise SshapiError(f"{url!r}: not an http:// or https:// URL (SSHAPI_URL, --profile)")
+    if parsed.scheme == "http" and token and not _loopback(parsed.host):
+        if not allow_http:
+            raise SshapiError(
+                f"{url}: the token is not sent over plain HTTP to another machine (anyone on "
+                "the way reads it); use https://, or opt in with SSHAPI_ALLOW_HTTP=1 (a "
+                "profile's allow_http = true)"
+            )
+        warnings.warn(
+            f"the token goes over plain HTTP to {url}: anyone on the way can read it",
+            InsecureHTTPWarning,
+            stacklevel=4,
+        )
+    return url
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def job_body(
@@ -308,28 +371,93 @@ def files_path(host: str, suffix: str = "") -> str:
     return f"/v1/hosts/{host}/files{suffix}"
 
 
-class Partial:
-    """A download in progress: `<dest>.part` holds the bytes so far and `<dest>.part.etag` the
-    version they belong to, so that a download interrupted (a dropped connection, Ctrl-C)
-    resumes by Range from where it stopped, unless the file changed meanwhile."""
+# Seconds between a file's last modification and a download for its ETag (size and modification
+# second) to name one content: RFC 9110's rule for a strong Last-Modified (a second), plus a second
+# for the clocks of the API and the host to disagree.
+SETTLED = 2.0
 
-    def __init__(self, dest: str | os.PathLike[str]) -> None:
+
+def _http_time(response: httpx.Response, header: str) -> float | None:
+    try:
+        return parsedate_to_datetime(response.headers[header]).timestamp()
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def settled(response: httpx.Response) -> bool:
+    """Whether the downloaded file was last modified SETTLED seconds or more before the answer
+    (the server's Date, else this clock). One modified since may be rewritten within the same
+    second at the same size: same ETag, other bytes, so its part must not be resumed."""
+    modified = _http_time(response, "last-modified")
+    now = _http_time(response, "date") or time.time()
+    return modified is not None and now - modified >= SETTLED
+
+
+def _range_start(response: httpx.Response) -> int | None:
+    """The first byte of a 206's `Content-Range: bytes START-END/SIZE`."""
+    unit, _, span = response.headers.get("content-range", "").partition(" ")
+    first = span.partition("-")[0]
+    return int(first) if unit == "bytes" and first.isascii() and first.isdigit() else None
+
+
+class Partial:
+    """A download in progress: `<dest>.part` holds the bytes so far and `<dest>.part.etag` what
+    they are part of (server, host, path and the file's ETag), so that a download interrupted (a
+    dropped connection, Ctrl-C) resumes by Range from where it stopped, and only then: not
+    another file's part, not after the file changed (its ETag), not a file whose ETag could hide
+    a change (modified just before the download began: `settled`)."""
+
+    def __init__(self, dest: str | os.PathLike[str], source: Mapping[str, str]) -> None:
         self.dest = Path(dest)
+        self.source = dict(source)
         self.part = self.dest.with_name(self.dest.name + ".part")
         self.tag = self.dest.with_name(self.dest.name + ".part.etag")
 
     def offset(self) -> tuple[int, str | None]:
-        """Bytes already here and their ETag (0, None: start from the beginning)."""
+        """Bytes already here and the ETag they were read under (0, None: start from the
+        beginning)."""
         try:
-            return self.part.stat().st_size, self.tag.read_text().strip() or None
-        except OSError:
+            record = json.loads(self.tag.read_text())
+            size = self.part.stat().st_size
+        except (OSError, ValueError):  # none, or an older client's plain ETag
             return 0, None
+        if not isinstance(record, dict) or not isinstance(record.get("etag"), str):
+            return 0, None
+        if any(record.get(key) != value for key, value in self.source.items()):
+            return 0, None
+        return size, record["etag"]
 
-    def start(self, etag: str | None, resumed: bool) -> Any:
-        """The part file to write to: appended to when resuming, else from empty."""
-        if not resumed:
-            self.tag.write_text(etag or "")
-        return self.part.open("ab" if resumed else "wb")
+    def headers(self, offset: int, etag: str | None) -> dict[str, str]:
+        """`Range` from the bytes here, and `If-Range`: a server that has another version
+        answers the whole file (200) instead of the rest of a version these bytes are not of."""
+        if not offset or etag is None:
+            return {}
+        return {"Range": f"bytes={offset}-", "If-Range": etag}
+
+    def start(self, response: httpx.Response, resumed: bool) -> BinaryIO:
+        """The part file to write to: appended to when resuming, else from empty, recorded as
+        resumable only when the answer's ETag is one to trust (`settled`)."""
+        if resumed:
+            return self.part.open("ab")
+        # The record goes after the truncation: never an old part under a new record.
+        self.tag.unlink(missing_ok=True)
+        out = self.part.open("wb")
+        etag = response.headers.get("etag")
+        if etag and settled(response):
+            self.tag.write_text(json.dumps({**self.source, "etag": etag}))
+        return out
+
+    def verify(self, out: BinaryIO, total: int) -> None:
+        """The part file has the file's size, as the server announced it: else something else
+        wrote into it too (another download to the same place); it is removed."""
+        out.flush()
+        size = os.fstat(out.fileno()).st_size
+        if size != total:
+            self.discard()
+            raise SshapiError(
+                f"{self.part}: {size} bytes where the file has {total} (written to by something "
+                "else too?); removed, run the download again"
+            )
 
     def done(self) -> None:
         self.part.replace(self.dest)
@@ -342,10 +470,16 @@ class Partial:
 
 def resumable(response: httpx.Response, offset: int, etag: str | None) -> bool | None:
     """Whether an answer to `Range: bytes=<offset>-` continues the part file (True), replaces
-    it (False: a whole file, 200), or the file changed since (None: start again)."""
+    it (False: a whole file, 200), or is not the continuation of the bytes here (None: start
+    again): another ETag than theirs, or another first byte."""
     if offset == 0 or response.status_code == 200:
         return False
-    if response.status_code == 206 and etag and response.headers.get("etag") == etag:
+    if (
+        response.status_code == 206
+        and etag
+        and response.headers.get("etag") == etag
+        and _range_start(response) == offset
+    ):
         return True
     return None
 
@@ -361,11 +495,14 @@ class _Base:
         profile: str | None,
         retries: int,
         max_retry_wait: float,
+        allow_http: bool,
     ) -> None:
+        allow_http = allow_http or _env_flag("SSHAPI_ALLOW_HTTP")
         if url is None or token is None:
             found = load_profile(profile)
             url, token = url or found.url, token or found.token
-        self.url = url.rstrip("/")
+            allow_http = allow_http or found.allow_http
+        self.url = server_url(url, token, allow_http).rstrip("/")
         self.retries = retries
         self.max_retry_wait = max_retry_wait
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -421,9 +558,15 @@ class Client(_Base):
         max_retry_wait: float = 30.0,
         timeout: float = 60.0,
         transport: httpx.BaseTransport | None = None,
+        allow_http: bool = False,
     ) -> None:
         super().__init__(
-            url, token, profile=profile, retries=retries, max_retry_wait=max_retry_wait
+            url,
+            token,
+            profile=profile,
+            retries=retries,
+            max_retry_wait=max_retry_wait,
+            allow_http=allow_http,
         )
         self.http = httpx.Client(
             base_url=self.url,
@@ -608,11 +751,11 @@ class Client(_Base):
         """Download a file to `dest`, streamed to `<dest>.part` and renamed when complete. A
         dropped connection resumes by Range from the bytes received, and so does a later call
         after an interrupted one (unless the file changed: then from the start). Its size."""
-        partial = Partial(dest)
+        partial = Partial(dest, {"url": self.url, "host": host, "path": path})
         attempt = 0
         while True:
             offset, etag = partial.offset()
-            headers = {"Range": f"bytes={offset}-"} if offset else {}
+            headers = partial.headers(offset, etag)
             try:
                 with self.http.stream(
                     "GET",
@@ -632,15 +775,16 @@ class Client(_Base):
                             continue
                         done = offset if resume else 0
                         total = done + int(response.headers.get("content-length", 0))
-                        with partial.start(response.headers.get("etag"), resume) as out:
+                        with partial.start(response, resume) as out:
                             for chunk in response.iter_bytes():
                                 out.write(chunk)
                                 done += len(chunk)
                                 attempt = 0  # progress: the retries count afresh
                                 if progress is not None:
                                     progress(done, total)
-                        if done != total:
-                            raise httpx.ReadError("the body ended early")
+                            if done != total:
+                                raise httpx.ReadError("the body ended early")
+                            partial.verify(out, total)
                         partial.done()
                         return total
                     response.read()
@@ -707,9 +851,15 @@ class AsyncClient(_Base):
         max_retry_wait: float = 30.0,
         timeout: float = 60.0,
         transport: httpx.AsyncBaseTransport | None = None,
+        allow_http: bool = False,
     ) -> None:
         super().__init__(
-            url, token, profile=profile, retries=retries, max_retry_wait=max_retry_wait
+            url,
+            token,
+            profile=profile,
+            retries=retries,
+            max_retry_wait=max_retry_wait,
+            allow_http=allow_http,
         )
         self.http = httpx.AsyncClient(
             base_url=self.url,
@@ -885,11 +1035,11 @@ class AsyncClient(_Base):
         progress: Progress | None = None,
     ) -> int:
         """As `Client.download` (the local file is written in a thread)."""
-        partial = Partial(dest)
+        partial = Partial(dest, {"url": self.url, "host": host, "path": path})
         attempt = 0
         while True:
             offset, etag = partial.offset()
-            headers = {"Range": f"bytes={offset}-"} if offset else {}
+            headers = partial.headers(offset, etag)
             try:
                 async with self.http.stream(
                     "GET",
@@ -909,15 +1059,16 @@ class AsyncClient(_Base):
                             continue
                         done = offset if resume else 0
                         total = done + int(response.headers.get("content-length", 0))
-                        with partial.start(response.headers.get("etag"), resume) as out:
+                        with partial.start(response, resume) as out:
                             async for chunk in response.aiter_bytes():
                                 await asyncio.to_thread(out.write, chunk)
                                 done += len(chunk)
                                 attempt = 0
                                 if progress is not None:
                                     progress(done, total)
-                        if done != total:
-                            raise httpx.ReadError("the body ended early")
+                            if done != total:
+                                raise httpx.ReadError("the body ended early")
+                            partial.verify(out, total)
                         partial.done()
                         return total
                     await response.aread()

@@ -8,12 +8,19 @@
 The server and token come from SSHAPI_URL / SSHAPI_TOKEN or a profile of the client
 configuration file (`--profile`; see `api.client.load_profile`). `--json` prints the API's JSON
 for scripts. An error the client raises exits 255 (as ssh does for its own failures).
+
+What the server hands back (file names, symlink targets, problem details, a job's error) is
+printed through `printable`: a name is anyone's choice, and raw it could drive the terminal. A
+job's stdout and stderr (`run`, `jobs logs`) are the command's own bytes and pass as they are,
+as ssh passes them: colours and progress bars work, and a pipe gets them exact.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import unicodedata
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,6 +28,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     DownloadColumn,
@@ -44,16 +52,50 @@ Profile = Annotated[
 ]
 AsJson = Annotated[bool, typer.Option("--json", help="Print the API's JSON.")]
 ERROR_EXIT = 255
+# Characters a terminal acts on or that reorder what follows, besides the control characters
+# (C0, DEL, C1): the bidi marks, embeddings, overrides and isolates, and the line and paragraph
+# separators. Other format characters stay (the zero-width joiner is part of emoji).
+INVISIBLE = frozenset(
+    "\u061c\u200e\u200f"  # ALM, LRM, RLM
+    "\u202a\u202b\u202c\u202d\u202e"  # LRE, RLE, PDF, LRO, RLO
+    "\u2066\u2067\u2068\u2069"  # LRI, RLI, FSI, PDI
+    "\u2028\u2029"  # line and paragraph separators
+)
+
+
+def _escaped(char: str) -> str:
+    if char == "\\":
+        return "\\\\"
+    if char in INVISIBLE or unicodedata.category(char) in ("Cc", "Cs"):
+        code = ord(char)
+        return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+    return char
+
+
+def printable(text: str) -> str:
+    """`text` with every character that could act on a terminal written as its escape
+    (`\\x1b`, `\\u202e`; a backslash as two, so that no name reads as another)."""
+    return "".join(map(_escaped, text))
+
+
+def say(text: str, err: bool = False) -> None:
+    """Print a line holding what the server sent, escaped (`printable`)."""
+    typer.echo(printable(text), err=err)
 
 
 @contextmanager
 def client(profile: str | None) -> Iterator[Client]:
     """A Client; its errors end the command with a message on stderr and exit 255."""
     try:
-        with Client(profile=profile) as c:
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            made = Client(profile=profile)
+        for warning in warned:
+            say(f"sshapi: warning: {warning.message}", err=True)
+        with made as c:
             yield c
     except SshapiError as exc:
-        typer.echo(f"sshapi: {exc}", err=True)
+        say(f"sshapi: {exc}", err=True)
         raise typer.Exit(ERROR_EXIT) from None
 
 
@@ -64,7 +106,7 @@ def show(job: Job, as_json: bool) -> None:
     status = f"exit {job.exit_status}" if job.exit_status is not None else ""
     if job.exit_signal:
         status = f"signal {job.exit_signal}"
-    typer.echo(f"{job.id}  {job.state:9} {status:10} {job.host:10} {describe(job)}")
+    say(f"{job.id}  {job.state:9} {status:10} {job.host:10} {describe(job)}")
 
 
 def describe(job: Job) -> str:
@@ -107,7 +149,7 @@ def run(
     if as_json:
         show(job, True)
     elif job.error and job.state != "succeeded":
-        typer.echo(f"sshapi: job {job.id} {job.state}: {job.error}", err=True)
+        say(f"sshapi: job {job.id} {job.state}: {job.error}", err=True)
     raise typer.Exit(exit_code(job))
 
 
@@ -214,7 +256,7 @@ def transfer(label: str, quiet: bool) -> Iterator[OnProgress]:
         console=console,
         disable=quiet or not console.is_terminal,
     ) as bar:
-        task = bar.add_task(label, total=None)
+        task = bar.add_task(escape(printable(label)), total=None)
         yield lambda done, total: bar.update(task, completed=done, total=total)
 
 
@@ -236,7 +278,7 @@ def files_ls(
         if entry.get("target"):
             name += f" -> {entry['target']}"
         mode, size, mtime = (str(entry.get(k) or "") for k in ("mode", "size", "mtime"))
-        typer.echo(f"{entry['type']:7} {mode:>6} {size:>12} {mtime:25} {name}")
+        say(f"{entry['type']:7} {mode:>6} {size:>12} {mtime:25} {name}")
 
 
 @files_app.command("get")
@@ -279,7 +321,7 @@ def files_put(
     if as_json:
         typer.echo(json.dumps(answer))
     else:
-        typer.echo(f"{answer['path']}  {answer['size']} bytes  sha256 {answer['sha256']}")
+        say(f"{answer['path']}  {answer['size']} bytes  sha256 {answer['sha256']}")
 
 
 @files_app.command("rm")

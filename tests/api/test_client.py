@@ -4,9 +4,11 @@ API and local host. The sync Client runs in a thread: the server shares the test
 from __future__ import annotations
 
 import asyncio
+import http.server
 import json
 import os
 import signal
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -16,8 +18,19 @@ from typing import Any
 import httpx
 import pytest
 from api_helpers import SSHAPI, Api
+from typer.testing import CliRunner
 
-from api.client import AsyncClient, Client, Forbidden, NotFound, RateLimited
+from api import client as client_module
+from api.cli import app
+from api.client import (
+    AsyncClient,
+    Client,
+    Forbidden,
+    InsecureHTTPWarning,
+    NotFound,
+    RateLimited,
+    SshapiError,
+)
 
 FILES = "jobs:read jobs:write files:read files:write"
 
@@ -218,12 +231,16 @@ class DropDownloadMidway(httpx.BaseTransport):
     def __init__(self) -> None:
         self.inner = httpx.HTTPTransport()
         self.ranges: list[str | None] = []
+        self.if_ranges: list[str | None] = []
+        self.etags: list[str | None] = []
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         response = self.inner.handle_request(request)
         if request.method != "GET" or not request.url.path.endswith("/files/content"):
             return response
         self.ranges.append(request.headers.get("range"))
+        self.if_ranges.append(request.headers.get("if-range"))
+        self.etags.append(response.headers.get("etag"))
         if len(self.ranges) > 1:
             return response
         inner = response.stream
@@ -250,16 +267,16 @@ class DropDownloadMidway(httpx.BaseTransport):
 async def test_an_interrupted_download_resumes_by_range_without_fetching_again(
     api: Api, tmp_path: Path
 ) -> None:
-    """A download cut after 1 MiB goes on with `Range: bytes=<received>-` and ends byte-exact."""
+    """A download cut after 1 MiB goes on with `Range: bytes=<received>-` and `If-Range: <the
+    ETag of the bytes received>` and ends byte-exact (a file last written a minute ago: its
+    ETag names one content)."""
     data = os.urandom(4 << 20)
     remote = f"sshapi-resume-{uuid.uuid4().hex[:8]}.bin"
     token = api.token("alice", FILES)
     transport = DropDownloadMidway()
+    await put_file(api, tmp_path, remote, data, int(time.time()) - 60)
 
     def work() -> int:
-        with Client(api.url, token) as c:
-            (tmp_path / "up.bin").write_bytes(data)
-            c.upload("local", tmp_path / "up.bin", remote)
         with Client(api.url, token, transport=transport) as c:
             size = c.download("local", remote, tmp_path / "down.bin")
             c.delete_file("local", remote)
@@ -271,6 +288,7 @@ async def test_an_interrupted_download_resumes_by_range_without_fetching_again(
     assert len(transport.ranges) == 2
     resumed_at = int(str(transport.ranges[1]).removeprefix("bytes=").removesuffix("-"))
     assert 1 << 20 <= resumed_at < len(data)
+    assert transport.if_ranges == [None, transport.etags[0]]
 
 
 async def test_async_client_lists_reads_output_follows_and_moves_files(
@@ -296,3 +314,277 @@ async def test_async_client_lists_reads_output_follows_and_moves_files(
         with pytest.raises(NotFound):
             await c.stat("local", remote)
     assert (tmp_path / "down.bin").read_bytes() == data
+
+
+# ---- the token goes only where it was sent (F12)
+
+
+class Listener:
+    """A tiny HTTP server on a free loopback port that answers every GET with an empty job list
+    and records the Authorization header of each request (None: none came)."""
+
+    def __init__(self) -> None:
+        seen: list[str | None] = []
+        self.seen = seen
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                seen.append(self.headers.get("Authorization"))
+                body = b'{"items": []}'
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> Listener:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def client_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """No URL, token, profile or opt-in from the environment; the configuration file to write."""
+    for name in ("SSHAPI_URL", "SSHAPI_TOKEN", "SSHAPI_PROFILE", "SSHAPI_ALLOW_HTTP"):
+        monkeypatch.delenv(name, raising=False)
+    config = tmp_path / "client.toml"
+    monkeypatch.setenv("SSHAPI_CLIENT_CONFIG", str(config))
+    return config
+
+
+def test_a_token_is_not_sent_to_a_default_nobody_chose(
+    client_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With only SSHAPI_TOKEN set, `sshapi jobs list` sends nothing to the default URL (here a
+    listener on a free port: on a shared login node, whoever got the port first) and says which
+    URL it did not use and how to name one; named with SSHAPI_URL or a profile, it is sent."""
+    with Listener() as listener:
+        monkeypatch.setattr(client_module, "DEFAULT_URL", listener.url)
+        monkeypatch.setenv("SSHAPI_TOKEN", "secret-token")
+        result = CliRunner().invoke(app, ["jobs", "list"])
+        assert listener.seen == []
+        assert result.exit_code == 255, result.output
+        assert listener.url in result.stderr and "SSHAPI_URL" in result.stderr, result.stderr
+        with pytest.raises(SshapiError, match="SSHAPI_URL"):
+            Client(token="secret-token")
+        assert listener.seen == []
+
+        monkeypatch.setenv("SSHAPI_URL", listener.url)  # named: this machine's loopback
+        result = CliRunner().invoke(app, ["jobs", "list"])
+        assert result.exit_code == 0, result.output
+        monkeypatch.delenv("SSHAPI_URL")
+        monkeypatch.delenv("SSHAPI_TOKEN")
+        client_env.write_text(f'default = "dev"\n[profiles.dev]\nurl = "{listener.url}"\n'
+                              'token = "profile-token"\n')  # fmt: skip
+        result = CliRunner().invoke(app, ["jobs", "list"])
+        assert result.exit_code == 0, result.output
+    assert listener.seen == ["Bearer secret-token", "Bearer profile-token"]
+
+
+def test_a_token_goes_over_plain_http_only_to_loopback_unless_opted_in(
+    client_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Plain http to another machine is refused when there is a token to send (nothing is
+    sent: the client is not even made); https is fine; the opt-in (argument, SSHAPI_ALLOW_HTTP,
+    a profile's allow_http) lets it through with a warning."""
+    remote = "http://192.0.2.10:8000"  # TEST-NET-1: nothing is sent there
+    with pytest.raises(SshapiError, match="plain HTTP") as refused:
+        Client(remote, "secret-token")
+    assert "https://" in str(refused.value) and "SSHAPI_ALLOW_HTTP" in str(refused.value)
+    Client(remote).close()  # no token: nothing to leak
+    Client("https://192.0.2.10", "secret-token").close()
+    Client("http://[::1]:8000", "secret-token").close()
+    with pytest.warns(InsecureHTTPWarning, match="plain HTTP"):
+        Client(remote, "secret-token", allow_http=True).close()
+    monkeypatch.setenv("SSHAPI_ALLOW_HTTP", "1")
+    with pytest.warns(InsecureHTTPWarning):
+        Client(remote, "secret-token").close()
+    monkeypatch.delenv("SSHAPI_ALLOW_HTTP")
+    client_env.write_text(
+        f'[profiles.lab]\nurl = "{remote}"\ntoken = "t"\nallow_http = true\n'
+        '[profiles.bad]\nurl = "ftp://example.org"\ntoken = "t"\n'
+    )
+    with pytest.warns(InsecureHTTPWarning):
+        Client(profile="lab").close()
+    with pytest.raises(SshapiError, match="not an http"):
+        Client(profile="bad")
+    result = CliRunner().invoke(app, ["jobs", "list", "--profile", "bad"])
+    assert result.exit_code == 255 and "ftp://example.org" in result.stderr
+
+
+# ---- a resumed download continues the same file, or starts again (F13)
+
+
+class Stop(Exception):
+    """Stands for Ctrl-C in the middle of a download."""
+
+
+def download_cut(url: str, token: str, remote: str, dest: Path) -> None:
+    """Download `remote` to `dest` and stop after 1 MiB of it, leaving `dest.part` behind."""
+
+    def progress(done: int, total: int) -> None:
+        if done >= 1 << 20:
+            raise Stop
+
+    with Client(url, token) as c, pytest.raises(Stop):
+        c.download("local", remote, dest, progress=progress)
+    assert 1 << 20 <= (dest.parent / f"{dest.name}.part").stat().st_size < 4 << 20
+
+
+async def put_file(api: Api, tmp_path: Path, remote: str, data: bytes, mtime: int | None) -> None:
+    """Upload `data` as `remote` and, given `mtime`, set its modification time to it."""
+    local = tmp_path / f"up-{uuid.uuid4().hex[:8]}"
+    local.write_bytes(data)
+    token = api.token("alice", FILES)
+
+    def work() -> None:
+        with Client(api.url, token) as c:
+            c.upload("local", local, remote)
+
+    await asyncio.to_thread(work)
+    if mtime is not None:
+        touch = ["touch", "-d", f"@{mtime}", remote]
+        r = await api.submit({"host": "local", "argv": touch}, wait=30)
+        assert r.json()["state"] == "succeeded", r.text
+
+
+async def test_a_file_rewritten_in_the_second_it_was_written_is_not_spliced(
+    api: Api, tmp_path: Path
+) -> None:
+    """A file rewritten at the same size within the second of its last write keeps its ETag
+    (size, modification second). A `get` cut while it was that fresh leaves a part that the next
+    `get` does not resume: it fetches the new content whole (before: the old head and the new
+    tail, exit 0). The modification time one second ahead stands for "this second" however
+    slow this machine is."""
+    remote = f"sshapi-fresh-{uuid.uuid4().hex[:8]}.bin"
+    old, new = os.urandom(4 << 20), os.urandom(4 << 20)
+    second = int(time.time()) + 1
+    await put_file(api, tmp_path, remote, old, second)
+    dest = tmp_path / "fresh.bin"
+    await asyncio.to_thread(download_cut, api.url, api.token("alice", FILES), remote, dest)
+    await put_file(api, tmp_path, remote, new, second)  # same size, same second: same ETag
+    rc, _, err = await sshapi(api, "files", "get", "local", remote, str(dest))
+    assert rc == 0, err
+    assert dest.read_bytes() == new
+    assert not (tmp_path / "fresh.bin.part").exists()
+    await sshapi(api, "files", "rm", "local", remote)
+
+
+async def test_a_part_of_another_file_is_not_resumed(api: Api, tmp_path: Path) -> None:
+    """Two files of the same size and modification time have the same ETag: a part of one left
+    at a destination is not continued with the other's bytes (before: spliced, exit 0)."""
+    first, second = (f"sshapi-twin-{uuid.uuid4().hex[:8]}.bin" for _ in range(2))
+    a, b = os.urandom(4 << 20), os.urandom(4 << 20)
+    an_hour_ago = int(time.time()) - 3600
+    await put_file(api, tmp_path, first, a, an_hour_ago)
+    await put_file(api, tmp_path, second, b, an_hour_ago)
+    dest = tmp_path / "twin.bin"
+    await asyncio.to_thread(download_cut, api.url, api.token("alice", FILES), first, dest)
+    rc, _, err = await sshapi(api, "files", "get", "local", second, str(dest))
+    assert rc == 0, err
+    assert dest.read_bytes() == b
+    await sshapi(api, "files", "rm", "local", first, second)
+
+
+async def test_two_downloads_resuming_one_part_never_leave_a_corrupt_file(
+    api: Api, tmp_path: Path
+) -> None:
+    """Two `get`s run at once into the same place both append to its part: the finished part
+    must have the file's size, else the download ends in an error and removes it; no file with
+    other bytes than the remote one is left (before: the first to finish renamed a part with
+    the rest twice into place, no error)."""
+    remote = f"sshapi-twice-{uuid.uuid4().hex[:8]}.bin"
+    data = os.urandom(4 << 20)
+    await put_file(api, tmp_path, remote, data, int(time.time()) - 60)
+    dest = tmp_path / "twice.bin"
+    token = api.token("alice", FILES)
+    await asyncio.to_thread(download_cut, api.url, token, remote, dest)
+    both_writing = threading.Barrier(2, timeout=30)
+
+    def work() -> int | SshapiError:
+        first = True
+
+        def progress(done: int, total: int) -> None:
+            nonlocal first
+            if first:
+                first = False
+                both_writing.wait()
+
+        with Client(api.url, token) as c:
+            try:
+                return c.download("local", remote, dest, progress=progress)
+            except SshapiError as exc:
+                return exc
+
+    results = await asyncio.gather(asyncio.to_thread(work), asyncio.to_thread(work))
+    failed = [r for r in results if isinstance(r, SshapiError)]
+    assert failed and all("bytes where the file has" in str(r) for r in failed), results
+    assert not dest.exists() or dest.read_bytes() == data
+    assert not (tmp_path / "twice.bin.part").exists()
+    await sshapi(api, "files", "rm", "local", remote)
+
+
+# ---- what the server sends is printed escaped (F14)
+
+
+def read_all(fd: int) -> bytes:
+    """Everything written to a pty's other end until it closes."""
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(fd, 1 << 16)
+        except OSError:  # EIO: the other end is closed
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def test_sshapi_files_ls_escapes_control_characters_in_names(api: Api) -> None:
+    """A name or a symlink target with terminal escapes (a title-setting OSC, clear screen,
+    a carriage return, C1 CSI, DEL, a right-to-left override) reaches the terminal escaped,
+    every byte visible; `--json` gives them exact."""
+    tag = uuid.uuid4().hex[:8]
+    name = f"evil-{tag}-\x1b]0;owned\x07-\x1b[2J-\r-\x9b31m-\x7f-\u202etxt.sh"
+    link, target = f"link-{tag}", f"/tmp/\x1b[31mred-{tag}"
+    script = 'touch -- "$1" && ln -s -- "$2" "$3"'
+    r = await api.submit({"host": "local", "argv": ["sh", "-c", script, "sh", name, target, link]},
+                         wait=30)  # fmt: skip
+    assert r.json()["state"] == "succeeded", r.text
+    controller, terminal = os.openpty()
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            SSHAPI, "files", "ls", "local", env=env_for(api), stdout=terminal,
+            stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        os.close(terminal)
+        out = await asyncio.to_thread(read_all, controller)
+        assert await asyncio.wait_for(proc.wait(), 60) == 0
+    finally:
+        os.close(controller)
+    lines = [line.rstrip(b"\r") for line in out.split(b"\n") if tag.encode() in line]
+    assert len(lines) == 2, out
+    for line in lines:
+        for raw in (b"\x1b", b"\x07", b"\r", b"\xc2\x9b", b"\x7f", "\u202e".encode()):
+            assert raw not in line, line
+    shown = b"\n".join(lines)
+    escaped = rb"-\x1b]0;owned\x07-\x1b[2J-\x0d-\x9b31m-\x7f-\u202etxt.sh"
+    assert b"evil-" + tag.encode() + escaped in shown
+    assert f"{link} -> /tmp/\\x1b[31mred-{tag}".encode() in shown
+    rc, out, _ = await sshapi(api, "files", "ls", "local", "--json")
+    items = {e["name"]: e for e in json.loads(out)["items"]}
+    assert name in items and items[link]["target"] == target
+    rc, _, err = await sshapi(api, "files", "rm", "local", name, link)
+    assert rc == 0, err
