@@ -190,6 +190,10 @@ class Profile:
     url: str | None  # None: nobody named a server
     token: str | None
     allow_http: bool = False
+    # The server the token was configured for (SSHAPI_URL beside SSHAPI_TOKEN, a profile's url
+    # beside its token), and where it came from; None: set without a server.
+    token_url: str | None = None
+    token_from: str = ""
 
 
 # The keys a profile of the client configuration file may have, and the type of each.
@@ -206,7 +210,9 @@ def load_profile(name: str | None = None, path: str | None = None) -> Profile:
         url = "http://127.0.0.1:8000"
         token_file = "~/.config/sshapi/dev.token"   # or: token = "..."
 
-    `url` is None when neither names a server: see `server_url`.
+    `url` is None when neither names a server: see `server_url`. `token_url` is the server the
+    token was set up with (SSHAPI_URL beside SSHAPI_TOKEN, the profile's url beside its token):
+    see `paired`.
     """
     import tomllib
     from pathlib import Path
@@ -217,6 +223,7 @@ def load_profile(name: str | None = None, path: str | None = None) -> Profile:
         or Path.home() / ".config" / "sshapi" / "client.toml"
     ).expanduser()
     entry: dict[str, Any] = {}
+    wanted: Any = None
     if file.is_file():
         # A hand-written file: whatever is wrong in it is an SshapiError naming the file and
         # the key (one line from the commands), never a traceback.
@@ -251,11 +258,40 @@ def load_profile(name: str | None = None, path: str | None = None) -> Profile:
         except (OSError, ValueError) as exc:
             reason = exc.strerror if isinstance(exc, OSError) else exc
             raise SshapiError(f"token_file {token_file}: {reason}") from None
+    env_url = os.environ.get("SSHAPI_URL") or None
+    if env_token := os.environ.get("SSHAPI_TOKEN"):
+        token, token_url, token_from = env_token, env_url, "SSHAPI_TOKEN"
+    else:
+        token_url, token_from = entry.get("url"), f"profile {wanted!r} of {file}"
     return Profile(
-        url=os.environ.get("SSHAPI_URL") or entry.get("url"),
-        token=os.environ.get("SSHAPI_TOKEN") or token,
+        url=env_url or entry.get("url"),
+        token=token,
         allow_http=entry.get("allow_http", False),
+        token_url=token_url if token else None,
+        token_from=token_from,
     )
+
+
+def _origin(url: str) -> tuple[str, str, int | None]:
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL:
+        return ("", url, None)
+    return (parsed.scheme, parsed.host, parsed.port)
+
+
+def paired(found: Profile, url: str | None) -> str | None:
+    """The configured token for a request to `url`, or an SshapiError when it was configured for
+    another server (a profile's token with SSHAPI_URL set, SSHAPI_TOKEN with another URL given):
+    a token goes to the server it was set up with, never on to another one."""
+    if found.token is None or found.token_url is None or url is None:
+        return found.token
+    if _origin(found.token_url) != _origin(url):
+        raise SshapiError(
+            f"the token of {found.token_from} is for {found.token_url}, not {url}: give the "
+            f"token for {url} (SSHAPI_TOKEN, token=) or unset what points elsewhere"
+        )
+    return found.token
 
 
 def _loopback(host: str) -> bool:
@@ -500,7 +536,8 @@ class _Base:
         allow_http = allow_http or _env_flag("SSHAPI_ALLOW_HTTP")
         if url is None or token is None:
             found = load_profile(profile)
-            url, token = url or found.url, token or found.token
+            url = url or found.url
+            token = token or paired(found, url)
             allow_http = allow_http or found.allow_http
         self.url = server_url(url, token, allow_http).rstrip("/")
         self.retries = retries

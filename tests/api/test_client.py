@@ -423,6 +423,31 @@ def test_a_token_goes_over_plain_http_only_to_loopback_unless_opted_in(
     assert result.exit_code == 255 and "ftp://example.org" in result.stderr
 
 
+def test_a_configured_token_goes_only_to_the_server_it_was_configured_for(
+    client_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A profile's token is not sent to SSHAPI_URL when that points elsewhere (a dev session's
+    export left in the shell, then `--profile cluster`), nor SSHAPI_TOKEN to another URL given
+    to Client(): each refused before anything is sent; a token set without a server goes to the
+    one named (before: the listener got both tokens)."""
+    client_env.write_text('[profiles.cluster]\nurl = "https://hpc-api.example.org"\n'
+                          'token = "cluster-token"\n')  # fmt: skip
+    with Listener() as listener:
+        monkeypatch.setenv("SSHAPI_URL", listener.url)
+        result = CliRunner().invoke(app, ["jobs", "list", "--profile", "cluster"])
+        assert result.exit_code == 255, result.output
+        assert "profile 'cluster'" in result.stderr and listener.url in result.stderr
+        monkeypatch.setenv("SSHAPI_URL", "https://hpc-api.example.org")
+        monkeypatch.setenv("SSHAPI_TOKEN", "home-token")
+        with pytest.raises(SshapiError, match="SSHAPI_TOKEN is for https://hpc-api"):
+            Client(listener.url).list()
+        assert listener.seen == []
+        monkeypatch.delenv("SSHAPI_URL")
+        with Client(listener.url) as c:  # SSHAPI_TOKEN alone: for the server named
+            c.list()
+    assert listener.seen == ["Bearer home-token"]
+
+
 # ---- a resumed download continues the same file, or starts again (F13)
 
 
