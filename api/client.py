@@ -540,6 +540,10 @@ class _Base:
             token = token or paired(found, url)
             allow_http = allow_http or found.allow_http
         self.url = server_url(url, token, allow_http).rstrip("/")
+        # A proxy from the environment (HTTP_PROXY, common on login nodes) would carry a request
+        # for this machine's loopback, token in clear, to another machine, and on to the proxy's
+        # own loopback. Only for other servers does the environment pick a proxy.
+        self.trust_env = not _loopback(httpx.URL(self.url).host)
         self.retries = retries
         self.max_retry_wait = max_retry_wait
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -611,6 +615,7 @@ class Client(_Base):
             timeout=timeout,
             transport=transport,
             verify=tls_context(),
+            trust_env=self.trust_env,
         )
 
     def __enter__(self) -> Client:
@@ -904,6 +909,7 @@ class AsyncClient(_Base):
             timeout=timeout,
             transport=transport,
             verify=tls_context(),
+            trust_env=self.trust_env,
         )
 
     async def __aenter__(self) -> AsyncClient:

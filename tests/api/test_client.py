@@ -448,6 +448,22 @@ def test_a_configured_token_goes_only_to_the_server_it_was_configured_for(
     assert listener.seen == ["Bearer home-token"]
 
 
+def test_a_loopback_server_is_reached_without_the_environment_s_proxy(
+    client_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With HTTP_PROXY set (as on many login nodes) a request for this machine's loopback goes
+    straight there, not through the proxy with the token in clear (here the proxy is a second
+    listener; before: it got `Bearer secret-token`)."""
+    with Listener() as proxy, Listener() as server:
+        for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+            monkeypatch.setenv(name, proxy.url)
+        for name in ("NO_PROXY", "no_proxy"):
+            monkeypatch.delenv(name, raising=False)
+        with Client(server.url, "secret-token") as c:
+            c.list()
+    assert (proxy.seen, server.seen) == ([], ["Bearer secret-token"])
+
+
 # ---- a resumed download continues the same file, or starts again (F13)
 
 
