@@ -9,10 +9,10 @@ The server and token come from SSHAPI_URL / SSHAPI_TOKEN or a profile of the cli
 configuration file (`--profile`; see `api.client.load_profile`). `--json` prints the API's JSON
 for scripts. An error the client raises exits 255 (as ssh does for its own failures).
 
-What the server hands back (file names, symlink targets, problem details, a job's error) is
-printed through `printable`: a name is anyone's choice, and raw it could drive the terminal. A
-job's stdout and stderr (`run`, `jobs logs`) are the command's own bytes and pass as they are,
-as ssh passes them: colours and progress bars work, and a pipe gets them exact.
+What the server hands back (file names, symlink targets, problem details, a job's command line
+and error) is printed through `printable`: a name is anyone's choice, and raw it could drive
+the terminal. A job's stdout and stderr (`run`, `jobs logs`) are the command's own bytes and
+pass as they are, as ssh passes them: colours and progress bars work, and a pipe gets them exact.
 """
 
 from __future__ import annotations
