@@ -245,6 +245,7 @@ async def upload(
         if declared.isdigit() and int(declared) > limit:
             raise Problem(413, "too-large", "File too large", f"at most {limit} bytes")
         place = await files.resolve_name(path)
+        await files.guard(place)
         existing = await files.lstat(place)
         if existing is not None and existing.type == "symlink":
             raise Problem(403, "symlink-refused", "Will not write through a symlink", path)
@@ -296,8 +297,8 @@ async def _discard(files: Any, remote: Any, temp: str) -> None:
 async def delete(host: str, path: Path, who: FileWriter, svc: Svc) -> Response:
     async with svc.files.open(who, host) as files:
         place = await files.resolve_name(path)
-        if place.is_root:
-            raise Problem(403, "root-refused", "Will not delete a file root", path)
+        files.guard_roots(place, "delete")
+        await files.guard(place)
         attrs = await files.fs.lstat(place.path)
         if attrs.type == "dir":
             await files.fs.rmdir(place.path)
@@ -312,6 +313,7 @@ async def mkdir(
 ) -> dict[str, Any]:
     async with svc.files.open(who, host) as files:
         place = await files.resolve_name(body.path)
+        await files.guard(place)
         await files.fs.mkdir(place.path, 0o755)
         attrs = await files.fs.stat(place.path)
     return {"path": body.path, **describe(place.path.rsplit("/", 1)[-1], attrs)}
@@ -324,8 +326,12 @@ async def move(
     async with svc.files.open(who, host) as files:
         source = await files.resolve_name(body.source)
         destination = await files.resolve_name(body.destination)
-        if source.is_root:
-            raise Problem(403, "root-refused", "Will not move a file root", body.source)
+        # Both ends are judged whole: a directory moved brings its contents along, and one
+        # moved away takes them (a root, a protected path) with it.
+        files.guard_roots(source, "move")
+        files.guard_roots(destination, "replace")
+        await files.guard(source, holding=True)
+        await files.guard(destination, holding=True)
         await files.fs.lstat(source.path)
         await files.fs.rename(source.path, destination.path, overwrite=body.overwrite)
         attrs = await files.fs.lstat(destination.path)
