@@ -60,6 +60,16 @@ NAME_MAX = 255
 SYMLINK_HOPS = 8
 # Confinements (home and roots per host, account and rule) kept at most; the oldest go first.
 MAX_CONFINEMENTS = 10_000
+# Bytes of an upload's name kept in its temporary name: with the dot, `.sshapi-`, 12 hex digits
+# and `.part`, the temporary name stays within NAME_MAX.
+TEMP_KEEP = 200
+# An upload's commit (check, rename) holds its path's lock at most this long (the lock lapses
+# after it if the process dies), and waits at most COMMIT_WAIT seconds for it.
+COMMIT_TTL = 60.0
+COMMIT_WAIT = 10.0
+# The permission bits a new upload asks for: the account's umask takes its share, as for any
+# file a program of that account creates (0644 with the usual 022).
+NEW_FILE_MODE = 0o666
 # The most entries a directory listing reads from the host.
 MAX_ENTRIES = 100_000
 # A transfer counts against max_transfers for at most this long if its process dies.
@@ -472,6 +482,40 @@ class FileService:
             gauge.dec()
             await self.quota.leave(key, tid)
 
+    @contextlib.asynccontextmanager
+    async def commit_lock(self, host: str, path: str) -> AsyncIterator[None]:
+        """Held across an upload's last check of the file in place and its rename, so two
+        uploads to one path commit one after the other (the second sees the first's file): an
+        entry in the quota's active set for (host, resolved path) with a cap of one. Shared by
+        the replicas and workers that share Redis (SSHAPI_REDIS_URL); without it, or while
+        Redis is down, it holds within each process only."""
+        key = (f"files-commit\0{host}", path)
+        token = uuid.uuid4().hex
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + COMMIT_WAIT
+        pause = 0.005
+        while True:
+            try:
+                await self.quota.enter(key, token, 1, COMMIT_TTL)
+                break
+            except Problem as busy:
+                if busy.status != 429:
+                    raise
+            if loop.time() >= deadline:
+                raise Problem(
+                    503,
+                    "file-busy",
+                    "Another upload to this path is being committed",
+                    None,
+                    headers={"Retry-After": "1"},
+                )
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.2)
+        try:
+            yield
+        finally:
+            await self.quota.leave(key, token)
+
     def cap(self, grant: Grant, size: int, what: str) -> None:
         limit = grant.rule.max_transfer_bytes
         if size > limit:
@@ -506,9 +550,48 @@ class FileService:
 
 
 def temp_name(path: str) -> str:
-    """The upload's temporary name, in the final name's directory (so the rename is atomic)."""
+    """The upload's temporary name, in the final name's directory (so the rename is atomic):
+    the name's first TEMP_KEEP bytes of UTF-8, cut on a character boundary, so that it stays
+    within NAME_MAX whatever the name (a 240-byte name of emoji included)."""
     parent, base = posixpath.split(path)
-    return posixpath.join(parent, f".{base[:100]}.sshapi-{uuid.uuid4().hex[:12]}.part")
+    kept = base.encode()[:TEMP_KEEP].decode(errors="ignore")
+    return posixpath.join(parent, f".{kept}.sshapi-{uuid.uuid4().hex[:12]}.part")
+
+
+@dataclass(frozen=True, slots=True)
+class Preconditions:
+    """An upload's `If-Match` (`*`: any existing file; else one or more strong ETags) and
+    `If-None-Match: *` (create only), checked against the file in place before the upload and
+    again, under the path's lock, right before the rename."""
+
+    match: frozenset[str] | None
+    create_only: bool
+
+    @classmethod
+    def parse(cls, if_match: str | None, if_none_match: str | None) -> Preconditions:
+        if if_none_match is not None and if_none_match.strip() != "*":
+            raise Problem(422, "invalid-header", "Invalid If-None-Match", "only `*` is supported")
+        match = None
+        if if_match is not None:
+            match = frozenset(t.strip() for t in if_match.split(",") if t.strip())
+            if not match:
+                raise Problem(422, "invalid-header", "Invalid If-Match", "`*` or ETags")
+        return cls(match, if_none_match is not None)
+
+    def check(self, given: str, existing: FileAttrs | None) -> None:
+        if existing is not None and existing.type == "symlink":
+            raise Problem(403, "symlink-refused", "Will not write through a symlink", given)
+        if existing is not None and existing.type != "file":
+            raise Problem(
+                409, "not-a-file", "Not a regular file", f"{given!r} is a {existing.type}"
+            )
+        if self.create_only and existing is not None:
+            raise Problem(412, "exists", "File exists", f"{given!r} exists (If-None-Match: *)")
+        if self.match is not None:
+            if existing is None:
+                raise Problem(412, "etag-mismatch", "No such file", "If-Match: the file is gone")
+            if "*" not in self.match and etag_of(existing) not in self.match:
+                raise Problem(412, "etag-mismatch", "File changed", "If-Match did not match")
 
 
 class Upload:

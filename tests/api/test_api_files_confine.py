@@ -7,6 +7,8 @@ that writes near the start-up files restores what it found (and writes only harm
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import shutil
 import subprocess
@@ -16,7 +18,15 @@ from pathlib import Path
 
 import httpx
 import pytest
-from api_helpers import Api, Keys, config_toml, host_toml, make_settings, running_api
+from api_helpers import (
+    Api,
+    Keys,
+    config_toml,
+    eventually,
+    host_toml,
+    make_settings,
+    running_api,
+)
 
 from api.config import Config, load_config
 from sshpool.devhost import LocalHost
@@ -43,6 +53,23 @@ rate = 1000
 burst = 1000
 
 [[policy]]
+subject = "up-*"
+issuer = "*"
+hosts = ["local"]
+file_roots = { "*" = ["~/sshapi-files/{sub}"] }
+rate = 1000
+burst = 1000
+
+[[policy]]
+subject = "one-*"
+issuer = "*"
+hosts = ["local", "down"]
+file_roots = { "*" = ["~/sshapi-files/{sub}"] }
+max_transfers = 1
+rate = 1000
+burst = 1000
+
+[[policy]]
 subject = "nofiles-*"
 issuer = "*"
 hosts = ["local"]
@@ -54,15 +81,20 @@ RW = "files:read files:write"
 HARMLESS = b"# written by an sshapi test: never kept\n"
 
 
-@pytest.fixture
-async def api(
-    tuned_host: LocalHost, secret_file: Path, secret: str, keys: Keys, tmp_path: Path
-) -> AsyncIterator[Api]:
+def write_config(tuned_host: LocalHost, secret_file: Path, keys: Keys, tmp_path: Path) -> Path:
     text = config_toml(tuned_host, secret_file, keys).replace(
         "[[policy]]", POLICY + "[[policy]]", 1
     )
     path = tmp_path / "sshapi.toml"
     path.write_text(text)
+    return path
+
+
+@pytest.fixture
+async def api(
+    tuned_host: LocalHost, secret_file: Path, secret: str, keys: Keys, tmp_path: Path
+) -> AsyncIterator[Api]:
+    path = write_config(tuned_host, secret_file, keys, tmp_path)
     async with running_api(make_settings(tmp_path, path, "sqlite", None), keys, secret) as running:
         yield running
 
@@ -128,6 +160,16 @@ def tpl(api: Api, tuned_host: LocalHost) -> Iterator[Caller]:
 @pytest.fixture
 def fc(api: Api, tuned_host: LocalHost) -> Iterator[Caller]:
     yield from caller(api, tuned_host, "fc")
+
+
+@pytest.fixture
+def up(api: Api, tuned_host: LocalHost) -> Iterator[Caller]:
+    yield from caller(api, tuned_host, "up")
+
+
+@pytest.fixture
+def one(api: Api, tuned_host: LocalHost) -> Iterator[Caller]:
+    yield from caller(api, tuned_host, "one")
 
 
 @pytest.fixture
@@ -326,3 +368,123 @@ file_roots = {{ "local" = ["~/data"] }}
     assert isinstance(config('"jobs:read", "files:read"'), Config)
     own = f'[policy.accounts.local]\nusername = "other"\nclient_keys = ["{tuned_host.client_key}"]'
     assert isinstance(config(writes, account=own), Config)
+
+
+async def upload_race(first: Caller, second: Caller, path: str, etag: str) -> list[int]:
+    """Two uploads of the same size with the same If-Match, both past their first check (their
+    temporary files exist) before either sends its last byte; their statuses."""
+    go = asyncio.Event()
+    home = Path(path).parent
+
+    async def body(data: bytes) -> AsyncIterator[bytes]:
+        yield data[:1]
+        await go.wait()
+        yield data[1:]
+
+    async def put(c: Caller, data: bytes) -> httpx.Response:
+        return await c.api.client.put(
+            f"{c.base}/content",
+            params={"path": path},
+            content=body(data),
+            headers={**c.headers, "If-Match": etag, "Content-Length": str(len(data))},
+        )
+
+    tasks = [asyncio.create_task(put(first, b"AAAA")), asyncio.create_task(put(second, b"BBBB"))]
+    await eventually(lambda: len(list(home.glob(".*.sshapi-*.part"))) == 2)
+    go.set()
+    return sorted(r.status_code for r in await asyncio.gather(*tasks))
+
+
+@pytest.mark.parametrize("where", ["one replica", "two replicas sharing Redis"])
+async def test_two_uploads_with_one_if_match_never_both_succeed(
+    where: str,
+    tuned_host: LocalHost,
+    secret_file: Path,
+    secret: str,
+    keys: Keys,
+    tmp_path: Path,
+) -> None:
+    """The lost update: two uploads holding the same ETag, racing to replace the same version
+    (of the same size, within the same second, so the ETags of the versions would collide),
+    through one API process or through two that share Redis. One wins (200), the other gets
+    412, and the file holds the winner's bytes; three rounds."""
+    path = write_config(tuned_host, secret_file, keys, tmp_path)
+    redis = "redis://127.0.0.1:6379/0" if where != "one replica" else None
+    async with contextlib.AsyncExitStack() as stack:
+        apis = []
+        for name in ("a", "b") if redis else ("a",):
+            settings = make_settings(tmp_path / name, path, "sqlite", None)
+            settings = settings.model_copy(update={"replica": name, "redis_url": redis})
+            apis.append(await stack.enter_async_context(running_api(settings, keys, secret)))
+        first = stack.enter_context(contextlib.contextmanager(caller)(apis[0], tuned_host, "up"))
+        second = Caller(apis[-1], tuned_host, first.sub)
+        second.sub, second.dir, second.headers = first.sub, first.dir, first.headers
+        target = f"{first.dir}/f.txt"
+        for _ in range(3):
+            r = await first.put(target, b"0000")
+            assert r.status_code in (200, 201), r.text
+            assert await upload_race(first, second, target, r.headers["etag"]) == [200, 412]
+            assert (first.dir / "f.txt").read_bytes() in (b"AAAA", b"BBBB")
+            assert not list(first.dir.glob(".*.sshapi-*"))
+
+
+async def test_if_match_star_modes_and_names(up: Caller, tuned_host: LocalHost) -> None:
+    """`If-Match: *` replaces any existing file and refuses a missing one (412); a replaced
+    file keeps its permission bits, a new one gets the account's default (0666 minus its
+    umask: 0644 here); names of 240 bytes of emoji, with a newline or a backslash upload and
+    read back; a name longer than NAME_MAX is 422 `name-too-long`, not a 409."""
+    d = up.dir
+    tuned_host.run_local(["sh", "-c", f"echo old > {d}/kept && chmod 640 {d}/kept"])
+    r = await up.put(f"{d}/kept", b"new", **{"If-Match": "*"})
+    assert r.status_code == 200, r.text
+    assert (d / "kept").read_bytes() == b"new"
+    assert oct((d / "kept").stat().st_mode & 0o7777) == oct(0o640)
+    r = await up.put(f"{d}/missing", b"x", **{"If-Match": "*"})
+    assert r.status_code == 412, r.text
+    assert not (d / "missing").exists()
+    assert (await up.put(f"{d}/fresh", b"x")).status_code == 201
+    assert oct((d / "fresh").stat().st_mode & 0o7777) == oct(0o644)
+    for name in ("\U0001f600" * 60, "line\nbreak", "back\\slash", "é" * 127):
+        assert len(name.encode()) <= 255
+        r = await up.put(f"{d}/{name}", name.encode())
+        assert r.status_code == 201, (name, r.text)
+        r = await up.get(f"{d}/{name}")
+        assert r.status_code == 200 and r.content == name.encode(), name
+    r = await up.put(f"{d}/{'é' * 128}", b"x")
+    assert r.status_code == 422 and r.json()["type"].endswith("name-too-long"), r.text
+    assert not [n for n in os.listdir(d) if ".sshapi-" in n]
+
+
+async def test_transfer_cap_and_host_failures_say_what_they_are(one: Caller) -> None:
+    """The transfer cap's 429 is `too-many-transfers` (not `too-many-jobs`); a file request on a
+    host that is down names that host in its problem, not '?'."""
+    release = asyncio.Event()
+
+    async def slow() -> AsyncIterator[bytes]:
+        yield b"x"
+        await release.wait()
+        yield b"y"
+
+    held = asyncio.create_task(
+        one.api.client.put(
+            f"{one.base}/content",
+            params={"path": f"{one.dir}/slow"},
+            content=slow(),
+            headers={**one.headers, "Content-Length": "2"},
+        )
+    )
+    try:
+        await eventually(lambda: [n for n in os.listdir(one.dir) if ".sshapi-" in n])
+        r = await one.put(f"{one.dir}/second", b"z")
+        assert r.status_code == 429, r.text
+        assert r.json()["type"].endswith("too-many-transfers"), r.text
+        assert "retry-after" in r.headers
+    finally:
+        release.set()
+        assert (await held).status_code == 201
+    for _ in range(2):  # a refused connect, then the open breaker
+        r = await one.api.client.get(
+            f"{one.api.url}/v1/hosts/down/files", params={"path": "~"}, headers=one.headers
+        )
+        assert r.status_code in (502, 503), r.text
+        assert "'down'" in r.json()["detail"] and "'?'" not in r.text, r.text
