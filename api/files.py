@@ -1,8 +1,8 @@
 """Files on a host over SFTP on the pooled connections: confinement, transfers, their limits.
 
-Confinement. A policy rule gives `file_roots` per host pattern. For each request the roots are
-resolved on the host (SFTP realpath: `~`, `{account}`, `{sub}` substituted, symlinks followed),
-then the caller's path:
+Confinement. A policy rule gives `file_roots` per host pattern (none: no file access). The roots
+are resolved on the host once per host, account and rule (SFTP realpath: `~`, `{account}`,
+`{sub}` substituted, symlinks followed; FileService keeps them), then each caller's path:
 
 - read-like operations (stat, list, download, checksum) resolve the whole path with realpath,
   symlinks followed, and act on the *resolved* path;
@@ -10,11 +10,13 @@ then the caller's path:
   on `<resolved parent>/<basename>`: the final component is never followed (a symlink there is
   removed or renamed itself, and an upload onto one is refused);
 
-and the resolved path must be a root or lie under one, else 403 `outside-roots`. A path whose
-parent does not exist is judged lexically (normalised) before answering 404, so a 404 never
-confirms what exists outside the roots. Residual race: the account itself (a job of the same
-user) could swap a directory of an already resolved path for a symlink between the check and
-the use; nobody else can, and that account can read those files by running a job anyway.
+and the resolved path must be a root or lie under one, else 403 `outside-roots`. A path that
+does not resolve is judged by where it would lead (`Files._physical`), so neither a 404 nor a
+403 tells what exists outside the roots. Writes never touch the host's protected paths (~/.ssh,
+shell start-up files: 403 `protected-path`), and move/delete never act on a root or what holds
+one (403 `root-refused`). Residual race: the account itself (a job of the same user) could swap
+a directory of an already resolved path for a symlink between the check and the use; nobody
+else can, and that account can read those files by running a job anyway.
 
 Limits per identity: one rate token per SSH-backed operation (the jobs' bucket), at most
 `max_transfers` uploads and downloads at once, `max_transfer_bytes` per request,
