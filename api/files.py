@@ -251,7 +251,7 @@ class Files:
             if root.resolved is None:
                 with contextlib.suppress(RemoteFileError):
                     real = await fs.realpath(root.written)
-                    with contextlib.suppress(RemoteNotFound):
+                    with contextlib.suppress(RemoteFileError):
                         await fs.stat(real)  # OpenSSH resolves a missing last name too
                         root.resolved = real
 
@@ -263,7 +263,9 @@ class Files:
         absolute = self._absolute(_check_path(given))
         try:
             real = await self.fs.realpath(absolute)
-        except RemoteNotFound:
+        except RemoteFileError:
+            # Missing, or a directory on the way the account may not search: either way, the
+            # answer must not depend on what exists outside the roots.
             await self._judge_missing(given, absolute)
             raise
         if not _within(real, self.roots):
@@ -280,7 +282,7 @@ class Files:
             raise Problem(422, "invalid-path", "Invalid path", "the path must name an entry")
         try:
             real_parent = await self.fs.realpath(parent)
-        except RemoteNotFound:
+        except RemoteFileError:
             where = await self._judge_missing(given, parent)
             # Every caller of this one writes: a protected path is refused as such, whether
             # or not its parent exists yet.

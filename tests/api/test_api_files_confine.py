@@ -284,7 +284,8 @@ async def test_a_symlink_never_tells_what_exists_outside_the_roots(
     fc: Caller, tuned_host: LocalHost
 ) -> None:
     """Symlinks inside the roots to outside paths that exist and that do not (a missing file,
-    a missing directory, a chain of links): the same 403 for every one, read or write."""
+    a missing directory, a chain of links, a directory the account may not search): the same
+    403 `outside-roots` for every one, read or write."""
     d = fc.dir
     tuned_host.run_local(["mkdir", "-p", str(d / "work"), str(d / "out" / "there")])
     links = {
@@ -294,6 +295,7 @@ async def test_a_symlink_never_tells_what_exists_outside_the_roots(
         "to-missing-dir": d / "out" / "nope",
         "to-missing-deep": d / "out" / "nope" / "deeper" / "f",
         "chain": d / "work" / "to-missing-dir",
+        "to-unsearchable": Path("/root/x/y"),  # /root is 0700: the account may not look in
     }
     tuned_host.run_local(["touch", str(d / "out" / "there" / "f")])
     for name, target in links.items():
