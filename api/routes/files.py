@@ -46,13 +46,17 @@ def _problem(description: str) -> dict[str, Any]:
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     401: _problem("Missing or invalid token."),
-    403: _problem("Scope or host not allowed, path outside your roots, or the host refused."),
+    403: _problem(
+        "Scope or host not allowed, path outside your roots, a protected path (~/.ssh, shell "
+        "start-up files) or a root written to, or the host refused."
+    ),
     404: _problem("No such file or directory."),
     409: _problem("Not a file / not a directory / exists / not empty."),
     429: _problem("Rate limit or too many transfers at once: see `Retry-After`."),
+    422: _problem("Invalid path: NUL, over 4096 bytes, a name over 255 bytes."),
     501: _problem("The host's SSH backend cannot do file operations."),
     502: _problem("The SSH connection failed or dropped."),
-    503: _problem("Host saturated or down: see `Retry-After`."),
+    503: _problem("Host saturated or down, or another upload committing: see `Retry-After`."),
 }
 
 

@@ -100,9 +100,9 @@ async def api(
 
 
 class Caller:
-    def __init__(self, api: Api, host: LocalHost, prefix: str) -> None:
+    def __init__(self, api: Api, host: LocalHost, prefix: str, sub: str | None = None) -> None:
         self.api = api
-        self.sub = f"{prefix}-{uuid.uuid4().hex[:10]}"
+        self.sub = sub or f"{prefix}-{uuid.uuid4().hex[:10]}"
         self.home = Path(host.account.home)
         self.dir = self.home / "sshapi-files" / self.sub
         self.headers = api.auth(self.sub, RW)
@@ -419,8 +419,7 @@ async def test_two_uploads_with_one_if_match_never_both_succeed(
             settings = settings.model_copy(update={"replica": name, "redis_url": redis})
             apis.append(await stack.enter_async_context(running_api(settings, keys, secret)))
         first = stack.enter_context(contextlib.contextmanager(caller)(apis[0], tuned_host, "up"))
-        second = Caller(apis[-1], tuned_host, first.sub)
-        second.sub, second.dir, second.headers = first.sub, first.dir, first.headers
+        second = Caller(apis[-1], tuned_host, "up", first.sub)  # the same identity elsewhere
         target = f"{first.dir}/f.txt"
         for _ in range(3):
             r = await first.put(target, b"0000")
