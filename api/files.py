@@ -209,11 +209,13 @@ class Confinement:
 class Files:
     """One caller's file operations on one host, over one held SFTP session."""
 
-    def __init__(self, fs: SFTPSession, grant: Grant, who: Principal, place: Confinement) -> None:
+    def __init__(
+        self, fs: SFTPSession, grant: Grant, who: Principal, confinement: Confinement
+    ) -> None:
         self.fs = fs
         self.grant = grant
         self.who = who
-        self.confinement = place
+        self.confinement = confinement
 
     @property
     def home(self) -> str:
@@ -240,11 +242,11 @@ class Files:
                 with contextlib.suppress(RemoteFileError):
                     named = posixpath.join(await fs.realpath(parent), base)
             found.roots.append(Root(written, named, None))
-        await Files._resolve_roots(fs, found)
+        await Files.resolve_roots(fs, found)
         return found
 
     @staticmethod
-    async def _resolve_roots(fs: SFTPSession, found: Confinement) -> None:
+    async def resolve_roots(fs: SFTPSession, found: Confinement) -> None:
         """Resolve the roots not resolved yet. A root that does not exist (yet) confines nothing
         and is looked up again at the next request; once it exists it is kept as resolved."""
         for root in found.roots:
@@ -442,7 +444,7 @@ class FileService:
         else:
             self._confinements.move_to_end(key)
             if any(r.resolved is None for r in found.roots):
-                await Files._resolve_roots(fs, found)
+                await Files.resolve_roots(fs, found)
         return found
 
     @contextlib.asynccontextmanager
