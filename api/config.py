@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import tomllib
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -18,6 +19,43 @@ from api.settings import read_secret_file
 from sshpool.target import Limits, Target
 
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+# What the files API never writes, whatever the roots (`[hosts.X] protected_paths`): paths
+# relative to the account's home that sshd or a login shell reads and runs or trusts, each with
+# everything under it. `.ssh/` holds rc (run by sshd before every command when PermitUserRC is
+# on, OpenSSH's default), authorized_keys and environment; the rest are the start-up and logout
+# files of bash, sh, zsh, csh/tcsh, ksh and fish, what Debian's and Fedora's .bashrc source
+# (.bash_aliases, .bashrc.d/), PAM's and the user manager's environment, and the files that
+# grant logins or forward mail to a program (.rhosts, .shosts, .k5login, .k5users, .forward).
+PROTECTED_PATHS = (
+    ".ssh",
+    ".bashrc",
+    ".bash_profile",
+    ".bash_login",
+    ".bash_logout",
+    ".bash_aliases",
+    ".bashrc.d",
+    ".profile",
+    ".zshrc",
+    ".zshenv",
+    ".zprofile",
+    ".zlogin",
+    ".zlogout",
+    ".cshrc",
+    ".tcshrc",
+    ".login",
+    ".logout",
+    ".kshrc",
+    ".mkshrc",
+    ".pam_environment",
+    ".config/fish",
+    ".config/environment.d",
+    ".config/systemd",
+    ".forward",
+    ".rhosts",
+    ".shosts",
+    ".k5login",
+    ".k5users",
+)
 PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 # The scopes a token can carry (api/auth.py keeps only these).
 SCOPES = ("jobs:read", "jobs:write", "files:read", "files:write", "admin")
@@ -164,6 +202,23 @@ class HostConfig(Strict):
     scheduler: SchedulerConfig | None = None
     # The host's side (OpenSSH defaults): see ssh_budget.
     sshd: SshdLimits = Field(default_factory=SshdLimits)
+    # Paths under the account's home the files API never creates, replaces, moves or deletes,
+    # whatever the file roots (403 protected-path; docs/files.md). Setting it replaces the
+    # default list: copy PROTECTED_PATHS and add to it.
+    protected_paths: list[str] = Field(default_factory=lambda: list(PROTECTED_PATHS))
+
+    @field_validator("protected_paths")
+    @classmethod
+    def _relative_paths(cls, value: list[str]) -> list[str]:
+        cleaned = []
+        for path in value:
+            parts = [p for p in path.split("/") if p]
+            if path.startswith(("/", "~")) or not parts or any(p in (".", "..") for p in parts):
+                raise ValueError(
+                    f"protected path {path!r}: a path relative to the home, without . or .."
+                )
+            cleaned.append("/".join(parts))
+        return cleaned
 
     def ssh_budget(self, replicas: int) -> list[str]:
         """Where `replicas` API processes, each with this pool, would exceed the host's limits.
@@ -284,8 +339,15 @@ class PolicyRule(Strict):
     max_concurrent: int = Field(default=8, ge=1)
     # Files (/v1/hosts/{host}/files): the directories each host's paths must resolve into, per
     # host name pattern (first match). `~` is the account's home, `{account}` its name, `{sub}`
-    # the caller's subject; a relative root is under the home. No matching entry: no files.
-    file_roots: dict[str, list[str]] = Field(default_factory=lambda: {"*": ["~"]})
+    # the caller's subject; a relative root is under the home. No matching entry (the default):
+    # no file access on that host. Nobody gets the home without it written here.
+    file_roots: dict[str, list[str]] = Field(default_factory=dict)
+    # A rule that may write files on an account which a restricted rule (no shell there, no
+    # `"*"` in programs: templates only, say) also uses makes the start fail: the writer could
+    # plant what those users' programs read and run (Config._writes_beside_restricted). True
+    # leaves this rule out of that check, as writer and as restricted: the operator has checked
+    # that the roots hold nothing those programs read, or accepts it.
+    allow_writes_on_templates_account: bool = False
     # Largest file an upload may create, bytes one request may move (either way), transfers
     # (uploads + downloads) one identity may run at once.
     max_file_size: int = Field(default=4 << 30, ge=0)
@@ -333,7 +395,60 @@ class Config(Strict):
                     )
                 if account.username == "root" and not mapped.allow_root:
                     raise ValueError(f"policy rule {n} maps to root on {host_name!r}: allow_root")
+        self._writes_beside_restricted()
         return self
+
+    def _writes_beside_restricted(self) -> None:
+        """Refuse a rule that may write files on an account that a restricted rule also uses.
+
+        Restricted: no raw shell on that host and no `"*"` in `programs` (`programs = []`,
+        `shell_hosts = []` is "templates only"). Everyone mapped to one account is one Unix
+        user: a writer could put into that home what the restricted users' programs read and
+        run (a Python `.pth` file, a tool's configuration...), so the restriction would hold
+        only as long as nobody uploads. The start fails rather than warns: this combination
+        was the default before `file_roots` became opt-in, and a warning in a log nobody reads
+        would leave the hole open on upgrade. A rule that sets
+        `allow_writes_on_templates_account = true` is left out (as writer and as restricted)."""
+
+        def writes(rule: PolicyRule) -> bool:
+            # Issuers whose tokens this rule can match, and whether any may grant files:write.
+            return any(
+                fnmatchcase(i.issuer, rule.issuer) and ({"files:write", "admin"} & set(i.scopes))
+                for i in self.issuers
+            )
+
+        for host_name, host in self.hosts.items():
+            writers: dict[tuple[str, int, str], list[int]] = {}
+            restricted: dict[tuple[str, int, str], list[int]] = {}
+            for n, rule in enumerate(self.policy):
+                if not any(fnmatchcase(host_name, p) for p in rule.hosts):
+                    continue
+                account = rule.accounts.get(host_name)
+                key = (host.hostname, host.port, account.username if account else host.username)
+                roots = next(
+                    (r for p, r in rule.file_roots.items() if fnmatchcase(host_name, p)), None
+                )
+                if rule.allow_writes_on_templates_account:
+                    continue
+                if roots and writes(rule):
+                    writers.setdefault(key, []).append(n)
+                shell = any(fnmatchcase(host_name, p) for p in rule.shell_hosts)
+                if not shell and "*" not in rule.programs:
+                    restricted.setdefault(key, []).append(n)
+            for key, found in writers.items():
+                if key in restricted:
+                    raise ValueError(
+                        f"host {host_name!r}, account {key[2]!r}: policy rule(s) "
+                        f"{_rules(self.policy, found)} may write files where rule(s) "
+                        f"{_rules(self.policy, restricted[key])} are restricted to templates or "
+                        "listed programs; a writer could plant what their programs run. Map "
+                        "them to different accounts, drop file_roots, or set "
+                        "allow_writes_on_templates_account = true on the rules that mean it"
+                    )
+
+
+def _rules(policy: list[PolicyRule], numbers: list[int]) -> str:
+    return ", ".join(f"{n} (subject {policy[n].subject!r})" for n in numbers)
 
 
 def load_config(path: Path) -> Config:

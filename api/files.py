@@ -1,8 +1,8 @@
 """Files on a host over SFTP on the pooled connections: confinement, transfers, their limits.
 
-Confinement. A policy rule gives `file_roots` per host pattern. For each request the roots are
-resolved on the host (SFTP realpath: `~`, `{account}`, `{sub}` substituted, symlinks followed),
-then the caller's path:
+Confinement. A policy rule gives `file_roots` per host pattern (none: no file access). The roots
+are resolved on the host once per host, account and rule (SFTP realpath: `~`, `{account}`,
+`{sub}` substituted, symlinks followed; FileService keeps them), then each caller's path:
 
 - read-like operations (stat, list, download, checksum) resolve the whole path with realpath,
   symlinks followed, and act on the *resolved* path;
@@ -10,11 +10,13 @@ then the caller's path:
   on `<resolved parent>/<basename>`: the final component is never followed (a symlink there is
   removed or renamed itself, and an upload onto one is refused);
 
-and the resolved path must be a root or lie under one, else 403 `outside-roots`. A path whose
-parent does not exist is judged lexically (normalised) before answering 404, so a 404 never
-confirms what exists outside the roots. Residual race: the account itself (a job of the same
-user) could swap a directory of an already resolved path for a symlink between the check and
-the use; nobody else can, and that account can read those files by running a job anyway.
+and the resolved path must be a root or lie under one, else 403 `outside-roots`. A path that
+does not resolve is judged by where it would lead (`Files._physical`), so neither a 404 nor a
+403 tells what exists outside the roots. Writes never touch the host's protected paths (~/.ssh,
+shell start-up files: 403 `protected-path`), and move/delete never act on a root or what holds
+one (403 `root-refused`). Residual race: the account itself (a job of the same user) could swap
+a directory of an already resolved path for a symlink between the check and the use; nobody
+else can, and that account can read those files by running a job anyway.
 
 Limits per identity: one rate token per SSH-backed operation (the jobs' bucket), at most
 `max_transfers` uploads and downloads at once, `max_transfer_bytes` per request,
@@ -29,6 +31,7 @@ import hashlib
 import posixpath
 import re
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -53,6 +56,22 @@ from sshpool.backends.base import FileAttrs, RemoteFile, SFTPSession
 # +22 MiB against +8 (the 50 MiB bound of tests/loadtests/test_files_bench.py holds).
 CHUNK = 4 << 20
 MAX_PATH = 4096
+# The longest name (one path component) Linux filesystems take, in bytes.
+NAME_MAX = 255
+# Symlinks followed when judging where a path that does not resolve would lead.
+SYMLINK_HOPS = 8
+# Confinements (home and roots per host, account and rule) kept at most; the oldest go first.
+MAX_CONFINEMENTS = 10_000
+# Bytes of an upload's name kept in its temporary name: with the dot, `.sshapi-`, 12 hex digits
+# and `.part`, the temporary name stays within NAME_MAX.
+TEMP_KEEP = 200
+# An upload's commit (check, rename) holds its path's lock at most this long (the lock lapses
+# after it if the process dies), and waits at most COMMIT_WAIT seconds for it.
+COMMIT_TTL = 60.0
+COMMIT_WAIT = 10.0
+# The permission bits a new upload asks for: the account's umask takes its share, as for any
+# file a program of that account creates (0644 with the usual 022).
+NEW_FILE_MODE = 0o666
 # The most entries a directory listing reads from the host.
 MAX_ENTRIES = 100_000
 # A transfer counts against max_transfers for at most this long if its process dies.
@@ -66,9 +85,25 @@ def outside(given: str) -> Problem:
     )
 
 
-def file_problem(exc: SSHPoolError) -> Problem:
+def protected(given: str) -> Problem:
+    return Problem(
+        403,
+        "protected-path",
+        "Will not write where sshd or a login shell reads",
+        f"{given!r} is (or holds, or lies in) a path the host's sshd or shells run or trust",
+    )
+
+
+def root_refused(given: str, what: str) -> Problem:
+    return Problem(
+        403, "root-refused", f"Will not {what} a file root", f"{given!r} is or holds a file root"
+    )
+
+
+def file_problem(exc: SSHPoolError, host: str | None = None) -> Problem:
     """The problem for an SSH failure during a file operation, without the host's details
-    (absolute paths, account names): the title says what happened."""
+    (absolute paths, account names): the title says what happened; a 503 names `host` (the
+    configured name the caller used)."""
     if isinstance(exc, ConnectionLost):
         return Problem(
             502,
@@ -76,7 +111,7 @@ def file_problem(exc: SSHPoolError) -> Problem:
             "The SSH connection to the host dropped",
             "the operation may be incomplete; an upload never leaves a partial file under its name",
         )
-    problem = ssh_problem(exc)
+    problem = ssh_problem(exc, host=host)
     if isinstance(exc, RemoteFileError):
         problem.detail = None
     return problem
@@ -111,9 +146,27 @@ def _within(path: str, roots: list[str]) -> bool:
     return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
 
 
+def _holds(path: str, others: list[str]) -> bool:
+    """`path` is one of `others` or an ancestor of one."""
+    return any(o == path or o.startswith(path.rstrip("/") + "/") for o in others)
+
+
 def _check_path(given: str) -> str:
     if not given or len(given) > MAX_PATH or "\0" in given:
         raise Problem(422, "invalid-path", "Invalid path", f"1 to {MAX_PATH} characters, no NUL")
+    try:
+        encoded = given.encode()
+    except UnicodeEncodeError:
+        raise Problem(422, "invalid-path", "Invalid path", "not valid UTF-8") from None
+    if len(encoded) > MAX_PATH:
+        raise Problem(422, "invalid-path", "Invalid path", f"at most {MAX_PATH} bytes in UTF-8")
+    if any(len(part) > NAME_MAX for part in encoded.split(b"/")):
+        raise Problem(
+            422,
+            "name-too-long",
+            "A name in the path is too long",
+            f"at most {NAME_MAX} bytes per name in UTF-8 (the host's NAME_MAX)",
+        )
     return given
 
 
@@ -123,63 +176,103 @@ class Place:
 
     given: str
     path: str
-    roots: list[str]
+
+
+@dataclass(slots=True)
+class Root:
+    """One file root on the host, in the three forms a path can take to reach it."""
+
+    # The pattern expanded (`~`, `{account}`, `{sub}`), absolute and normalised.
+    written: str
+    # Its parent resolved, its own name kept: what a name operation (move, delete) acts on.
+    named: str
+    # Its realpath, what paths must lie under; None while it does not exist.
+    resolved: str | None
 
     @property
-    def is_root(self) -> bool:
-        return self.path in self.roots
+    def forms(self) -> list[str]:
+        return [f for f in (self.written, self.named, self.resolved) if f is not None]
+
+
+@dataclass(slots=True)
+class Confinement:
+    """An account's home and one rule's roots on one host, resolved once per configuration
+    (FileService keeps them): a root re-resolved per request would follow whatever its path
+    points to at that moment, a symlink swapped by a move included."""
+
+    home: str
+    roots: list[Root]
+    # The host's protected paths, lexical and resolved; None until the first write needs them.
+    protected: list[str] | None = None
 
 
 class Files:
     """One caller's file operations on one host, over one held SFTP session."""
 
-    def __init__(self, fs: SFTPSession, grant: Grant, who: Principal, roots: list[str]) -> None:
+    def __init__(
+        self, fs: SFTPSession, grant: Grant, who: Principal, confinement: Confinement
+    ) -> None:
         self.fs = fs
         self.grant = grant
         self.who = who
-        self.roots = roots
-        self.home = ""
+        self.confinement = confinement
 
-    async def start(self) -> None:
-        self.home = await self.fs.realpath(".")
-        resolved = []
-        for pattern in self.roots:
-            root = self._expand(pattern)
-            if root is None:
+    @property
+    def home(self) -> str:
+        return self.confinement.home
+
+    @property
+    def roots(self) -> list[str]:
+        return [r.resolved for r in self.confinement.roots if r.resolved is not None]
+
+    @staticmethod
+    async def confine(
+        fs: SFTPSession, grant: Grant, who: Principal, patterns: list[str]
+    ) -> Confinement:
+        """The home and the roots of `patterns` resolved on the host."""
+        home = await fs.realpath(".")
+        found = Confinement(home, [])
+        for pattern in patterns:
+            written = _expand(home, pattern, grant, who)
+            if written is None:
                 continue
-            # A root that does not exist (yet) confines nothing; it is looked up again next time.
-            with contextlib.suppress(RemoteFileError):
-                resolved.append(await self.fs.realpath(root))
-        self.roots = resolved
+            parent, base = posixpath.split(written)
+            named = written
+            if base:
+                with contextlib.suppress(RemoteFileError):
+                    named = posixpath.join(await fs.realpath(parent), base)
+            found.roots.append(Root(written, named, None))
+        await Files.resolve_roots(fs, found)
+        return found
 
-    def _expand(self, pattern: str) -> str | None:
-        if "{sub}" in pattern and not SUB_SAFE.match(self.who.subject):
-            return None  # a subject with '/' or '..' must never widen a root
-        if self.who.subject in (".", ".."):
-            return None
-        root = pattern.replace("{sub}", self.who.subject)
-        root = root.replace("{account}", self.grant.target.username)
-        return self._absolute(root)
+    @staticmethod
+    async def resolve_roots(fs: SFTPSession, found: Confinement) -> None:
+        """Resolve the roots not resolved yet. A root that does not exist (yet) confines nothing
+        and is looked up again at the next request; once it exists it is kept as resolved."""
+        for root in found.roots:
+            if root.resolved is None:
+                with contextlib.suppress(RemoteFileError):
+                    real = await fs.realpath(root.written)
+                    with contextlib.suppress(RemoteFileError):
+                        await fs.stat(real)  # OpenSSH resolves a missing last name too
+                        root.resolved = real
 
     def _absolute(self, path: str) -> str:
-        if path == "~" or path.startswith("~/"):
-            path = self.home + path[1:]
-        elif not path.startswith("/"):
-            path = f"{self.home}/{path}"
-        return posixpath.normpath(path)
+        return _absolute(self.home, path)
 
     async def resolve(self, given: str) -> Place:
         """The whole path resolved (symlinks followed), confined."""
         absolute = self._absolute(_check_path(given))
         try:
             real = await self.fs.realpath(absolute)
-        except RemoteNotFound:
-            if not _within(absolute, self.roots):
-                raise outside(given) from None
+        except RemoteFileError:
+            # Missing, or a directory on the way the account may not search: either way, the
+            # answer must not depend on what exists outside the roots.
+            await self._judge_missing(given, absolute)
             raise
         if not _within(real, self.roots):
             raise outside(given)
-        return Place(given, real, self.roots)
+        return Place(given, real)
 
     async def resolve_name(self, given: str) -> Place:
         """The parent resolved and confined, the final component kept as it is (not followed)."""
@@ -191,20 +284,122 @@ class Files:
             raise Problem(422, "invalid-path", "Invalid path", "the path must name an entry")
         try:
             real_parent = await self.fs.realpath(parent)
-        except RemoteNotFound:
-            if not _within(absolute, self.roots):
-                raise outside(given) from None
+        except RemoteFileError:
+            where = await self._judge_missing(given, parent)
+            # Every caller of this one writes: a protected path is refused as such, whether
+            # or not its parent exists yet.
+            await self.guard(Place(given, posixpath.join(where, base)))
             raise
         path = posixpath.join(real_parent, base)
         if not _within(path, self.roots):
             raise outside(given)
-        return Place(given, path, self.roots)
+        return Place(given, path)
+
+    async def _judge_missing(self, given: str, absolute: str) -> str:
+        """For a path that does not resolve (a missing component on the way): 403 when it
+        would lead outside the roots, so a 404 never depends on what exists outside them;
+        else where it would lead."""
+        where = await self._physical(absolute, SYMLINK_HOPS)
+        if where is None or not _within(where, self.roots):
+            raise outside(given)
+        return where
+
+    async def _physical(self, path: str, hops: int) -> str | None:
+        """Where `path` (absolute, normalised) leads, as if its missing components existed as
+        plain directories: the longest prefix that resolves (a binary search: a handful of
+        realpath calls, whatever the depth), a dangling symlink right after it followed, the
+        rest appended. None after `hops` symlinks (a loop)."""
+        parts = [p for p in path.split("/") if p]
+        if not parts:
+            return "/"
+        # The whole path does not resolve (why we are here); parts[:low] does, to `real`.
+        low, high, real = 0, len(parts) - 1, "/"
+        while low < high:
+            middle = (low + high + 1) // 2
+            try:
+                candidate = await self.fs.realpath("/" + "/".join(parts[:middle]))
+            except RemoteFileError:
+                high = middle - 1
+            else:
+                low, real = middle, candidate
+        following = posixpath.join(real, parts[low])
+        rest = parts[low + 1 :]
+        try:
+            attrs = await self.fs.lstat(following)
+        except RemoteFileError:
+            return posixpath.normpath(posixpath.join(following, *rest))
+        if attrs.type != "symlink":
+            return posixpath.normpath(posixpath.join(following, *rest))
+        if hops == 0:
+            return None
+        try:
+            target = await self.fs.readlink(following)
+        except RemoteFileError:
+            return None
+        led = posixpath.normpath(posixpath.join(real, target, *rest))
+        try:
+            return await self.fs.realpath(led)
+        except RemoteFileError:
+            return await self._physical(led, hops - 1)
 
     async def lstat(self, place: Place) -> FileAttrs | None:
         try:
             return await self.fs.lstat(place.path)
         except RemoteNotFound:
             return None
+
+    async def guard(self, place: Place, *, holding: bool = False) -> None:
+        """403 protected-path when `place` is, or lies in, one of the host's protected paths
+        (with `holding`, also when it holds one: a move of a directory would bring its
+        contents there, or take them away). Judged on the resolved path, so `..` and symlinks
+        on the way do not get around it; the protected paths are resolved too (a `.bashrc`
+        that is a link into a dotfiles repository protects its target)."""
+        found = self.confinement.protected
+        if found is None:
+            found = await self._protected_paths()
+            self.confinement.protected = found
+        path = place.path
+        if _within(path, found) or (holding and _holds(path, found)):
+            raise protected(place.given)
+
+    async def _protected_paths(self) -> list[str]:
+        found: list[str] = []
+        for entry in self.grant.host.protected_paths:
+            lexical = posixpath.join(self.home, entry)
+            found.append(lexical)
+            try:
+                real: str | None = await self.fs.realpath(lexical)
+            except RemoteFileError:
+                real = await self._physical(lexical, SYMLINK_HOPS)
+            if real is not None and real != lexical:
+                found.append(real)
+        return found
+
+    def guard_roots(self, place: Place, what: str) -> None:
+        """403 root-refused when `place` is a root or holds one, in any of its forms: as
+        written (a symlink that is a root's path included), as a name operation sees it, as
+        resolved."""
+        forms = [f for root in self.confinement.roots for f in root.forms]
+        if _holds(place.path, forms):
+            raise root_refused(place.given, what)
+
+
+def _expand(home: str, pattern: str, grant: Grant, who: Principal) -> str | None:
+    if "{sub}" in pattern and not SUB_SAFE.match(who.subject):
+        return None  # a subject with '/' or '..' must never widen a root
+    if who.subject in (".", ".."):
+        return None
+    root = pattern.replace("{sub}", who.subject)
+    root = root.replace("{account}", grant.target.username)
+    return _absolute(home, root)
+
+
+def _absolute(home: str, path: str) -> str:
+    if path == "~" or path.startswith("~/"):
+        path = home + path[1:]
+    elif not path.startswith("/"):
+        path = f"{home}/{path}"
+    return posixpath.normpath(path)
 
 
 class FileService:
@@ -216,6 +411,9 @@ class FileService:
         self.pool = pool
         self.quota = quota
         self.metrics = metrics
+        self._confinements: OrderedDict[tuple[str, str, tuple[str, ...], str], Confinement] = (
+            OrderedDict()
+        )
 
     def grant(self, who: Principal, host: str) -> tuple[Grant, list[str]]:
         grant = self.policy.grant(who, host)
@@ -228,6 +426,27 @@ class FileService:
         """One rate token per SSH-backed file operation, from the caller's job bucket."""
         await self.quota.take((who.issuer, who.subject), grant.rule.rate, grant.rule.burst)
 
+    async def confinement(
+        self, fs: SFTPSession, grant: Grant, who: Principal, patterns: list[str]
+    ) -> Confinement:
+        """The home and roots for this host, account and rule (and subject, when a root names
+        it), resolved on the first request and kept for the life of the process: a restart
+        (a new configuration) resolves them again. A root that does not exist yet is looked
+        up again at each request until it does."""
+        subject = who.subject if any("{sub}" in p for p in patterns) else ""
+        key = (grant.host_name, str(grant.target), tuple(patterns), subject)
+        found = self._confinements.get(key)
+        if found is None:
+            found = await Files.confine(fs, grant, who, patterns)
+            self._confinements[key] = found
+            while len(self._confinements) > MAX_CONFINEMENTS:
+                self._confinements.popitem(last=False)
+        else:
+            self._confinements.move_to_end(key)
+            if any(r.resolved is None for r in found.roots):
+                await Files.resolve_roots(fs, found)
+        return found
+
     @contextlib.asynccontextmanager
     async def open(self, who: Principal, host: str) -> AsyncIterator[Files]:
         """A confined SFTP view for `who` on `host`, the rate token spent; SSH errors before
@@ -238,18 +457,29 @@ class FileService:
             async with self.pool.sftp(
                 grant.target, acquire_timeout=self.config.api.queue_timeout
             ) as fs:
-                files = Files(fs, grant, who, list(roots))
-                await files.start()
-                yield files
+                confinement = await self.confinement(fs, grant, who, roots)
+                yield Files(fs, grant, who, confinement)
         except SSHPoolError as exc:
-            raise file_problem(exc) from exc
+            raise file_problem(exc, host) from exc
 
     @contextlib.asynccontextmanager
     async def transfer(self, who: Principal, grant: Grant, direction: str) -> AsyncIterator[None]:
         """Counts one transfer against the identity's max_transfers and the active gauge."""
         key = (f"files\0{who.issuer}", who.subject)  # its own set, apart from active jobs
         tid = uuid.uuid4().hex
-        await self.quota.enter(key, tid, grant.rule.max_transfers, TRANSFER_TTL)
+        try:
+            await self.quota.enter(key, tid, grant.rule.max_transfers, TRANSFER_TTL)
+        except Problem as refused:
+            # The quota speaks of jobs; this set counts transfers, and says so.
+            if refused.status != 429:
+                raise
+            raise Problem(
+                429,
+                "too-many-transfers",
+                "Too many transfers at once",
+                f"at most {grant.rule.max_transfers} uploads and downloads at once",
+                headers=refused.headers,
+            ) from None
         gauge = self.metrics.file_transfers.labels(direction)
         gauge.inc()
         try:
@@ -257,6 +487,40 @@ class FileService:
         finally:
             gauge.dec()
             await self.quota.leave(key, tid)
+
+    @contextlib.asynccontextmanager
+    async def commit_lock(self, host: str, path: str) -> AsyncIterator[None]:
+        """Held across an upload's last check of the file in place and its rename, so two
+        uploads to one path commit one after the other (the second sees the first's file): an
+        entry in the quota's active set for (host, resolved path) with a cap of one. Shared by
+        the replicas and workers that share Redis (SSHAPI_REDIS_URL); without it, or while
+        Redis is down, it holds within each process only."""
+        key = (f"files-commit\0{host}", path)
+        token = uuid.uuid4().hex
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + COMMIT_WAIT
+        pause = 0.005
+        while True:
+            try:
+                await self.quota.enter(key, token, 1, COMMIT_TTL)
+                break
+            except Problem as busy:
+                if busy.status != 429:
+                    raise
+            if loop.time() >= deadline:
+                raise Problem(
+                    503,
+                    "file-busy",
+                    "Another upload to this path is being committed",
+                    None,
+                    headers={"Retry-After": "1"},
+                )
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.2)
+        try:
+            yield
+        finally:
+            await self.quota.leave(key, token)
 
     def cap(self, grant: Grant, size: int, what: str) -> None:
         limit = grant.rule.max_transfer_bytes
@@ -292,9 +556,48 @@ class FileService:
 
 
 def temp_name(path: str) -> str:
-    """The upload's temporary name, in the final name's directory (so the rename is atomic)."""
+    """The upload's temporary name, in the final name's directory (so the rename is atomic):
+    the name's first TEMP_KEEP bytes of UTF-8, cut on a character boundary, so that it stays
+    within NAME_MAX whatever the name (a 240-byte name of emoji included)."""
     parent, base = posixpath.split(path)
-    return posixpath.join(parent, f".{base[:100]}.sshapi-{uuid.uuid4().hex[:12]}.part")
+    kept = base.encode()[:TEMP_KEEP].decode(errors="ignore")
+    return posixpath.join(parent, f".{kept}.sshapi-{uuid.uuid4().hex[:12]}.part")
+
+
+@dataclass(frozen=True, slots=True)
+class Preconditions:
+    """An upload's `If-Match` (`*`: any existing file; else one or more strong ETags) and
+    `If-None-Match: *` (create only), checked against the file in place before the upload and
+    again, under the path's lock, right before the rename."""
+
+    match: frozenset[str] | None
+    create_only: bool
+
+    @classmethod
+    def parse(cls, if_match: str | None, if_none_match: str | None) -> Preconditions:
+        if if_none_match is not None and if_none_match.strip() != "*":
+            raise Problem(422, "invalid-header", "Invalid If-None-Match", "only `*` is supported")
+        match = None
+        if if_match is not None:
+            match = frozenset(t.strip() for t in if_match.split(",") if t.strip())
+            if not match:
+                raise Problem(422, "invalid-header", "Invalid If-Match", "`*` or ETags")
+        return cls(match, if_none_match is not None)
+
+    def check(self, given: str, existing: FileAttrs | None) -> None:
+        if existing is not None and existing.type == "symlink":
+            raise Problem(403, "symlink-refused", "Will not write through a symlink", given)
+        if existing is not None and existing.type != "file":
+            raise Problem(
+                409, "not-a-file", "Not a regular file", f"{given!r} is a {existing.type}"
+            )
+        if self.create_only and existing is not None:
+            raise Problem(412, "exists", "File exists", f"{given!r} exists (If-None-Match: *)")
+        if self.match is not None:
+            if existing is None:
+                raise Problem(412, "etag-mismatch", "No such file", "If-Match: the file is gone")
+            if "*" not in self.match and etag_of(existing) not in self.match:
+                raise Problem(412, "etag-mismatch", "File changed", "If-Match did not match")
 
 
 class Upload:

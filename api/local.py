@@ -89,7 +89,8 @@ def local_config_path(data_dir: Path) -> Path:
 
 def default_config(local: HostConfig | None = None) -> Config:
     """The local configuration: the local HS256 issuer, the local host as `local` (when there is
-    one), and a policy letting any authenticated subject use it with argv and raw shell lines."""
+    one), and a policy letting any authenticated subject use it with argv and raw shell lines,
+    and its files under the account's home (file roots are opt-in: written here)."""
     return Config(
         issuers=[
             IssuerConfig(
@@ -101,7 +102,15 @@ def default_config(local: HostConfig | None = None) -> Config:
             )
         ],
         hosts={"local": local} if local else {},
-        policy=[PolicyRule(issuer=LOCAL_ISSUER, hosts=["*"], shell_hosts=["*"], templates=["*"])],
+        policy=[
+            PolicyRule(
+                issuer=LOCAL_ISSUER,
+                hosts=["*"],
+                shell_hosts=["*"],
+                templates=["*"],
+                file_roots={"*": ["~"]},
+            )
+        ],
     )
 
 

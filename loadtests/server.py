@@ -61,6 +61,7 @@ def config_data(host: dict[str, Any]) -> dict[str, Any]:
             {
                 "issuer": LOCAL_ISSUER,
                 "hosts": ["*"],
+                "file_roots": {"*": ["~"]},
                 "rate": 1e6,
                 "burst": 1_000_000,
                 "max_concurrent": 1_000_000,

@@ -20,6 +20,10 @@ from api.files import (
     CHUNK,
     MAX_ENTRIES,
     MAX_PATH,
+    NEW_FILE_MODE,
+    Files,
+    Place,
+    Preconditions,
     Upload,
     describe,
     etag_of,
@@ -42,13 +46,17 @@ def _problem(description: str) -> dict[str, Any]:
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     401: _problem("Missing or invalid token."),
-    403: _problem("Scope or host not allowed, path outside your roots, or the host refused."),
+    403: _problem(
+        "Scope or host not allowed, path outside your roots, a protected path (~/.ssh, shell "
+        "start-up files) or a root written to, or the host refused."
+    ),
     404: _problem("No such file or directory."),
     409: _problem("Not a file / not a directory / exists / not empty."),
     429: _problem("Rate limit or too many transfers at once: see `Retry-After`."),
+    422: _problem("Invalid path: NUL, over 4096 bytes, a name over 255 bytes."),
     501: _problem("The host's SSH backend cannot do file operations."),
     502: _problem("The SSH connection failed or dropped."),
-    503: _problem("Host saturated or down: see `Retry-After`."),
+    503: _problem("Host saturated or down, or another upload committing: see `Retry-After`."),
 }
 
 
@@ -217,7 +225,7 @@ async def download(
     responses={
         200: {"description": "Replaced an existing file."},
         201: {"description": "Created."},
-        412: _problem("`If-Match` / `If-None-Match: *` not met."),
+        412: _problem("`If-Match` (an ETag, or `*`: any file) / `If-None-Match: *` not met."),
         413: _problem("Body larger than max_file_size or max_transfer_bytes."),
         507: _problem("No space left on the host."),
         **ERRORS,
@@ -235,8 +243,7 @@ async def upload(
     if_none_match: Annotated[str | None, Header()] = None,
 ) -> dict[str, Any]:
     service = svc.files
-    if if_none_match is not None and if_none_match.strip() != "*":
-        raise Problem(422, "invalid-header", "Invalid If-None-Match", "only `*` is supported")
+    conditions = Preconditions.parse(if_match, if_none_match)
     async with service.open(who, host) as files:
         grant = files.grant
         limit = min(grant.rule.max_file_size, grant.rule.max_transfer_bytes)
@@ -245,18 +252,15 @@ async def upload(
         if declared.isdigit() and int(declared) > limit:
             raise Problem(413, "too-large", "File too large", f"at most {limit} bytes")
         place = await files.resolve_name(path)
+        await files.guard(place)
         existing = await files.lstat(place)
-        if existing is not None and existing.type == "symlink":
-            raise Problem(403, "symlink-refused", "Will not write through a symlink", path)
-        if existing is not None and existing.type != "file":
-            raise Problem(409, "not-a-file", "Not a regular file", f"{path!r} is a {existing.type}")
-        if if_none_match is not None and existing is not None:
-            raise Problem(412, "exists", "File exists", f"{path!r} exists (If-None-Match: *)")
-        if if_match is not None and (existing is None or etag_of(existing) != if_match.strip()):
-            raise Problem(412, "etag-mismatch", "File changed", "If-Match did not match")
+        conditions.check(path, existing)  # early, before any byte moves
         temp = temp_name(place.path)
+        # A replacement never asks for more than the file it replaces allows (the umask may
+        # take more): its bytes are no more readable while they arrive than they will be.
+        mode = existing.mode & 0o777 if existing is not None else NEW_FILE_MODE
         async with service.transfer(who, grant, "upload"):
-            remote = await files.fs.open_write(temp, exclusive=True, mode=0o600)
+            remote = await files.fs.open_write(temp, exclusive=True, mode=mode)
             upload = Upload(limit, remote, svc.metrics.file_bytes.labels("upload"))
             done = False
             try:
@@ -264,12 +268,9 @@ async def upload(
                     await upload.add(data)
                 await upload.finish()
                 await remote.close()
-                try:
-                    await files.fs.rename(temp, place.path, overwrite=if_none_match is None)
-                except RemoteFileFailure:
-                    raise Problem(
-                        412, "exists", "File exists", f"{path!r} appeared meanwhile"
-                    ) from None
+                async with service.commit_lock(host, place.path):
+                    replaced = await _commit(files, conditions, place, temp, path)
+                    attrs = await files.fs.stat(place.path)
                 done = True
             except ClientDisconnect:
                 raise Problem(400, "client-disconnected", "The upload was cut off") from None
@@ -277,10 +278,33 @@ async def upload(
                 if not done:
                     await upload.abort()
                     await _discard(files, remote, temp)
-            attrs = await files.fs.stat(place.path)
-    response.status_code = 200 if existing is not None else 201
+    response.status_code = 200 if replaced else 201
     response.headers["ETag"] = etag_of(attrs)
     return {"path": path, "size": upload.size, "sha256": upload.sha256.hexdigest()}
+
+
+async def _commit(
+    files: Files, conditions: Preconditions, place: Place, temp: str, given: str
+) -> bool:
+    """Rename the complete temporary file onto its name, under the path's commit lock: the
+    conditions checked again against what is there now (another upload may have replaced it
+    meanwhile), a replaced file's permission bits kept, and its ETag made to change. True when
+    a file was replaced."""
+    current = await files.lstat(place)
+    conditions.check(given, current)
+    if current is not None:
+        written = await files.fs.lstat(temp)
+        mode = current.mode & 0o777  # never setuid, setgid or sticky from an upload
+        # Same size within the same second would keep the ETag, and a client holding the old
+        # one could replace this version unseen: move the time on by a second then.
+        mtime = current.mtime + 1 if etag_of(written) == etag_of(current) else None
+        if mode != written.mode or mtime is not None:
+            await files.fs.setstat(temp, mode=None if mode == written.mode else mode, mtime=mtime)
+    try:
+        await files.fs.rename(temp, place.path, overwrite=not conditions.create_only)
+    except RemoteFileFailure:
+        raise Problem(412, "exists", "File exists", f"{given!r} appeared meanwhile") from None
+    return current is not None
 
 
 async def _discard(files: Any, remote: Any, temp: str) -> None:
@@ -296,8 +320,8 @@ async def _discard(files: Any, remote: Any, temp: str) -> None:
 async def delete(host: str, path: Path, who: FileWriter, svc: Svc) -> Response:
     async with svc.files.open(who, host) as files:
         place = await files.resolve_name(path)
-        if place.is_root:
-            raise Problem(403, "root-refused", "Will not delete a file root", path)
+        files.guard_roots(place, "delete")
+        await files.guard(place)
         attrs = await files.fs.lstat(place.path)
         if attrs.type == "dir":
             await files.fs.rmdir(place.path)
@@ -312,6 +336,7 @@ async def mkdir(
 ) -> dict[str, Any]:
     async with svc.files.open(who, host) as files:
         place = await files.resolve_name(body.path)
+        await files.guard(place)
         await files.fs.mkdir(place.path, 0o755)
         attrs = await files.fs.stat(place.path)
     return {"path": body.path, **describe(place.path.rsplit("/", 1)[-1], attrs)}
@@ -324,8 +349,12 @@ async def move(
     async with svc.files.open(who, host) as files:
         source = await files.resolve_name(body.source)
         destination = await files.resolve_name(body.destination)
-        if source.is_root:
-            raise Problem(403, "root-refused", "Will not move a file root", body.source)
+        # Both ends are judged whole: a directory moved brings its contents along, and one
+        # moved away takes them (a root, a protected path) with it.
+        files.guard_roots(source, "move")
+        files.guard_roots(destination, "replace")
+        await files.guard(source, holding=True)
+        await files.guard(destination, holding=True)
         await files.fs.lstat(source.path)
         await files.fs.rename(source.path, destination.path, overwrite=body.overwrite)
         attrs = await files.fs.lstat(destination.path)

@@ -204,6 +204,13 @@ class AsyncsshSFTP:
         async with _sftp_errors(path):
             await self._sftp.mkdir(path, asyncssh.SFTPAttrs(permissions=mode))
 
+    async def setstat(
+        self, path: str, *, mode: int | None = None, mtime: int | None = None
+    ) -> None:
+        attrs = asyncssh.SFTPAttrs(permissions=mode, atime=mtime, mtime=mtime)
+        async with _sftp_errors(path):
+            await self._sftp.setstat(path, attrs)
+
     def intact(self) -> bool:
         # A cancelled request only leaves its reply unread on this session's own channel,
         # which close() ends; the connection and its other channels never see it.

@@ -132,6 +132,13 @@ class SFTPSession(Protocol):
         """Create the directory `path` (its parent must exist)."""
         ...
 
+    async def setstat(
+        self, path: str, *, mode: int | None = None, mtime: int | None = None
+    ) -> None:
+        """Set `path`'s permission bits (not subject to the umask, unlike a mode given at
+        creation) and/or its modification time (the access time with it: SFTP v3 sets both)."""
+        ...
+
     def intact(self) -> bool:
         """Whether the connection can still serve other channels once this session is closed,
         also after an operation was cancelled half-way (a client gone mid-download). Judged

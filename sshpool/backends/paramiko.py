@@ -408,6 +408,14 @@ class ParamikoSFTP:
     async def mkdir(self, path: str, mode: int = 0o755) -> None:
         await self._c.call(path, self._sftp.mkdir, path, mode)
 
+    async def setstat(
+        self, path: str, *, mode: int | None = None, mtime: int | None = None
+    ) -> None:
+        if mode is not None:
+            await self._c.call(path, self._sftp.chmod, path, mode)
+        if mtime is not None:
+            await self._c.call(path, self._sftp.utime, path, (mtime, mtime))
+
     def intact(self) -> bool:
         # A cancelled call waits for its thread to finish with the object (_Confined.call):
         # nothing is left half-done on the transport.

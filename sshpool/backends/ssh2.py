@@ -81,7 +81,10 @@ try:
         LIBSSH2_FXF_READ,
         LIBSSH2_FXF_TRUNC,
         LIBSSH2_FXF_WRITE,
+        LIBSSH2_SFTP_ATTR_ACMODTIME,
+        LIBSSH2_SFTP_ATTR_PERMISSIONS,
     )
+    from ssh2.sftp_handle import SFTPAttributes
 except ImportError as exc:
     raise ImportError("the ssh2 SSH backend needs ssh2-python: pip install 'sshapi[ssh2]'") from exc
 
@@ -797,6 +800,20 @@ class Ssh2SFTP:
 
     async def mkdir(self, path: str, mode: int = 0o755) -> None:
         await self.op(path, self._sftp.mkdir, path, mode)
+
+    async def setstat(
+        self, path: str, *, mode: int | None = None, mtime: int | None = None
+    ) -> None:
+        attrs = SFTPAttributes()
+        flags = 0
+        if mode is not None:
+            flags |= LIBSSH2_SFTP_ATTR_PERMISSIONS
+            attrs.permissions = mode
+        if mtime is not None:
+            flags |= LIBSSH2_SFTP_ATTR_ACMODTIME
+            attrs.atime = attrs.mtime = mtime
+        attrs.flags = flags
+        await self.op(path, self._sftp.setstat, path, attrs)
 
     def intact(self) -> bool:
         # An interrupted operation breaks the session for good, and a broken session cannot

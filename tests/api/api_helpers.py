@@ -168,6 +168,9 @@ subject = "anyhost"
 issuer = "*"
 hosts = ["*"]
 shell_hosts = ["*"]
+file_roots = { "*" = ["~"] }
+# Tests add templates-only rules on the same account: this suite's writers mean it.
+allow_writes_on_templates_account = true
 
 [[policy]]
 subject = "noshell"
@@ -195,6 +198,9 @@ subject = "*"
 issuer = "*"
 hosts = ["local", "tiny", "down"]
 shell_hosts = ["local", "tiny"]
+file_roots = { "*" = ["~"] }
+# Tests add templates-only rules on the same account: this suite's writers mean it.
+allow_writes_on_templates_account = true
 max_timeout = 60
 max_output = 65536
 rate = 1000

@@ -153,6 +153,22 @@ async def test_remove_rmdir_and_mkdir(fs: SFTPSession, tmpdir: str) -> None:
     assert await fs.listdir(tmpdir) == []
 
 
+async def test_setstat_sets_mode_and_mtime_whatever_the_umask(fs: SFTPSession, tmpdir: str) -> None:
+    """setstat sets the permission bits as given (a mode at creation goes through the umask)
+    and the modification time, separately or together."""
+    path = f"{tmpdir}/s"
+    f = await fs.open_write(path, mode=0o600)
+    await f.close()
+    await fs.setstat(path, mode=0o664)
+    assert (await fs.stat(path)).mode == 0o664
+    await fs.setstat(path, mtime=1_000_000_000)
+    attrs = await fs.stat(path)
+    assert (attrs.mode, attrs.mtime) == (0o664, 1_000_000_000)
+    await fs.setstat(path, mode=0o640, mtime=1_000_000_007)
+    attrs = await fs.stat(path)
+    assert (attrs.mode, attrs.mtime) == (0o640, 1_000_000_007)
+
+
 async def test_missing_paths_are_not_found(fs: SFTPSession, tmpdir: str) -> None:
     """Every operation on a missing path raises RemoteNotFound, and the session goes on."""
     missing = f"{tmpdir}/nope"
