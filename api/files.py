@@ -575,14 +575,19 @@ class FileService:
 # before the open too, because opening a FIFO blocks until a writer comes (sh has no
 # O_NONBLOCK): only a swap within the microseconds between that check and the open still
 # blocks, and then until the checksum's own timeout. sha256sum reading stdin prints `-` for a
-# name: names with a newline or a backslash (which it escapes) need no parsing.
+# name: names with a newline or a backslash (which it escapes) need no parsing. One line and no
+# `!`: a csh-family login shell takes it as it is (sshpool's command_line re-encodes others).
 NOT_A_FILE = 65
-CHECKSUM = f"""\
-[ -f "$1" ] && [ ! -h "$1" ] || exit {NOT_A_FILE}
-exec <"$1"
-[ -f /dev/stdin ] && [ /dev/stdin -ef "$1" ] && [ ! -h "$1" ] || exit {NOT_A_FILE}
-exec sha256sum
-"""
+CHECKSUM = "; ".join(
+    [
+        f'[ -h "$1" ] && exit {NOT_A_FILE}',
+        f'[ -f "$1" ] || exit {NOT_A_FILE}',
+        'exec <"$1"',
+        f'[ -h "$1" ] && exit {NOT_A_FILE}',
+        f'[ -f /dev/stdin ] && [ /dev/stdin -ef "$1" ] || exit {NOT_A_FILE}',
+        "exec sha256sum",
+    ]
+)
 
 
 def temp_name(path: str) -> str:
