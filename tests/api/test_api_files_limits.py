@@ -22,8 +22,9 @@ import httpx
 import pytest
 from api_helpers import Api, Keys, config_toml, eventually, make_settings, running_api
 
+from api.files import SNAPSHOTS_PER_IDENTITY, Listings, Snapshot
 from sshpool.backends.asyncssh import AsyncsshSFTP
-from sshpool.backends.base import DirEntry
+from sshpool.backends.base import DirEntry, FileAttrs
 from sshpool.devhost import LocalHost
 
 CAP = 1000
@@ -378,3 +379,33 @@ async def test_a_file_swapped_for_a_fifo_never_holds_a_checksum(
     print("fifo swap answers by status:", kinds)
     assert time.monotonic() - started < 4 * (1 + 3)
     await eventually(lambda: not holders(tuned_host, user.sub), timeout=5)
+
+
+def snapshot(owner: str, n: int = 100) -> Snapshot:
+    snap = Snapshot((owner, owner), "local", "d", "/d")
+    for i in range(n):
+        snap.add(f"name-{i:05d}", FileAttrs("file", i, 0o644, 0))
+    snap.sort()
+    return snap
+
+
+def test_snapshots_expire_after_their_ttl_and_keep_to_their_budget() -> None:
+    """Snapshots go after `ttl` seconds unused, the least recently used first beyond the byte
+    budget, and an identity keeps at most SNAPSHOTS_PER_IDENTITY; each answers its owner only."""
+    one = snapshot("alice")
+    listings = Listings(ttl=0.3, budget=3 * one.nbytes + 1)
+    sids = [listings.put(snapshot(f"u{i}")) for i in range(3)]
+    assert listings.get(sids[0], ("u0", "u0"), "local", "d") is not None  # now the most recent
+    assert listings.get(sids[0], ("u1", "u1"), "local", "d") is None  # not its owner
+    assert listings.get(sids[0], ("u0", "u0"), "local", "other") is None  # not its path
+    listings.put(snapshot("u3"))  # over the budget: u1's, the least recently used, goes
+    assert listings.get(sids[1], ("u1", "u1"), "local", "d") is None
+    assert listings.get(sids[0], ("u0", "u0"), "local", "d") is not None
+    assert listings.nbytes <= listings.budget
+    time.sleep(0.4)
+    assert listings.get(sids[0], ("u0", "u0"), "local", "d") is None
+    assert listings.nbytes == 0
+    roomy = Listings(ttl=60, budget=1 << 30)
+    mine = [roomy.put(snapshot("bob")) for _ in range(SNAPSHOTS_PER_IDENTITY + 2)]
+    kept = [roomy.get(s, ("bob", "bob"), "local", "d") is not None for s in mine]
+    assert kept == [False, False] + [True] * SNAPSHOTS_PER_IDENTITY
