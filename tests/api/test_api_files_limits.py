@@ -14,15 +14,16 @@ import subprocess
 import threading
 import time
 import uuid
+from asyncio.subprocess import PIPE
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from api_helpers import Api, Keys, config_toml, eventually, make_settings, running_api
+from api_helpers import SSHAPI, Api, Keys, config_toml, eventually, make_settings, running_api
 
-from api.files import SNAPSHOTS_PER_IDENTITY, Listings, Snapshot
+from api.files import SNAPSHOTS_PER_IDENTITY, FileService, Listings, Snapshot
 from sshpool.backends.asyncssh import AsyncsshSFTP
 from sshpool.backends.base import DirEntry, FileAttrs
 from sshpool.devhost import LocalHost
@@ -246,6 +247,41 @@ async def test_a_listing_that_reads_too_long_ends_with_504(user: User, reads: Re
     assert time.monotonic() - started < 4
     reads.delay = 0.0
     assert (await user.ls(user.root / "d")).status_code == 200
+
+
+async def test_sshapi_files_ls_prints_each_page_as_it_comes(
+    api: Api, user: User, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`sshapi files ls` prints a big directory's first page while the next ones are still
+    being fetched (each page after the first held back 0.4 s here), and every entry once."""
+    fill(user.root / "d", 1000)
+    page = FileService._page
+
+    async def slow_page(self: FileService, *args: Any) -> dict[str, object]:
+        if args[3] is not None:  # a page from a snapshot: after the first
+            await asyncio.sleep(0.4)
+        return await page(self, *args)
+
+    monkeypatch.setattr(FileService, "_page", slow_page)
+    env = {
+        **os.environ,
+        "SSHAPI_URL": api.url,
+        "SSHAPI_TOKEN": api.token(user.sub, RW),
+        "SSHAPI_CLIENT_CONFIG": "/nonexistent/client.toml",
+    }
+    proc = await asyncio.create_subprocess_exec(
+        SSHAPI, "files", "ls", "local", str(user.root / "d"), env=env, stdout=PIPE
+    )
+    assert proc.stdout is not None
+    seen: list[float] = []
+    async with asyncio.timeout(60):
+        while line := await proc.stdout.readline():
+            assert line.rstrip().endswith(f"e{len(seen):06d}".encode()), line
+            seen.append(time.monotonic())
+        assert await proc.wait() == 0
+    assert len(seen) == 1000
+    # Five pages of 200: the first printed at least three slow pages before the last.
+    assert seen[-1] - seen[0] > 1.2
 
 
 # ---- checksums
