@@ -193,6 +193,25 @@ async def test_pages_come_from_one_read_of_the_directory(user: User, reads: Read
     assert reads.entries == 900
 
 
+async def test_a_cursor_whose_snapshot_is_gone_reads_again_and_goes_on_after_it(
+    user: User, reads: Reads, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cursor another replica made (or whose snapshot expired) reads the directory again and
+    goes on after its name: the pages still cover every entry once, in order."""
+    fill(user.root / "d", 450)
+    monkeypatch.setattr(Listings, "get", lambda *args: None)
+    names: list[str] = []
+    params: dict[str, object] = {"limit": 200}
+    while True:
+        body = (await user.ls(user.root / "d", **params)).json()
+        names += [e["name"] for e in body["items"]]
+        if body["next_cursor"] is None:
+            break
+        params["cursor"] = body["next_cursor"]
+    assert names == sorted(os.listdir(user.root / "d"))
+    assert reads.reads == 3
+
+
 async def test_a_cursor_answers_only_its_owner_and_must_be_one(
     api: Api, tuned_host: LocalHost, user: User
 ) -> None:
