@@ -767,14 +767,23 @@ class Client(_Base):
     def list_files(self, host: str, path: str = "~") -> dict[str, Any]:
         """A directory's entries (all pages: `items`), or one entry's stat when `path` is not a
         directory (`type`, `size`, `mode`, `mtime`...)."""
-        params: dict[str, Any] = {"path": path, "limit": 1000}
-        answer: dict[str, Any] = self.request("GET", files_path(host), params=params).json()
-        while answer.get("next_cursor"):
-            params["cursor"] = answer["next_cursor"]
-            more = self.request("GET", files_path(host), params=params).json()
+        pages = self.list_pages(host, path)
+        answer = next(pages)
+        for more in pages:
             answer["items"] += more["items"]
             answer["next_cursor"] = more["next_cursor"]
         return answer
+
+    def list_pages(self, host: str, path: str = "~") -> Iterator[dict[str, Any]]:
+        """A directory's answers page by page as they come (`items` in each), or one entry's
+        stat when `path` is not a directory."""
+        params: dict[str, Any] = {"path": path, "limit": 1000}
+        while True:
+            answer: dict[str, Any] = self.request("GET", files_path(host), params=params).json()
+            yield answer
+            if not answer.get("next_cursor"):
+                return
+            params["cursor"] = answer["next_cursor"]
 
     def stat(self, host: str, path: str) -> dict[str, Any]:
         """One entry: `type` (file, dir, symlink, other), and for a non-directory `size`,

@@ -269,16 +269,17 @@ def files_ls(
 ) -> None:
     """List a directory (type, mode, size, modification time, name), or show one entry."""
     with client(profile) as c:
-        answer = c.list_files(host, path)
-    if as_json:
-        typer.echo(json.dumps(answer, indent=2))
-        return
-    for entry in answer.get("items", [answer]):
-        name = entry.get("name") or entry["path"]
-        if entry.get("target"):
-            name += f" -> {entry['target']}"
-        mode, size, mtime = (str(entry.get(k) or "") for k in ("mode", "size", "mtime"))
-        say(f"{entry['type']:7} {mode:>6} {size:>12} {mtime:25} {name}")
+        if as_json:
+            typer.echo(json.dumps(c.list_files(host, path), indent=2))
+            return
+        # Each page printed as it comes: a big directory shows its first entries at once.
+        for answer in c.list_pages(host, path):
+            for entry in answer.get("items", [answer]):
+                name = entry.get("name") or entry["path"]
+                if entry.get("target"):
+                    name += f" -> {entry['target']}"
+                mode, size, mtime = (str(entry.get(k) or "") for k in ("mode", "size", "mtime"))
+                say(f"{entry['type']:7} {mode:>6} {size:>12} {mtime:25} {name}")
 
 
 @files_app.command("get")

@@ -86,6 +86,20 @@ class ApiConfig(Strict):
     max_page: int = Field(default=200, ge=1)
     # Live followers (GET /v1/jobs/{id}/output?follow=true, /events) at once per identity.
     max_followers: int = Field(default=8, ge=1)
+    # Directory listings (api/files.py `Listings`): the most entries one listing reads from
+    # the host (413 beyond: it stops reading at one more), how long a listing may take to read,
+    # and its snapshot for the next pages: kept this many seconds after its last page, within
+    # this many bytes for all identities together (the least recently used go first).
+    max_list_entries: int = Field(default=100_000, ge=1)
+    list_timeout: float = Field(default=60.0, gt=0)
+    list_snapshot_ttl: float = Field(default=60.0, gt=0)
+    list_snapshot_bytes: int = Field(default=256 << 20, ge=0)
+    # A checksum (GET .../files/checksum) runs at most checksum_timeout seconds plus one for
+    # every checksum_min_rate bytes of the file, never more than checksum_max_timeout (nor the
+    # caller's max_timeout): sha256sum reads several hundred MB/s from the page cache.
+    checksum_timeout: float = Field(default=10.0, gt=0)
+    checksum_min_rate: int = Field(default=32 << 20, gt=0)
+    checksum_max_timeout: float = Field(default=600.0, gt=0)
 
 
 class IssuerConfig(Strict):
@@ -353,6 +367,9 @@ class PolicyRule(Strict):
     max_file_size: int = Field(default=4 << 30, ge=0)
     max_transfer_bytes: int = Field(default=4 << 30, ge=1)
     max_transfers: int = Field(default=4, ge=1)
+    # Directory listings one identity may read from hosts at once (429 `too-many-listings`);
+    # the next pages of a listing come from its snapshot and take no place.
+    max_listings: int = Field(default=2, ge=1)
 
     @model_validator(mode="before")
     @classmethod

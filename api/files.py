@@ -26,11 +26,19 @@ Limits per identity: one rate token per SSH-backed operation (the jobs' bucket),
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
+import bisect
 import contextlib
 import hashlib
+import json
 import posixpath
 import re
+import secrets
+import sys
+import time
 import uuid
+from array import array
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -43,10 +51,17 @@ from api.auth import Principal
 from api.config import Config
 from api.metrics import Metrics
 from api.policy import Grant, Policy
-from api.problems import Problem, ssh_problem
+from api.problems import Problem, retry_after, ssh_problem
 from api.quota import Quota
-from sshpool import ConnectionLost, Pool, RemoteFileError, RemoteNotFound, SSHPoolError
-from sshpool.backends.base import FileAttrs, RemoteFile, SFTPSession
+from sshpool import (
+    CommandTimeout,
+    ConnectionLost,
+    Pool,
+    RemoteFileError,
+    RemoteNotFound,
+    SSHPoolError,
+)
+from sshpool.backends.base import FileAttrs, FileType, RemoteFile, SFTPSession
 
 # Bytes per SFTP read or write the API issues; an upload or a download holds at most two of
 # them at once (one moving on each side). 4 MiB is what asyncssh keeps in flight per call (16
@@ -72,8 +87,10 @@ COMMIT_WAIT = 10.0
 # The permission bits a new upload asks for: the account's umask takes its share, as for any
 # file a program of that account creates (0644 with the usual 022).
 NEW_FILE_MODE = 0o666
-# The most entries a directory listing reads from the host.
-MAX_ENTRIES = 100_000
+
+# Snapshots of listings kept per identity (its least recently used go first beyond).
+SNAPSHOTS_PER_IDENTITY = 4
+TYPES: tuple[FileType, ...] = ("file", "dir", "symlink", "other")
 # A transfer counts against max_transfers for at most this long if its process dies.
 TRANSFER_TTL = 24 * 3600.0
 SUB_SAFE = re.compile(r"^[A-Za-z0-9@._+-]{1,128}$")
@@ -402,6 +419,143 @@ def _absolute(home: str, path: str) -> str:
     return posixpath.normpath(path)
 
 
+Owner = tuple[str, str]
+
+
+class Snapshot:
+    """A directory's entries read once, sorted by name, for the listing's next pages: names in a
+    list, the attributes in flat arrays (about 80 bytes an entry with a 20-character name,
+    where a DirEntry with its FileAttrs takes about 250)."""
+
+    __slots__ = (
+        "given",
+        "host",
+        "kinds",
+        "modes",
+        "mtimes",
+        "names",
+        "nbytes",
+        "owner",
+        "path",
+        "sizes",
+        "used",
+    )
+
+    def __init__(self, owner: Owner, host: str, given: str, path: str) -> None:
+        self.owner = owner
+        self.host = host
+        self.given = given
+        self.path = path
+        self.names: list[str] = []
+        self.kinds = bytearray()
+        self.sizes = array("q")
+        self.modes = array("H")
+        self.mtimes = array("q")
+        self.nbytes = 0
+        self.used = time.monotonic()
+
+    def add(self, name: str, attrs: FileAttrs) -> None:
+        self.names.append(name)
+        self.kinds.append(TYPES.index(attrs.type))
+        self.sizes.append(min(attrs.size, (1 << 63) - 1))
+        self.modes.append(attrs.mode & 0o7777)
+        self.mtimes.append(attrs.mtime)
+
+    def sort(self) -> None:
+        """Sort by name (code point order), the order the pages promise."""
+        order = sorted(range(len(self.names)), key=self.names.__getitem__)
+        self.names = [self.names[i] for i in order]
+        self.kinds = bytearray(self.kinds[i] for i in order)
+        self.sizes = array("q", (self.sizes[i] for i in order))
+        self.modes = array("H", (self.modes[i] for i in order))
+        self.mtimes = array("q", (self.mtimes[i] for i in order))
+        self.nbytes = sum(map(sys.getsizeof, self.names)) + 27 * len(self.names) + 512
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def after(self, name: str | None) -> int:
+        """The index of the first entry after `name` (0 for None)."""
+        return 0 if name is None else bisect.bisect_right(self.names, name)
+
+    def attrs(self, i: int) -> FileAttrs:
+        return FileAttrs(TYPES[self.kinds[i]], self.sizes[i], self.modes[i], self.mtimes[i])
+
+
+def encode_cursor(sid: str, name: str) -> str:
+    raw = json.dumps([sid, name], ensure_ascii=False).encode("utf-8", "surrogatepass")
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> tuple[str, str]:
+    """(snapshot id, the last name of the previous page); 422 for anything else."""
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+        sid, name = json.loads(raw.decode("utf-8", "surrogatepass"))
+    except (ValueError, TypeError, binascii.Error):
+        sid = name = None
+    if not (isinstance(sid, str) and isinstance(name, str) and re.fullmatch(r"[0-9a-f]{32}", sid)):
+        raise Problem(422, "invalid-cursor", "Invalid cursor", "pass `next_cursor` as it was given")
+    return sid, name
+
+
+class Listings:
+    """The snapshots of this process's listings, for their next pages: a snapshot answers only
+    its owner, for the host and path it was read from, until `ttl` seconds after its last page;
+    all together stay within `budget` bytes (the least recently used dropped first), each
+    identity keeps SNAPSHOTS_PER_IDENTITY. A cursor whose snapshot is gone (expired, dropped,
+    or another replica's) reads the directory again and goes on after its name."""
+
+    def __init__(self, ttl: float, budget: int) -> None:
+        self.ttl = ttl
+        self.budget = budget
+        self.nbytes = 0
+        self._snapshots: OrderedDict[str, Snapshot] = OrderedDict()
+
+    def get(self, sid: str, owner: Owner, host: str, given: str) -> Snapshot | None:
+        self._expire()
+        snap = self._snapshots.get(sid)
+        if snap is None or (snap.owner, snap.host, snap.given) != (owner, host, given):
+            return None
+        snap.used = time.monotonic()
+        self._snapshots.move_to_end(sid)
+        return snap
+
+    def put(self, snap: Snapshot) -> str:
+        self._expire()
+        sid = secrets.token_hex(16)
+        self._snapshots[sid] = snap
+        self.nbytes += snap.nbytes
+        mine = [k for k, v in self._snapshots.items() if v.owner == snap.owner]
+        for key in mine[:-SNAPSHOTS_PER_IDENTITY]:
+            self._drop(key)
+        while self.nbytes > self.budget and self._snapshots:
+            self._drop(next(iter(self._snapshots)))
+        return sid
+
+    def _drop(self, sid: str) -> None:
+        self.nbytes -= self._snapshots.pop(sid).nbytes
+
+    def _expire(self) -> None:
+        # Least recently used first: stop at the first one still fresh.
+        limit = time.monotonic() - self.ttl
+        while self._snapshots:
+            sid, snap = next(iter(self._snapshots.items()))
+            if snap.used >= limit:
+                break
+            self._drop(sid)
+
+
+def too_many_listings(cap: int) -> Problem:
+    return Problem(
+        429,
+        "too-many-listings",
+        "Too many listings at once",
+        f"at most {cap} directory listings at once; their next pages are not counted",
+        headers=retry_after(1),
+    )
+
+
 class FileService:
     def __init__(
         self, config: Config, policy: Policy, pool: Pool, quota: Quota, metrics: Metrics
@@ -414,6 +568,9 @@ class FileService:
         self._confinements: OrderedDict[tuple[str, str, tuple[str, ...], str], Confinement] = (
             OrderedDict()
         )
+
+        api = config.api
+        self.listings = Listings(api.list_snapshot_ttl, api.list_snapshot_bytes)
 
     def grant(self, who: Principal, host: str) -> tuple[Grant, list[str]]:
         grant = self.policy.grant(who, host)
@@ -522,6 +679,101 @@ class FileService:
         finally:
             await self.quota.leave(key, token)
 
+    @contextlib.asynccontextmanager
+    async def listing_slot(self, who: Principal, grant: Grant) -> AsyncIterator[None]:
+        """Counts one directory read against the identity's max_listings."""
+        key = (f"listings\0{who.issuer}", who.subject)  # a set of its own, like transfers'
+        lid = uuid.uuid4().hex
+        cap = grant.rule.max_listings
+        try:
+            await self.quota.enter(key, lid, cap, self.config.api.list_timeout + 60)
+        except Problem as exc:
+            if exc.status != 429:
+                raise
+            raise too_many_listings(cap) from None
+        try:
+            yield
+        finally:
+            await self.quota.leave(key, lid)
+
+    async def list_dir(
+        self, who: Principal, host: str, given: str, limit: int, cursor: str | None
+    ) -> dict[str, object]:
+        """A directory's page (or a non-directory's stat). The first page reads the directory
+        once, streamed, stopping at max_list_entries + 1 (413), under the identity's
+        max_listings; the next pages come from its snapshot (`Listings`) without reading the
+        directory again."""
+        api = self.config.api
+        limit = min(limit, api.max_page)
+        owner = (who.issuer, who.subject)
+        self.grant(who, host)  # 403 before anything else
+        after: str | None = None
+        if cursor is not None:
+            sid, after = decode_cursor(cursor)
+            snap = self.listings.get(sid, owner, host, given)
+            if snap is not None:
+                return await self._page(who, host, snap, sid, after, limit, None)
+        async with self.open(who, host) as files:
+            place = await files.resolve(given)
+            attrs = await files.fs.stat(place.path)
+            if attrs.type != "dir":
+                return {"path": given, **describe(place.path.rsplit("/", 1)[-1], attrs)}
+            async with self.listing_slot(who, files.grant):
+                snap = await self._read(files, owner, host, place, api.max_list_entries)
+            return await self._page(who, host, snap, None, after, limit, files)
+
+    async def _read(
+        self, files: Files, owner: Owner, host: str, place: Place, cap: int
+    ) -> Snapshot:
+        snap = Snapshot(owner, host, place.given, place.path)
+        try:
+            async with asyncio.timeout(self.config.api.list_timeout):
+                async with contextlib.aclosing(files.fs.scandir(place.path)) as entries:
+                    async for e in entries:
+                        if len(snap) == cap:
+                            raise Problem(
+                                413, "too-large", "Directory too large", f"over {cap} entries"
+                            )
+                        snap.add(e.name, e.attrs)
+        except TimeoutError:
+            raise Problem(
+                504,
+                "listing-timeout",
+                "The listing took too long",
+                f"the host did not list the directory within {self.config.api.list_timeout:g} s",
+            ) from None
+        snap.sort()
+        return snap
+
+    async def _page(
+        self,
+        who: Principal,
+        host: str,
+        snap: Snapshot,
+        sid: str | None,
+        after: str | None,
+        limit: int,
+        files: Files | None,
+    ) -> dict[str, object]:
+        start = snap.after(after)
+        end = min(start + limit, len(snap))
+        links = [i for i in range(start, end) if TYPES[snap.kinds[i]] == "symlink"]
+        targets: dict[int, str] = {}
+        if links:
+            async with contextlib.AsyncExitStack() as stack:
+                if files is None:  # a page from a snapshot: a session only for its symlinks
+                    files = await stack.enter_async_context(self.open(who, host))
+                for i in links:
+                    with contextlib.suppress(RemoteFileError):
+                        targets[i] = await files.fs.readlink(f"{snap.path}/{snap.names[i]}")
+        items = [describe(snap.names[i], snap.attrs(i), targets.get(i)) for i in range(start, end)]
+        next_cursor = None
+        if end < len(snap):
+            if sid is None:
+                sid = self.listings.put(snap)
+            next_cursor = encode_cursor(sid, snap.names[end - 1])
+        return {"path": snap.given, "type": "dir", "items": items, "next_cursor": next_cursor}
+
     def cap(self, grant: Grant, size: int, what: str) -> None:
         limit = grant.rule.max_transfer_bytes
         if size > limit:
@@ -529,9 +781,17 @@ class FileService:
                 413, "too-large", "Transfer too large", f"{what}: at most {limit} bytes per request"
             )
 
+    def checksum_timeout(self, grant: Grant, size: int) -> float:
+        api = self.config.api
+        scaled = api.checksum_timeout + size / api.checksum_min_rate
+        return min(scaled, api.checksum_max_timeout, grant.rule.max_timeout)
+
     async def checksum(self, who: Principal, host: str, given: str) -> dict[str, object]:
-        """sha256 computed on the host (sha256sum over exec, the resolved path as one argv
-        element), not by downloading."""
+        """sha256 computed on the host, not by downloading: the resolved path opened once onto
+        sha256sum's stdin by CHECKSUM, which hashes it only if what it opened is a regular file
+        the path still names. Counted as a job against the caller's max_concurrent, for at
+        most `checksum_timeout` (scaled by the file's size); cancelling it (the client left)
+        kills the remote process group."""
         async with self.open(who, host) as files:
             place = await files.resolve(given)
             attrs = await files.fs.stat(place.path)
@@ -539,20 +799,60 @@ class FileService:
         if attrs.type != "file":
             raise Problem(409, "not-a-file", "Not a regular file", f"{given!r} is a {attrs.type}")
         await self.spend(who, grant)
+        timeout = self.checksum_timeout(grant, attrs.size)
+        owner = (who.issuer, who.subject)
+        cid = uuid.uuid4().hex
+        # The same admission as a job's (api/jobs.py): a place under max_concurrent until done.
+        await self.quota.enter(
+            owner, cid, grant.rule.max_concurrent, self.config.api.queue_timeout + timeout + 60
+        )
         try:
             result = await self.pool.run(
                 grant.target,
-                ["sha256sum", "--", place.path],
-                timeout=grant.rule.max_timeout,
+                ["sh", "-c", CHECKSUM, "sh", place.path],
+                timeout=timeout,
                 acquire_timeout=self.config.api.queue_timeout,
                 max_output=4096,
+                tenant=owner,
             )
+        except CommandTimeout:
+            raise Problem(
+                504,
+                "checksum-timeout",
+                "The checksum took too long",
+                f"stopped after {timeout:g} s (the limit for a file of this size)",
+            ) from None
         except SSHPoolError as exc:
-            raise file_problem(exc) from exc
+            raise file_problem(exc, host) from exc
+        finally:
+            await self.quota.leave(owner, cid)
+        if result.exit_status == NOT_A_FILE:
+            raise Problem(409, "not-a-file", "Not a regular file", f"{given!r} changed meanwhile")
         digest = result.stdout[:64].decode("ascii", "replace")
         if result.exit_status != 0 or not re.fullmatch(r"[0-9a-f]{64}", digest):
             raise Problem(502, "checksum-failed", "The host could not compute the checksum", None)
         return {"path": given, "algorithm": "sha256", "checksum": digest, "size": attrs.size}
+
+
+# The checksum's remote script ($1: the resolved, confined path). The file is opened once, onto
+# stdin, and hashed from there, so what is hashed is what was checked: a regular file, still
+# named by the path (not a symlink, same device and inode), else exit NOT_A_FILE. Checked
+# before the open too, because opening a FIFO blocks until a writer comes (sh has no
+# O_NONBLOCK): only a swap within the microseconds between that check and the open still
+# blocks, and then until the checksum's own timeout. sha256sum reading stdin prints `-` for a
+# name: names with a newline or a backslash (which it escapes) need no parsing. One line and no
+# `!`: a csh-family login shell takes it as it is (sshpool's command_line re-encodes others).
+NOT_A_FILE = 65
+CHECKSUM = "; ".join(
+    [
+        f'[ -h "$1" ] && exit {NOT_A_FILE}',
+        f'[ -f "$1" ] || exit {NOT_A_FILE}',
+        'exec <"$1"',
+        f'[ -h "$1" ] && exit {NOT_A_FILE}',
+        f'[ -f /dev/stdin ] && [ /dev/stdin -ef "$1" ] || exit {NOT_A_FILE}',
+        "exec sha256sum",
+    ]
+)
 
 
 def temp_name(path: str) -> str:

@@ -18,7 +18,6 @@ from starlette.requests import ClientDisconnect
 from api.deps import FileReader, FileWriter, Svc
 from api.files import (
     CHUNK,
-    MAX_ENTRIES,
     MAX_PATH,
     NEW_FILE_MODE,
     Files,
@@ -32,7 +31,7 @@ from api.files import (
     temp_name,
 )
 from api.problems import MEDIA_TYPE, Problem
-from sshpool import ConnectionLost, RemoteFileError, RemoteFileFailure, SSHPoolError
+from sshpool import ConnectionLost, RemoteFileFailure, SSHPoolError
 
 router = APIRouter(prefix="/v1/hosts/{host}/files", tags=["files"])
 
@@ -79,32 +78,7 @@ async def list_or_stat(
     limit: Annotated[int, Query(ge=1, le=1000)] = 200,
     cursor: Annotated[str | None, Query(max_length=1024, description="`next_cursor`.")] = None,
 ) -> dict[str, Any]:
-    async with svc.files.open(who, host) as files:
-        place = await files.resolve(path)
-        attrs = await files.fs.stat(place.path)
-        if attrs.type != "dir":
-            return {"path": path, **describe(place.path.rsplit("/", 1)[-1], attrs)}
-        entries = sorted(await files.fs.listdir(place.path), key=lambda e: e.name)
-        if len(entries) > MAX_ENTRIES:
-            raise Problem(413, "too-large", "Directory too large", f"over {MAX_ENTRIES} entries")
-        if cursor is not None:
-            entries = [e for e in entries if e.name > cursor]
-        limit = min(limit, svc.config.api.max_page)
-        page = entries[:limit]
-        items = []
-        for e in page:
-            target = None
-            if e.attrs.type == "symlink":
-                with contextlib.suppress(RemoteFileError):
-                    target = await files.fs.readlink(f"{place.path}/{e.name}")
-            items.append(describe(e.name, e.attrs, target))
-    more = len(entries) > limit
-    return {
-        "path": path,
-        "type": "dir",
-        "items": items,
-        "next_cursor": page[-1].name if more and page else None,
-    }
+    return await svc.files.list_dir(who, host, path, limit, cursor)
 
 
 def _range(header: str | None, size: int) -> tuple[int, int] | None:
@@ -367,6 +341,27 @@ async def checksum(
     path: Path,
     who: FileReader,
     svc: Svc,
+    request: Request,
     algorithm: Literal["sha256"] = "sha256",
 ) -> dict[str, object]:
-    return await svc.files.checksum(who, host, path)
+    # Starlette does not cancel a handler whose client left: the checksum is raced against
+    # the disconnect, and cancelling it kills the remote sha256sum's process group.
+    work = asyncio.ensure_future(svc.files.checksum(who, host, path))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+    if work.cancelled():
+        raise Problem(400, "client-disconnected", "The client left: the checksum was stopped")
+    return work.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone (a GET has no body: the next message is the end)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any, cast
 
 import asyncssh
 
@@ -169,6 +169,15 @@ class AsyncsshSFTP:
             for n in names
             if n.filename not in (".", "..")
         ]
+
+    async def scandir(self, path: str) -> AsyncGenerator[DirEntry, None]:
+        # SFTPClient.scandir sends one READDIR at a time and closes the handle when closed
+        # (an async generator, typed as an iterator).
+        names = cast(AsyncGenerator[asyncssh.SFTPName, None], self._sftp.scandir(path))
+        async with _sftp_errors(path), contextlib.aclosing(names):
+            async for n in names:
+                if n.filename not in (".", ".."):
+                    yield DirEntry(str(n.filename), _attrs(n.attrs))
 
     async def open_read(self, path: str, offset: int = 0) -> AsyncsshFile:
         async with _sftp_errors(path):

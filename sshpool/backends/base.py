@@ -10,6 +10,7 @@ Only the interface lives here; `sshpool.backends.load_backend` finds a backend b
 
 from __future__ import annotations
 
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -101,6 +102,15 @@ class SFTPSession(Protocol):
 
     async def listdir(self, path: str) -> list[DirEntry]:
         """The entries of directory `path` with their lstat attributes, `.` and `..` left out."""
+        ...
+
+    def scandir(self, path: str) -> AsyncGenerator[DirEntry, None]:
+        """The entries of directory `path` one at a time, in the host's order (not sorted), with
+        their lstat attributes, `.` and `..` left out. A directory is read as it is consumed,
+        one READDIR request at a time (a reply holds up to ~100 names with OpenSSH): a caller
+        that stops early has read at most one reply beyond what it took, whatever the size of
+        the directory. The caller closes the iterator (`contextlib.aclosing`), which closes the
+        directory handle; the session runs nothing else until then."""
         ...
 
     async def open_read(self, path: str, offset: int = 0) -> RemoteFile:

@@ -33,7 +33,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, TypeVar
 
@@ -313,6 +313,36 @@ def _free_bytes(sftp: Any, path: str) -> int | None:
     return int(bavail * (frsize or bsize))
 
 
+# A directory read one READDIR at a time: paramiko's listdir_attr reads it whole, and its
+# listdir_iter keeps 50 requests in flight (their replies outlive a caller that stops early).
+def _opendir(sftp: Any, path: str) -> bytes:
+    t, msg = sftp._request(paramiko.sftp.CMD_OPENDIR, path)
+    if t != paramiko.sftp.CMD_HANDLE:
+        raise paramiko.SFTPError("Expected handle")
+    handle: bytes = msg.get_binary()
+    return handle
+
+
+def _readdir(sftp: Any, handle: bytes) -> list[Any] | None:
+    """One READDIR's entries (SFTPAttributes with `filename`), None at the end."""
+    try:
+        t, msg = sftp._request(paramiko.sftp.CMD_READDIR, handle)
+    except EOFError:  # paramiko's word for the SSH_FX_EOF status
+        return None
+    if t != paramiko.sftp.CMD_NAME:
+        raise paramiko.SFTPError("Expected name response")
+    entries = []
+    for _ in range(msg.get_int()):
+        filename = msg.get_text()
+        longname = msg.get_text()
+        entries.append(paramiko.SFTPAttributes._from_msg(msg, filename, longname))
+    return entries
+
+
+def _closedir(sftp: Any, handle: bytes) -> None:
+    sftp._request(paramiko.sftp.CMD_CLOSE, handle)
+
+
 class ParamikoFile:
     def __init__(self, confined: _Confined, sftp: Any, f: Any, path: str) -> None:
         self._c = confined
@@ -373,6 +403,22 @@ class ParamikoSFTP:
     async def listdir(self, path: str) -> list[DirEntry]:
         names = await self._c.call(path, self._sftp.listdir_attr, path)
         return [DirEntry(a.filename, _attrs(a)) for a in names if a.filename not in (".", "..")]
+
+    async def scandir(self, path: str) -> AsyncGenerator[DirEntry, None]:
+        handle = await self._c.call(path, _opendir, self._sftp, path)
+        try:
+            while True:
+                batch = await self._c.call(path, _readdir, self._sftp, handle)
+                if batch is None:
+                    break
+                for a in batch:
+                    if a.filename not in (".", ".."):
+                        yield DirEntry(a.filename, _attrs(a))
+        finally:
+            # Closed early too (the caller stopped); a session that broke meanwhile is dropped
+            # with its handles.
+            with contextlib.suppress(SSHPoolError):
+                await self._c.call(path, _closedir, self._sftp, handle)
 
     def _open_read_blocking(self, path: str, offset: int) -> Any:
         f = self._sftp.open(path, "rb")

@@ -46,7 +46,7 @@ import select
 import socket
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any, NamedTuple, TypeVar
 
 from sshpool.backends import translate
@@ -768,6 +768,25 @@ class Ssh2SFTP:
             if self._broken is None:
                 await self.close_handle(path, handle, pointer)
         return entries
+
+    async def scandir(self, path: str) -> AsyncGenerator[DirEntry, None]:
+        handle = await self.op(path, self._sftp.opendir, path)
+        pointer = self._handle(handle)
+        try:
+            # One readdir call per entry: libssh2 asks the host for the next reply only when
+            # the one it holds is used up (one READDIR in flight).
+            items = handle.readdir(1024)
+            while True:
+                item = await self.op(path, next, items, None)
+                if item is None:
+                    break
+                _, name, attrs = item
+                text = name.decode(errors="replace")
+                if text not in (".", ".."):
+                    yield DirEntry(text, _attrs(attrs))
+        finally:
+            if self._broken is None:
+                await self.close_handle(path, handle, pointer)
 
     async def _open(self, path: str, flags: int, mode: int) -> Ssh2File:
         handle = await self.op(path, self._sftp.open, path, flags, mode)

@@ -106,6 +106,53 @@ async def test_listing_reports_files_dirs_and_symlinks_without_following(
     assert (await fs.lstat(f"{tmpdir}/link")).type == "symlink"
 
 
+async def test_scandir_streams_the_same_entries_as_listdir(fs: SFTPSession, tmpdir: str) -> None:
+    """scandir yields every entry listdir gives (own attributes, no `.`/`..`), across many
+    READDIR replies, and the session serves the next operation."""
+    await put(fs, f"{tmpdir}/f", b"12345")
+    await fs.mkdir(f"{tmpdir}/d", 0o700)
+    os.symlink("/etc", f"{tmpdir}/link")
+    for n in range(750):  # several replies: OpenSSH sends at most 100 names per READDIR
+        os.close(os.open(f"{tmpdir}/n{n:04d}", os.O_CREAT | os.O_WRONLY, 0o644))
+    async with contextlib.aclosing(fs.scandir(tmpdir)) as entries:
+        streamed = {e.name: e.attrs async for e in entries}
+    assert streamed == {e.name: e.attrs for e in await fs.listdir(tmpdir)}
+    assert len(streamed) == 753
+    assert (streamed["f"].type, streamed["f"].size) == ("file", 5)
+    assert (streamed["d"].type, streamed["d"].mode) == ("dir", 0o700)
+    assert streamed["link"].type == "symlink"
+    assert (await fs.stat(f"{tmpdir}/f")).size == 5
+
+
+async def test_scandir_stopped_early_closes_its_handle_and_the_session_goes_on(
+    fs: SFTPSession, tmpdir: str
+) -> None:
+    """A caller that takes a few entries and closes the iterator leaves the session usable:
+    the directory handle is closed, the next scandir and other operations work."""
+    for n in range(500):
+        os.close(os.open(f"{tmpdir}/n{n:04d}", os.O_CREAT | os.O_WRONLY, 0o644))
+    for _ in range(3):
+        taken = []
+        async with contextlib.aclosing(fs.scandir(tmpdir)) as entries:
+            async for e in entries:
+                taken.append(e.name)
+                if len(taken) == 10:
+                    break
+        assert len(taken) == 10
+    assert len(await fs.listdir(tmpdir)) == 500
+    await put(fs, f"{tmpdir}/after", b"ok")
+    assert await get(fs, f"{tmpdir}/after") == b"ok"
+
+
+async def test_scandir_of_a_missing_directory_is_not_found(fs: SFTPSession, tmpdir: str) -> None:
+    """scandir raises RemoteNotFound for a missing path (on the first entry asked)."""
+    with pytest.raises(RemoteNotFound):
+        async with contextlib.aclosing(fs.scandir(f"{tmpdir}/nope")) as entries:
+            async for _ in entries:
+                pass
+    assert await fs.listdir(tmpdir) == []
+
+
 async def test_realpath_removes_dotdot_and_follows_symlinks(fs: SFTPSession, tmpdir: str) -> None:
     """realpath is the canonical path: `..` gone, symlinks resolved, relative to home."""
     await fs.mkdir(f"{tmpdir}/d")
