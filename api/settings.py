@@ -77,7 +77,8 @@ class Settings(BaseSettings):
     # before 431; seconds from connecting (or a kept-alive request's first byte) until the
     # header is complete, then until the body is (plus one second per `body_min_rate` bytes
     # received), before 408 and close; client connections open at once (lowered to what the
-    # descriptor limit allows), beyond which the oldest idle one is closed.
+    # descriptor limit allows), beyond which those holding the server for nothing are closed
+    # (answered ones, then those furthest behind their due rate: api/server.py).
     max_header_bytes: int = Field(default=32 << 10, ge=1024)
     header_timeout: float = Field(default=10.0, gt=0)
     body_timeout: float = Field(default=30.0, gt=0)
