@@ -16,6 +16,8 @@ from api_helpers import Api, Keys, make_settings, server_process
 from faults import figure
 
 from api.config import load_config
+from api.server import EdgeLimits, address_key
+from api.settings import proxy_networks
 
 # A job whose JSON body is large enough to take seconds at the test's pace.
 SLOW_JOB = json.dumps({"host": "local", "argv": ["true", "x" * (16 << 10)]}).encode()
@@ -207,3 +209,21 @@ async def test_a_header_over_the_cap_in_one_read_is_431(config_file: Path, tmp_p
     assert whole.startswith(b"HTTP/1.1 431"), whole
     assert pieces.startswith(b"HTTP/1.1 431"), pieces
     assert small.startswith(b"HTTP/1.1 200"), small
+
+
+def test_addresses_count_by_host_and_ipv6_by_64_and_proxies_by_network() -> None:
+    """What a connection counts against: an IPv4 address, an IPv6 /64 (one host commonly holds
+    a whole one), an IPv4-mapped IPv6 address as its IPv4; and which peers are trusted proxies."""
+    assert address_key("203.0.113.7") == "203.0.113.7"
+    assert (
+        address_key("2001:db8:1:2::1")
+        == address_key("2001:db8:1:2:ffff::9")
+        == ("2001:db8:1:2::/64")
+    )
+    assert address_key("2001:db8:1:3::1") != address_key("2001:db8:1:2::1")
+    assert address_key("::ffff:203.0.113.7") == "203.0.113.7"
+    limits = EdgeLimits(1024, 10, 30, 65536, 4096, 64, proxy_networks("10.0.0.0/8, ::1"))
+    assert limits.trusted("10.1.2.3") and limits.trusted("::1")
+    assert not limits.trusted("127.0.0.1") and not limits.trusted("11.0.0.1")
+    assert EdgeLimits(1024, 10, 30, 65536, 4096, 64, proxy_networks("*")).trusted("11.0.0.1")
+    assert not EdgeLimits(1024, 10, 30, 65536, 4096, 64, proxy_networks("")).trusted("127.0.0.1")
