@@ -21,12 +21,12 @@ httptools protocol with these bounds added:
   waits on the host) is not held against the client;
 - connections: at most `max_connections` open. A new one beyond it closes, first, connections
   whose request was answered (idle between requests, or answered early while its body is still
-  arriving), oldest first; then connections whose request is still arriving and which have
-  fallen more than `KEEPING_UP` seconds behind: a header is due at once, a body at
-  `body_min_rate`, so the one most behind goes first (the oldest of those sending nothing, or
-  trickling a byte). A connection keeping up (an upload at `body_min_rate` or faster, a request
-  being sent) is never closed for a newcomer, nor one whose request is complete (the app is on
-  it, or its response has started): if only such remain, the newcomer is closed itself. While
+  arriving), oldest first; then connections whose request is still arriving behind what is
+  due: a header at once (any wait counts), a body at `body_min_rate` (more than `KEEPING_UP`
+  seconds behind it), the one most behind first (the oldest of those sending nothing, or
+  trickling a byte). A body keeping up (an upload at `body_min_rate` or faster) is never closed
+  for a newcomer, nor a connection whose request is complete (the app is on it, or its
+  response has started): if only such remain, the newcomer is closed itself. While
   full, `max_connections // 64` go at once, so that the scan over all connections runs once per
   that many newcomers, not for each;
 - connections per client address: at most `max_per_address` from one address (an IPv6 client:
@@ -51,6 +51,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from api.settings import IPNetwork
@@ -60,12 +61,12 @@ log = logging.getLogger("sshapi.server")
 # Descriptors `connection_limit` keeps free for everything but client connections: the
 # listening socket, the event loop, the store (SQLite: 3 per connection), Redis, log files.
 FD_RESERVE = 64
-# Seconds a request may fall behind (its header not yet complete that long after the connection
-# or its first byte, or its body that far below `body_min_rate`) and still count as keeping up:
-# never closed to make room. An honest client sends its header at once and its body at least at
-# the minimum rate, so it is behind by no more than a network delay. The smaller this is, the
-# more connections a second it takes to keep every one of yours counted as keeping up:
-# `max_connections / KEEPING_UP` (16,384 a second by default).
+# Seconds a body may fall behind `body_min_rate` and still count as keeping up: never closed to
+# make room. An honest client sends its body at least at the minimum rate, so it is behind by
+# no more than the pause between two of its writes. The smaller this is, the more connections a
+# second it takes a flood of half-sent bodies to keep every one counted as keeping up:
+# `max_connections / KEEPING_UP` (16,384 a second by default). A header has no such allowance:
+# it is due at once, so any connection still waiting for one can make room, the oldest first.
 KEEPING_UP = 0.25
 # Seconds between two log lines about closed or refused connections (with the count between).
 LOG_EVERY = 10.0
@@ -159,6 +160,31 @@ def connection_limit(wanted: int, ssh_connections: int) -> int:
     return wanted
 
 
+class TimedFlow(FlowControl):
+    """uvicorn's flow control, adding up the seconds reading was paused: the server stops reading
+    while the app has not taken what it was sent (an upload waiting on the host), and that time
+    is not the client's to make up when it is compared with `body_min_rate`."""
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        super().__init__(transport)
+        self._paused_at = 0.0
+        self._paused_before = 0.0
+
+    def paused_seconds(self, now: float) -> float:
+        """Seconds reading has been paused on this connection so far."""
+        return self._paused_before + (now - self._paused_at if self.read_paused else 0.0)
+
+    def pause_reading(self) -> None:
+        if not self.read_paused:
+            self._paused_at = time.monotonic()
+        super().pause_reading()
+
+    def resume_reading(self) -> None:
+        if self.read_paused:
+            self._paused_before += time.monotonic() - self._paused_at
+        super().resume_reading()
+
+
 class GuardedHttp(HttpToolsProtocol):
     """uvicorn's httptools protocol with a header size bound, header and body deadlines and
     connection limits (see the module docstring). `limits` and `edge` are set by
@@ -180,6 +206,8 @@ class GuardedHttp(HttpToolsProtocol):
         # The body being read: when its header was complete, and its bytes counted so far.
         self._body_since: float | None = None
         self._body_bytes = 0
+        # The connection's paused seconds (TimedFlow) when `_body_since` was set.
+        self._body_paused = 0.0
         self._address: str | None = None
         self._closed_here = False
 
@@ -187,6 +215,7 @@ class GuardedHttp(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self.flow = TimedFlow(transport)  # before any request: each takes it from here
         self._start_header()
         if self.client is not None and not self.limits.trusted(self.client[0]):
             self._address = address_key(self.client[0])
@@ -208,9 +237,9 @@ class GuardedHttp(HttpToolsProtocol):
     def _behind(self, now: float) -> tuple[int, float] | None:
         """How much this connection deserves to be closed to make room, compared as tuples
         (larger first); None if it must not be. (2, age): its request was answered; (1, seconds
-        behind): its request is still arriving that far behind what is due (a header at once,
-        a body at `body_min_rate`; the time the server itself stops reading is not held against
-        it); (0, 0): keeping up, as a newcomer is."""
+        behind): its request is still arriving that far behind what is due (a header at once;
+        a body at `body_min_rate`, less the KEEPING_UP allowance and the time the server itself
+        stopped reading); (0, 0): keeping up, as a newcomer is."""
         cycle = self.cycle
         if self.pipeline:
             return None  # a request waits behind one the app is on
@@ -220,12 +249,14 @@ class GuardedHttp(HttpToolsProtocol):
             if self.flow.read_paused:
                 behind = 0.0
             else:
-                behind = now - self._body_since - self._body_bytes / self.limits.body_min_rate
+                paused = self._paused_seconds(now) - self._body_paused
+                due = self._body_since + paused + self._body_bytes / self.limits.body_min_rate
+                behind = now - due - KEEPING_UP
         elif self._reading_header:
             behind = now - self._header_since
         else:
             return 2, now - self._opened
-        return (1, behind) if behind > KEEPING_UP else (0, 0.0)
+        return (1, behind) if behind > 0 else (0, 0.0)
 
     def _evict(self) -> None:
         now = time.monotonic()
@@ -338,15 +369,20 @@ class GuardedHttp(HttpToolsProtocol):
         now = time.monotonic()
         if self.flow.read_paused:
             self._body_since, self._body_bytes = now, 0
+            self._body_paused = self._paused_seconds(now)
         allowed = self.limits.body_timeout + self._body_bytes / self.limits.body_min_rate
         left = self._body_since + allowed - now
         if left > 0:
             self._arm(left)
         return max(left, 0.0)
 
+    def _paused_seconds(self, now: float) -> float:
+        return self.flow.paused_seconds(now) if isinstance(self.flow, TimedFlow) else 0.0
+
     def on_headers_complete(self) -> None:
         self._reading_header = False
         self._body_since, self._body_bytes = time.monotonic(), 0
+        self._body_paused = self._paused_seconds(self._body_since)
         self._arm(self.limits.body_timeout)
         super().on_headers_complete()
 
