@@ -29,6 +29,7 @@ from api.batch import BatchJobs
 from api.config import Config, HostConfig
 from api.deps import Services
 from api.files import FileService
+from api.gate import TokenGate
 from api.jobs import JobService
 from api.local import resolve_config
 from api.metrics import Metrics
@@ -162,11 +163,12 @@ def create_app(
     )
     docs.install(app)
     problems.install(app)
-    app.include_router(jobs_router)
-    app.include_router(live_router)
-    app.include_router(hosts_router)
-    app.include_router(files_router)
-    app.include_router(ops_router)
+    routers = (jobs_router, live_router, hosts_router, files_router, ops_router)
+    for router in routers:
+        app.include_router(router)
+    # Added first, so it runs inside RequestContext (request id, metrics, body cap) and before
+    # the router: the token is checked before any body is read (api/gate.py).
+    app.add_middleware(TokenGate, routes=[route for r in routers for route in r.routes])
     app.add_middleware(RequestContext, metrics=metrics, max_body=config.api.max_body_bytes)
     return app
 
@@ -184,7 +186,8 @@ def _configure_logging(settings: Settings) -> None:
 
 def _uvicorn_options(settings: Settings, config: Config) -> dict[str, Any]:
     """What every server process runs uvicorn with: the keep-alive timeout clients rely on, and
-    the edge bounds of api/server.py (header size, header and body deadlines, connections)."""
+    the edge bounds of api/server.py (header size, header and body deadlines, connections in
+    all and per address)."""
     policy = Policy(config)
     ssh = sum(h.limits.max_connections * len(policy.targets(n)) for n, h in config.hosts.items())
     limits = EdgeLimits(
@@ -193,12 +196,16 @@ def _uvicorn_options(settings: Settings, config: Config) -> dict[str, Any]:
         body_timeout=settings.body_timeout,
         body_min_rate=settings.body_min_rate,
         max_connections=connection_limit(settings.max_connections, ssh),
+        max_per_address=settings.max_connections_per_address,
+        trusted_proxies=settings.trusted_proxy_networks,
     )
     return {
         "log_level": settings.log_level,
         "ws": "none",
         "timeout_keep_alive": settings.keepalive_timeout,
         "http": guarded_protocol(limits),
+        # The same list decides whose X-Forwarded-For is believed (the client address in logs).
+        "forwarded_allow_ips": settings.trusted_proxies,
     }
 
 

@@ -38,6 +38,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from api.numbers import read_count
 from api.output import Stream
 from api.problems import Problem, retry_after
 from api.states import FINAL
@@ -431,9 +432,10 @@ def _stored(row: JobRow) -> Feed:
 def parse_event_id(value: str) -> dict[Stream, int] | None:
     """`Last-Event-ID` of /events: "<stdout offset>-<stderr offset>"; None if malformed."""
     out, sep, err = value.strip().partition("-")
-    if not sep or not (out.isdigit() and err.isdigit()) or len(value) > 40:
+    stdout, stderr = read_count(out), read_count(err)
+    if not sep or stdout is None or stderr is None:
         return None
-    return {"stdout": int(out), "stderr": int(err)}
+    return {"stdout": stdout, "stderr": stderr}
 
 
 def event_id(offsets: dict[Stream, int]) -> str:
