@@ -31,12 +31,12 @@ from api.deps import Services
 from api.files import FileService
 from api.gate import TokenGate
 from api.jobs import JobService
+from api.live import make_relay
 from api.local import resolve_config
 from api.metrics import Metrics
 from api.middleware import RequestContext
 from api.policy import Policy
 from api.quota import make_quota
-from api.relay import make_relay
 from api.routes.files import router as files_router
 from api.routes.hosts import router as hosts_router
 from api.routes.jobs import router as jobs_router

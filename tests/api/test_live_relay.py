@@ -8,8 +8,7 @@ import asyncio
 import uuid
 from datetime import UTC, datetime
 
-from api.live import Cutoff, Feed, Gap, Output, follow
-from api.relay import RedisRelay
+from api.live import Cutoff, Feed, Gap, Output, RedisRelay, follow
 from api.store import JobRow
 
 REDIS_URL = "redis://127.0.0.1:6379/0"

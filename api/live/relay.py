@@ -33,7 +33,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from api.live import POLL, READ, STREAMS, WINDOW, Feed, StreamBuffer, head_of, kept
+from api.live.feeds import POLL, READ, STREAMS, WINDOW, Feed, StreamBuffer, head_of, kept
 from api.output import Stream
 from api.quota import PREFIX, REDIS_TIMEOUT
 from api.states import FINAL
