@@ -86,7 +86,7 @@ class ApiConfig(Strict):
     max_page: int = Field(default=200, ge=1)
     # Live followers (GET /v1/jobs/{id}/output?follow=true, /events) at once per identity.
     max_followers: int = Field(default=8, ge=1)
-    # Directory listings (api/files.py `Listings`): the most entries one listing reads from
+    # Directory listings (api/files/listings.py `Listings`): the most entries one listing reads from
     # the host (413 beyond: it stops reading at one more), how long a listing may take to read,
     # and its snapshot for the next pages: kept this many seconds after its last page, within
     # this many bytes for all identities together (the least recently used go first).

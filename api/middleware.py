@@ -21,7 +21,7 @@ from api.timing import TIMING, Timing
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
-# Uploads stream their body to the host under the policy's own caps (api/files.py), not this one.
+# Uploads stream their body to the host under the policy's own caps (api/files/), not this one.
 STREAMED_BODY = re.compile(r"^/v1/hosts/[^/]+/files/content$")
 
 

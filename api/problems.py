@@ -142,7 +142,7 @@ SSH_ERRORS: dict[type[SSHPoolError], tuple[int, str, str]] = {
     ConnectError: (502, "connect-failed", "Could not connect to the host"),
     ConnectionLost: (502, "connection-lost", "The SSH connection dropped before the command ran"),
     SSHPoolError: (502, "ssh-error", "SSH failed"),
-    # Files (api/files.py): the host answered an SFTP request with an error.
+    # Files (api/files/): the host answered an SFTP request with an error.
     RemoteNotFound: (404, "file-not-found", "No such file or directory"),
     RemotePermissionDenied: (403, "file-permission-denied", "The host refused access"),
     RemoteNoSpace: (507, "no-space", "No space left on the host's filesystem"),

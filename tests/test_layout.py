@@ -4,6 +4,8 @@
 * The sshpool package reads no SSHAPI_* variable: the API's environment is the API's.
 * No module of sshpool/, api/ or loadtests/ imports a private name (`_x`, or a module `_m`) of
   another package.
+* The file routes call the file service only: api/routes/files.py never touches an SFTP session
+  (no `.fs` attribute anywhere in it).
 """
 
 from __future__ import annotations
@@ -72,5 +74,15 @@ def test_no_module_imports_a_private_name_of_another_package() -> None:
         for package in PACKAGES
         for path in sorted((ROOT / package).rglob("*.py"))
         for hit in _private_imports(path)
+    ]
+    assert found == []
+
+
+def test_file_routes_never_touch_the_sftp_session() -> None:
+    path = ROOT / "api" / "routes" / "files.py"
+    found = [
+        f"{path.relative_to(ROOT)}:{node.lineno}: .{node.attr}"
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.Attribute) and node.attr == "fs"
     ]
     assert found == []

@@ -1,39 +1,38 @@
-"""Files on a host over SFTP (moved here from api/files.py; split into modules next)."""
+"""Files on a host over SFTP on the pooled connections: confinement, listings, transfers,
+checksums, their limits. docs/files.md has the contract.
 
-from api.files.service import (
-    CHUNK,
-    MAX_PATH,
-    NEW_FILE_MODE,
-    SNAPSHOTS_PER_IDENTITY,
-    Files,
-    FileService,
-    Listings,
-    Place,
-    Preconditions,
-    Snapshot,
-    Upload,
-    describe,
-    etag_of,
-    file_problem,
-    http_date,
-    temp_name,
-)
+The face: `FileService` is what the routes call, one method per operation (`list_dir`,
+`download`, `upload`, `delete`, `mkdir`, `move`, `checksum`); each takes the caller and the
+host, opens its own confined SFTP view and lets go of it, so no route touches the SFTP session.
+What this package exports is below (`__all__`); the modules:
+
+    errors     the problems of file operations                    api.problems, sshpool
+    confine    roots, protected paths, resolving (`Files`)        errors, api.auth, api.policy
+    listings   snapshots of directories, cursors                  api.problems, sshpool
+    transfers  the upload protocol, a download's body, ranges     confine, api.numbers
+    checksum   sha256sum on the host                              errors, api.config, sshpool
+    service    `FileService`: the operations, the per-identity    all of the above, api.quota,
+               limits (transfers, listings, the commit lock)      api.metrics, api.config
+
+It may import api.auth, api.config, api.metrics, api.numbers, api.policy, api.problems,
+api.quota and sshpool (its SFTP types from sshpool.backends.base); nothing of HTTP (fastapi,
+starlette, api.routes) and no other feature (api.jobs, api.live, api.store).
+"""
+
+from api.files.confine import MAX_PATH
+from api.files.errors import file_problem
+from api.files.listings import SNAPSHOTS_PER_IDENTITY, Listings, Snapshot
+from api.files.service import FileService
+from api.files.transfers import CHUNK, Download, Uploaded
 
 __all__ = [
     "CHUNK",
     "MAX_PATH",
-    "NEW_FILE_MODE",
     "SNAPSHOTS_PER_IDENTITY",
+    "Download",
     "FileService",
-    "Files",
     "Listings",
-    "Place",
-    "Preconditions",
     "Snapshot",
-    "Upload",
-    "describe",
-    "etag_of",
+    "Uploaded",
     "file_problem",
-    "http_date",
-    "temp_name",
 ]
