@@ -1,4 +1,4 @@
-"""The researcher's client (api/client.py) and the `sshapi run|jobs` commands, against the real
+"""The researcher's client (`api.client`) and the `sshapi run|jobs` commands, against the real
 API and local host. The sync Client runs in a thread: the server shares the test's event loop."""
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import pytest
 from api_helpers import SSHAPI, Api
 from typer.testing import CliRunner
 
-from api import client as client_module
 from api.cli import app
 from api.client import (
     AsyncClient,
@@ -31,6 +30,7 @@ from api.client import (
     RateLimited,
     SshapiError,
 )
+from api.client import profile as client_profile
 
 FILES = "jobs:read jobs:write files:read files:write"
 
@@ -370,7 +370,7 @@ def test_a_token_is_not_sent_to_a_default_nobody_chose(
     listener on a free port: on a shared login node, whoever got the port first) and says which
     URL it did not use and how to name one; named with SSHAPI_URL or a profile, it is sent."""
     with Listener() as listener:
-        monkeypatch.setattr(client_module, "DEFAULT_URL", listener.url)
+        monkeypatch.setattr(client_profile, "DEFAULT_URL", listener.url)
         monkeypatch.setenv("SSHAPI_TOKEN", "secret-token")
         result = CliRunner().invoke(app, ["jobs", "list"])
         assert listener.seen == []

@@ -1,4 +1,4 @@
-"""The client commands of `sshapi`: talk HTTP to a server (api/client.py), never SSH.
+"""The client commands of `sshapi`: talk HTTP to a server (`api.client`), never SSH.
 
     sshapi run HOST -- ARGV...        live stdout/stderr, exits with the remote exit status
     sshapi jobs list|show|cancel|logs
