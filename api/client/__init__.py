@@ -37,11 +37,13 @@ A command that ran and exited non-zero is not an error: `run` returns its job (s
 The package (its face is this module: import from `api.client`, not from its modules):
 
     errors.py    the tree above, `raise_for_problem`
+    models.py    a job as the API answers it (`Job`, the states), `exit_code`
     profile.py   URL and token: SSHAPI_URL / SSHAPI_TOKEN, the configuration file's profiles
     base.py      what both clients share: configuration, the retry rule, a job's body, SSE
     files.py     paths, upload headers, the part file of a resumable download
     _sync.py     `Client`
     _async.py    `AsyncClient`
+    tls.py       the one TLS context of the process (the server's httpx clients use it too)
     cli.py       the `sshapi run|jobs|batch|files` commands (registered by api/cli.py)
 
 It may import nothing of `api` outside `api.client` (tests/test_layout.py): the server may use
@@ -52,7 +54,7 @@ from __future__ import annotations
 
 from api.client._async import AsyncClient
 from api.client._sync import Client
-from api.client.base import RETRY_STATUS, WAIT, Event, SSEParser, Stream, exit_code, job_body
+from api.client.base import RETRY_STATUS, WAIT, Event, SSEParser, job_body
 from api.client.errors import (
     BY_STATUS,
     Conflict,
@@ -79,6 +81,7 @@ from api.client.files import (
     resumable,
     settled,
 )
+from api.client.models import FINAL, BatchOptions, Job, SchedulerInfo, State, Stream, exit_code
 from api.client.profile import (
     DEFAULT_URL,
     PROFILE_KEYS,
@@ -87,22 +90,26 @@ from api.client.profile import (
     paired,
     server_url,
 )
+from api.client.tls import tls_context
 
 __all__ = [
     "BY_STATUS",
     "CHUNK",
     "DEFAULT_URL",
+    "FINAL",
     "PROFILE_KEYS",
     "RETRY_STATUS",
     "SETTLED",
     "WAIT",
     "AsyncClient",
+    "BatchOptions",
     "Client",
     "Conflict",
     "Event",
     "Forbidden",
     "InsecureHTTPWarning",
     "InvalidRequest",
+    "Job",
     "JobFailed",
     "NotFound",
     "Partial",
@@ -112,7 +119,9 @@ __all__ = [
     "RateLimited",
     "SSEParser",
     "SSHFailed",
+    "SchedulerInfo",
     "SshapiError",
+    "State",
     "Stream",
     "TransportError",
     "Unauthorized",
@@ -126,4 +135,5 @@ __all__ = [
     "resumable",
     "server_url",
     "settled",
+    "tls_context",
 ]

@@ -9,12 +9,11 @@ from typing import Any
 
 import httpx
 
-from api.client.base import WAIT, Event, SSEParser, Stream, _Base, _fresh, job_body
+from api.client.base import WAIT, Event, SSEParser, _Base, _fresh, job_body
 from api.client.errors import InvalidRequest, JobFailed, TransportError, _raise, raise_for_problem
 from api.client.files import CHUNK, Partial, Progress, _upload_headers, files_path, resumable
-from api.schemas import Job
-from api.states import FINAL
-from api.tls import tls_context
+from api.client.models import FINAL, Job, Stream
+from api.client.tls import tls_context
 
 
 class Client(_Base):

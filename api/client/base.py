@@ -8,15 +8,13 @@ import random
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import httpx
 
 from api.client.errors import _retry_after
 from api.client.profile import _env_flag, _loopback, load_profile, paired, server_url
-from api.schemas import Job
 
-Stream = Literal["stdout", "stderr"]
 RETRY_STATUS = (429, 503)
 WAIT = 30.0  # Prefer: wait=N on submit: a short command finishes in one request
 
@@ -127,22 +125,3 @@ class _Base:
         if wait is not None:
             headers["Prefer"] = f"wait={wait:g}"
         return headers
-
-
-def exit_code(job: Job) -> int:
-    """A shell's exit status for a job: the command's status, 128+n for a signal, 124 for a
-    timeout (as timeout(1)), 130 cancelled, 255 when nothing ran or the outcome is unknown."""
-    import signal
-
-    if job.exit_signal:
-        try:
-            return 128 + signal.Signals[f"SIG{job.exit_signal}"].value
-        except KeyError:
-            return 255
-    if job.state == "timed_out":
-        return 124
-    if job.state == "cancelled":
-        return 130
-    if job.exit_status is not None and job.exit_status >= 0:
-        return job.exit_status
-    return 255

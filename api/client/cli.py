@@ -37,10 +37,8 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from api.client import Client, SshapiError, Stream, exit_code
+from api.client import FINAL, Client, Job, SshapiError, Stream, exit_code
 from api.client import Progress as OnProgress
-from api.schemas import Job
-from api.states import FINAL
 
 jobs_app = typer.Typer(help="Your jobs on the server (SSHAPI_URL).", no_args_is_help=True)
 batch_app = typer.Typer(help="Batch jobs for a host's scheduler.", no_args_is_help=True)

@@ -8,7 +8,7 @@ from typing import Any, NoReturn
 
 import httpx
 
-from api.schemas import Job
+from api.client.models import Job
 
 
 class SshapiError(Exception):
