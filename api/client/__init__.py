@@ -41,8 +41,9 @@ The package (its face is this module: import from `api.client`, not from its mod
     profile.py   URL and token: SSHAPI_URL / SSHAPI_TOKEN, the configuration file's profiles
     base.py      what both clients share: configuration, the retry rule, a job's body, SSE
     files.py     paths, upload headers, the part file of a resumable download
-    _sync.py     `Client`
-    _async.py    `AsyncClient`
+    _async.py    `AsyncClient`: the one source of both clients
+    _sync.py     `Client`, generated from _async.py by unasync (`make unasync`): never edited
+    localfile.py local file I/O, the one difference: in a thread (async), plain calls (sync)
     tls.py       the one TLS context of the process (the server's httpx clients use it too)
     cli.py       the `sshapi run|jobs|batch|files` commands (registered by api/cli.py)
 

@@ -1,12 +1,16 @@
-"""The asyncio client."""
+"""The client's one source: `AsyncClient` here, and `Client` in _sync.py generated from this file
+by unasync (`make unasync`, scripts/unasync.py; tests/test_unasync.py fails when the two differ).
+Edit this file, never _sync.py. The rules: `async`/`await` go, `AsyncClient` -> `Client` (ours
+and httpx's), `aclose`/`aread`/`aiter_*`/`anext` -> their sync names, asyncio's `sleep` ->
+time's, `AsyncIterator` -> `Iterator`, `AsyncFile` -> `SyncFile` (localfile.py: local file I/O,
+in a thread here, the plain calls there: the one difference besides waiting)."""
 
 from __future__ import annotations
 
-import asyncio
 import os
-import time
+from asyncio import sleep
 from collections.abc import AsyncIterator, Sequence
-from pathlib import Path
+from time import monotonic
 from typing import Any
 
 import httpx
@@ -14,12 +18,15 @@ import httpx
 from api.client.base import WAIT, Event, SSEParser, _Base, _fresh, job_body
 from api.client.errors import InvalidRequest, JobFailed, TransportError, _raise, raise_for_problem
 from api.client.files import CHUNK, Partial, Progress, _upload_headers, files_path, resumable
+from api.client.localfile import AsyncFile
 from api.client.models import FINAL, Job, Stream
 from api.client.tls import tls_context
 
 
 class AsyncClient(_Base):
-    """The asyncio client: `Client`'s methods as coroutines. An async context manager."""
+    """The client: `Client` calls and returns, a context manager (closes its connections);
+    `AsyncClient` has the same methods as coroutines (`follow`, `events` and `list_pages` as
+    async iterators), an async context manager."""
 
     def __init__(
         self,
@@ -60,6 +67,7 @@ class AsyncClient(_Base):
         await self.http.aclose()
 
     async def request(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        """One API call with the retries; raises the call's ProblemError or TransportError."""
         attempt = 0
         while True:
             try:
@@ -73,7 +81,7 @@ class AsyncClient(_Base):
                 if delay is None:
                     raise_for_problem(response)
                     return response
-            await asyncio.sleep(delay)
+            await sleep(delay)
             attempt += 1
 
     async def submit(
@@ -85,6 +93,8 @@ class AsyncClient(_Base):
         idempotency_key: str | None = None,
         **options: Any,
     ) -> Job:
+        """POST /v1/jobs (argv, or command=, template= + params=, batch=; stdin=, timeout=);
+        the job as the server answered it, finished or not. Retries replay, never re-run."""
         body = job_body(host, argv, **options)
         headers = self._post_headers(idempotency_key, wait)
         response = await self.request("POST", "/v1/jobs", json=body, headers=headers)
@@ -93,47 +103,53 @@ class AsyncClient(_Base):
     async def run(
         self, host: str, argv: Sequence[str] | None = None, *, check: bool = False, **options: Any
     ) -> Job:
+        """Run a command and return its finished job (`stdout`, `stderr`, `exit_status`)."""
         job = await self.wait(await self.submit(host, argv, wait=WAIT, **options))
         if check and job.state != "succeeded":
             raise JobFailed(job)
         return job
 
     async def wait(self, job: Job | str, timeout: float | None = None) -> Job:
+        """Poll until the job is final (backing off to 2 s); `timeout`: give up, return it."""
         current = job if isinstance(job, Job) else await self.get(job)
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if timeout is None else monotonic() + timeout
         delay = 0.1
         while current.state not in FINAL:
-            if deadline is not None and time.monotonic() >= deadline:
+            if deadline is not None and monotonic() >= deadline:
                 break
-            await asyncio.sleep(delay)
+            await sleep(delay)
             delay = min(delay * 2, 2.0)
             current = await self.get(current.id)
         return current
 
     async def get(self, job_id: str) -> Job:
-        return Job.model_validate((await self.request("GET", f"/v1/jobs/{job_id}")).json())
-
-    async def cancel(self, job_id: str) -> Job:
-        return Job.model_validate((await self.request("DELETE", f"/v1/jobs/{job_id}")).json())
+        response = await self.request("GET", f"/v1/jobs/{job_id}")
+        return Job.model_validate(response.json())
 
     async def list(
         self, *, state: str | None = None, host: str | None = None, limit: int = 50
     ) -> list[Job]:
-        """As `Client.list`."""
         params = {k: v for k, v in {"state": state, "host": host, "limit": limit}.items() if v}
-        items = (await self.request("GET", "/v1/jobs", params=params)).json()["items"]
-        return [Job.model_validate(i) for i in items]
+        response = await self.request("GET", "/v1/jobs", params=params)
+        return [Job.model_validate(i) for i in response.json()["items"]]
+
+    async def cancel(self, job_id: str) -> Job:
+        response = await self.request("DELETE", f"/v1/jobs/{job_id}")
+        return Job.model_validate(response.json())
 
     async def output(self, job_id: str, stream: Stream = "stdout", offset: int = 0) -> bytes:
-        """As `Client.output`."""
+        """A byte range of the output from `offset` (the server's read limit)."""
         params = {"stream": stream, "offset": offset}
-        return (await self.request("GET", f"/v1/jobs/{job_id}/output", params=params)).content
+        response = await self.request("GET", f"/v1/jobs/{job_id}/output", params=params)
+        return response.content
 
     async def follow(
         self, job_id: str, stream: Stream = "stdout", offset: int = 0
     ) -> AsyncIterator[bytes]:
-        """As `Client.follow`."""
-        final = False
+        """The stream's bytes as they arrive until the job is final, reconnecting from the
+        offset reached after a cut-off or a dropped connection; bytes the server did not keep
+        (past `max_output`, out of the live window) are skipped."""
+        final = False  # the job was final before this pass: a pass with nothing new ends it
         while True:
             got = 0
             try:
@@ -151,7 +167,7 @@ class AsyncClient(_Base):
                         got += len(chunk)
                         yield chunk
             except httpx.TransportError:
-                await asyncio.sleep(0.2)
+                await sleep(0.2)  # dropped: resume from the offset reached
             except InvalidRequest as exc:
                 if exc.kind != "output-not-kept":
                     raise
@@ -159,10 +175,12 @@ class AsyncClient(_Base):
                 continue
             if final and got == 0:
                 return
-            final = (await self.get(job_id)).state in FINAL
+            current = await self.get(job_id)
+            final = current.state in FINAL
 
     async def events(self, job_id: str, last_event_id: str | None = None) -> AsyncIterator[Event]:
-        """As `Client.events`."""
+        """The job's Server-Sent Events until `end`, reconnecting with Last-Event-ID after a
+        cut-off or a dropped connection (no event lost or repeated)."""
         while True:
             headers = {"Last-Event-ID": last_event_id} if last_event_id else {}
             try:
@@ -186,26 +204,38 @@ class AsyncClient(_Base):
                         if event.event == "end":
                             return
             except httpx.TransportError:
-                await asyncio.sleep(0.2)
+                await sleep(0.2)
 
-    # ---- files
+    # ---- files (docs/files.md)
 
     async def list_files(self, host: str, path: str = "~") -> dict[str, Any]:
-        """As `Client.list_files`."""
-        params: dict[str, Any] = {"path": path, "limit": 1000}
-        answer: dict[str, Any] = (await self.request("GET", files_path(host), params=params)).json()
-        while answer.get("next_cursor"):
-            params["cursor"] = answer["next_cursor"]
-            more = (await self.request("GET", files_path(host), params=params)).json()
+        """A directory's entries (all pages: `items`), or one entry's stat when `path` is not a
+        directory (`type`, `size`, `mode`, `mtime`...)."""
+        pages = self.list_pages(host, path)
+        answer = await anext(pages)
+        async for more in pages:
             answer["items"] += more["items"]
             answer["next_cursor"] = more["next_cursor"]
         return answer
 
+    async def list_pages(self, host: str, path: str = "~") -> AsyncIterator[dict[str, Any]]:
+        """A directory's answers page by page as they come (`items` in each), or one entry's
+        stat when `path` is not a directory."""
+        params: dict[str, Any] = {"path": path, "limit": 1000}
+        while True:
+            response = await self.request("GET", files_path(host), params=params)
+            answer: dict[str, Any] = response.json()
+            yield answer
+            if not answer.get("next_cursor"):
+                return
+            params["cursor"] = answer["next_cursor"]
+
     async def stat(self, host: str, path: str) -> dict[str, Any]:
-        """As `Client.stat`."""
+        """One entry: `type` (file, dir, symlink, other), and for a non-directory `size`,
+        `mode`, `mtime`."""
         params = {"path": path, "limit": 1}
-        answer = (await self.request("GET", files_path(host), params=params)).json()
-        return {k: v for k, v in answer.items() if k not in ("items", "next_cursor")}
+        response = await self.request("GET", files_path(host), params=params)
+        return {k: v for k, v in response.json().items() if k not in ("items", "next_cursor")}
 
     async def download(
         self,
@@ -215,7 +245,9 @@ class AsyncClient(_Base):
         *,
         progress: Progress | None = None,
     ) -> int:
-        """As `Client.download` (the local file is written in a thread)."""
+        """Download a file to `dest`, streamed to `<dest>.part` and renamed when complete. A
+        dropped connection resumes by Range from the bytes received, and so does a later call
+        after an interrupted one (unless the file changed: then from the start). Its size."""
         partial = Partial(dest, {"url": self.url, "host": host, "path": path})
         attempt = 0
         while True:
@@ -230,7 +262,7 @@ class AsyncClient(_Base):
                     timeout=httpx.Timeout(60, read=300),
                 ) as response:
                     status = response.status_code
-                    if status == 416 and offset:
+                    if status == 416 and offset:  # the part is longer than the file now
                         partial.discard()
                         continue
                     if status < 400:
@@ -241,10 +273,11 @@ class AsyncClient(_Base):
                         done = offset if resume else 0
                         total = done + int(response.headers.get("content-length", 0))
                         with partial.start(response, resume) as out:
+                            local = AsyncFile(out)
                             async for chunk in response.aiter_bytes():
-                                await asyncio.to_thread(out.write, chunk)
+                                await local.write(chunk)
                                 done += len(chunk)
-                                attempt = 0
+                                attempt = 0  # progress: the retries count afresh
                                 if progress is not None:
                                     progress(done, total)
                             if done != total:
@@ -260,7 +293,7 @@ class AsyncClient(_Base):
                 delay = self._delay(attempt, None)
                 if delay is None:
                     raise TransportError(f"GET {path}: {exc}") from exc
-            await asyncio.sleep(delay)
+            await sleep(delay)
             attempt += 1
 
     async def upload(
@@ -272,20 +305,23 @@ class AsyncClient(_Base):
         create_only: bool = False,
         progress: Progress | None = None,
     ) -> dict[str, Any]:
-        """As `Client.upload` (the local file is read in a thread)."""
-        size = (await asyncio.to_thread(os.stat, source)).st_size
+        """Upload a local file to `path`, streamed (never held whole); the server renames it
+        into place only when complete. `create_only`: 412 if `path` exists. A retry sends the
+        file again from its start (the same bytes: replacing is harmless). Answers `path`,
+        `size`, `sha256`."""
+        size = await AsyncFile.size(source)
 
         async def chunks() -> AsyncIterator[bytes]:
             done = 0
-            f = await asyncio.to_thread(Path(source).open, "rb")
+            local = await AsyncFile.open(source)
             try:
-                while data := await asyncio.to_thread(f.read, CHUNK):
+                while data := await local.read(CHUNK):
                     done += len(data)
                     if progress is not None:
                         progress(done, size)
                     yield data
             finally:
-                f.close()
+                local.close()
 
         response = await self.request(
             "PUT",
@@ -299,5 +335,5 @@ class AsyncClient(_Base):
         return result
 
     async def delete_file(self, host: str, path: str) -> None:
-        """As `Client.delete_file`."""
+        """Delete a file, a symlink (not its target) or an empty directory."""
         await self.request("DELETE", files_path(host), params={"path": path})

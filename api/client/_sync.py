@@ -1,10 +1,11 @@
-"""The synchronous client."""
+"""GENERATED from _async.py by scripts/gen_sync_client.py (`make unasync`): edit _async.py,
+never this file. `Client`, the synchronous client."""
 
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterator, Sequence
+from time import monotonic, sleep
 from typing import Any
 
 import httpx
@@ -12,12 +13,15 @@ import httpx
 from api.client.base import WAIT, Event, SSEParser, _Base, _fresh, job_body
 from api.client.errors import InvalidRequest, JobFailed, TransportError, _raise, raise_for_problem
 from api.client.files import CHUNK, Partial, Progress, _upload_headers, files_path, resumable
+from api.client.localfile import SyncFile
 from api.client.models import FINAL, Job, Stream
 from api.client.tls import tls_context
 
 
 class Client(_Base):
-    """The synchronous client. A context manager (closes its connections)."""
+    """The client: `Client` calls and returns, a context manager (closes its connections);
+    `AsyncClient` has the same methods as coroutines (`follow`, `events` and `list_pages` as
+    async iterators), an async context manager."""
 
     def __init__(
         self,
@@ -72,7 +76,7 @@ class Client(_Base):
                 if delay is None:
                     raise_for_problem(response)
                     return response
-            time.sleep(delay)
+            sleep(delay)
             attempt += 1
 
     def submit(
@@ -88,9 +92,8 @@ class Client(_Base):
         the job as the server answered it, finished or not. Retries replay, never re-run."""
         body = job_body(host, argv, **options)
         headers = self._post_headers(idempotency_key, wait)
-        return Job.model_validate(
-            self.request("POST", "/v1/jobs", json=body, headers=headers).json()
-        )
+        response = self.request("POST", "/v1/jobs", json=body, headers=headers)
+        return Job.model_validate(response.json())
 
     def run(
         self, host: str, argv: Sequence[str] | None = None, *, check: bool = False, **options: Any
@@ -104,33 +107,36 @@ class Client(_Base):
     def wait(self, job: Job | str, timeout: float | None = None) -> Job:
         """Poll until the job is final (backing off to 2 s); `timeout`: give up, return it."""
         current = job if isinstance(job, Job) else self.get(job)
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if timeout is None else monotonic() + timeout
         delay = 0.1
         while current.state not in FINAL:
-            if deadline is not None and time.monotonic() >= deadline:
+            if deadline is not None and monotonic() >= deadline:
                 break
-            time.sleep(delay)
+            sleep(delay)
             delay = min(delay * 2, 2.0)
             current = self.get(current.id)
         return current
 
     def get(self, job_id: str) -> Job:
-        return Job.model_validate(self.request("GET", f"/v1/jobs/{job_id}").json())
+        response = self.request("GET", f"/v1/jobs/{job_id}")
+        return Job.model_validate(response.json())
 
     def list(
         self, *, state: str | None = None, host: str | None = None, limit: int = 50
     ) -> list[Job]:
         params = {k: v for k, v in {"state": state, "host": host, "limit": limit}.items() if v}
-        items = self.request("GET", "/v1/jobs", params=params).json()["items"]
-        return [Job.model_validate(i) for i in items]
+        response = self.request("GET", "/v1/jobs", params=params)
+        return [Job.model_validate(i) for i in response.json()["items"]]
 
     def cancel(self, job_id: str) -> Job:
-        return Job.model_validate(self.request("DELETE", f"/v1/jobs/{job_id}").json())
+        response = self.request("DELETE", f"/v1/jobs/{job_id}")
+        return Job.model_validate(response.json())
 
     def output(self, job_id: str, stream: Stream = "stdout", offset: int = 0) -> bytes:
         """A byte range of the output from `offset` (the server's read limit)."""
         params = {"stream": stream, "offset": offset}
-        return self.request("GET", f"/v1/jobs/{job_id}/output", params=params).content
+        response = self.request("GET", f"/v1/jobs/{job_id}/output", params=params)
+        return response.content
 
     def follow(self, job_id: str, stream: Stream = "stdout", offset: int = 0) -> Iterator[bytes]:
         """The stream's bytes as they arrive until the job is final, reconnecting from the
@@ -154,7 +160,7 @@ class Client(_Base):
                         got += len(chunk)
                         yield chunk
             except httpx.TransportError:
-                time.sleep(0.2)  # dropped: resume from the offset reached
+                sleep(0.2)  # dropped: resume from the offset reached
             except InvalidRequest as exc:
                 if exc.kind != "output-not-kept":
                     raise
@@ -162,7 +168,8 @@ class Client(_Base):
                 continue
             if final and got == 0:
                 return
-            final = self.get(job_id).state in FINAL
+            current = self.get(job_id)
+            final = current.state in FINAL
 
     def events(self, job_id: str, last_event_id: str | None = None) -> Iterator[Event]:
         """The job's Server-Sent Events until `end`, reconnecting with Last-Event-ID after a
@@ -190,7 +197,7 @@ class Client(_Base):
                         if event.event == "end":
                             return
             except httpx.TransportError:
-                time.sleep(0.2)
+                sleep(0.2)
 
     # ---- files (docs/files.md)
 
@@ -209,7 +216,8 @@ class Client(_Base):
         stat when `path` is not a directory."""
         params: dict[str, Any] = {"path": path, "limit": 1000}
         while True:
-            answer: dict[str, Any] = self.request("GET", files_path(host), params=params).json()
+            response = self.request("GET", files_path(host), params=params)
+            answer: dict[str, Any] = response.json()
             yield answer
             if not answer.get("next_cursor"):
                 return
@@ -218,8 +226,9 @@ class Client(_Base):
     def stat(self, host: str, path: str) -> dict[str, Any]:
         """One entry: `type` (file, dir, symlink, other), and for a non-directory `size`,
         `mode`, `mtime`."""
-        answer = self.request("GET", files_path(host), params={"path": path, "limit": 1}).json()
-        return {k: v for k, v in answer.items() if k not in ("items", "next_cursor")}
+        params = {"path": path, "limit": 1}
+        response = self.request("GET", files_path(host), params=params)
+        return {k: v for k, v in response.json().items() if k not in ("items", "next_cursor")}
 
     def download(
         self,
@@ -257,8 +266,9 @@ class Client(_Base):
                         done = offset if resume else 0
                         total = done + int(response.headers.get("content-length", 0))
                         with partial.start(response, resume) as out:
+                            local = SyncFile(out)
                             for chunk in response.iter_bytes():
-                                out.write(chunk)
+                                local.write(chunk)
                                 done += len(chunk)
                                 attempt = 0  # progress: the retries count afresh
                                 if progress is not None:
@@ -276,7 +286,7 @@ class Client(_Base):
                 delay = self._delay(attempt, None)
                 if delay is None:
                     raise TransportError(f"GET {path}: {exc}") from exc
-            time.sleep(delay)
+            sleep(delay)
             attempt += 1
 
     def upload(
@@ -292,16 +302,19 @@ class Client(_Base):
         into place only when complete. `create_only`: 412 if `path` exists. A retry sends the
         file again from its start (the same bytes: replacing is harmless). Answers `path`,
         `size`, `sha256`."""
-        size = os.path.getsize(source)
+        size = SyncFile.size(source)
 
         def chunks() -> Iterator[bytes]:
             done = 0
-            with open(source, "rb") as f:
-                while data := f.read(CHUNK):
+            local = SyncFile.open(source)
+            try:
+                while data := local.read(CHUNK):
                     done += len(data)
                     if progress is not None:
                         progress(done, size)
                     yield data
+            finally:
+                local.close()
 
         response = self.request(
             "PUT",
