@@ -7,11 +7,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, Header, Query, Request, Response
-from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 from starlette.requests import ClientDisconnect
 
@@ -28,6 +27,7 @@ from api.files import (
     temp_name,
 )
 from api.problems import MEDIA_TYPE, Problem
+from api.sending import DeadlineResponse
 from sshpool import ConnectionLost, RemoteFileError, RemoteFileFailure, SSHPoolError
 
 router = APIRouter(prefix="/v1/hosts/{host}/files", tags=["files"])
@@ -183,7 +183,7 @@ async def download(
         headers["Content-Range"] = f"bytes {start}-{end - 1}/{attrs.size}"
     counter = svc.metrics.file_bytes.labels("download")
 
-    async def body() -> AsyncIterator[bytes]:
+    async def body() -> AsyncGenerator[bytes, None]:
         remaining = end - start
         ahead: asyncio.Future[bytes] | None = None
         try:
@@ -206,8 +206,16 @@ async def download(
                 ahead.exception()
             await stack.aclose()
 
-    return StreamingResponse(
-        body(), status_code=status, headers=headers, media_type="application/octet-stream"
+    # A client that stops reading is let go of after send_timeout (api/sending.py): it would
+    # hold the SFTP channel and the transfer slot for as long as it keeps the connection.
+    return DeadlineResponse(
+        body(),
+        release=stack.aclose,
+        send_timeout=svc.settings.send_timeout,
+        what="download",
+        status_code=status,
+        headers=headers,
+        media_type="application/octet-stream",
     )
 
 
