@@ -12,8 +12,9 @@ large the file.
 
 Why slices: a send returns once the buffer is below the low-water mark again, so its duration
 is the time the client takes to read what was sent before it. One 4 MiB piece would make a
-client moving at a few KiB/s look stalled; a 64 KiB slice asks for one KiB a second at the
-default deadline (60 s), at one more ASGI message per 64 KiB sent.
+client moving at a few KiB/s look stalled; a 128 KiB slice asks for about 2 KiB a second at
+the default deadline, at one more ASGI message per 128 KiB sent (what that costs in CPU:
+docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from starlette.types import Receive, Scope, Send
 
 log = logging.getLogger("sshapi.sending")
 
-SLICE = 64 << 10  # bytes per send: the most a client must take within the deadline
+SLICE = 128 << 10  # bytes per send: the most a client must take within the deadline
 
 
 class ClientStalled(Exception):

@@ -86,7 +86,7 @@ class Settings(BaseSettings):
     # client holding a connection with a trickle of bytes still is: it buys 1 s per 64 KiB.
     body_min_rate: int = Field(default=64 << 10, gt=0)
     max_connections: int = Field(default=4096, ge=1)
-    # Seconds a download's client may take nothing (less than 64 KiB) before its answer ends
+    # Seconds a download's client may take nothing (less than 128 KiB) before its answer ends
     # and its SFTP channel and transfer slot are let go (api/sending.py): nginx's send_timeout,
     # between two writes, so a slow client that keeps reading is never cut off.
     send_timeout: float = Field(default=60.0, gt=0)
