@@ -116,6 +116,7 @@ async def test_a_stalled_download_ends_after_the_send_timeout_and_frees_its_slot
         # Not before the deadline: the buffers fill at once, then SEND_TIMEOUT of nothing taken.
         assert freed >= SEND_TIMEOUT - 0.5, freed
         received = await asyncio.to_thread(read_until_closed, sock, 10.0)
+        print(f"slot freed {freed:.2f} s after the stall; the stalled client got {received} bytes")
         assert received < SIZE // 2, received  # cut short: the client knows it is incomplete
     finally:
         sock.close()
@@ -142,5 +143,6 @@ async def test_a_slow_client_that_keeps_reading_is_not_cut_off(api: Api, sub: st
         total, longest = await asyncio.to_thread(trickle)
     finally:
         sock.close()
+    print(f"slow reader: {total} bytes in {3 * SEND_TIMEOUT:g} s, longest wait {longest:.2f} s")
     assert total > 3 * SEND_TIMEOUT * (64 << 10), total  # it kept moving all along
     assert longest < SEND_TIMEOUT, longest
