@@ -55,8 +55,9 @@ from api.store import JobRow
 log = logging.getLogger("sshapi.live")
 
 STREAMS: tuple[Stream, Stream] = ("stdout", "stderr")
-READ = 64 << 10  # the most one follower step returns per stream
-WINDOW = 256 << 10  # latest bytes kept per stream for followers (trimmed at twice that)
+READ = 64 << 10  # the most one follower step returns per stream from the feed itself
+# Latest bytes kept per stream for followers (trimmed at twice that); a batch job's: READ_AHEAD.
+WINDOW = 256 << 10
 POLL = (0.25, 2.0)  # watcher intervals: while output flows, and the idle cap (doubling)
 BATCH_READ = 1 << 20  # the most one remote read of a batch job's file returns
 # A batch job's file is read ahead of its leading follower by at most this much (its feed keeps
