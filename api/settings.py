@@ -97,6 +97,10 @@ class Settings(BaseSettings):
     # X-Forwarded-For is believed (uvicorn's proxy headers, as `forwarded_allow_ips`), and their
     # connections are not capped per address. uvicorn's own default. Empty: no proxy.
     trusted_proxies: str = "127.0.0.1,::1"
+    # Seconds a download's client may take nothing (less than 128 KiB) before its answer ends
+    # and its SFTP channel and transfer slot are let go (api/sending.py): nginx's send_timeout,
+    # between two writes, so a slow client that keeps reading is never cut off.
+    send_timeout: float = Field(default=60.0, gt=0)
 
     @field_validator("trusted_proxies")
     @classmethod
