@@ -97,7 +97,7 @@ class Settings(BaseSettings):
     @field_validator("database_url")
     @classmethod
     def _refuse_sqlite_in_memory(cls, value: str | None) -> str | None:
-        # The store reads on SQLAlchemy's connections and writes on its own (api/store.py); an
+        # The store reads on SQLAlchemy's connections and writes on its own (api/store/); an
         # in-memory SQLite database exists once per connection, so the jobs it wrote would
         # never be found. (The URL is not parsed with SQLAlchemy: Locust workers load these
         # settings and stay free of it.)
