@@ -45,6 +45,10 @@ class Settings(BaseSettings):
     database_url: str | None = None
     # PostgreSQL only: the schema (search_path) holding the tables, created if missing.
     database_schema: str | None = None
+    # `auto`: each start brings the database to this release's schema (Alembic, under a lock
+    # so that replicas starting together migrate once). `off`: a start on a database at another
+    # revision refuses and names `sshapi db upgrade`, for sites that upgrade as a deploy step.
+    db_upgrade: Literal["auto", "off"] = "auto"
     # HS256 secret for the local issuer. Unset: <data_dir>/jwt_secret, generated on first use.
     jwt_secret: SecretStr | None = None
     # Stable name of this replica: on start it marks its own unfinished jobs `lost`, and only its

@@ -5,7 +5,7 @@ Exports `Store` (the one face the service uses), the row record `JobRow`, the ta
 `utcnow` and `aware`. May import `api.states` and nothing else of `api`.
 
 Modules: `schema` (the table and the record), `store` (reads, the write queue), `sqlite` and
-`postgres` (each dialect's writer).
+`postgres` (each dialect's writer), `migrate` (the schema's Alembic migrations).
 """
 
 from api.store.schema import JOBS, JobRow, aware, new_id, utcnow

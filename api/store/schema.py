@@ -2,9 +2,9 @@
 part of the store shares. Job ids are UUIDv7, so ordering by id is ordering by creation time and
 the list cursor is simply the last id seen.
 
-`JOBS` is the table as the code reads and writes it; the store creates it on start and adds the
-columns an older table lacks (store.py). Rows are read with Core into plain `JobRow` records (no
-ORM)."""
+`JOBS` is the table as the code reads and writes it; the database gets it through the revisions
+in migrations/versions/. A change here comes with a new revision (tests/api/test_api_migrations.py
+fails while the two differ). Rows are read with Core into plain `JobRow` records (no ORM)."""
 
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ returns only once the transaction holding its write has committed. So durability
 before, but a burst of jobs costs a few commits instead of one each, and SQLite never sees two
 writers fighting for its lock (which made the losers sleep in its busy handler for seconds).
 
-Tables are created on start (`create_all`), and columns added since are added then too (`ALTER
-TABLE ... ADD COLUMN`, all of them nullable): the schema only grows."""
+The schema is not the store's business at run time: `start` has migrate.py upgrade the database
+to this release's revision (or, with upgrades off, check it) before anything else."""
 
 from __future__ import annotations
 
@@ -27,33 +27,35 @@ from sqlalchemy import (
     case,
     event,
     insert,
-    inspect,
     or_,
     select,
     text,
     update,
 )
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import DBAPIError, IntegrityError
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.sql.expression import ClauseElement
 
 from api.states import ACTIVE
+from api.store import migrate
 from api.store.postgres import PgWriter, output_bytes
-from api.store.schema import FIELDS, JOBS, LISTED, METADATA, JobRow, Write, job_row, utcnow
+from api.store.schema import FIELDS, JOBS, LISTED, JobRow, Write, job_row, utcnow
 from api.store.sqlite import Sql, SqliteWriter, sqlite_pragmas
 
 log = logging.getLogger("sshapi.store")
 
 MAX_BATCH = 256  # writes per transaction: bounds the time one commit holds the lock
-SCHEMA_ATTEMPTS = 3  # creating the tables on start, against another process doing the same
 _Queued = tuple[Write, int, "asyncio.Future[Any]"]  # a write, the output it carries, its caller
 
 
 class Store:
-    def __init__(self, url: str, *, schema: str | None = None) -> None:
+    def __init__(self, url: str, *, schema: str | None = None, upgrade: bool = True) -> None:
+        """`upgrade`: bring the schema to this release's revision at start (else only check
+        it, and refuse to start when it differs: api/store/migrate.py)."""
         self.url = url
         self.schema = schema
+        self.upgrade = upgrade
         self._engine: AsyncEngine | None = None
         self._writes: asyncio.Queue[_Queued] = asyncio.Queue()
         self._writer: asyncio.Task[None] | None = None
@@ -76,26 +78,13 @@ class Store:
                 Path(path).absolute().parent.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240
         elif self.schema:
             kwargs["connect_args"] = {"server_settings": {"search_path": self.schema}}
+        if self.upgrade:
+            await migrate.upgrade(self.url, self.schema)
+        else:
+            await migrate.check(self.url, self.schema)
         engine = create_async_engine(self.url, **kwargs)
         if self.dialect == "sqlite":
             event.listen(engine.sync_engine, "connect", sqlite_pragmas)
-        for attempt in range(SCHEMA_ATTEMPTS):
-            try:
-                async with engine.begin() as conn:
-                    if self.schema and self.dialect == "postgresql":
-                        quoted = engine.dialect.identifier_preparer.quote_identifier(self.schema)
-                        await conn.execute(text(f"CREATE SCHEMA IF NOT EXISTS {quoted}"))
-                    await conn.run_sync(METADATA.create_all)
-                    await conn.run_sync(_add_missing_columns)
-                break
-            except DBAPIError:
-                # Workers (or replicas) starting together on a new database race between
-                # create_all's check and its CREATE ("table sshapi_jobs already exists": the
-                # loser crashed and was restarted). Checked again, the table is there.
-                if attempt == SCHEMA_ATTEMPTS - 1:
-                    await engine.dispose()
-                    raise
-                await asyncio.sleep(0.05 * (attempt + 1))
         self._engine = engine
         if self.dialect == "postgresql":
             self._pg = PgWriter(self.url, self.schema)
@@ -362,13 +351,3 @@ class Store:
         return await self._rows(
             select(JOBS).where(c.replica == replica, c.kind == "batch", c.state.in_(ACTIVE))
         )
-
-
-def _add_missing_columns(conn: Connection) -> None:
-    """ADD COLUMN for every column of JOBS an existing table lacks (all added ones are nullable)."""
-    present = {c["name"] for c in inspect(conn).get_columns(JOBS.name)}
-    for column in JOBS.columns:
-        if column.name not in present:
-            kind = column.type.compile(dialect=conn.dialect)
-            quoted = conn.dialect.identifier_preparer.quote(column.name)
-            conn.execute(text(f"ALTER TABLE {JOBS.name} ADD COLUMN {quoted} {kind}"))
