@@ -84,7 +84,11 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         settings.secure_data_dir()
         own_store = store is None
-        the_store = store or Store(settings.resolved_database_url, schema=settings.database_schema)
+        the_store = store or Store(
+            settings.resolved_database_url,
+            schema=settings.database_schema,
+            upgrade=settings.db_upgrade == "auto",
+        )
         if own_store:
             await the_store.start()
         lost = await the_store.mark_lost(settings.replica)
