@@ -30,6 +30,7 @@ from api.client import tls_context
 from api.config import Config, HostConfig
 from api.deps import Services
 from api.files import FileService
+from api.gate import TokenGate
 from api.jobs import JobService
 from api.local import resolve_config
 from api.metrics import Metrics
@@ -83,7 +84,11 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         settings.secure_data_dir()
         own_store = store is None
-        the_store = store or Store(settings.resolved_database_url, schema=settings.database_schema)
+        the_store = store or Store(
+            settings.resolved_database_url,
+            schema=settings.database_schema,
+            upgrade=settings.db_upgrade == "auto",
+        )
         if own_store:
             await the_store.start()
         lost = await the_store.mark_lost(settings.replica)
@@ -162,11 +167,12 @@ def create_app(
     )
     docs.install(app)
     problems.install(app)
-    app.include_router(jobs_router)
-    app.include_router(live_router)
-    app.include_router(hosts_router)
-    app.include_router(files_router)
-    app.include_router(ops_router)
+    routers = (jobs_router, live_router, hosts_router, files_router, ops_router)
+    for router in routers:
+        app.include_router(router)
+    # Added first, so it runs inside RequestContext (request id, metrics, body cap) and before
+    # the router: the token is checked before any body is read (api/gate.py).
+    app.add_middleware(TokenGate, routes=[route for r in routers for route in r.routes])
     app.add_middleware(RequestContext, metrics=metrics, max_body=config.api.max_body_bytes)
     return app
 
@@ -184,7 +190,8 @@ def _configure_logging(settings: Settings) -> None:
 
 def _uvicorn_options(settings: Settings, config: Config) -> dict[str, Any]:
     """What every server process runs uvicorn with: the keep-alive timeout clients rely on, and
-    the edge bounds of api/server.py (header size, header and body deadlines, connections)."""
+    the edge bounds of api/server.py (header size, header and body deadlines, connections in
+    all and per address)."""
     policy = Policy(config)
     ssh = sum(h.limits.max_connections * len(policy.targets(n)) for n, h in config.hosts.items())
     limits = EdgeLimits(
@@ -193,12 +200,16 @@ def _uvicorn_options(settings: Settings, config: Config) -> dict[str, Any]:
         body_timeout=settings.body_timeout,
         body_min_rate=settings.body_min_rate,
         max_connections=connection_limit(settings.max_connections, ssh),
+        max_per_address=settings.max_connections_per_address,
+        trusted_proxies=settings.trusted_proxy_networks,
     )
     return {
         "log_level": settings.log_level,
         "ws": "none",
         "timeout_keep_alive": settings.keepalive_timeout,
         "http": guarded_protocol(limits),
+        # The same list decides whose X-Forwarded-For is believed (the client address in logs).
+        "forwarded_allow_ips": settings.trusted_proxies,
     }
 
 
@@ -208,12 +219,31 @@ def serve(settings: Settings, config: Config | None = None) -> None:
     With `settings.workers` > 1, that many worker processes share the port (`_supervise`)."""
     _configure_logging(settings)
     config = config or resolve_config(settings)
+    if (warning := per_process_limits(settings)) is not None:
+        log.warning("%s", warning)
     if settings.workers > 1:
         _supervise(settings, config)
         return
     api = create_app(settings, config=config)
     _freeze_startup_heap()
     uvicorn.run(api, host=settings.host, port=settings.port, **_uvicorn_options(settings, config))
+
+
+def per_process_limits(settings: Settings) -> str | None:
+    """The start's warning when per-identity limits are counted by each process on its own:
+    several workers (or replicas) without Redis. Each process has its own LocalQuota (api/
+    quota.py), so an identity whose requests land on N processes gets up to N times each limit.
+    Said at the start, with the factor, rather than found out from a user's bill."""
+    processes = settings.workers * settings.replicas
+    if processes == 1 or settings.redis_url:
+        return None
+    return (
+        f"per-identity limits are counted by each of the {processes} API processes on its own "
+        f"({settings.workers} worker(s) x {settings.replicas} replica(s), no SSHAPI_REDIS_URL): "
+        f"an identity may get up to {processes} times each per-identity limit (the policy's "
+        "rate, burst, max_concurrent and max_transfers; max_followers); set SSHAPI_REDIS_URL "
+        f"to share them, or divide them by {processes} in the configuration"
+    )
 
 
 def _freeze_startup_heap() -> None:

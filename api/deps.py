@@ -8,7 +8,10 @@ from typing import Annotated, Any
 
 import httpx
 from fastapi import Depends, Request
+from fastapi.dependencies.models import Dependant
+from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.routing import BaseRoute
 
 from api.auth import Authenticator, Principal
 from api.config import Config
@@ -50,11 +53,16 @@ async def get_services(request: Request) -> Services:
 # auto_error=False: a missing header is our 401 problem, not FastAPI's 403.
 bearer = HTTPBearer(auto_error=False, description="A JWT from your identity provider.")
 
+# The key in the request's scope state under which api/gate.py leaves the principal it
+# verified, so that the route's own dependency does not verify the token a second time.
+PRINCIPAL = "sshapi.principal"
 
-async def get_principal(
-    svc: Annotated[Services, Depends(get_services)],
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
+
+async def authenticate(
+    svc: Services, credentials: HTTPAuthorizationCredentials | None
 ) -> Principal:
+    """The token check, wherever it runs (api/gate.py ahead of the app, `get_principal` in a
+    route): 401 with `WWW-Authenticate` without a bearer token, else api/auth.py's verdict."""
     if credentials is None:
         raise Problem(
             401,
@@ -65,6 +73,33 @@ async def get_principal(
         )
     with stage("auth"):
         return await svc.auth.authenticate(credentials.credentials)
+
+
+async def get_principal(
+    request: Request,
+    svc: Annotated[Services, Depends(get_services)],
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
+) -> Principal:
+    """The caller. A route needs a token exactly when this is among its dependencies
+    (`needs_token`): that is the one place deciding which paths are public."""
+    known = request.scope.get("state", {}).get(PRINCIPAL)
+    if isinstance(known, Principal):
+        return known
+    return await authenticate(svc, credentials)
+
+
+def needs_token(route: BaseRoute) -> bool:
+    """Whether `route` checks a token: whether `get_principal` is among its dependencies, at
+    any depth. Public routes (probes, metrics, docs, static files) have none of it."""
+    if not isinstance(route, APIRoute):
+        return False
+    pending: list[Dependant] = [route.dependant]
+    while pending:
+        dependant = pending.pop()
+        if dependant.call is get_principal:
+            return True
+        pending.extend(dependant.dependencies)
+    return False
 
 
 def require(scope: str) -> Callable[..., Coroutine[Any, Any, Principal]]:

@@ -13,6 +13,7 @@ from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.metrics import Metrics
+from api.numbers import read_count
 from api.problems import Problem
 from api.timing import TIMING, Timing
 
@@ -71,7 +72,8 @@ class RequestContext:
 
         try:
             declared = headers.get(b"content-length")
-            if declared is not None and declared.isdigit() and int(declared) > max_body:
+            size = None if declared is None else read_count(declared, saturate=True)
+            if size is not None and size > max_body:
                 await _too_large(max_body).response(scope["path"])(
                     scope, receive, send_with_headers
                 )

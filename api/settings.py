@@ -3,6 +3,7 @@ deployment. Hosts, issuers and policy live in the TOML file that `config.py` loa
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import secrets
@@ -45,6 +46,10 @@ class Settings(BaseSettings):
     database_url: str | None = None
     # PostgreSQL only: the schema (search_path) holding the tables, created if missing.
     database_schema: str | None = None
+    # `auto`: each start brings the database to this release's schema (Alembic, under a lock
+    # so that replicas starting together migrate once). `off`: a start on a database at another
+    # revision refuses and names `sshapi db upgrade`, for sites that upgrade as a deploy step.
+    db_upgrade: Literal["auto", "off"] = "auto"
     # HS256 secret for the local issuer. Unset: <data_dir>/jwt_secret, generated on first use.
     jwt_secret: SecretStr | None = None
     # Stable name of this replica: on start it marks its own unfinished jobs `lost`, and only its
@@ -76,7 +81,8 @@ class Settings(BaseSettings):
     # before 431; seconds from connecting (or a kept-alive request's first byte) until the
     # header is complete, then until the body is (plus one second per `body_min_rate` bytes
     # received), before 408 and close; client connections open at once (lowered to what the
-    # descriptor limit allows), beyond which the oldest idle one is closed.
+    # descriptor limit allows), beyond which those holding the server for nothing are closed
+    # (answered ones, then those furthest behind their due rate: api/server.py).
     max_header_bytes: int = Field(default=32 << 10, ge=1024)
     header_timeout: float = Field(default=10.0, gt=0)
     body_timeout: float = Field(default=30.0, gt=0)
@@ -86,6 +92,30 @@ class Settings(BaseSettings):
     # client holding a connection with a trickle of bytes still is: it buys 1 s per 64 KiB.
     body_min_rate: int = Field(default=64 << 10, gt=0)
     max_connections: int = Field(default=4096, ge=1)
+    # Client connections open at once from one address (an IPv6 client: from its /64), beyond
+    # which a new one is answered 429 and closed, so that one client cannot hold them all. Not
+    # applied to `trusted_proxies`, whose connections carry many clients' requests (the shipped
+    # nginx caps its own clients per address: `limit_conn`).
+    max_connections_per_address: int = Field(default=64, ge=1)
+    # Addresses (or networks, "10.0.0.0/8"; "*" for any) of the proxies in front: only their
+    # X-Forwarded-For is believed (uvicorn's proxy headers, as `forwarded_allow_ips`), and their
+    # connections are not capped per address. uvicorn's own default. Empty: no proxy.
+    trusted_proxies: str = "127.0.0.1,::1"
+    # Seconds a download's client may take nothing (less than 128 KiB) before its answer ends
+    # and its SFTP channel and transfer slot are let go (api/sending.py): nginx's send_timeout,
+    # between two writes, so a slow client that keeps reading is never cut off.
+    send_timeout: float = Field(default=60.0, gt=0)
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _parse_proxies(cls, value: str) -> str:
+        proxy_networks(value)  # raises on an entry that is no address or network
+        return value
+
+    @property
+    def trusted_proxy_networks(self) -> tuple[IPNetwork, ...] | None:
+        """`trusted_proxies` parsed; None for "*" (every address)."""
+        return proxy_networks(self.trusted_proxies)
 
     @field_validator("jwt_secret")
     @classmethod
@@ -97,7 +127,7 @@ class Settings(BaseSettings):
     @field_validator("database_url")
     @classmethod
     def _refuse_sqlite_in_memory(cls, value: str | None) -> str | None:
-        # The store reads on SQLAlchemy's connections and writes on its own (api/store.py); an
+        # The store reads on SQLAlchemy's connections and writes on its own (api/store/); an
         # in-memory SQLite database exists once per connection, so the jobs it wrote would
         # never be found. (The URL is not parsed with SQLAlchemy: Locust workers load these
         # settings and stay free of it.)
@@ -152,6 +182,20 @@ class Settings(BaseSettings):
                     f.write(secrets.token_urlsafe(48))
         _tighten(path, 0o600)  # ours (made 0600 above): an older, looser one is tightened
         return read_secret_file(path)
+
+
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def proxy_networks(text: str) -> tuple[IPNetwork, ...] | None:
+    """A comma-separated list of addresses and networks as networks; None if it holds "*"."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if "*" in items:
+        return None
+    try:
+        return tuple(ipaddress.ip_network(item, strict=False) for item in items)
+    except ValueError as exc:
+        raise ValueError(f"trusted_proxies: {exc}") from None
 
 
 def _tighten(path: Path, mode: int) -> None:

@@ -7,11 +7,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, Header, Query, Request, Response
-from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 from starlette.requests import ClientDisconnect
 
@@ -30,13 +29,15 @@ from api.files import (
     http_date,
     temp_name,
 )
+from api.numbers import read_count
 from api.problems import MEDIA_TYPE, Problem
+from api.sending import DeadlineResponse
 from sshpool import ConnectionLost, RemoteFileFailure, SSHPoolError
 
 router = APIRouter(prefix="/v1/hosts/{host}/files", tags=["files"])
 
 Path = Annotated[str, Query(min_length=1, max_length=MAX_PATH, description="Path on the host.")]
-RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
+RANGE = re.compile(r"^bytes=([0-9]*)-([0-9]*)$")
 
 
 def _problem(description: str) -> dict[str, Any]:
@@ -89,13 +90,15 @@ def _range(header: str | None, size: int) -> tuple[int, int] | None:
     m = RANGE.match(header.strip())
     if m is None or (not m.group(1) and not m.group(2)):
         return None
+    # ASCII digits (the pattern), and past MAX_DIGITS read as "beyond any file", never
+    # converted: int() refuses over 4,300 digits (a 500).
     first, last = m.group(1), m.group(2)
     if not first:
-        n = int(last)
+        n = read_count(last, saturate=True) or 0
         start, end = max(0, size - n), size
     else:
-        start = int(first)
-        end = min(size, int(last) + 1) if last else size
+        start = read_count(first, saturate=True) or 0
+        end = min(size, (read_count(last, saturate=True) or 0) + 1) if last else size
     if start >= size or start >= end:
         raise Problem(
             416,
@@ -154,7 +157,7 @@ async def download(
         stack.push_async_callback(remote.close)
     except SSHPoolError as exc:
         await stack.aclose()
-        raise file_problem(exc) from exc
+        raise file_problem(exc, host) from exc
     except BaseException:
         await stack.aclose()
         raise
@@ -165,7 +168,7 @@ async def download(
         headers["Content-Range"] = f"bytes {start}-{end - 1}/{attrs.size}"
     counter = svc.metrics.file_bytes.labels("download")
 
-    async def body() -> AsyncIterator[bytes]:
+    async def body() -> AsyncGenerator[bytes, None]:
         remaining = end - start
         ahead: asyncio.Future[bytes] | None = None
         try:
@@ -188,8 +191,16 @@ async def download(
                 ahead.exception()
             await stack.aclose()
 
-    return StreamingResponse(
-        body(), status_code=status, headers=headers, media_type="application/octet-stream"
+    # A client that stops reading is let go of after send_timeout (api/sending.py): it would
+    # hold the SFTP channel and the transfer slot for as long as it keeps the connection.
+    return DeadlineResponse(
+        body(),
+        release=stack.aclose,
+        send_timeout=svc.settings.send_timeout,
+        what="download",
+        status_code=status,
+        headers=headers,
+        media_type="application/octet-stream",
     )
 
 
@@ -222,8 +233,8 @@ async def upload(
         grant = files.grant
         limit = min(grant.rule.max_file_size, grant.rule.max_transfer_bytes)
         # Read from the request, not declared as a parameter: the server validated it already.
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
+        declared = read_count(request.headers.get("content-length", ""), saturate=True)
+        if declared is not None and declared > limit:
             raise Problem(413, "too-large", "File too large", f"at most {limit} bytes")
         place = await files.resolve_name(path)
         await files.guard(place)

@@ -21,7 +21,8 @@ from api.timing import TIMING
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
-PREFER_WAIT = re.compile(r"(?:^|[;,\s])wait\s*=\s*\"?(\d+(?:\.\d+)?)\"?", re.IGNORECASE)
+# ASCII digits only: [0-9], not \d (which matches other scripts' digits too).
+PREFER_WAIT = re.compile(r"(?:^|[;,\s])wait\s*=\s*\"?([0-9]+(?:\.[0-9]+)?)\"?", re.IGNORECASE)
 
 
 def _problem(description: str) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, Response
 from fastapi.security import HTTPAuthorizationCredentials
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from api.deps import Svc, bearer, get_principal
+from api.deps import Svc, authenticate, bearer
 from api.problems import Problem
 
 router = APIRouter(tags=["operations"])
@@ -36,7 +36,7 @@ async def metrics(
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
 ) -> Response:
     if svc.config.api.metrics_require_admin:
-        who = await get_principal(svc, credentials)
+        who = await authenticate(svc, credentials)
         if not who.is_admin:
             raise Problem(403, "insufficient-scope", "Insufficient scope", "metrics need admin")
     return Response(svc.metrics.render(), media_type=CONTENT_TYPE_LATEST)
