@@ -83,7 +83,9 @@ class FileService:
         await self.spend(who, grant)
         try:
             async with self.pool.sftp(
-                grant.target, acquire_timeout=self.config.api.queue_timeout
+                grant.target,
+                acquire_timeout=self.config.api.queue_timeout,
+                tenant=(who.issuer, who.subject),  # in turns with the caller's jobs
             ) as fs:
                 confinement = await self.confinements.get(fs, grant, who, roots)
                 yield Files(fs, grant, who, confinement)
@@ -321,7 +323,7 @@ class FileService:
             stack.push_async_callback(remote.close)
         except SSHPoolError as exc:
             await stack.aclose()
-            raise file_problem(exc) from exc
+            raise file_problem(exc, host) from exc
         except BaseException:
             await stack.aclose()
             raise

@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, Header, Query, Request, Response
-from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 from starlette.requests import ClientDisconnect
 
@@ -18,6 +17,7 @@ from api.deps import FileReader, FileWriter, Svc
 from api.files import MAX_PATH
 from api.numbers import read_count
 from api.problems import MEDIA_TYPE, Problem
+from api.sending import DeadlineResponse
 
 router = APIRouter(prefix="/v1/hosts/{host}/files", tags=["files"])
 
@@ -89,8 +89,13 @@ async def download(
     download = await svc.files.download(who, host, path, range_, if_none_match)
     if download.status == 304:
         return Response(status_code=304, headers=download.headers)
-    return StreamingResponse(
+    # A client that stops reading is let go of after send_timeout (api/sending.py): it would
+    # hold the SFTP channel and the transfer slot for as long as it keeps the connection.
+    return DeadlineResponse(
         download.body(),
+        release=download.aclose,
+        send_timeout=svc.settings.send_timeout,
+        what="download",
         status_code=download.status,
         headers=download.headers,
         media_type="application/octet-stream",
