@@ -6,17 +6,21 @@ The face: `FileService` is what the routes call, one method per operation (`list
 host, opens its own confined SFTP view and lets go of it, so no route touches the SFTP session.
 What this package exports is below (`__all__`); the modules:
 
-    errors     the problems of file operations                    api.problems, sshpool
-    confine    roots, protected paths, resolving (`Files`)        errors, api.auth, api.policy
-    listings   snapshots of directories, cursors                  api.problems, sshpool
-    transfers  the upload protocol, a download's body, ranges     confine, api.numbers
-    checksum   sha256sum on the host                              errors, api.config, sshpool
-    service    `FileService`: the operations, the per-identity    all of the above, api.quota,
-               limits (transfers, listings, the commit lock)      api.metrics, api.config
+    errors     the problems of file operations                  api.problems, sshpool
+    confine    roots, protected paths, resolving (`Files`)      errors, api.auth, api.policy
+    listings   snapshots of directories, cursors                api.problems
+    transfers  the upload protocol, a download's body, ranges   confine, api.numbers
+    checksum   sha256sum on the host                            errors, api.config, api.policy
+    service    `FileService`: the operations and the            all of the above, api.quota,
+               per-identity limits (transfers, listings,        api.metrics
+               the commit lock)
+
+(each also the SFTP types of sshpool.backends.base, and sshpool's errors)
 
 It may import api.auth, api.config, api.metrics, api.numbers, api.policy, api.problems,
-api.quota and sshpool (its SFTP types from sshpool.backends.base); nothing of HTTP (fastapi,
-starlette, api.routes) and no other feature (api.jobs, api.live, api.store).
+api.quota and sshpool (its SFTP types from sshpool.backends.base). It imports no HTTP
+framework itself (fastapi, starlette: the routes turn its answers into responses), no route
+and no other feature (api.jobs, api.live, api.store).
 """
 
 from api.files.confine import MAX_PATH

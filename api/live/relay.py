@@ -3,7 +3,7 @@ memory of the replica that runs it (the owner); a follower on another replica ge
 capped Redis stream per job and output stream.
 
     owner: Feed --cursor--> publisher --XADD--> sshapi:live:<job>:stdout|stderr|state
-    other replica: watcher --XREAD BLOCK--> its own Feed --> its followers (api/live.py)
+    other replica: watcher --XREAD BLOCK--> its own Feed --> its followers (api/live/)
 
 Why Redis *streams*, not pub/sub: a stream keeps the latest bytes, so a follower that arrives
 late, or a watcher that reconnects, reads them again by offset; pub/sub delivers only to whoever
@@ -21,7 +21,7 @@ the watcher sees the bytes missing; its followers get a `cutoff`, then a `gap` o
 kept head stays readable through `/output`.
 
 Redis down or unreachable: publishing drops its bytes (logged once), and a watcher falls back to
-polling the shared store (api/live.py): state changes within 2 s, the kept output once the job
+polling the shared store (api/live/hub.py): state changes within 2 s, the kept output once the job
 is final.
 """
 
@@ -33,7 +33,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from api.live.feeds import POLL, READ, STREAMS, WINDOW, Feed, StreamBuffer, head_of, kept
+from api.live.feeds import READ, STREAMS, WINDOW, Feed, StreamBuffer, head_of, kept
+from api.live.hub import POLL
 from api.output import Stream
 from api.quota import PREFIX, REDIS_TIMEOUT
 from api.states import FINAL

@@ -1,5 +1,5 @@
 """Live output over HTTP: `GET /v1/jobs/{id}/output?follow=true` (raw bytes, chunked) and
-`GET /v1/jobs/{id}/events` (Server-Sent Events). The feeds and their rules are api/live.py."""
+`GET /v1/jobs/{id}/events` (Server-Sent Events). The feeds and their rules are api/live/."""
 
 from __future__ import annotations
 

@@ -1,0 +1,249 @@
+"""The hub: the feeds of this process, for the commands it runs and for the jobs it follows but
+does not run (a watcher per job: the store's state, a batch job's files read ahead of its
+followers, or another replica's command through the relay)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Protocol
+
+from api.live.feeds import READ_AHEAD, STREAMS, Feed, head_of, stored
+from api.output import Stream
+from api.problems import Problem, retry_after
+from api.states import FINAL
+from api.store import JobRow
+
+log = logging.getLogger("sshapi.live")
+
+POLL = (0.25, 2.0)  # watcher intervals: while output flows, and the idle cap (doubling)
+MAX_PER_JOB = 64  # followers of one job in one process
+
+# The store's row of a job (None: gone).
+Load = Callable[[str], Awaitable[JobRow | None]]
+
+
+class Relay(Protocol):
+    """Commands' live output between replicas (api/live/relay.py's RedisRelay)."""
+
+    def listen(self, wanted: Callable[[str], None]) -> None:
+        """Call `wanted(job_id)` when another replica wants to follow a job."""
+
+    async def publish(self, feed: Feed) -> None:
+        """Copy a feed of this process out until it is final."""
+
+    async def watch(self, feed: Feed, load: Load) -> None:
+        """Fill a feed of another replica's command until the job is final."""
+
+    async def close(self) -> None: ...
+
+
+class LiveHub:
+    """The feeds of this process: commands it runs, and watchers of the jobs it does not."""
+
+    def __init__(
+        self,
+        load: Load,
+        read_file: Callable[[JobRow, Stream, int, int], Awaitable[tuple[bytes, int | None]]],
+        relay: Relay | None = None,
+    ) -> None:
+        self._load = load  # the store's row
+        self._read_file = read_file  # a batch job's output file, over SSH
+        self.relay = relay
+        self.feeds: dict[str, Feed] = {}
+        self._watchers: dict[str, asyncio.Task[None]] = {}
+        self._commands: set[str] = set()  # jobs whose feed this process fills from the pool
+        self._publishers: dict[str, asyncio.Task[None]] = {}
+
+    # ---- commands run here
+
+    def open_command(self, row: JobRow, cap: int) -> Feed:
+        feed = Feed(row, cap)
+        self.feeds[row.id] = feed
+        self._commands.add(row.id)
+        if self.relay is not None:
+            self.relay.listen(self._wanted)
+        return feed
+
+    def close_command(self, row: JobRow) -> None:
+        self._commands.discard(row.id)
+        feed = self.feeds.pop(row.id, None)
+        if feed is not None:
+            feed.finish(row)
+
+    def _wanted(self, job_id: str) -> None:
+        """Another replica follows a command of ours: publish it (once per job)."""
+        if self.relay is None or job_id not in self._commands or job_id in self._publishers:
+            return
+        task = asyncio.create_task(self.relay.publish(self.feeds[job_id]), name=f"pub-{job_id}")
+        self._publishers[job_id] = task
+        task.add_done_callback(lambda _: self._publishers.pop(job_id, None))
+
+    # ---- following
+
+    @contextlib.asynccontextmanager
+    async def feed_for(self, row: JobRow) -> AsyncIterator[Feed]:
+        """The feed of `row` for one follower, counted while it follows; the watcher of a job
+        this process does not run stops once its last follower leaves."""
+        feed = self.feeds.get(row.id)
+        if feed is None:
+            feed = stored(row) if row.state in FINAL and row.kind != "batch" else self._watch(row)
+        if feed.followers >= MAX_PER_JOB:
+            raise Problem(
+                429,
+                "too-many-followers",
+                "Too many followers of this job",
+                f"at most {MAX_PER_JOB} followers of one job",
+                headers=retry_after(5),
+            )
+        feed.followers += 1
+        try:
+            yield feed
+        finally:
+            feed.followers -= 1
+            if feed.followers == 0 and row.id in self._watchers:
+                self._watchers.pop(row.id).cancel()
+                if self.feeds.get(row.id) is feed:
+                    del self.feeds[row.id]
+
+    def _watch(self, row: JobRow) -> Feed:
+        if row.kind == "batch":
+
+            async def refill(stream: Stream, offset: int, limit: int) -> bytes:
+                data, _ = await self._read_file(feed.row, stream, offset, limit)
+                return data
+
+            feed = Feed(row, 0, refill, window=READ_AHEAD)
+            watcher = self._read_ahead(feed)
+        else:
+            feed = Feed(row, 0)
+            watcher = self._watcher(feed)
+        self.feeds[row.id] = feed
+        self._watchers[row.id] = asyncio.create_task(watcher, name=f"live-{row.id}")
+        return feed
+
+    async def _watcher(self, feed: Feed) -> None:
+        """One per followed command this process does not run: polls the store for the state
+        (or reads the owner's relay) until the job is final."""
+        delay, cap = POLL
+        try:
+            if self.relay is not None:
+                await self.relay.watch(feed, self._load)
+                return
+            while True:
+                if feed.row.state in FINAL:  # another replica's command: its kept output
+                    for stream in STREAMS:
+                        feed.streams[stream] = head_of(feed.row, stream)
+                    feed.finish(feed.row)
+                    return
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, cap)
+                with contextlib.suppress(Exception):  # the store is down: the old row meanwhile
+                    fresh = await self._load(feed.row.id)
+                    if fresh is not None and fresh.state != feed.row.state:
+                        delay = POLL[0]
+                        feed.update(fresh)
+                    elif fresh is not None:
+                        feed.row = fresh
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("live: watcher of job %s failed", feed.row.id)
+            feed.finish(feed.row)
+
+    async def _read_ahead(self, feed: Feed) -> None:
+        """One per followed batch job in this process: reads its output files onward as its
+        followers take them (see the module docstring) and its state from the store, until the
+        job is final and each stream has been read to its end.
+
+        A stream is read when its leading follower is within READ_AHEAD // 2 of what was read,
+        at most up to READ_AHEAD ahead of that follower, paid by that follower's identity. An
+        empty read waits POLL (doubling to its cap) before that stream is read again; nothing
+        is read while no follower comes near, whatever the file's size."""
+        loop = asyncio.get_running_loop()
+        store_delay = POLL[0]
+        load_at = loop.time() + store_delay
+        empty_delay = dict.fromkeys(STREAMS, POLL[0])
+        read_at = dict.fromkeys(STREAMS, 0.0)
+        try:
+            while True:
+                demand = feed.demand()
+                final = feed.row.state in FINAL  # before the reads: their bytes all came
+                grew = False
+                for stream in STREAMS:
+                    buf = feed.streams[stream]
+                    lead = feed.lead(stream)
+                    if buf.complete or lead is None or loop.time() < read_at[stream]:
+                        continue
+                    behind = buf.total - lead.offsets[stream]
+                    if behind < 0:
+                        # The leader resumed past what was read: read from there; a follower
+                        # that wants the bytes before reads them from the file itself.
+                        buf.skip_to(lead.offsets[stream])
+                        behind = 0
+                    if behind > READ_AHEAD // 2:
+                        continue  # the leader has not come near: nothing is read for nobody
+                    await lead.pay()
+                    read_ok = True
+                    try:
+                        data, _ = await self._read_file(
+                            feed.row, stream, buf.total, READ_AHEAD - behind
+                        )
+                    except Exception as exc:  # the host is unreachable: try again later
+                        log.info("live: reading job %s: %s", feed.row.id, exc)
+                        data, read_ok = b"", False
+                    if data:
+                        buf.append(data)
+                        grew = True
+                        empty_delay[stream] = POLL[0]
+                        continue
+                    if final and read_ok:
+                        buf.complete = True  # final and read to the end: no more will come
+                        feed.wake()
+                        continue
+                    read_at[stream] = loop.time() + empty_delay[stream]
+                    empty_delay[stream] = min(empty_delay[stream] * 2, POLL[1])
+                if grew:
+                    feed.wake()
+                    store_delay = POLL[0]
+                if all(buf.complete for buf in feed.streams.values()):
+                    feed.finish(feed.row)
+                    return
+                if not grew:
+                    # Until a follower moves, a stream's next poll, or the store's.
+                    now = loop.time()
+                    until = min([load_at, *(t for t in read_at.values() if t > now)])
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout_at(until):
+                            await demand.wait()
+                if loop.time() >= load_at:
+                    store_delay = await self._reload(feed, store_delay)
+                    load_at = loop.time() + store_delay
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("live: watcher of job %s failed", feed.row.id)
+            feed.finish(feed.row)
+
+    async def _reload(self, feed: Feed, delay: float) -> float:
+        """The row from the store (the old one while it is down); the next delay: POLL's first
+        after a change, else doubled up to its cap."""
+        with contextlib.suppress(Exception):
+            fresh = await self._load(feed.row.id)
+            if fresh is not None and fresh.state != feed.row.state:
+                feed.update(fresh)
+                return POLL[0]
+            if fresh is not None:
+                feed.row = fresh
+        return min(delay * 2, POLL[1])
+
+    async def close(self) -> None:
+        tasks = [*self._watchers.values(), *self._publishers.values()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._watchers.clear()
+        if self.relay is not None:
+            await self.relay.close()
