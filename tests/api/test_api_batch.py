@@ -465,7 +465,7 @@ async def test_one_remote_reader_per_batch_job_however_many_clients_follow_it(
     api: Api, workdir: str
 ) -> None:
     """Five followers of a batch job cost the host no more SSH commands than one: the process
-    reads the output files once per poll for all of them (api/live.py's watcher)."""
+    reads the output files once per poll for all of them (api/live/hub.py's watcher)."""
 
     async def ssh_commands() -> float:
         text = (await api.client.get(f"{api.url}/metrics")).text

@@ -1,4 +1,4 @@
-"""The Redis relay of live output between replicas (api/relay.py) against the real Redis: the
+"""The Redis relay of live output between replicas (api/live/relay.py) against the real Redis: the
 owner's feed copied into another replica's feed, and what its followers see when bytes were
 missed."""
 
