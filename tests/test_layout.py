@@ -2,6 +2,8 @@
 
 * `import sshpool` loads nothing of the dev rig (`sshpool.devhost`).
 * The sshpool package reads no SSHAPI_* variable: the API's environment is the API's.
+* api/ imports sshpool by its public names only (`from sshpool import ...`), never a submodule:
+  the one exception is the dev rig, which the `sshapi dev` command imports inside the command.
 * No module of sshpool/, api/ or loadtests/ imports a private name (`_x`, or a module `_m`) of
   another package.
 """
@@ -37,6 +39,51 @@ def test_sshpool_reads_no_sshapi_variable() -> None:
         if "SSHAPI_" in line
     ]
     assert hits == []
+
+
+# The sshpool submodules api/ may import, and the one place each: the dev rig for `sshapi dev`,
+# inside the command so that no other command loads it.
+API_SSHPOOL_SUBMODULES = {"sshpool.devhost": "api/cli.py"}
+
+
+def _sshpool_submodule_imports(path: Path) -> list[str]:
+    """`from sshpool.x import ...` and `import sshpool.x` in one api/ module, but for the
+    allowed submodule imported inside a function of its one module."""
+    where = str(path.relative_to(ROOT))
+    tree = ast.parse(path.read_text(), str(path))
+    nested = {
+        id(node)
+        for scope in ast.walk(tree)
+        if isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef))
+        for node in ast.walk(scope)
+    }
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            modules = [node.module]
+        elif isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        else:
+            continue
+        for module in modules:
+            if not module.startswith("sshpool."):
+                continue
+            home = API_SSHPOOL_SUBMODULES.get(".".join(module.split(".")[:2]))
+            if home == where and id(node) in nested:
+                continue
+            found.append(f"{where}:{node.lineno}: {module}")
+    return found
+
+
+def test_api_imports_sshpool_by_its_public_names_only() -> None:
+    """What the pool hands to the API (SFTP sessions, files, attributes, errors, results) is
+    exported by `sshpool`: an import from a submodule means the package's face lacks a name."""
+    found = [
+        hit
+        for path in sorted((ROOT / "api").rglob("*.py"))
+        for hit in _sshpool_submodule_imports(path)
+    ]
+    assert found == []
 
 
 def _is_private(name: str) -> bool:
