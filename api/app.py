@@ -84,7 +84,11 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         settings.secure_data_dir()
         own_store = store is None
-        the_store = store or Store(settings.resolved_database_url, schema=settings.database_schema)
+        the_store = store or Store(
+            settings.resolved_database_url,
+            schema=settings.database_schema,
+            upgrade=settings.db_upgrade == "auto",
+        )
         if own_store:
             await the_store.start()
         lost = await the_store.mark_lost(settings.replica)
@@ -215,12 +219,31 @@ def serve(settings: Settings, config: Config | None = None) -> None:
     With `settings.workers` > 1, that many worker processes share the port (`_supervise`)."""
     _configure_logging(settings)
     config = config or resolve_config(settings)
+    if (warning := per_process_limits(settings)) is not None:
+        log.warning("%s", warning)
     if settings.workers > 1:
         _supervise(settings, config)
         return
     api = create_app(settings, config=config)
     _freeze_startup_heap()
     uvicorn.run(api, host=settings.host, port=settings.port, **_uvicorn_options(settings, config))
+
+
+def per_process_limits(settings: Settings) -> str | None:
+    """The start's warning when per-identity limits are counted by each process on its own:
+    several workers (or replicas) without Redis. Each process has its own LocalQuota (api/
+    quota.py), so an identity whose requests land on N processes gets up to N times each limit.
+    Said at the start, with the factor, rather than found out from a user's bill."""
+    processes = settings.workers * settings.replicas
+    if processes == 1 or settings.redis_url:
+        return None
+    return (
+        f"per-identity limits are counted by each of the {processes} API processes on its own "
+        f"({settings.workers} worker(s) x {settings.replicas} replica(s), no SSHAPI_REDIS_URL): "
+        f"an identity may get up to {processes} times each per-identity limit (the policy's "
+        "rate, burst, max_concurrent and max_transfers; max_followers); set SSHAPI_REDIS_URL "
+        f"to share them, or divide them by {processes} in the configuration"
+    )
 
 
 def _freeze_startup_heap() -> None:
