@@ -26,6 +26,7 @@ from fastapi import FastAPI
 from api import docs, problems
 from api.auth import Authenticator
 from api.batch import BatchJobs
+from api.client import tls_context
 from api.config import Config, HostConfig
 from api.deps import Services
 from api.files import FileService
@@ -45,7 +46,6 @@ from api.routes.ops import router as ops_router
 from api.server import EdgeLimits, connection_limit, guarded_protocol
 from api.settings import Settings
 from api.store import Store
-from api.tls import tls_context
 from sshpool import Pool, SSHPoolError
 
 log = logging.getLogger("sshapi")

@@ -1,5 +1,5 @@
 """The `sshapi` command line: serve, dev (local host + API), token, hosts check, doctor, db
-upgrade; the client commands (run, jobs, batch) are api/client_cli.py."""
+upgrade; the client commands (run, jobs, batch, files) are api/client/cli.py."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 import typer
 from pydantic import ValidationError
 
-from api.client_cli import register as register_client_commands
+from api.client.cli import register as register_client_commands
 from api.config import Config
 from api.local import (
     default_config,
