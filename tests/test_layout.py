@@ -16,6 +16,7 @@ import ast
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,6 +49,17 @@ def test_sshpool_reads_no_sshapi_variable() -> None:
 API_SSHPOOL_SUBMODULES = {"sshpool.devhost": "api/cli.py"}
 
 
+def _imports(tree: ast.AST) -> Iterator[tuple[ast.Import | ast.ImportFrom, str, list[str]]]:
+    """Every absolute import in `tree`: the statement, the module, and the names taken from it
+    (none for `import m`)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            yield node, node.module, [alias.name for alias in node.names]
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node, alias.name, []
+
+
 def _sshpool_submodule_imports(path: Path) -> list[str]:
     """`from sshpool.x import ...` and `import sshpool.x` in one api/ module, but for the
     allowed submodule imported inside a function of its one module."""
@@ -60,20 +72,13 @@ def _sshpool_submodule_imports(path: Path) -> list[str]:
         for node in ast.walk(scope)
     }
     found: list[str] = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            modules = [node.module]
-        elif isinstance(node, ast.Import):
-            modules = [alias.name for alias in node.names]
-        else:
+    for node, module, _ in _imports(tree):
+        if not module.startswith("sshpool."):
             continue
-        for module in modules:
-            if not module.startswith("sshpool."):
-                continue
-            home = API_SSHPOOL_SUBMODULES.get(".".join(module.split(".")[:2]))
-            if home == where and id(node) in nested:
-                continue
-            found.append(f"{where}:{node.lineno}: {module}")
+        home = API_SSHPOOL_SUBMODULES.get(".".join(module.split(".")[:2]))
+        if home == where and id(node) in nested:
+            continue
+        found.append(f"{where}:{node.lineno}: {module}")
     return found
 
 
@@ -97,21 +102,12 @@ def _private_imports(path: Path) -> list[str]:
     the importing module's own top-level package."""
     own = path.relative_to(ROOT).parts[0]
     found: list[str] = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            modules = [node.module]
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.Import):
-            modules = [alias.name for alias in node.names]
-            names = []
-        else:
+    for node, module, names in _imports(ast.parse(path.read_text(), str(path))):
+        if module.split(".")[0] == own:
             continue
-        for module in modules:
-            if module.split(".")[0] == own:
-                continue
-            private = [part for part in [*module.split("."), *names] if _is_private(part)]
-            if private:
-                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {module} {private}")
+        private = [part for part in [*module.split("."), *names] if _is_private(part)]
+        if private:
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {module} {private}")
     return found
 
 
@@ -129,16 +125,8 @@ def _server_imports(path: Path) -> list[str]:
     """The imports of `api` modules outside `api.client` in one file (relative imports stay in
     the package: the client has no parent to reach)."""
     found: list[str] = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            if node.module == "api":
-                modules = [f"api.{alias.name}" for alias in node.names]
-            else:
-                modules = [node.module]
-        elif isinstance(node, ast.Import):
-            modules = [alias.name for alias in node.names]
-        else:
-            continue
+    for node, imported, names in _imports(ast.parse(path.read_text(), str(path))):
+        modules = [f"api.{name}" for name in names] if imported == "api" and names else [imported]
         for module in modules:
             if module.split(".")[0] == "api" and module.split(".")[:2] != ["api", "client"]:
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {module}")
