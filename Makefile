@@ -88,10 +88,14 @@ slurm: $(STAMP)
 # The API tests use PostgreSQL (postgres@127.0.0.1:5432/test) and Redis (127.0.0.1:6379). When
 # they answer, nothing happens; else the packages are installed when missing and the test run
 # starts its own servers under SERVICES_DIR, without systemd (sshpool/devhost/services.py).
+# SSHAPI_TEST_PG (the tests' PostgreSQL URL) set: that server is its owner's, left alone.
 services: $(STAMP)
 	@$(VENV)/bin/python -m sshpool.devhost.services install $(if $(SUDO),--sudo,--no-sudo) \
 	  --pg-port $(PG_PORT) --redis-port $(REDIS_PORT) --data-dir $(SERVICES_DIR) \
-	  $(if $(PG_BIN_DIR),--pg-bin-dir $(PG_BIN_DIR)) --redis-server $(REDIS_SERVER_BIN)
+	  $(if $(PG_BIN_DIR),--pg-bin-dir $(PG_BIN_DIR)) --redis-server $(REDIS_SERVER_BIN) \
+	  $(if $(SSHAPI_TEST_PG),--no-postgresql) || { \
+	  echo "(tests against another PostgreSQL: SSHAPI_TEST_PG=postgresql+asyncpg://USER:PASSWORD@HOST:PORT/DB make test)"; \
+	  exit 1; }
 
 # Start the local HPC host (sshd on loopback, `tuned` profile) and the API on 127.0.0.1:8000.
 run: $(STAMP) sshd

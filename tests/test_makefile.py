@@ -110,7 +110,9 @@ def install_recipes() -> set[str]:
     return found
 
 
-def make(target: str, tmp: Path, sudo: str) -> subprocess.CompletedProcess[str]:
+def make(
+    target: str, tmp: Path, sudo: str, env_extra: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     installed = tmp / "installed"
     variables = {"SUDO": sudo, "SLURM_SEARCH_PATH": str(installed)}
     for packages in RECIPES.values():
@@ -128,6 +130,7 @@ def make(target: str, tmp: Path, sudo: str) -> subprocess.CompletedProcess[str]:
     env.pop("DEBIAN_FRONTEND", None)
     env.pop("RUNLEVEL", None)
     env.pop("SSHAPI_TEST_PG", None)
+    env |= env_extra or {}
     argv = ["make", "--no-print-directory", "-C", str(ROOT), target]
     argv += [f"{k}={v}" for k, v in variables.items()]
     return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
@@ -300,5 +303,18 @@ def test_services_port_held_by_another_program_fails_clearly(fakes: Path) -> Non
     assert done.returncode != 0
     assert f"Redis on 127.0.0.1:{port} cannot serve the tests" in done.stdout, done.stdout
     assert "NOAUTH" in done.stdout
+    assert calls(fakes) == []
+    assert not (fakes / "services").exists()
+
+
+def test_services_leaves_postgresql_to_sshapi_test_pg(fakes: Path) -> None:
+    """SSHAPI_TEST_PG gives the tests another PostgreSQL: the recipe neither installs nor starts
+    one (nothing answers on its port here, and its programs are "absent")."""
+    redis_answers = {"REDIS_PORT": "6379"}
+    (fakes / "services.json").write_text(json.dumps(settings(fakes) | redis_answers))
+    url = "postgresql+asyncpg://someone:secret@db.example:5432/elsewhere"
+    done = make("services", fakes, "", {"SSHAPI_TEST_PG": url})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "PostgreSQL: the tests use another server" in done.stdout, done.stdout
     assert calls(fakes) == []
     assert not (fakes / "services").exists()

@@ -1,7 +1,7 @@
 """PostgreSQL and Redis for the test suite: installed from the OS packages and started when absent.
 
 The suite expects PostgreSQL at ``postgresql+asyncpg://postgres@127.0.0.1:5432/test`` (the role
-``postgres`` without a password; ``SSHAPI_TEST_PG`` names another server) and Redis at
+``postgres`` without a password) and Redis at
 ``redis://127.0.0.1:6379/0``. ``python -m sshpool.devhost.services install`` (``make services``,
 which ``make test`` runs first) makes both answer. For each service, in this order:
 
@@ -26,13 +26,13 @@ outlive ``make`` and serve the whole test run; ``stop`` ends them by their pid f
 
 from __future__ import annotations
 
-import asyncio
 import os
 import pwd
 import shutil
 import signal
 import socket
 import stat
+import struct
 import subprocess
 import time
 from collections.abc import Callable, Sequence
@@ -67,33 +67,53 @@ class State:
     detail: str = ""
 
 
+def _pg_session(port: int, database: str, sql: str | None, timeout: float) -> tuple[str, str]:
+    """Log in as ``postgres`` over PostgreSQL's wire protocol (version 3, no TLS, no password)
+    and run `sql`, if any. ``("", "")`` on success, else (SQLSTATE or ``password``, message).
+
+    By hand, like Redis's PING below: the rig imports no database client, and the servers must be
+    checked before their programs (psql) are installed."""
+    params = f"user\0{PG_ROLE}\0database\0{database}\0\0".encode()
+    with socket.create_connection((HOST, port), timeout=timeout) as conn:
+        conn.sendall(struct.pack("!ii", 8 + len(params), 3 << 16) + params)
+        reader = conn.makefile("rb")
+        queried = False
+        while True:
+            head = reader.read(5)
+            if len(head) < 5:
+                return "closed", "the server closed the connection"
+            kind, length = head[:1], struct.unpack("!i", head[1:])[0]
+            body = reader.read(length - 4)
+            if kind == b"R" and struct.unpack("!i", body[:4])[0] != 0:  # not AuthenticationOk
+                return "password", f"{PG_ROLE!r} must give a password"
+            if kind == b"E":
+                fields = {f[:1]: f[1:].decode(errors="replace") for f in body.split(b"\0") if f}
+                return fields.get(b"C", "?"), fields.get(b"M", "")
+            if kind == b"Z":  # ReadyForQuery: logged in, or the query is done
+                if sql is None or queried:
+                    conn.sendall(b"X\0\0\0\4")  # Terminate
+                    return "", ""
+                query = sql.encode() + b"\0"
+                conn.sendall(b"Q" + struct.pack("!i", 4 + len(query)) + query)
+                queried = True
+
+
 def postgres_state(port: int, timeout: float = 5.0) -> State:
     """Log into ``test`` as ``postgres`` without a password; create ``test`` when only it is
     missing (a fresh cluster of ours, or a server that trusts ``postgres`` already)."""
-    import asyncpg
-
-    async def check() -> State:
-        kwargs = {"host": HOST, "port": port, "user": PG_ROLE, "timeout": timeout}
-        try:
-            conn = await asyncpg.connect(database=PG_DATABASE, **kwargs)
-        except asyncpg.InvalidCatalogNameError:
-            conn = await asyncpg.connect(database="postgres", **kwargs)
-            try:
-                await conn.execute(f'CREATE DATABASE "{PG_DATABASE}"')
-            finally:
-                await conn.close()
-            return State("ok", f"created database {PG_DATABASE}")
-        await conn.close()
-        return State("ok")
-
     try:
-        return asyncio.run(check())
-    except (ConnectionRefusedError, FileNotFoundError):
+        code, message = _pg_session(port, PG_DATABASE, None, timeout)
+        if code == "3D000":  # invalid_catalog_name: no database "test"
+            code, message = _pg_session(
+                port, "postgres", f'CREATE DATABASE "{PG_DATABASE}"', timeout
+            )
+            if not code:
+                return State("ok", f"created database {PG_DATABASE}")
+    except ConnectionRefusedError:
         return State("down")
-    except (asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-        return State("other", f"{type(exc).__name__}: {exc}")
-    except (OSError, TimeoutError) as exc:
+    except OSError as exc:
         return State("other", f"no PostgreSQL answer ({type(exc).__name__}: {exc})")
+    return State("ok") if not code else State("other", f"{code}: {message}")
 
 
 def redis_state(port: int, timeout: float = 5.0) -> State:
@@ -329,8 +349,9 @@ HINTS = {
     "postgresql": (
         f"The tests log in as {PG_ROLE!r} without a password into {PG_DATABASE!r}. Either let that "
         f"role in from {HOST} (a first pg_hba.conf line `host all {PG_ROLE} {HOST}/32 trust`, "
-        "then reload), stop that server so the test run starts its own, or point the tests at "
-        "another server with SSHAPI_TEST_PG=postgresql+asyncpg://USER:PASSWORD@HOST:PORT/DB."
+        "then reload), or stop that server so the test run starts its own (Debian's cluster, "
+        "which systemd starts on install: `pg_ctlcluster VERSION main stop`, and `manual` in its "
+        "start.conf to keep it stopped at boot; docs/pool.md)."
     ),
     "redis": (
         "The tests use Redis without a password, database 0: stop that server so the test run "
@@ -363,6 +384,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     install.add_argument("--redis-server", type=Path, default=Path(REDIS_SERVER))
     install.add_argument(
+        "--postgresql",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also PostgreSQL (the Makefile says no when the tests are given another server)",
+    )
+    install.add_argument(
         "--sudo",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -372,8 +399,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "stop":
         print(f"stopped: {', '.join(stop(args.data_dir)) or 'nothing ran'}")
         return 0
-    # The tests use SSHAPI_TEST_PG's server instead of ours: whoever set it runs that server.
-    manage_postgres = not os.environ.get("SSHAPI_TEST_PG")
     try:
         lines = ensure(
             data_dir=args.data_dir,
@@ -381,14 +406,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             redis_port=args.redis_port,
             pg_bin=args.pg_bin_dir,
             redis_server=args.redis_server,
-            manage_postgres=manage_postgres,
+            manage_postgres=args.postgresql,
             sudo=args.sudo,
         )
     except ServicesError as exc:
         print(f"services: {exc}")
         return 1
-    if not manage_postgres:
-        lines.append("PostgreSQL: SSHAPI_TEST_PG is set, its server is left to you")
+    if not args.postgresql:
+        lines.append("PostgreSQL: the tests use another server, left to whoever runs it")
     print("\n".join(lines))
     return 0
 
