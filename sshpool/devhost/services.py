@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import re
 import shutil
 import signal
 import socket
@@ -214,6 +215,22 @@ def _wait(what: str, check: Callable[[], State], log: Path) -> None:
         time.sleep(0.2)
 
 
+def _cluster_version(data: Path) -> str | None:
+    try:
+        return (data / "PG_VERSION").read_text().strip()
+    except OSError:
+        return None
+
+
+def _server_version(bin_dir: Path) -> str:
+    """The major version of the server programs: ``postgres (PostgreSQL) 15.20 (Debian ...)``."""
+    out = subprocess.run(
+        [str(bin_dir / "postgres"), "--version"], capture_output=True, text=True, check=False
+    ).stdout
+    found = re.search(r"\(PostgreSQL\) (\d+)", out)
+    return found.group(1) if found else ""
+
+
 def start_postgres(bin_dir: Path, data_dir: Path, port: int) -> None:
     """initdb (once) and start a cluster in ``data_dir/postgresql``, listening on 127.0.0.1:port
     and a socket in its own directory, trusting those two only; then create ``test``."""
@@ -221,8 +238,10 @@ def start_postgres(bin_dir: Path, data_dir: Path, port: int) -> None:
     # creates; anyone else runs it as themselves (no sudo needed).
     user = pwd.getpwnam("postgres") if os.geteuid() == 0 else None
     data = data_dir / "postgresql"
-    if not (data / "PG_VERSION").exists():
-        shutil.rmtree(data, ignore_errors=True)  # a half-made cluster of an interrupted run
+    if _cluster_version(data) != _server_version(bin_dir):
+        # No cluster, a half-made one (an interrupted run), or one of another major version (the
+        # packages changed): it holds only test data, so make it anew.
+        shutil.rmtree(data, ignore_errors=True)
         data.mkdir(mode=0o700)
         if user is not None:
             os.chown(data, user.pw_uid, user.pw_gid)
