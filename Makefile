@@ -30,6 +30,7 @@ PG_PORT ?= 5432
 REDIS_PORT ?= 6379
 PG_BIN_DIR ?=
 REDIS_SERVER_BIN ?= /usr/bin/redis-server
+PG_ETC ?= /etc/postgresql
 SERVICES_DIR ?= /tmp/sshapi-services-$(shell id -u)
 
 .PHONY: run test lint unasync python-venv sshd slurm services deploy-tools shells browser
@@ -92,7 +93,7 @@ slurm: $(STAMP)
 services: $(STAMP)
 	@$(VENV)/bin/python -m sshpool.devhost.services install $(if $(SUDO),--sudo,--no-sudo) \
 	  --pg-port $(PG_PORT) --redis-port $(REDIS_PORT) --data-dir $(SERVICES_DIR) \
-	  $(if $(PG_BIN_DIR),--pg-bin-dir $(PG_BIN_DIR)) --redis-server $(REDIS_SERVER_BIN) \
+	  $(if $(PG_BIN_DIR),--pg-bin-dir $(PG_BIN_DIR)) --redis-server $(REDIS_SERVER_BIN) --pg-etc $(PG_ETC) \
 	  $(if $(SSHAPI_TEST_PG),--no-postgresql) || { \
 	  echo "(tests against another PostgreSQL: SSHAPI_TEST_PG=postgresql+asyncpg://USER:PASSWORD@HOST:PORT/DB make test)"; \
 	  exit 1; }

@@ -79,6 +79,11 @@ if "install" in args:
     programs = json.load(open({programs!r}))
     links = json.load(open({links!r}))
     for package in args:
+        for name, text in json.load(open({files!r})).get(package, {{}}).items():
+            path = os.path.join({installed!r}, name)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w") as out:
+                out.write(text)
         for program in programs.get(package, []):
             path = os.path.join({installed!r}, program)
             if program in links:
@@ -87,6 +92,15 @@ if "install" in args:
             with open(path, "w") as out:
                 out.write("#!/bin/sh\\n")
             os.chmod(path, 0o755)
+"""
+
+# Records how Debian's cluster made by the fake postgresql package is stopped.
+FAKE_PG_CTLCLUSTER = """\
+#!{python}
+import json, os, sys
+with open({pg_log!r}, "a") as f:
+    f.write(json.dumps({{"argv": sys.argv[1:], "sudo": os.environ.get("SUDO_COMMAND")}}) + "\\n")
+sys.exit(2)  # "Cluster is not running", as without systemd
 """
 
 # Like sudo's env_reset: the command gets PATH (secure_path) and sudo's own variables only.
@@ -124,6 +138,7 @@ def make(
     variables |= {"VENV": str(Path(sys.executable).parent.parent), "STAMP": str(stamp)}
     # The test run's own servers on free ports, their files beside the fakes.
     variables |= json.loads((tmp / "services.json").read_text())
+    variables["PG_ETC"] = str(installed / "pgetc")
     if target == "python-venv":  # what it installs is only needed to create a missing venv
         variables["VENV"] = str(tmp / "no-venv")
     env = {**os.environ, "PATH": f"{tmp / 'bin'}:{os.environ['PATH']}"}
@@ -181,14 +196,24 @@ def _fakes(tmp_path: Path) -> Iterator[Path]:
     }
     (tmp_path / "programs.json").write_text(json.dumps(programs))
     (tmp_path / "links.json").write_text(json.dumps(LINKS))
+    # The postgresql package makes Debian's cluster 15/main on the tests' port (postinst).
+    pg_port = settings(tmp_path)["PG_PORT"]
+    cluster = {
+        "pgetc/15/main/postgresql.conf": f"port = {pg_port}\n",
+        "pgetc/15/main/start.conf": "auto\n",
+    }
+    (tmp_path / "files.json").write_text(json.dumps({"postgresql": cluster}))
     fill = {
         "python": sys.executable,
         "log": str(tmp_path / "apt.log"),
         "programs": str(tmp_path / "programs.json"),
         "links": str(tmp_path / "links.json"),
+        "files": str(tmp_path / "files.json"),
+        "pg_log": str(tmp_path / "pg_ctlcluster.log"),
         "installed": str(tmp_path / "installed"),
     }
-    for name, text in (("apt-get", FAKE_APT), ("sudo", FAKE_SUDO)):
+    fakes = (("apt-get", FAKE_APT), ("sudo", FAKE_SUDO), ("pg_ctlcluster", FAKE_PG_CTLCLUSTER))
+    for name, text in fakes:
         path = tmp_path / "bin" / name
         path.write_text(textwrap.dedent(text).format(**fill))
         path.chmod(0o755)
@@ -218,6 +243,15 @@ def test_install_recipe_installs_missing_packages(recipe: str, sudo: str, fakes:
         assert (env["SUDO_COMMAND"] is not None) == bool(sudo), call  # type: ignore[index]
     for name, value in EXTRA_ENV.get(recipe, {}).items():
         assert recorded[1]["env"][name] == value, recorded[1]  # type: ignore[index]
+    if recipe == "services":  # Debian's new cluster on the port: stopped and kept stopped
+        stops = [
+            json.loads(line) for line in (fakes / "pg_ctlcluster.log").read_text().splitlines()
+        ]
+        assert [c["argv"] for c in stops] == [["15", "main", "stop"]], stops
+        assert (stops[0]["sudo"] is not None) == bool(sudo), stops
+        assert (
+            fakes / "installed" / "pgetc" / "15" / "main" / "start.conf"
+        ).read_text() == "manual\n"
 
     again = make(recipe, fakes, sudo)
     assert again.returncode == 0, again.stdout + again.stderr

@@ -12,7 +12,9 @@ which ``make test`` runs first) makes both answer. For each service, in this ord
    is never reconfigured.
 3. **Nothing listens**: install the OS packages when the programs are missing (apt-get, through
    sudo when not root), then start the test run's own server with its files under ``data_dir``
-   (``/tmp/sshapi-services-<uid>`` from the Makefile: gone at reboot, like the processes).
+   (``/tmp/sshapi-services-<uid>`` from the Makefile: gone at reboot, like the processes). The
+   cluster Debian's package makes on the port at that install is stopped and set to start
+   manually (``quiet_new_cluster``): it asks for a password, and systemd would start it at boot.
 
 Why the test run's own PostgreSQL rather than the system's cluster (``pg_lsclusters``): Debian's
 cluster asks every TCP client for a password, and opening it to ``postgres`` without one would
@@ -47,6 +49,8 @@ PG_DATABASE = "test"
 REDIS_SERVER = "/usr/bin/redis-server"
 # Debian installs PostgreSQL's server programs per major version, off PATH.
 PG_LIB = Path("/usr/lib/postgresql")
+# Debian's clusters: <version>/<name>/ with postgresql.conf and start.conf (auto, manual).
+PG_ETC = Path("/etc/postgresql")
 START_TIMEOUT = 30.0
 SBIN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -174,6 +178,43 @@ def install_packages(packages: Sequence[str], *, sudo: bool | None = None) -> No
         if done.returncode != 0:
             tail = "\n".join((done.stdout + done.stderr).splitlines()[-15:])
             raise ServicesError(f"{' '.join(argv)} failed ({done.returncode}):\n{tail}")
+
+
+def debian_clusters(pg_etc: Path) -> set[Path]:
+    """The configuration directories of Debian's clusters (what ``pg_lsclusters`` lists)."""
+    return {conf.parent for conf in pg_etc.glob("*/*/postgresql.conf")}
+
+
+def _cluster_port(conf_dir: Path) -> int | None:
+    found = re.search(r"^\s*port\s*=\s*(\d+)", (conf_dir / "postgresql.conf").read_text(), re.M)
+    return int(found.group(1)) if found else None
+
+
+def quiet_new_cluster(conf_dir: Path, *, sudo: bool | None = None) -> str:
+    """Stop the cluster the package just made on the tests' port and keep it stopped at boot
+    (``manual`` in its start.conf): it asks for a password, so the test run's own cluster must
+    have the port. Where systemd is PID 1 the package started it; elsewhere it is stopped
+    already. Only a cluster this install made, holding nothing yet, is touched."""
+    if sudo is None:
+        sudo = os.geteuid() != 0
+    prefix = ["sudo"] if sudo else []
+    version, name = conf_dir.parent.name, conf_dir.name
+    # Exits 2 when the cluster is not running: nothing to stop.
+    subprocess.run(
+        [*prefix, "pg_ctlcluster", version, name, "stop"], capture_output=True, check=False
+    )
+    done = subprocess.run(
+        [*prefix, "tee", str(conf_dir / "start.conf")],
+        input="manual\n",
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise ServicesError(f"cannot write {conf_dir / 'start.conf'}: {done.stderr.strip()}")
+    return (
+        f"Debian's new cluster {version}/{name} stopped, to start manually: the port is the tests'"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -309,6 +350,7 @@ def ensure(
     redis_port: int = 6379,
     pg_bin: Path | None = None,
     redis_server: Path = Path(REDIS_SERVER),
+    pg_etc: Path = PG_ETC,
     manage_postgres: bool = True,
     sudo: bool | None = None,
 ) -> list[str]:
@@ -341,8 +383,12 @@ def ensure(
 
     installed = {"postgresql": pg_bin_dir(pg_bin) is not None, "redis": redis_server.exists()}
     if missing := [PACKAGES[n] for n in down if not installed[n]]:
+        clusters = debian_clusters(pg_etc)
         install_packages(missing, sudo=sudo)
         done.append(f"installed {' '.join(missing)}")
+        for conf_dir in sorted(debian_clusters(pg_etc) - clusters):
+            if _cluster_port(conf_dir) == pg_port:
+                done.append(quiet_new_cluster(conf_dir, sudo=sudo))
     for name in down:
         # Under systemd the packages just installed start their own servers: use those.
         state = checks[name]()
@@ -402,6 +448,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--pg-bin-dir", type=Path, default=None, help=f"default: the newest {PG_LIB}/N/bin"
     )
     install.add_argument("--redis-server", type=Path, default=Path(REDIS_SERVER))
+    install.add_argument("--pg-etc", type=Path, default=PG_ETC, help="Debian's cluster configs")
     install.add_argument(
         "--postgresql",
         action=argparse.BooleanOptionalAction,
@@ -425,6 +472,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             redis_port=args.redis_port,
             pg_bin=args.pg_bin_dir,
             redis_server=args.redis_server,
+            pg_etc=args.pg_etc,
             manage_postgres=args.postgresql,
             sudo=args.sudo,
         )
