@@ -223,12 +223,15 @@ def quiet_new_cluster(conf_dir: Path, *, sudo: bool | None = None) -> str:
 
 def _own_dir(path: Path, mode: int) -> None:
     """Create `path` or accept it only as a real directory of ours: under /tmp anyone could have
-    made it first (or a symlink in its place)."""
+    made it first (or a symlink in its place). `mode` is set on a directory it creates only (the
+    umask narrows mkdir's): a SERVICES_DIR given by the caller keeps the caller's mode."""
+    created = not path.exists()
     path.mkdir(mode=mode, parents=True, exist_ok=True)
     info = path.lstat()
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
         raise ServicesError(f"{path} exists and is not a directory of this account")
-    os.chmod(path, mode)
+    if created:
+        os.chmod(path, mode)
 
 
 def _run_as(argv: Sequence[str], user: pwd.struct_passwd | None) -> None:
