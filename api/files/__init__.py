@@ -15,10 +15,10 @@ What this package exports is below (`__all__`); the modules:
                per-identity limits (transfers, listings,        api.metrics
                the commit lock)
 
-(each also the SFTP types of sshpool.backends.base, and sshpool's errors)
+(each also sshpool's SFTP types and errors)
 
 It may import api.auth, api.config, api.metrics, api.numbers, api.policy, api.problems,
-api.quota and sshpool (its SFTP types from sshpool.backends.base). It imports no HTTP
+api.quota and sshpool by its public names (its SFTP types included). It imports no HTTP
 framework itself (fastapi, starlette: the routes turn its answers into responses), no route
 and no other feature (api.jobs, api.live, api.store).
 """

@@ -30,8 +30,7 @@ from api.auth import Principal
 from api.files.errors import outside, protected, root_refused
 from api.policy import Grant
 from api.problems import Problem
-from sshpool import RemoteFileError, RemoteNotFound
-from sshpool.backends.base import FileAttrs, SFTPSession
+from sshpool import FileAttrs, RemoteFileError, RemoteNotFound, SFTPSession
 
 MAX_PATH = 4096
 # The longest name (one path component) Linux filesystems take, in bytes.

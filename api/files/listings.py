@@ -16,7 +16,7 @@ from collections import OrderedDict
 from datetime import UTC, datetime
 
 from api.problems import Problem
-from sshpool.backends.base import FileAttrs, FileType
+from sshpool import FileAttrs, FileType
 
 # Snapshots of listings kept per identity (its least recently used go first beyond).
 SNAPSHOTS_PER_IDENTITY = 4

@@ -21,8 +21,7 @@ from prometheus_client import Counter
 from api.files.confine import Files, Place
 from api.numbers import read_count
 from api.problems import Problem
-from sshpool import ConnectionLost, RemoteFileFailure, SSHPoolError
-from sshpool.backends.base import FileAttrs, RemoteFile
+from sshpool import ConnectionLost, FileAttrs, RemoteFile, RemoteFileFailure, SSHPoolError
 
 # Bytes per SFTP read or write the API issues; an upload or a download holds at most two of
 # them at once (one moving on each side). 4 MiB is what asyncssh keeps in flight per call (16
