@@ -16,7 +16,7 @@ from starlette.routing import BaseRoute
 from api.auth import Authenticator, Principal
 from api.config import Config
 from api.files import FileService
-from api.jobs import JobService
+from api.jobs.service import JobService
 from api.metrics import Metrics
 from api.policy import Policy
 from api.problems import Problem

@@ -23,7 +23,7 @@ from api_helpers import Api, Keys, eventually, make_settings, server_process, wr
 from faults import figure
 
 from api.config import Config, load_config
-from api.scheduler import BatchOptions, key_comment
+from api.jobs.scheduler import BatchOptions, key_comment
 from api.settings import Settings
 from sshpool import Pool
 from sshpool.devhost import LocalHost, LocalSlurm

@@ -19,7 +19,7 @@ import psutil
 import pytest
 from pydantic import ValidationError
 
-from api.scheduler import (
+from api.jobs.scheduler import (
     BatchOptions,
     JobStatus,
     SlurmClient,

@@ -40,8 +40,8 @@ from typing import Any
 from sqlalchemy.exc import IntegrityError
 
 from api.auth import Principal
-from api.batch import BatchJobs, hold_ttl
 from api.config import Config, PolicyRule
+from api.jobs.batch import BatchJobs, hold_ttl
 from api.live import Feed, LiveHub, Relay
 from api.metrics import Metrics
 from api.output import MAX_READ, OutputRange, Stream, pieces

@@ -33,12 +33,7 @@ from typing import Any
 from sqlalchemy import func
 
 from api.config import Config
-from api.metrics import Metrics
-from api.output import PIECE, OutputChunk, OutputRange, Stream, pieces
-from api.policy import Policy
-from api.problems import Problem, log_ssh_failure, retry_after, ssh_detail, ssh_problem
-from api.quota import Identity, LocalQuota, Quota
-from api.scheduler import (
+from api.jobs.scheduler import (
     BatchOptions,
     BatchRequest,
     JobStatus,
@@ -49,6 +44,11 @@ from api.scheduler import (
     Tracker,
     batch_options,
 )
+from api.metrics import Metrics
+from api.output import PIECE, OutputChunk, OutputRange, Stream, pieces
+from api.policy import Policy
+from api.problems import Problem, log_ssh_failure, retry_after, ssh_detail, ssh_problem
+from api.quota import Identity, LocalQuota, Quota
 from api.states import FINAL
 from api.store import JOBS, JobRow, Store, utcnow
 from sshpool import Pool, SSHPoolError, Target
