@@ -74,3 +74,17 @@ def test_no_module_imports_a_private_name_of_another_package() -> None:
         for hit in _private_imports(path)
     ]
     assert found == []
+
+
+def test_http_schemas_load_nothing_of_the_slurm_client() -> None:
+    """api/schemas.py takes the batch request's shape from api/batchspec.py: loading the HTTP
+    schemas loads neither the Slurm client nor the jobs package (issue 27)."""
+    code = "import json, sys, api.schemas; print(json.dumps(sorted(sys.modules)))"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    loaded = json.loads(done.stdout)
+    assert "api.schemas" in loaded
+    assert [
+        m for m in loaded if m in ("api.scheduler", "api.jobs") or m.startswith("api.jobs.")
+    ] == []

@@ -32,17 +32,15 @@ from typing import Any
 
 from sqlalchemy import func
 
+from api.batchspec import BatchOptions, BatchRequest, batch_options
 from api.config import Config
 from api.jobs.scheduler import (
-    BatchOptions,
-    BatchRequest,
     JobStatus,
     SchedulerError,
     SlurmClient,
     SubmissionUnknown,
     SubmitRejected,
     Tracker,
-    batch_options,
 )
 from api.metrics import Metrics
 from api.output import PIECE, OutputChunk, OutputRange, Stream, pieces

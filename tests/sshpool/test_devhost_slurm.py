@@ -19,8 +19,8 @@ import psutil
 import pytest
 from pydantic import ValidationError
 
+from api.batchspec import BatchOptions
 from api.jobs.scheduler import (
-    BatchOptions,
     JobStatus,
     SlurmClient,
     SubmitRejected,
