@@ -4,6 +4,7 @@ starts again any that dies (`_supervise`)."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import multiprocessing
@@ -24,6 +25,12 @@ from api.server import EdgeLimits, connection_limit, guarded_protocol
 from api.settings import Settings
 
 log = logging.getLogger("sshapi")
+
+# The exit status of a process a background task took down (EX_SOFTWARE): its supervisor,
+# systemd or orchestrator starts it again.
+TASK_DIED = 70
+# What uvicorn exits with when the server could not start.
+STARTUP_FAILURE = 3
 
 # Seconds between checks of the workers; a worker that died is started again after this.
 SUPERVISE_INTERVAL = 0.5
@@ -70,9 +77,33 @@ def serve(settings: Settings, config: Config | None = None) -> None:
     if settings.workers > 1:
         _supervise(settings, config)
         return
-    api = create_app(settings, config=config)
+    options = _uvicorn_options(settings, config)
+    _run_server(settings, config, host=settings.host, port=settings.port, **options)
+
+
+def _run_server(
+    settings: Settings, config: Config, sockets: list[socket.socket] | None = None, **options: Any
+) -> None:
+    """uvicorn with the app until it stops, as `uvicorn.run` does (exit status 3 when it could
+    not start). A background task that takes the process down (api/services.py) stops the
+    server gracefully (running jobs get their grace), and the process exits with TASK_DIED."""
+    failures: list[BaseException] = []
+    server: uvicorn.Server | None = None
+
+    def on_fatal(exc: BaseException) -> None:
+        failures.append(exc)
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(settings, config=config, on_fatal=on_fatal)
+    server = uvicorn.Server(uvicorn.Config(app, **options))
     _freeze_startup_heap()
-    uvicorn.run(api, host=settings.host, port=settings.port, **_uvicorn_options(settings, config))
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run(sockets=sockets)
+    if failures:
+        raise SystemExit(TASK_DIED)
+    if not server.started:
+        raise SystemExit(STARTUP_FAILURE)
 
 
 def _freeze_startup_heap() -> None:
@@ -103,11 +134,7 @@ def _worker(
     _configure_logging(settings)
     threading.Thread(target=_exit_with_parent, args=(supervisor,), daemon=True).start()
     settings = settings.model_copy(update={"replica": f"{settings.replica}-w{index}"})
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(settings, config=config), **_uvicorn_options(settings, config))
-    )
-    _freeze_startup_heap()
-    server.run(sockets=[sock])
+    _run_server(settings, config, sockets=[sock], **_uvicorn_options(settings, config))
 
 
 def _exit_on_sigterm(signum: int, _frame: object) -> None:
