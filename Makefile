@@ -25,7 +25,7 @@ ENSUREPIP_MAIN ?= $(shell $(PYTHON) -c 'import sysconfig; print(sysconfig.get_pa
 # Where `sshpool.devhost.slurm install` looks for Slurm's programs; empty: its default.
 SLURM_SEARCH_PATH ?=
 
-.PHONY: run test lint python-venv sshd slurm deploy-tools shells browser
+.PHONY: run test lint unasync python-venv sshd slurm deploy-tools shells browser
 
 # Create or refresh .venv whenever pyproject.toml changes. An existing .venv keeps the interpreter
 # it was made with: remove it to move to another one.
@@ -86,6 +86,11 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+
+# The sync client (api/client/_sync.py) is generated from the async one (_async.py): run this
+# after editing _async.py; tests/test_unasync.py fails while the two disagree.
+unasync: $(STAMP)
+	$(VENV)/bin/python scripts/gen_sync_client.py
 
 # The whole suite: lint, then every test (SSH, API, fault and slow ones included). Each run gets
 # its own temp dir: pytest prunes /tmp/pytest-of-$USER to 3 runs, which would delete the sshd

@@ -6,7 +6,7 @@ plain file (api/local.py)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -44,19 +44,14 @@ def create_app(
     pool: Pool | None = None,
     store: Store | None = None,
     config: Config | None = None,
-    on_fatal: Callable[[BaseException], None] | None = None,
 ) -> FastAPI:
-    """The app. `on_fatal` runs when a background task takes the process down (api/services.py):
-    `sshapi serve` passes one that stops the server; without it the app stays up, not ready."""
     settings = settings or Settings()
     config = config or resolve_config(settings)
     metrics = Metrics()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with running(
-            settings, config, metrics, pool=pool, store=store, on_fatal=on_fatal
-        ) as services:
+        async with running(settings, config, metrics, pool=pool, store=store) as services:
             app.state.services = services
             yield
 

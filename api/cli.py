@@ -1,5 +1,5 @@
-"""The `sshapi` command line: serve, dev (local host + API), token, hosts check, doctor; the
-client commands (run, jobs, batch) are api/client_cli.py."""
+"""The `sshapi` command line: serve, dev (local host + API), token, hosts check, doctor, db
+upgrade; the client commands (run, jobs, batch, files) are api/client/cli.py."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import shlex
 import signal
 import time
 import tomllib
-from typing import Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 from pydantic import ValidationError
 
-from api.client_cli import register as register_client_commands
+from api.client.cli import register as register_client_commands
 from api.config import Config
 from api.local import (
     default_config,
@@ -29,9 +29,14 @@ from api.local import (
 from api.settings import Settings
 from sshpool import Pool, SSHPoolError
 
+if TYPE_CHECKING:
+    from api.store.migrate import Upgrade
+
 app = typer.Typer(help="SSH-backed HPC REST API.", no_args_is_help=True)
 hosts_app = typer.Typer(help="Configured hosts.", no_args_is_help=True)
 app.add_typer(hosts_app, name="hosts")
+db_app = typer.Typer(help="The job database.", no_args_is_help=True)
+app.add_typer(db_app, name="db")
 # The researcher's commands (run, jobs, batch): HTTP to a server, in their own module.
 register_client_commands(app)
 
@@ -100,7 +105,45 @@ def serve(workers: Workers = None) -> None:
     )
 
     settings = load_settings("serve", workers)
-    run_server(settings, load_config("serve", settings, require=True))
+    config = load_config("serve", settings, require=True)
+    if settings.db_upgrade == "off":
+        # Checked once here, so a database that needs `sshapi db upgrade` ends the command with
+        # one line instead of every worker's start failing.
+        _store_schema("serve", settings, upgrade=False)
+    run_server(settings, config)
+
+
+@db_app.command("upgrade")
+def db_upgrade() -> None:
+    """Bring the job database (SSHAPI_DATABASE_URL, else the data dir's SQLite file) to this
+    release's schema. Safe while replicas run and when another start upgrades at once."""
+    settings = load_settings("db upgrade")
+    done = _store_schema("db upgrade", settings, upgrade=True)
+    if done is None or done.before == done.after:
+        typer.echo(f"job database at revision {done.after if done else '?'}: nothing to do")
+    else:
+        before = done.before or "an unversioned database"  # new, or from before migrations
+        typer.echo(f"job database upgraded from {before} to {done.after}")
+
+
+def _store_schema(command: str, settings: Settings, *, upgrade: bool) -> Upgrade | None:
+    """Upgrade (or only check) the job database's schema; a failure ends `command` with one
+    line. Returns what the upgrade did (None for a check)."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from api.store import migrate
+
+    settings.secure_data_dir()
+    url, schema = settings.resolved_database_url, settings.database_schema
+    try:
+        if upgrade:
+            return asyncio.run(migrate.upgrade(url, schema))
+        asyncio.run(migrate.check(url, schema))
+    except migrate.SchemaError as exc:
+        fail(command, str(exc))
+    except (OSError, SQLAlchemyError) as exc:
+        fail(command, f"the job database cannot be reached: {type(exc).__name__}: {exc}")
+    return None
 
 
 @app.command()

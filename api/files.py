@@ -612,7 +612,9 @@ class FileService:
         await self.spend(who, grant)
         try:
             async with self.pool.sftp(
-                grant.target, acquire_timeout=self.config.api.queue_timeout
+                grant.target,
+                acquire_timeout=self.config.api.queue_timeout,
+                tenant=who.key,  # in turns with the caller's jobs
             ) as fs:
                 confinement = await self.confinement(fs, grant, who, roots)
                 yield Files(fs, grant, who, confinement)

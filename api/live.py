@@ -19,8 +19,17 @@ Where the bytes come from:
   follower past the cap still sees the live stream (the job keeps only the head; `*_bytes`
   counts everything, so `stdout_bytes - len(stdout)` bytes were not kept).
 - a batch job: its output files, read over SSH by one watcher task per job in this process
-  however many clients follow it, in ranges, until the scheduler reports the job final; a
-  follower behind the window reads its range from the file itself.
+  however many clients follow it, in ranges, until the scheduler reports the job final and the
+  files are read to their end; a follower behind the window reads its range from the file
+  itself. The watcher reads ahead only while the leading follower of a stream is within
+  READ_AHEAD of what was read: a follower whose client stops reading stops the reads (its
+  cursor stays where its client's flow control holds it), so a finished output of any size
+  costs SSH reads in step with what its followers' clients take, not with its size. Every such
+  read takes a token of the follower's identity ("reads" bucket: the rule's rate and burst, as
+  output reads do): the leading follower's for the watcher's reads, its own for a read from
+  behind the window. A follower beyond its rate waits for its next token: a slower stream, not
+  an error (it is an answer already under way, and a researcher watching output expects it to
+  go on).
 - a command run by another replica (several replicas share PostgreSQL): its bytes live in that
   replica's memory. With Redis (SSHAPI_REDIS_URL) one watcher per job here reads them from the
   owner's capped Redis streams into a Feed of this process (api/relay.py), so followers here see
@@ -47,10 +56,15 @@ from api.store import JobRow
 log = logging.getLogger("sshapi.live")
 
 STREAMS: tuple[Stream, Stream] = ("stdout", "stderr")
-READ = 64 << 10  # the most one follower step returns per stream
-WINDOW = 256 << 10  # latest bytes kept per stream for followers (trimmed at twice that)
+READ = 64 << 10  # the most one follower step returns per stream from the feed itself
+# Latest bytes kept per stream for followers (trimmed at twice that); a batch job's: READ_AHEAD.
+WINDOW = 256 << 10
 POLL = (0.25, 2.0)  # watcher intervals: while output flows, and the idle cap (doubling)
-BATCH_READ = 1 << 20  # one remote read of a batch job's file
+BATCH_READ = 1 << 20  # the most one remote read of a batch job's file returns
+# A batch job's file is read ahead of its leading follower by at most this much (its feed keeps
+# that window, so the leading follower never reads from the file itself); the watcher reads
+# again once that follower is within half of it, so each read brings at least half of it.
+READ_AHEAD = BATCH_READ
 KEEPALIVE = 15.0  # seconds of silence before a follower yields a keep-alive
 MAX_PER_JOB = 64  # followers of one job in one process
 
@@ -66,9 +80,10 @@ class OutputGone(Exception):
 
 
 class StreamBuffer:
-    """One stream of one job: the head (first `cap` bytes) and a window of the latest bytes."""
+    """One stream of one job: the head (first `cap` bytes) and a window of the latest bytes;
+    `complete` once no more bytes will come."""
 
-    __slots__ = ("cap", "head", "tail", "tail_start", "total", "window")
+    __slots__ = ("cap", "complete", "head", "tail", "tail_start", "total", "window")
 
     def __init__(self, cap: int, window: int = WINDOW, start: int = 0) -> None:
         self.cap = cap
@@ -77,6 +92,7 @@ class StreamBuffer:
         self.tail = bytearray()
         self.tail_start = start
         self.total = start
+        self.complete = False
 
     def append(self, data: bytes) -> None:
         if len(self.head) < self.cap:  # then every byte so far is in the head: it goes on
@@ -111,19 +127,48 @@ class StreamBuffer:
 
 # A batch job's file, read again from an offset out of the window: (stream, offset, limit).
 Refill = Callable[[Stream, int, int], Awaitable[bytes]]
+# Spend one read token of a follower's identity: 0 when spent, else the seconds to wait first.
+Spend = Callable[[], Awaitable[float]]
+
+
+async def free() -> float:
+    """The spend of a follower whose reads cost no SSH (tests, tools): always granted."""
+    return 0.0
+
+
+class Cursor:
+    """One follower of a feed: its offsets (the dict `follow` advances as its client takes the
+    bytes) and how the SSH reads made for it are paid."""
+
+    __slots__ = ("offsets", "spend")
+
+    def __init__(self, offsets: dict[Stream, int], spend: Spend) -> None:
+        self.offsets = offsets
+        self.spend = spend
+
+    async def pay(self) -> None:
+        """One read token, waiting while the identity is beyond its rate (a bucket refills
+        with time: there is no event to wait for)."""
+        while (wait := await self.spend()) > 0:  # noqa: ASYNC110
+            await asyncio.sleep(wait)
 
 
 class Feed:
-    """What followers of one job read: its row (state), its streams, one wake-up event."""
+    """What followers of one job read: its row (state), its streams, one wake-up event; and,
+    for a batch job's watcher, its followers' cursors and a demand event they set."""
 
-    def __init__(self, row: JobRow, cap: int, refill: Refill | None = None) -> None:
+    def __init__(
+        self, row: JobRow, cap: int, refill: Refill | None = None, window: int = WINDOW
+    ) -> None:
         self.row = row
-        self.streams = {s: StreamBuffer(cap) for s in STREAMS}
+        self.streams = {s: StreamBuffer(cap, window) for s in STREAMS}
         self.final = False
         self.followers = 0
         self._wake = asyncio.Event()
         # Batch jobs: bytes out of the window are read again from the file.
         self.refill = refill
+        self.cursors: set[Cursor] = set()
+        self._demand = asyncio.Event()
 
     def wake(self) -> None:
         self._wake.set()
@@ -131,6 +176,22 @@ class Feed:
 
     def waiter(self) -> asyncio.Event:
         return self._wake
+
+    def advanced(self) -> None:
+        """A follower moved (or came or went): the watcher looks whether to read ahead."""
+        self._demand.set()
+        self._demand = asyncio.Event()
+
+    def demand(self) -> asyncio.Event:
+        return self._demand
+
+    def lead(self, stream: Stream) -> Cursor | None:
+        """The follower of `stream` furthest ahead (None: nobody follows it)."""
+        return max(
+            (c for c in self.cursors if stream in c.offsets),
+            key=lambda c: c.offsets[stream],
+            default=None,
+        )
 
     def append(self, stream: Stream, data: bytes) -> None:
         """The pool's on_output hook: cheap and never blocking (see `Capture`)."""
@@ -144,16 +205,21 @@ class Feed:
     def finish(self, row: JobRow) -> None:
         self.row = row
         self.final = True
+        for buf in self.streams.values():
+            buf.complete = True
         self.wake()
 
-    async def read(self, stream: Stream, offset: int) -> bytes:
+    async def read(self, stream: Stream, offset: int, cursor: Cursor | None = None) -> bytes:
+        """The bytes at `offset`: from the buffer, else (a batch job) from the file, paid by
+        `cursor`'s identity."""
         buf = self.streams[stream]
         data = buf.read(offset)
         if data is not None:
             return data
         if self.refill is None:
             raise OutputGone(stream, offset, buf.tail_start)
-        return await self.refill(stream, offset, READ)
+        await (cursor or Cursor({}, free)).pay()
+        return await self.refill(stream, offset, BATCH_READ)
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,17 +266,34 @@ async def follow(
     states: bool = True,
     gaps: bool = True,
     keepalive: float = KEEPALIVE,
+    spend: Spend = free,
 ) -> AsyncIterator[Item]:
     """Follow `feed` from `offsets` (one entry per stream followed) until the job is final and
     every byte kept has been yielded. Yields output, state changes (with `states`), a Gap for
     bytes not kept at a resumed offset (without `gaps`: raises OutputGone instead), KeepAlive
     after `keepalive` seconds of silence, and a final Cutoff when this follower lagged out of
-    the window."""
+    the window. `spend` pays for the SSH reads made for this follower (a batch job's)."""
+    cursor = Cursor(offsets, spend)
+    feed.cursors.add(cursor)
+    feed.advanced()
+    try:
+        async for item in _follow(feed, cursor, states, gaps, keepalive):
+            yield item
+    finally:
+        feed.cursors.discard(cursor)
+        feed.advanced()
+
+
+async def _follow(
+    feed: Feed, cursor: Cursor, states: bool, gaps: bool, keepalive: float
+) -> AsyncIterator[Item]:
+    offsets = cursor.offsets
     sent_state: str | None = None
     live: set[Stream] = set()  # streams whose cursor reached the window (not only the head)
     while True:
         waiter = feed.waiter()
-        final = feed.final  # read before the bytes: a final feed gets no more of them
+        # Read before the bytes: a complete stream gets no more of them.
+        final = all(feed.streams[s].complete for s in offsets)
         progressed = False
         if states and feed.row.state != sent_state:
             sent_state = feed.row.state
@@ -223,7 +306,7 @@ async def follow(
             if offset >= buf.tail_start:
                 live.add(stream)
             try:
-                data = await feed.read(stream, offset)
+                data = await feed.read(stream, offset, cursor)
             except OutputGone as exc:
                 if not gaps:
                     raise
@@ -234,6 +317,7 @@ async def follow(
             if data:
                 offsets[stream] = offset + len(data)
                 progressed = True
+                feed.advanced()
                 yield Output(stream, offset, data)
         if progressed:
             continue
@@ -335,52 +419,35 @@ class LiveHub:
                     del self.feeds[row.id]
 
     def _watch(self, row: JobRow) -> Feed:
-        refill = None
         if row.kind == "batch":
 
             async def refill(stream: Stream, offset: int, limit: int) -> bytes:
                 data, _ = await self._read_file(feed.row, stream, offset, limit)
                 return data
 
-        feed = Feed(row, 0, refill)
+            feed = Feed(row, 0, refill, window=READ_AHEAD)
+            watcher = self._read_ahead(feed)
+        else:
+            feed = Feed(row, 0)
+            watcher = self._watcher(feed)
         self.feeds[row.id] = feed
-        self._watchers[row.id] = asyncio.create_task(self._watcher(feed), name=f"live-{row.id}")
+        self._watchers[row.id] = asyncio.create_task(watcher, name=f"live-{row.id}")
         return feed
 
     async def _watcher(self, feed: Feed) -> None:
-        """One per followed job this process does not run: polls the store for the state and,
-        for a batch job, reads its output files onward until the job is final."""
+        """One per followed command this process does not run: polls the store for the state
+        (or reads the owner's relay) until the job is final."""
         delay, cap = POLL
-        batch = feed.row.kind == "batch"
         try:
-            if not batch and self.relay is not None:
+            if self.relay is not None:
                 await self.relay.watch(feed, self._load)
                 return
             while True:
-                final = feed.row.state in FINAL
-                grew = False
-                if batch:
+                if feed.row.state in FINAL:  # another replica's command: its kept output
                     for stream in STREAMS:
-                        buf = feed.streams[stream]
-                        try:
-                            data, _ = await self._read_file(feed.row, stream, buf.total, BATCH_READ)
-                        except Exception as exc:  # the host is unreachable: try again later
-                            log.info("live: reading job %s: %s", feed.row.id, exc)
-                            data = b""
-                        if data:
-                            buf.append(data)
-                            grew = True
-                    if grew:
-                        feed.wake()
-                if final and not grew:
-                    if not batch:  # another replica's command: its kept output, at the end
-                        for stream in STREAMS:
-                            feed.streams[stream] = head_of(feed.row, stream)
+                        feed.streams[stream] = head_of(feed.row, stream)
                     feed.finish(feed.row)
                     return
-                if grew:
-                    delay = POLL[0]
-                    continue
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, cap)
                 with contextlib.suppress(Exception):  # the store is down: the old row meanwhile
@@ -395,6 +462,92 @@ class LiveHub:
         except Exception:
             log.exception("live: watcher of job %s failed", feed.row.id)
             feed.finish(feed.row)
+
+    async def _read_ahead(self, feed: Feed) -> None:
+        """One per followed batch job in this process: reads its output files onward as its
+        followers take them (see the module docstring) and its state from the store, until the
+        job is final and each stream has been read to its end.
+
+        A stream is read when its leading follower is within READ_AHEAD // 2 of what was read,
+        at most up to READ_AHEAD ahead of that follower, paid by that follower's identity. An
+        empty read waits POLL (doubling to its cap) before that stream is read again; nothing
+        is read while no follower comes near, whatever the file's size."""
+        loop = asyncio.get_running_loop()
+        store_delay = POLL[0]
+        load_at = loop.time() + store_delay
+        empty_delay = dict.fromkeys(STREAMS, POLL[0])
+        read_at = dict.fromkeys(STREAMS, 0.0)
+        try:
+            while True:
+                demand = feed.demand()
+                final = feed.row.state in FINAL  # before the reads: their bytes all came
+                grew = False
+                for stream in STREAMS:
+                    buf = feed.streams[stream]
+                    lead = feed.lead(stream)
+                    if buf.complete or lead is None or loop.time() < read_at[stream]:
+                        continue
+                    behind = buf.total - lead.offsets[stream]
+                    if behind < 0:
+                        # The leader resumed past what was read: read from there; a follower
+                        # that wants the bytes before reads them from the file itself.
+                        buf.skip_to(lead.offsets[stream])
+                        behind = 0
+                    if behind > READ_AHEAD // 2:
+                        continue  # the leader has not come near: nothing is read for nobody
+                    await lead.pay()
+                    read_ok = True
+                    try:
+                        data, _ = await self._read_file(
+                            feed.row, stream, buf.total, READ_AHEAD - behind
+                        )
+                    except Exception as exc:  # the host is unreachable: try again later
+                        log.info("live: reading job %s: %s", feed.row.id, exc)
+                        data, read_ok = b"", False
+                    if data:
+                        buf.append(data)
+                        grew = True
+                        empty_delay[stream] = POLL[0]
+                        continue
+                    if final and read_ok:
+                        buf.complete = True  # final and read to the end: no more will come
+                        feed.wake()
+                        continue
+                    read_at[stream] = loop.time() + empty_delay[stream]
+                    empty_delay[stream] = min(empty_delay[stream] * 2, POLL[1])
+                if grew:
+                    feed.wake()
+                    store_delay = POLL[0]
+                if all(buf.complete for buf in feed.streams.values()):
+                    feed.finish(feed.row)
+                    return
+                if not grew:
+                    # Until a follower moves, a stream's next poll, or the store's.
+                    now = loop.time()
+                    until = min([load_at, *(t for t in read_at.values() if t > now)])
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout_at(until):
+                            await demand.wait()
+                if loop.time() >= load_at:
+                    store_delay = await self._reload(feed, store_delay)
+                    load_at = loop.time() + store_delay
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("live: watcher of job %s failed", feed.row.id)
+            feed.finish(feed.row)
+
+    async def _reload(self, feed: Feed, delay: float) -> float:
+        """The row from the store (the old one while it is down); the next delay: POLL's first
+        after a change, else doubled up to its cap."""
+        with contextlib.suppress(Exception):
+            fresh = await self._load(feed.row.id)
+            if fresh is not None and fresh.state != feed.row.state:
+                feed.update(fresh)
+                return POLL[0]
+            if fresh is not None:
+                feed.row = fresh
+        return min(delay * 2, POLL[1])
 
     async def close(self) -> None:
         tasks = [*self._watchers.values(), *self._publishers.values()]
@@ -425,7 +578,7 @@ def _stored(row: JobRow) -> Feed:
     feed = Feed(row, 0)
     for stream in STREAMS:
         feed.streams[stream] = head_of(row, stream)
-    feed.final = True
+    feed.finish(row)
     return feed
 
 

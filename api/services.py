@@ -23,8 +23,9 @@ every one is logged with its traceback):
 
 `restart`: started again after a pause (doubling); the third death within a minute takes the
 process down. Taking it down: the other tasks are cancelled, /readyz answers 503, and the
-`on_fatal` given to `create_app` runs (`sshapi serve` stops serving and exits with status 70, so
-that its supervisor, systemd or the orchestrator starts it again with a clean state).
+process's fatal handler runs (api/tasks.py `on_fatal`: `sshapi serve` stops serving gracefully and
+exits with status 70, so that its supervisor, systemd or the orchestrator starts it again with a
+clean state; an app run by a test stays up, not ready).
 
 Tasks with an owner of their own, not the supervisor's:
 
@@ -52,13 +53,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
 from api.auth import Authenticator
+from api.client import tls_context
 from api.config import Config, HostConfig
 from api.files import FileService
 from api.jobs import BatchJobs, JobService
@@ -70,7 +72,6 @@ from api.settings import Settings
 from api.store import Store
 from api.tasks import Policy as TaskPolicy
 from api.tasks import Supervisor
-from api.tls import tls_context
 from sshpool import Pool, SSHPoolError
 
 log = logging.getLogger("sshapi")
@@ -117,13 +118,16 @@ async def running(
     *,
     pool: Pool | None = None,
     store: Store | None = None,
-    on_fatal: Callable[[BaseException], None] | None = None,
 ) -> AsyncIterator[Services]:
     """Build and start every long-lived object and background task; close them on exit (see
     the module docstring for both orders)."""
     async with contextlib.AsyncExitStack() as stack:
         settings.secure_data_dir()
-        the_store = store or Store(settings.resolved_database_url, schema=settings.database_schema)
+        the_store = store or Store(
+            settings.resolved_database_url,
+            schema=settings.database_schema,
+            upgrade=settings.db_upgrade == "auto",
+        )
         if store is None:
             await the_store.start()
             stack.push_async_callback(the_store.close)
@@ -158,7 +162,7 @@ async def running(
         metrics.watch_pool(pools_by_host)
         metrics.watch_trackers(lambda: batch.trackers)
         await batch.start(settings.replica)
-        supervisor = Supervisor(on_fatal)
+        supervisor = Supervisor()
         await supervisor.start()
         stack.push_async_callback(supervisor.close)
         for task_name, loop in batch.loops().items():

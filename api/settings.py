@@ -46,6 +46,10 @@ class Settings(BaseSettings):
     database_url: str | None = None
     # PostgreSQL only: the schema (search_path) holding the tables, created if missing.
     database_schema: str | None = None
+    # `auto`: each start brings the database to this release's schema (Alembic, under a lock
+    # so that replicas starting together migrate once). `off`: a start on a database at another
+    # revision refuses and names `sshapi db upgrade`, for sites that upgrade as a deploy step.
+    db_upgrade: Literal["auto", "off"] = "auto"
     # HS256 secret for the local issuer. Unset: <data_dir>/jwt_secret, generated on first use.
     jwt_secret: SecretStr | None = None
     # Stable name of this replica: on start it marks its own unfinished jobs `lost`, and only its
@@ -97,6 +101,10 @@ class Settings(BaseSettings):
     # X-Forwarded-For is believed (uvicorn's proxy headers, as `forwarded_allow_ips`), and their
     # connections are not capped per address. uvicorn's own default. Empty: no proxy.
     trusted_proxies: str = "127.0.0.1,::1"
+    # Seconds a download's client may take nothing (less than 128 KiB) before its answer ends
+    # and its SFTP channel and transfer slot are let go (api/sending.py): nginx's send_timeout,
+    # between two writes, so a slow client that keeps reading is never cut off.
+    send_timeout: float = Field(default=60.0, gt=0)
 
     @field_validator("trusted_proxies")
     @classmethod
@@ -119,7 +127,7 @@ class Settings(BaseSettings):
     @field_validator("database_url")
     @classmethod
     def _refuse_sqlite_in_memory(cls, value: str | None) -> str | None:
-        # The store reads on SQLAlchemy's connections and writes on its own (api/store.py); an
+        # The store reads on SQLAlchemy's connections and writes on its own (api/store/); an
         # in-memory SQLite database exists once per connection, so the jobs it wrote would
         # never be found. (The URL is not parsed with SQLAlchemy: Locust workers load these
         # settings and stay free of it.)

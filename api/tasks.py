@@ -7,8 +7,9 @@
   restarting the process may clear, and a replica that half works is worse than one that
   restarts), `ONCE` (logged, never started again: a best-effort task) or `FATAL` (any death
   takes the process down). Taking the process down: the group cancels the other tasks, /readyz
-  answers 503 from then on, and `on_fatal` runs (`sshapi serve` stops the server and exits
-  non-zero, so the supervisor, systemd or the orchestrator starts it again).
+  answers 503 from then on, and the process's fatal handler runs (`on_fatal`: `sshapi serve`
+  sets one that stops the server and exits non-zero, so its supervisor, systemd or the
+  orchestrator starts it again; an app a test runs in its own process stays up, not ready).
   Shutdown cancels the tasks one at a time, the last started first, each awaited before the next.
 - `TaskSet`: the short-lived tasks of a service (a job's run, a DELETE's cancel, the lookup of a
   batch submission): one set it owns, cancels and awaits on close. A task that fails with nobody
@@ -55,11 +56,21 @@ class _Child:
     deaths: list[float] = field(default_factory=list)
 
 
+# What a task that takes the process down does besides making it unready: process-wide, like
+# the signals the process model handles (api/workers.py sets it before serving).
+_fatal: Callable[[BaseException], None] | None = None
+
+
+def on_fatal(handler: Callable[[BaseException], None] | None) -> None:
+    """Set this process's fatal handler (None: none)."""
+    global _fatal
+    _fatal = handler
+
+
 class Supervisor:
     """The long-lived tasks of one process, in one TaskGroup (see the module docstring)."""
 
-    def __init__(self, on_fatal: Callable[[BaseException], None] | None = None) -> None:
-        self._on_fatal = on_fatal
+    def __init__(self) -> None:
         self._children: list[_Child] = []
         self._group: asyncio.TaskGroup | None = None
         self._owner: asyncio.Task[None] | None = None
@@ -95,8 +106,8 @@ class Supervisor:
         except* Exception as died:
             self.failure = died
             log.critical("a background task died: the process goes down")
-            if self._on_fatal is not None:
-                self._on_fatal(died)
+            if _fatal is not None:
+                _fatal(died)
         finally:
             self._group = None
             self._running.set()

@@ -17,6 +17,7 @@ from typing import Any
 
 import uvicorn
 
+from api import tasks
 from api.app import create_app
 from api.config import Config
 from api.local import resolve_config
@@ -29,9 +30,6 @@ log = logging.getLogger("sshapi")
 # The exit status of a process a background task took down (EX_SOFTWARE): its supervisor,
 # systemd or orchestrator starts it again.
 TASK_DIED = 70
-# What uvicorn exits with when the server could not start.
-STARTUP_FAILURE = 3
-
 # Seconds between checks of the workers; a worker that died is started again after this.
 SUPERVISE_INTERVAL = 0.5
 
@@ -71,39 +69,53 @@ def _uvicorn_options(settings: Settings, config: Config) -> dict[str, Any]:
 def serve(settings: Settings, config: Config | None = None) -> None:
     """Run the API in this process until it is stopped: logging at `settings.log_level`, the
     app from `create_app(settings, config=config)`, uvicorn on `settings.host:settings.port`.
-    With `settings.workers` > 1, that many worker processes share the port (`_supervise`)."""
+    With `settings.workers` > 1, that many worker processes share the port (`_supervise`).
+    A background task that takes the process down (api/services.py) stops the server as
+    Ctrl-C does (running jobs get their grace) and the process exits with TASK_DIED."""
     _configure_logging(settings)
     config = config or resolve_config(settings)
+    if (warning := per_process_limits(settings)) is not None:
+        log.warning("%s", warning)
     if settings.workers > 1:
         _supervise(settings, config)
         return
-    options = _uvicorn_options(settings, config)
-    _run_server(settings, config, host=settings.host, port=settings.port, **options)
-
-
-def _run_server(
-    settings: Settings, config: Config, sockets: list[socket.socket] | None = None, **options: Any
-) -> None:
-    """uvicorn with the app until it stops, as `uvicorn.run` does (exit status 3 when it could
-    not start). A background task that takes the process down (api/services.py) stops the
-    server gracefully (running jobs get their grace), and the process exits with TASK_DIED."""
-    failures: list[BaseException] = []
-    server: uvicorn.Server | None = None
-
-    def on_fatal(exc: BaseException) -> None:
-        failures.append(exc)
-        if server is not None:
-            server.should_exit = True
-
-    app = create_app(settings, config=config, on_fatal=on_fatal)
-    server = uvicorn.Server(uvicorn.Config(app, **options))
+    died = _stop_when_a_task_dies()
+    api = create_app(settings, config=config)
     _freeze_startup_heap()
-    with contextlib.suppress(KeyboardInterrupt):
-        server.run(sockets=sockets)
-    if failures:
+    uvicorn.run(api, host=settings.host, port=settings.port, **_uvicorn_options(settings, config))
+    if died:
         raise SystemExit(TASK_DIED)
-    if not server.started:
-        raise SystemExit(STARTUP_FAILURE)
+
+
+def _stop_when_a_task_dies() -> list[BaseException]:
+    """Make a fatal task death (api/tasks.py) stop this process's server gracefully: uvicorn's
+    own Ctrl-C path (SIGINT), whose KeyboardInterrupt at the end `uvicorn.run` absorbs (and
+    `_worker` too). The returned list gets the failure, for the exit status."""
+    died: list[BaseException] = []
+
+    def stop(exc: BaseException) -> None:
+        died.append(exc)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    tasks.on_fatal(stop)
+    return died
+
+
+def per_process_limits(settings: Settings) -> str | None:
+    """The start's warning when per-identity limits are counted by each process on its own:
+    several workers (or replicas) without Redis. Each process has its own LocalQuota (api/
+    quota.py), so an identity whose requests land on N processes gets up to N times each limit.
+    Said at the start, with the factor, rather than found out from a user's bill."""
+    processes = settings.workers * settings.replicas
+    if processes == 1 or settings.redis_url:
+        return None
+    return (
+        f"per-identity limits are counted by each of the {processes} API processes on its own "
+        f"({settings.workers} worker(s) x {settings.replicas} replica(s), no SSHAPI_REDIS_URL): "
+        f"an identity may get up to {processes} times each per-identity limit (the policy's "
+        "rate, burst, max_concurrent and max_transfers; max_followers); set SSHAPI_REDIS_URL "
+        f"to share them, or divide them by {processes} in the configuration"
+    )
 
 
 def _freeze_startup_heap() -> None:
@@ -134,7 +146,15 @@ def _worker(
     _configure_logging(settings)
     threading.Thread(target=_exit_with_parent, args=(supervisor,), daemon=True).start()
     settings = settings.model_copy(update={"replica": f"{settings.replica}-w{index}"})
-    _run_server(settings, config, sockets=[sock], **_uvicorn_options(settings, config))
+    died = _stop_when_a_task_dies()
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(settings, config=config), **_uvicorn_options(settings, config))
+    )
+    _freeze_startup_heap()
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run(sockets=[sock])
+    if died:
+        raise SystemExit(TASK_DIED)
 
 
 def _exit_on_sigterm(signum: int, _frame: object) -> None:

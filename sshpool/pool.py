@@ -14,9 +14,10 @@ Invariants of a host pool:
 - 0 <= conn.in_use <= conn.capacity <= limits.max_sessions for every pooled connection;
 - len(conns) + connecting <= limits.max_connections;
 - connecting <= limits.max_handshakes (the handshake gate: stock MaxStartups drops from 10);
-- waiters take turns by tenant (`Pool.run(..., tenant=...)`): each tenant's waiters are
-  served in FIFO order, and tenants with waiters are served round robin, one slot each per
-  turn, so one tenant's backlog delays another's command by at most one turn (`_Waiters`);
+- waiters take turns by tenant (`Pool.run(..., tenant=...)`, `Pool.sftp(..., tenant=...)`):
+  each tenant's waiters are served in FIFO order, and tenants with waiters are served round
+  robin, one slot each per turn (a command or an SFTP session alike), so one tenant's backlog
+  delays another's command by at most one turn (`_Waiters`);
   callers without a tenant share one queue (plain FIFO among them);
 - a new caller never takes a free slot while others wait;
 - len(waiters) <= limits.max_waiters, counted over all tenants;
@@ -505,14 +506,16 @@ class _HostPool:
         finally:
             self._release(c)
 
-    async def open_sftp(self, deadline: float | None, since: float) -> tuple[_Conn, SFTPSession]:
-        """A channel slot with the sftp subsystem started on it (see `Pool.sftp`): refused
-        channels shrink the connection and are retried, a connection lost before the session
-        started is discarded and retried once."""
+    async def open_sftp(
+        self, deadline: float | None, since: float, tenant: Hashable = None
+    ) -> tuple[_Conn, SFTPSession]:
+        """A channel slot with the sftp subsystem started on it (see `Pool.sftp`), waited for
+        in `tenant`'s turns like a command's: refused channels shrink the connection and are
+        retried, a connection lost before the session started is discarded and retried once."""
         refusals = 0
         lost_retried = False
         while True:
-            c = await self.acquire(deadline)
+            c = await self.acquire(deadline, tenant)
             try:
                 session = await c.conn.sftp()
             except ChannelRefused:
@@ -720,7 +723,7 @@ class Pool:
 
     @contextlib.asynccontextmanager
     async def sftp(
-        self, target: Target, *, acquire_timeout: float | None = None
+        self, target: Target, *, acquire_timeout: float | None = None, tenant: Hashable = None
     ) -> AsyncIterator[SFTPSession]:
         """An SFTP session on a pooled connection to `target`, held for the `async with` body
         (several operations may use it, one at a time).
@@ -731,19 +734,21 @@ class Pool:
         ```
 
         The session takes one channel slot through the same admission as `run` (max_sessions,
-        the handshake gate, the FIFO queue with its deadline, the breaker): PoolTimeout,
-        PoolFull, HostUnavailable, ConnectTimeout, ConnectError as there. A refused channel is
-        retried like a command's; a connection lost before the session started is retried once
-        on a fresh one. In the body, RemoteFileError leaves the slot reusable;
-        ConnectionLost(started=True) discards the connection; so does an operation cut short
-        (cancelled) where the backend's session says it left the connection unusable
-        (`SFTPSession.intact`): ssh2's; asyncssh's and paramiko's keep it. When the body
-        ends (whatever way) the session's channel is closed and its slot released.
+        the handshake gate, the queue with its deadline, the breaker): PoolTimeout, PoolFull,
+        HostUnavailable, ConnectTimeout, ConnectError as there. It waits in `tenant`'s turns
+        with that tenant's commands (the API passes the caller's identity, as for its jobs): a
+        tenant's backlog of sessions and commands delays another tenant by one turn at most.
+        A refused channel is retried like a command's; a connection lost before the session
+        started is retried once on a fresh one. In the body, RemoteFileError leaves the slot
+        reusable; ConnectionLost(started=True) discards the connection; so does an operation
+        cut short (cancelled) where the backend's session says it left the connection unusable
+        (`SFTPSession.intact`): ssh2's; asyncssh's and paramiko's keep it. When the body ends
+        (whatever way) the session's channel is closed and its slot released.
         """
         host = self._host(target)
         t0 = time.perf_counter()
         deadline = None if acquire_timeout is None else host.loop.time() + acquire_timeout
-        c, session = await host.open_sftp(deadline, t0)
+        c, session = await host.open_sftp(deadline, t0, tenant)
         healthy = False
         try:
             yield session

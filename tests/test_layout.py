@@ -4,6 +4,8 @@
 * The sshpool package reads no SSHAPI_* variable: the API's environment is the API's.
 * No module of sshpool/, api/ or loadtests/ imports a private name (`_x`, or a module `_m`) of
   another package.
+* The client package (`api/client/`) imports nothing of `api` outside `api.client`: the server
+  may use the client, never the reverse (issue 27), so `import api.client` loads no server.
 """
 
 from __future__ import annotations
@@ -74,6 +76,41 @@ def test_no_module_imports_a_private_name_of_another_package() -> None:
         for hit in _private_imports(path)
     ]
     assert found == []
+
+
+def _server_imports(path: Path) -> list[str]:
+    """The imports of `api` modules outside `api.client` in one file (relative imports stay in
+    the package: the client has no parent to reach)."""
+    found: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module == "api":
+                modules = [f"api.{alias.name}" for alias in node.names]
+            else:
+                modules = [node.module]
+        elif isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        else:
+            continue
+        for module in modules:
+            if module.split(".")[0] == "api" and module.split(".")[:2] != ["api", "client"]:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {module}")
+    return found
+
+
+def test_the_client_package_imports_nothing_of_the_server() -> None:
+    found = [
+        hit
+        for path in sorted((ROOT / "api" / "client").rglob("*.py"))
+        for hit in _server_imports(path)
+    ]
+    assert found == []
+    code = "import json, sys, api.client; print(json.dumps(sorted(sys.modules)))"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    loaded = json.loads(done.stdout)
+    assert [m for m in loaded if m.startswith("api.") and not m.startswith("api.client")] == []
 
 
 def test_http_schemas_load_nothing_of_the_slurm_client() -> None:

@@ -114,7 +114,9 @@ class BatchJobs:
         # Lookups of submissions whose outcome is unknown, one per job.
         self._tasks = TaskSet("batch")
 
-    def client(self, host_name: str, target: Target) -> SlurmClient:
+    def client(self, host_name: str, target: Target, owner: Identity | None = None) -> SlurmClient:
+        """The scheduler's commands on `target`, waiting in `owner`'s turns on a saturated host
+        (the job's owner, as for its commands; None: the host's tracker, for every job)."""
         scheduler = self.config.hosts[host_name].scheduler
         assert scheduler is not None
         return SlurmClient(
@@ -122,6 +124,7 @@ class BatchJobs:
             target,
             acquire_timeout=self.config.api.queue_timeout,
             settle=scheduler.settle,
+            tenant=owner,
         )
 
     # ---- lifecycle
@@ -187,7 +190,7 @@ class BatchJobs:
         """Run sbatch for an admitted job and record the outcome in the store and in ``row``.
         An SSHPoolError means sbatch never ran (the pool retries a connection lost before the
         start; a later loss is settled here): the caller records it like any command's."""
-        client = self.client(row.host, target)
+        client = self.client(row.host, target, owner_of(row))
         try:
             submitted = await client.submit(
                 request.script, request.options(), row.id, look_first=False
@@ -208,7 +211,7 @@ class BatchJobs:
     async def _resolve(self, row: JobRow) -> None:
         """Settle a submission whose outcome is unknown: adopt the scheduler's job carrying the
         job id, or record that nothing ran. Retried while the host cannot be asked."""
-        client = self.client(row.host, self.target_of(row))
+        client = self.client(row.host, self.target_of(row), owner_of(row))
         delay, waited = 1.0, 0.0
         while True:
             try:
@@ -308,7 +311,7 @@ class BatchJobs:
                 f"job {row.id} has no scheduler job yet; try again",
                 headers=retry_after(1),
             )
-        client = self.client(row.host, self.target_of(row))
+        client = self.client(row.host, self.target_of(row), owner_of(row))
         job = row.scheduler_job_id
         status = (await client.states([job]))[job]
         if not status.final:
@@ -338,7 +341,7 @@ class BatchJobs:
         if row.scheduler_job_id is None or row.batch is None:
             return OutputChunk(b"", offset, None)
         path = batch_options(row.batch).output_path(row.scheduler_job_id, row.id, stream)
-        client = self.client(row.host, self.target_of(row))
+        client = self.client(row.host, self.target_of(row), owner_of(row))
         with answered_as_problem(row):
             return await client.read_output(path, offset, limit)
 
@@ -348,7 +351,7 @@ class BatchJobs:
         if row.scheduler_job_id is None or row.batch is None:
             return OutputRange(offset, None, 0, pieces())
         path = batch_options(row.batch).output_path(row.scheduler_job_id, row.id, stream)
-        client = self.client(row.host, self.target_of(row))
+        client = self.client(row.host, self.target_of(row), owner_of(row))
         with answered_as_problem(row):
             first = await client.read_output(path, offset, min(limit, PIECE))
         if first.size is None:

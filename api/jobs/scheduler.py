@@ -32,7 +32,7 @@ import asyncio
 import logging
 import re
 import secrets
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 from api.batchspec import BatchOptions, key_digest, validate_script
@@ -164,9 +164,13 @@ class SlurmClient:
         timeout: float = 30.0,
         acquire_timeout: float | None = 10.0,
         settle: float = 5.0,
+        tenant: Hashable = None,
     ) -> None:
         self.pool = pool
         self.target = target
+        # Whose turn its commands wait for on a saturated host (`Pool.run`): the job's owner;
+        # None for the tracker's squeue, which serves every job of the host.
+        self.tenant = tenant
         self.timeout = timeout
         self.acquire_timeout = acquire_timeout
         # How long an unknown-outcome sbatch may still land: looked up that long before a retry.
@@ -184,6 +188,7 @@ class SlurmClient:
             timeout=self.timeout,
             acquire_timeout=self.acquire_timeout,
             max_output=max_output,
+            tenant=self.tenant,
         )
 
     # ---- submit

@@ -26,7 +26,7 @@ from api.jobs.batch import BatchJobs, hold_ttl, owner_of
 from api.jobs.cancel import Cancels
 from api.jobs.output import JobOutput, read_file
 from api.jobs.runner import Launch, Runner
-from api.live import Feed, LiveHub, Relay
+from api.live import Feed, LiveHub, Relay, Spend
 from api.metrics import Metrics
 from api.output import OutputRange, Stream
 from api.policy import Policy
@@ -70,16 +70,35 @@ class JobService:
 
     # ---- reading
 
-    async def take_read(self, who: Principal) -> None:
-        """Spend a token of who's bucket for SSH-backed reads (output reads, cancels): the
-        rule's rate and burst, a bucket apart from submissions'."""
+    def _read_rate(self, who: Principal) -> tuple[float, int]:
         rule = self.policy.rule_for(who)
         if rule is None:
             fields = PolicyRule.model_fields
-            rate, burst = fields["rate"].default, fields["burst"].default
-        else:
-            rate, burst = rule.rate, rule.burst
+            return fields["rate"].default, fields["burst"].default
+        return rule.rate, rule.burst
+
+    async def take_read(self, who: Principal) -> None:
+        """Spend a token of who's bucket for SSH-backed reads (output reads, cancels, a live
+        follower's reads of a batch job's files): the rule's rate and burst, a bucket apart from
+        submissions'."""
+        rate, burst = self._read_rate(who)
         await self.quota.take(who.key, rate, burst, "reads")
+
+    def read_spend(self, who: Principal) -> Spend:
+        """How a live follower of `who` pays for its SSH reads (api/live.py `Cursor.pay`): a
+        token of the reads bucket, or, beyond the rate, the time until the next one."""
+        rate, _ = self._read_rate(who)
+
+        async def spend() -> float:
+            try:
+                await self.take_read(who)
+            except Problem as exc:
+                if exc.status != 429:
+                    raise
+                return 1.0 / rate  # the bucket gains a token in that time
+            return 0.0
+
+        return spend
 
     async def get(self, who: Principal, job_id: str) -> JobRow:
         """The job if the caller may see it (owner or admin); 404 otherwise, never 403, so ids

@@ -7,11 +7,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, Header, Query, Request, Response
-from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 from starlette.requests import ClientDisconnect
 
@@ -32,6 +31,7 @@ from api.files import (
 )
 from api.numbers import read_count
 from api.problems import MEDIA_TYPE, Problem
+from api.sending import DeadlineResponse
 from sshpool import ConnectionLost, RemoteFileFailure, SSHPoolError
 
 router = APIRouter(prefix="/v1/hosts/{host}/files", tags=["files"])
@@ -157,7 +157,7 @@ async def download(
         stack.push_async_callback(remote.close)
     except SSHPoolError as exc:
         await stack.aclose()
-        raise file_problem(exc) from exc
+        raise file_problem(exc, host) from exc
     except BaseException:
         await stack.aclose()
         raise
@@ -168,7 +168,7 @@ async def download(
         headers["Content-Range"] = f"bytes {start}-{end - 1}/{attrs.size}"
     counter = svc.metrics.file_bytes.labels("download")
 
-    async def body() -> AsyncIterator[bytes]:
+    async def body() -> AsyncGenerator[bytes, None]:
         remaining = end - start
         ahead: asyncio.Future[bytes] | None = None
         try:
@@ -191,8 +191,16 @@ async def download(
                 ahead.exception()
             await stack.aclose()
 
-    return StreamingResponse(
-        body(), status_code=status, headers=headers, media_type="application/octet-stream"
+    # A client that stops reading is let go of after send_timeout (api/sending.py): it would
+    # hold the SFTP channel and the transfer slot for as long as it keeps the connection.
+    return DeadlineResponse(
+        body(),
+        release=stack.aclose,
+        send_timeout=svc.settings.send_timeout,
+        what="download",
+        status_code=status,
+        headers=headers,
+        media_type="application/octet-stream",
     )
 
 

@@ -90,7 +90,8 @@ async def follow_output(svc: Svc, who: Reader, job_id: str, stream: Stream, offs
 
     async def body() -> AsyncIterator[bytes]:
         with contextlib.suppress(OutputGone):  # trimmed since the check: end, let it resume
-            async for item in follow(feed, {stream: offset}, states=False, gaps=False):
+            spend = svc.jobs.read_spend(who)
+            async for item in follow(feed, {stream: offset}, states=False, gaps=False, spend=spend):
                 if isinstance(item, Output):
                     yield item.data
 
@@ -176,7 +177,7 @@ async def job_events(
             payload = {"stream": stream, "offset": start, "bytes": cut, "text": text}
             return sse("output", payload, sent)
 
-        async for item in follow(feed, dict(offsets)):
+        async for item in follow(feed, dict(offsets), spend=svc.jobs.read_spend(who)):
             if isinstance(item, Output):
                 if chunk := output(item.stream, item.data, flush=False):
                     yield chunk

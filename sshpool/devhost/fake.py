@@ -9,6 +9,8 @@ async with Pool(backend) as pool:
 It keeps the contract of `sshpool.backends.base` and plays the parts of sshd the pool reacts to:
 a per-connection channel limit (ChannelRefused past `sshd_max_sessions`), connect failures in
 order (`connect_failures`), connections that drop before or after the command started (`lose`).
+An SFTP session (`FakeConnection.sftp`) takes a channel like an exec, is recorded in `order`
+as ``sftp``, resolves paths as given and has no files.
 What it records (`order`, `conns`, `max_in_flight`) is what the tests assert on.
 
 Every exec prints the wrapper's marker line first (``<token> 4242``, the token taken from the
@@ -23,8 +25,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from sshpool.backends import Exit
+from sshpool.backends.base import DirEntry, FileAttrs, RemoteFile
 from sshpool.command import Capture
-from sshpool.errors import ChannelRefused, ConnectionLost
+from sshpool.errors import ChannelRefused, ConnectionLost, RemoteNotFound
 from sshpool.target import Target
 
 # The process group id every fake command reports.
@@ -71,8 +74,65 @@ class FakeConnection:
         finally:
             self.running -= 1
 
+    async def sftp(self) -> FakeSFTP:
+        if self.running >= self.backend.sshd_max_sessions:
+            raise ChannelRefused("open failed")
+        self.running += 1
+        self.backend.order.append("sftp")
+        return FakeSFTP(self)
+
     async def close(self) -> None:
         self.alive = False
+
+
+class FakeSFTP:
+    """An SFTP session of a fake connection: holds its channel until closed; has no files."""
+
+    def __init__(self, conn: FakeConnection) -> None:
+        self.conn: FakeConnection | None = conn
+
+    async def realpath(self, path: str) -> str:
+        return path
+
+    async def stat(self, path: str) -> FileAttrs:
+        raise RemoteNotFound("no such file", path)
+
+    async def lstat(self, path: str) -> FileAttrs:
+        raise RemoteNotFound("no such file", path)
+
+    async def readlink(self, path: str) -> str:
+        raise RemoteNotFound("no such file", path)
+
+    async def listdir(self, path: str) -> list[DirEntry]:
+        raise RemoteNotFound("no such file", path)
+
+    async def open_read(self, path: str, offset: int = 0) -> RemoteFile:
+        raise RemoteNotFound("no such file", path)
+
+    async def open_write(
+        self, path: str, *, exclusive: bool = True, mode: int = 0o644
+    ) -> RemoteFile:
+        raise RemoteNotFound("no such directory", path)
+
+    async def rename(self, old: str, new: str, *, overwrite: bool) -> None:
+        raise RemoteNotFound("no such file", old)
+
+    async def remove(self, path: str) -> None:
+        raise RemoteNotFound("no such file", path)
+
+    async def rmdir(self, path: str) -> None:
+        raise RemoteNotFound("no such file", path)
+
+    async def mkdir(self, path: str, mode: int = 0o755) -> None:
+        raise RemoteNotFound("no such file", path)
+
+    def intact(self) -> bool:
+        return True
+
+    async def close(self) -> None:
+        if self.conn is not None:
+            self.conn.running -= 1
+            self.conn = None
 
 
 @dataclass

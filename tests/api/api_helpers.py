@@ -27,9 +27,9 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
 from starlette.types import ASGIApp
 
 from api.app import create_app
+from api.client import tls_context
 from api.config import Config, load_config
 from api.settings import Settings
-from api.tls import tls_context
 from loadtests.server import wait_ready
 from sshpool.devhost import LocalHost
 

@@ -28,10 +28,10 @@ from api_helpers import (
 )
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
 
+from api.client import tls_context
 from api.config import Config, load_config
 from api.settings import Settings
 from api.store import Store
-from api.tls import tls_context
 from sshpool.devhost import LocalHost
 
 

@@ -8,12 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import event, func, text
-from sqlalchemy.dialects import sqlite as sqlite_dialect
+from sqlalchemy import func
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.schema import CreateTable
 
-from api.settings import Settings
 from api.store import JOBS, JobRow, Store, aware, new_id, utcnow
 
 
@@ -102,31 +99,6 @@ async def test_update_only_active_never_overwrites_a_final_state(store: Store) -
     assert back is not None and back.state == "cancelled"
 
 
-async def test_a_database_from_before_batch_jobs_gets_the_new_columns_on_start(
-    store: Store, store_settings: Settings
-) -> None:
-    """An existing table lacking columns added since (here: the batch ones) is completed on
-    start: its rows read back as commands, and new rows use the new columns."""
-    old = job()
-    await store.insert(old)
-    added = ("kind", "batch", "scheduler_job_id", "scheduler_state", "scheduler_reason")
-    async with store._started().begin() as conn:
-        for column in added:
-            await conn.execute(text(f"ALTER TABLE sshapi_jobs DROP COLUMN {column}"))
-    await store.close()
-    again = Store(store_settings.resolved_database_url, schema=store_settings.database_schema)
-    await again.start()
-    try:
-        row = await again.get(old.id)
-        assert row is not None and row.kind is None and row.batch is None
-        new = job(kind="batch", batch={"script": "#!/bin/sh\n"}, scheduler_job_id="7")
-        await again.insert(new)
-        assert [r.id for r in await again.active_batch("r1")] == [new.id]
-        assert await again.mark_lost("r1") == 1  # the command; the batch job stays tracked
-    finally:
-        await again.close()
-
-
 async def test_update_with_a_sql_expression_keeps_the_first_start_time(store: Store) -> None:
     """`started_at = coalesce(started_at, now)` (what the batch tracker writes) sets the start
     once: a second such write keeps the first time, and the row reads back with it."""
@@ -195,32 +167,5 @@ async def test_sqlite_wal_stays_bounded_and_large_outputs_round_trip(tmp_path: P
         for row in (rows[0], rows[399], rows[-1]):
             back = await store.get(row.id)
             assert back is not None and (back.stdout, back.stderr) == (row.stdout, row.stderr)
-    finally:
-        await store.close()
-
-
-async def test_a_store_starts_when_another_process_creates_the_table_first(tmp_path: Path) -> None:
-    """Two workers starting on a new SQLite file: the other one creates the table after this
-    one checked for it and before its CREATE TABLE. The start still succeeds (it crashed the
-    worker before, found by tests/api/test_api_workers.py on a fresh clone)."""
-    path = tmp_path / "jobs.sqlite3"
-    raced = []
-
-    def other_process_wins(*_args: Any, **_kw: Any) -> None:
-        if not raced:  # the first attempt only: the check said "no table"
-            raced.append(True)
-            with sqlite3.connect(path) as db:  # what the other worker's create_all runs
-                db.execute(str(CreateTable(JOBS).compile(dialect=sqlite_dialect.dialect())))
-
-    event.listen(JOBS, "before_create", other_process_wins)
-    try:
-        store = Store(f"sqlite+aiosqlite:///{path}")
-        await store.start()
-    finally:
-        event.remove(JOBS, "before_create", other_process_wins)
-    try:
-        assert raced
-        row = await store.insert(job())
-        assert (await store.get(row.id)) is not None
     finally:
         await store.close()

@@ -1,4 +1,4 @@
-"""The researcher's client (api/client.py) and the `sshapi run|jobs` commands, against the real
+"""The researcher's client (`api.client`) and the `sshapi run|jobs` commands, against the real
 API and local host. The sync Client runs in a thread: the server shares the test's event loop."""
 
 from __future__ import annotations
@@ -13,14 +13,15 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import httpx
 import pytest
 from api_helpers import SSHAPI, Api
 from typer.testing import CliRunner
 
-from api import client as client_module
+from api import schemas, states
+from api.batchspec import BatchOptions
 from api.cli import app
 from api.client import (
     AsyncClient,
@@ -31,6 +32,8 @@ from api.client import (
     RateLimited,
     SshapiError,
 )
+from api.client import models as client_models
+from api.client import profile as client_profile
 
 FILES = "jobs:read jobs:write files:read files:write"
 
@@ -56,6 +59,38 @@ async def sshapi(api: Api, *args: str, cwd: Path | None = None) -> tuple[int, by
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode is not None
     return proc.returncode, out, err
+
+
+def test_the_clients_job_reads_what_the_servers_job_writes() -> None:
+    """The client's own Job (it imports nothing of the server) has the server's fields in the
+    server's order, and a job of each kind, every field set, reads back to the same JSON: what
+    `--json` prints is what the server sent. The state vocabulary is the server's."""
+    assert get_args(client_models.State) == get_args(states.State)
+    assert client_models.FINAL == states.FINAL
+    pairs = [
+        (client_models.Job, schemas.Job),
+        (client_models.BatchOptions, BatchOptions),
+        (client_models.SchedulerInfo, schemas.SchedulerInfo),
+    ]
+    for mine, theirs in pairs:
+        assert list(mine.model_fields) == list(theirs.model_fields), mine
+    example = schemas.Job.model_config["json_schema_extra"]["examples"][0]  # type: ignore[index]
+    command = schemas.Job.model_validate({**example, "exit_signal": "TERM", "error": "why",
+                                          "stdout_truncated": True, "template": "t",
+                                          "params": {"n": 1}, "command": "c"})  # fmt: skip
+    batch = schemas.Job.model_validate(
+        {
+            **example,
+            "kind": "batch",
+            "batch": {"name": "n", "partition": "p", "time_limit": 60, "nodes": 1, "ntasks": 2,
+                      "workdir": "/w", "env": {"A": "b"}},
+            "scheduler": {"job_id": "42", "state": "PENDING", "reason": "Priority"},
+            "timeout": None,
+        }
+    )  # fmt: skip
+    for job in (command, batch):
+        wire = job.model_dump_json()
+        assert client_models.Job.model_validate_json(wire).model_dump_json() == wire
 
 
 @pytest.mark.parametrize(
@@ -370,7 +405,7 @@ def test_a_token_is_not_sent_to_a_default_nobody_chose(
     listener on a free port: on a shared login node, whoever got the port first) and says which
     URL it did not use and how to name one; named with SSHAPI_URL or a profile, it is sent."""
     with Listener() as listener:
-        monkeypatch.setattr(client_module, "DEFAULT_URL", listener.url)
+        monkeypatch.setattr(client_profile, "DEFAULT_URL", listener.url)
         monkeypatch.setenv("SSHAPI_TOKEN", "secret-token")
         result = CliRunner().invoke(app, ["jobs", "list"])
         assert listener.seen == []

@@ -5,6 +5,7 @@ against real sshd in test_pool.py."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -213,3 +214,42 @@ async def test_a_tenant_that_gives_up_leaves_the_turns_and_the_cap_counts_all_te
         assert pool.stats()[t]["waiters"] == 2
         await asyncio.gather(busy, *waiting)
     assert not any("gives up" in line for line in backend.order)
+
+
+async def test_sftp_sessions_take_turns_with_commands_by_tenant() -> None:
+    """Tenant A queues 200 SFTP sessions (each held one turn) and 100 commands at once; B then
+    opens single sessions and runs single commands, one after the other: each waits at most
+    one turn. Sessions wait in their tenant's turns like commands, not in one queue shared by
+    every tenant's sessions (where B's first session would wait behind A's 200)."""
+    backend = FakeBackend(exec_time=0.05)
+    turn = backend.exec_time
+    t = target(max_connections=1, max_sessions=4)
+
+    async def session(tenant: str) -> float:
+        t0 = time.perf_counter()
+        async with pool.sftp(t, tenant=tenant) as fs:
+            waited = time.perf_counter() - t0
+            await fs.realpath(".")
+            await asyncio.sleep(turn)
+        return waited
+
+    async with Pool(backend) as pool:
+        backlog = [
+            asyncio.create_task(session("alice") if n % 3 else pool.run(t, ["a"], tenant="alice"))
+            for n in range(300)
+        ]
+        await asyncio.sleep(0.1)  # the backlog is queued, the four slots busy
+        assert pool.stats()[t]["waiters"] > 250
+        queued = []
+        for _ in range(5):
+            queued.append(await session("bob"))
+            queued.append((await pool.run(t, ["b"], tenant="bob")).timings["queue"])
+        for task in backlog:
+            task.cancel()
+        await asyncio.gather(*backlog, return_exceptions=True)
+        await asyncio.sleep(2 * turn)  # cancelled commands' kills end; sessions are closed
+        stats = pool.stats()[t]
+    # One turn, plus scheduling slack on a shared box.
+    assert max(queued) <= turn + 0.02, queued
+    assert backend.order.count("sftp") >= 5
+    assert stats["channels_in_use"] == 0

@@ -1,4 +1,4 @@
-"""The client commands of `sshapi`: talk HTTP to a server (api/client.py), never SSH.
+"""The client commands of `sshapi`: talk HTTP to a server (`api.client`), never SSH.
 
     sshapi run HOST -- ARGV...        live stdout/stderr, exits with the remote exit status
     sshapi jobs list|show|cancel|logs
@@ -37,10 +37,8 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from api.client import Client, SshapiError, Stream, exit_code
+from api.client import FINAL, Client, Job, SshapiError, Stream, exit_code
 from api.client import Progress as OnProgress
-from api.schemas import Job
-from api.states import FINAL
 
 jobs_app = typer.Typer(help="Your jobs on the server (SSHAPI_URL).", no_args_is_help=True)
 batch_app = typer.Typer(help="Batch jobs for a host's scheduler.", no_args_is_help=True)

@@ -1,4 +1,5 @@
-"""The TLS verification context every httpx client of the package uses, built once per process."""
+"""The TLS verification context every httpx client of the process uses (the client's and the
+server's: the server imports it from here), built once per process."""
 
 from __future__ import annotations
 

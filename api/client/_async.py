@@ -1,0 +1,339 @@
+"""The client's one source: `AsyncClient` here, and `Client` in _sync.py generated from this file
+by unasync (`make unasync`, scripts/unasync.py; tests/test_unasync.py fails when the two differ).
+Edit this file, never _sync.py. The rules: `async`/`await` go, `AsyncClient` -> `Client` (ours
+and httpx's), `aclose`/`aread`/`aiter_*`/`anext` -> their sync names, asyncio's `sleep` ->
+time's, `AsyncIterator` -> `Iterator`, `AsyncFile` -> `SyncFile` (localfile.py: local file I/O,
+in a thread here, the plain calls there: the one difference besides waiting)."""
+
+from __future__ import annotations
+
+import os
+from asyncio import sleep
+from collections.abc import AsyncIterator, Sequence
+from time import monotonic
+from typing import Any
+
+import httpx
+
+from api.client.base import WAIT, Event, SSEParser, _Base, _fresh, job_body
+from api.client.errors import InvalidRequest, JobFailed, TransportError, _raise, raise_for_problem
+from api.client.files import CHUNK, Partial, Progress, _upload_headers, files_path, resumable
+from api.client.localfile import AsyncFile
+from api.client.models import FINAL, Job, Stream
+from api.client.tls import tls_context
+
+
+class AsyncClient(_Base):
+    """The client: `Client` calls and returns, a context manager (closes its connections);
+    `AsyncClient` has the same methods as coroutines (`follow`, `events` and `list_pages` as
+    async iterators), an async context manager."""
+
+    def __init__(
+        self,
+        url: str | None = None,
+        token: str | None = None,
+        *,
+        profile: str | None = None,
+        retries: int = 5,
+        max_retry_wait: float = 30.0,
+        timeout: float = 60.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+        allow_http: bool = False,
+    ) -> None:
+        super().__init__(
+            url,
+            token,
+            profile=profile,
+            retries=retries,
+            max_retry_wait=max_retry_wait,
+            allow_http=allow_http,
+        )
+        self.http = httpx.AsyncClient(
+            base_url=self.url,
+            headers=self.headers,
+            timeout=timeout,
+            transport=transport,
+            verify=tls_context(),
+            trust_env=self.trust_env,
+        )
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    async def request(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        """One API call with the retries; raises the call's ProblemError or TransportError."""
+        attempt = 0
+        while True:
+            try:
+                response = await self.http.request(method, path, **_fresh(kw))
+            except httpx.TransportError as exc:
+                delay = self._delay(attempt, None)
+                if delay is None:
+                    raise TransportError(f"{method} {path}: {exc}") from exc
+            else:
+                delay = self._delay(attempt, response)
+                if delay is None:
+                    raise_for_problem(response)
+                    return response
+            await sleep(delay)
+            attempt += 1
+
+    async def submit(
+        self,
+        host: str,
+        argv: Sequence[str] | None = None,
+        *,
+        wait: float | None = 0,
+        idempotency_key: str | None = None,
+        **options: Any,
+    ) -> Job:
+        """POST /v1/jobs (argv, or command=, template= + params=, batch=; stdin=, timeout=);
+        the job as the server answered it, finished or not. Retries replay, never re-run."""
+        body = job_body(host, argv, **options)
+        headers = self._post_headers(idempotency_key, wait)
+        response = await self.request("POST", "/v1/jobs", json=body, headers=headers)
+        return Job.model_validate(response.json())
+
+    async def run(
+        self, host: str, argv: Sequence[str] | None = None, *, check: bool = False, **options: Any
+    ) -> Job:
+        """Run a command and return its finished job (`stdout`, `stderr`, `exit_status`)."""
+        job = await self.wait(await self.submit(host, argv, wait=WAIT, **options))
+        if check and job.state != "succeeded":
+            raise JobFailed(job)
+        return job
+
+    async def wait(self, job: Job | str, timeout: float | None = None) -> Job:
+        """Poll until the job is final (backing off to 2 s); `timeout`: give up, return it."""
+        current = job if isinstance(job, Job) else await self.get(job)
+        deadline = None if timeout is None else monotonic() + timeout
+        delay = 0.1
+        while current.state not in FINAL:
+            if deadline is not None and monotonic() >= deadline:
+                break
+            await sleep(delay)
+            delay = min(delay * 2, 2.0)
+            current = await self.get(current.id)
+        return current
+
+    async def get(self, job_id: str) -> Job:
+        response = await self.request("GET", f"/v1/jobs/{job_id}")
+        return Job.model_validate(response.json())
+
+    async def list(
+        self, *, state: str | None = None, host: str | None = None, limit: int = 50
+    ) -> list[Job]:
+        params = {k: v for k, v in {"state": state, "host": host, "limit": limit}.items() if v}
+        response = await self.request("GET", "/v1/jobs", params=params)
+        return [Job.model_validate(i) for i in response.json()["items"]]
+
+    async def cancel(self, job_id: str) -> Job:
+        response = await self.request("DELETE", f"/v1/jobs/{job_id}")
+        return Job.model_validate(response.json())
+
+    async def output(self, job_id: str, stream: Stream = "stdout", offset: int = 0) -> bytes:
+        """A byte range of the output from `offset` (the server's read limit)."""
+        params = {"stream": stream, "offset": offset}
+        response = await self.request("GET", f"/v1/jobs/{job_id}/output", params=params)
+        return response.content
+
+    async def follow(
+        self, job_id: str, stream: Stream = "stdout", offset: int = 0
+    ) -> AsyncIterator[bytes]:
+        """The stream's bytes as they arrive until the job is final, reconnecting from the
+        offset reached after a cut-off or a dropped connection; bytes the server did not keep
+        (past `max_output`, out of the live window) are skipped."""
+        final = False  # the job was final before this pass: a pass with nothing new ends it
+        while True:
+            got = 0
+            try:
+                async with self.http.stream(
+                    "GET",
+                    f"/v1/jobs/{job_id}/output",
+                    params={"stream": stream, "offset": offset, "follow": "true"},
+                    timeout=httpx.Timeout(60, read=None),
+                ) as response:
+                    if response.status_code >= 400:
+                        await response.aread()
+                        raise_for_problem(response)
+                    async for chunk in response.aiter_bytes():
+                        offset += len(chunk)
+                        got += len(chunk)
+                        yield chunk
+            except httpx.TransportError:
+                await sleep(0.2)  # dropped: resume from the offset reached
+            except InvalidRequest as exc:
+                if exc.kind != "output-not-kept":
+                    raise
+                offset = int(exc.body["next_offset"])
+                continue
+            if final and got == 0:
+                return
+            current = await self.get(job_id)
+            final = current.state in FINAL
+
+    async def events(self, job_id: str, last_event_id: str | None = None) -> AsyncIterator[Event]:
+        """The job's Server-Sent Events until `end`, reconnecting with Last-Event-ID after a
+        cut-off or a dropped connection (no event lost or repeated)."""
+        while True:
+            headers = {"Last-Event-ID": last_event_id} if last_event_id else {}
+            try:
+                async with self.http.stream(
+                    "GET",
+                    f"/v1/jobs/{job_id}/events",
+                    headers=headers,
+                    timeout=httpx.Timeout(60, read=None),
+                ) as response:
+                    if response.status_code >= 400:
+                        await response.aread()
+                        raise_for_problem(response)
+                    parser = SSEParser()
+                    async for line in response.aiter_lines():
+                        if (event := parser.feed(line)) is None:
+                            continue
+                        last_event_id = event.id or last_event_id
+                        if event.event == "cutoff":
+                            break
+                        yield event
+                        if event.event == "end":
+                            return
+            except httpx.TransportError:
+                await sleep(0.2)
+
+    # ---- files (docs/files.md)
+
+    async def list_files(self, host: str, path: str = "~") -> dict[str, Any]:
+        """A directory's entries (all pages: `items`), or one entry's stat when `path` is not a
+        directory (`type`, `size`, `mode`, `mtime`...)."""
+        pages = self.list_pages(host, path)
+        answer = await anext(pages)
+        async for more in pages:
+            answer["items"] += more["items"]
+            answer["next_cursor"] = more["next_cursor"]
+        return answer
+
+    async def list_pages(self, host: str, path: str = "~") -> AsyncIterator[dict[str, Any]]:
+        """A directory's answers page by page as they come (`items` in each), or one entry's
+        stat when `path` is not a directory."""
+        params: dict[str, Any] = {"path": path, "limit": 1000}
+        while True:
+            response = await self.request("GET", files_path(host), params=params)
+            answer: dict[str, Any] = response.json()
+            yield answer
+            if not answer.get("next_cursor"):
+                return
+            params["cursor"] = answer["next_cursor"]
+
+    async def stat(self, host: str, path: str) -> dict[str, Any]:
+        """One entry: `type` (file, dir, symlink, other), and for a non-directory `size`,
+        `mode`, `mtime`."""
+        params = {"path": path, "limit": 1}
+        response = await self.request("GET", files_path(host), params=params)
+        return {k: v for k, v in response.json().items() if k not in ("items", "next_cursor")}
+
+    async def download(
+        self,
+        host: str,
+        path: str,
+        dest: str | os.PathLike[str],
+        *,
+        progress: Progress | None = None,
+    ) -> int:
+        """Download a file to `dest`, streamed to `<dest>.part` and renamed when complete. A
+        dropped connection resumes by Range from the bytes received, and so does a later call
+        after an interrupted one (unless the file changed: then from the start). Its size."""
+        partial = Partial(dest, {"url": self.url, "host": host, "path": path})
+        attempt = 0
+        while True:
+            offset, etag = partial.offset()
+            headers = partial.headers(offset, etag)
+            try:
+                async with self.http.stream(
+                    "GET",
+                    files_path(host, "/content"),
+                    params={"path": path},
+                    headers=headers,
+                    timeout=httpx.Timeout(60, read=300),
+                ) as response:
+                    status = response.status_code
+                    if status == 416 and offset:  # the part is longer than the file now
+                        partial.discard()
+                        continue
+                    if status < 400:
+                        resume = resumable(response, offset, etag)
+                        if resume is None:
+                            partial.discard()
+                            continue
+                        done = offset if resume else 0
+                        total = done + int(response.headers.get("content-length", 0))
+                        with partial.start(response, resume) as out:
+                            local = AsyncFile(out)
+                            async for chunk in response.aiter_bytes():
+                                await local.write(chunk)
+                                done += len(chunk)
+                                attempt = 0  # progress: the retries count afresh
+                                if progress is not None:
+                                    progress(done, total)
+                            if done != total:
+                                raise httpx.ReadError("the body ended early")
+                            partial.verify(out, total)
+                        partial.done()
+                        return total
+                    await response.aread()
+                    delay = self._delay(attempt, response)
+                    if delay is None:
+                        _raise(response)
+            except httpx.TransportError as exc:
+                delay = self._delay(attempt, None)
+                if delay is None:
+                    raise TransportError(f"GET {path}: {exc}") from exc
+            await sleep(delay)
+            attempt += 1
+
+    async def upload(
+        self,
+        host: str,
+        source: str | os.PathLike[str],
+        path: str,
+        *,
+        create_only: bool = False,
+        progress: Progress | None = None,
+    ) -> dict[str, Any]:
+        """Upload a local file to `path`, streamed (never held whole); the server renames it
+        into place only when complete. `create_only`: 412 if `path` exists. A retry sends the
+        file again from its start (the same bytes: replacing is harmless). Answers `path`,
+        `size`, `sha256`."""
+        size = await AsyncFile.size(source)
+
+        async def chunks() -> AsyncIterator[bytes]:
+            done = 0
+            local = await AsyncFile.open(source)
+            try:
+                while data := await local.read(CHUNK):
+                    done += len(data)
+                    if progress is not None:
+                        progress(done, size)
+                    yield data
+            finally:
+                local.close()
+
+        response = await self.request(
+            "PUT",
+            files_path(host, "/content"),
+            params={"path": path},
+            content=chunks,
+            headers=_upload_headers(size, create_only),
+            timeout=httpx.Timeout(60, write=300),
+        )
+        result: dict[str, Any] = response.json()
+        return result
+
+    async def delete_file(self, host: str, path: str) -> None:
+        """Delete a file, a symlink (not its target) or an empty directory."""
+        await self.request("DELETE", files_path(host), params={"path": path})

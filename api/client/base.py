@@ -1,0 +1,127 @@
+"""What the sync and async clients share: configuration, headers, the retry rule, the request
+body of a job, Server-Sent Events, a job's exit code."""
+
+from __future__ import annotations
+
+import json
+import random
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from api.client.errors import _retry_after
+from api.client.profile import _env_flag, _loopback, load_profile, paired, server_url
+
+RETRY_STATUS = (429, 503)
+WAIT = 30.0  # Prefer: wait=N on submit: a short command finishes in one request
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One Server-Sent Event of `/events`: `event` is state, output, gap, cutoff or end."""
+
+    event: str
+    data: dict[str, Any]
+    id: str | None = None
+
+
+def job_body(
+    host: str,
+    argv: Sequence[str] | None = None,
+    *,
+    command: str | None = None,
+    template: str | None = None,
+    params: Mapping[str, Any] | None = None,
+    batch: Mapping[str, Any] | None = None,
+    stdin: str | None = None,
+    timeout: float | None = None,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {"host": host}
+    for key, value in (
+        ("argv", list(argv) if argv is not None else None),
+        ("command", command),
+        ("template", template),
+        ("params", dict(params) if params is not None else None),
+        ("batch", dict(batch) if batch is not None else None),
+        ("stdin", stdin),
+        ("timeout", timeout),
+    ):
+        if value is not None:
+            body[key] = value
+    return body
+
+
+class SSEParser:
+    """Server-Sent Events from text lines, one line at a time (comments, keep-alives skipped)."""
+
+    def __init__(self) -> None:
+        self.fields: dict[str, str] = {}
+
+    def feed(self, line: str) -> Event | None:
+        if line.startswith(":"):
+            return None
+        if line:
+            name, _, value = line.partition(":")
+            self.fields[name] = value.removeprefix(" ")
+            return None
+        fields, self.fields = self.fields, {}
+        if "data" not in fields:
+            return None
+        return Event(fields.get("event", "message"), json.loads(fields["data"]), fields.get("id"))
+
+
+def _fresh(kw: dict[str, Any]) -> dict[str, Any]:
+    """A request's arguments for one try: a `content` given as a function (an upload's
+    stream) is called again, as a retry must send the body again from its start."""
+    content = kw.get("content")
+    return {**kw, "content": content()} if callable(content) else kw
+
+
+class _Base:
+    """What the sync and async clients share: configuration, headers, the retry rule."""
+
+    def __init__(
+        self,
+        url: str | None,
+        token: str | None,
+        *,
+        profile: str | None,
+        retries: int,
+        max_retry_wait: float,
+        allow_http: bool,
+    ) -> None:
+        allow_http = allow_http or _env_flag("SSHAPI_ALLOW_HTTP")
+        if url is None or token is None:
+            found = load_profile(profile)
+            url = url or found.url
+            token = token or paired(found, url)
+            allow_http = allow_http or found.allow_http
+        self.url = server_url(url, token, allow_http).rstrip("/")
+        # A proxy from the environment (HTTP_PROXY, common on login nodes) would carry a request
+        # for this machine's loopback, token in clear, to another machine, and on to the proxy's
+        # own loopback. Only for other servers does the environment pick a proxy.
+        self.trust_env = not _loopback(httpx.URL(self.url).host)
+        self.retries = retries
+        self.max_retry_wait = max_retry_wait
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+
+    def _delay(self, attempt: int, response: httpx.Response | None) -> float | None:
+        """Seconds before the next try, or None: no more tries (or not retryable)."""
+        if attempt >= self.retries:
+            return None
+        if response is not None and response.status_code not in RETRY_STATUS:
+            return None
+        hinted = _retry_after(response.headers) if response is not None else None
+        base = hinted if hinted is not None else min(0.2 * 2**attempt, 5.0)
+        # Jitter: many clients told the same Retry-After must not come back at the same moment.
+        return min(base * random.uniform(1.0, 1.5), self.max_retry_wait)
+
+    @staticmethod
+    def _post_headers(key: str | None, wait: float | None) -> dict[str, str]:
+        headers = {"Idempotency-Key": key or str(uuid.uuid4())}
+        if wait is not None:
+            headers["Prefer"] = f"wait={wait:g}"
+        return headers

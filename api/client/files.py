@@ -1,0 +1,145 @@
+"""What the files methods of both clients share: paths, upload headers, and the part file that
+lets a download resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Mapping
+from email.utils import parsedate_to_datetime
+from pathlib import Path
+from typing import BinaryIO
+
+import httpx
+
+from api.client.errors import SshapiError
+
+# A transfer's progress: (bytes done, bytes in all).
+Progress = Callable[[int, int], None]
+CHUNK = 1 << 20  # bytes per upload read (the server writes to the host in 1 MiB writes too)
+
+
+def _upload_headers(size: int, create_only: bool) -> dict[str, str]:
+    # A declared length lets the server refuse a file over its cap before any byte is sent.
+    headers = {"Content-Length": str(size), "Content-Type": "application/octet-stream"}
+    if create_only:
+        headers["If-None-Match"] = "*"
+    return headers
+
+
+def files_path(host: str, suffix: str = "") -> str:
+    return f"/v1/hosts/{host}/files{suffix}"
+
+
+# Seconds between a file's last modification and a download for its ETag (size and modification
+# second) to name one content: RFC 9110's rule for a strong Last-Modified (a second), plus a second
+# for the clocks of the API and the host to disagree.
+SETTLED = 2.0
+
+
+def _http_time(response: httpx.Response, header: str) -> float | None:
+    try:
+        return parsedate_to_datetime(response.headers[header]).timestamp()
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def settled(response: httpx.Response) -> bool:
+    """Whether the downloaded file was last modified SETTLED seconds or more before the answer
+    (the server's Date, else this clock). One modified since may be rewritten within the same
+    second at the same size: same ETag, other bytes, so its part must not be resumed."""
+    modified = _http_time(response, "last-modified")
+    now = _http_time(response, "date") or time.time()
+    return modified is not None and now - modified >= SETTLED
+
+
+def _range_start(response: httpx.Response) -> int | None:
+    """The first byte of a 206's `Content-Range: bytes START-END/SIZE`."""
+    unit, _, span = response.headers.get("content-range", "").partition(" ")
+    first = span.partition("-")[0]
+    return int(first) if unit == "bytes" and first.isascii() and first.isdigit() else None
+
+
+class Partial:
+    """A download in progress: `<dest>.part` holds the bytes so far and `<dest>.part.etag` what
+    they are part of (server, host, path and the file's ETag), so that a download interrupted (a
+    dropped connection, Ctrl-C) resumes by Range from where it stopped, and only then: not
+    another file's part, not after the file changed (its ETag), not a file whose ETag could hide
+    a change (modified just before the download began: `settled`)."""
+
+    def __init__(self, dest: str | os.PathLike[str], source: Mapping[str, str]) -> None:
+        self.dest = Path(dest)
+        self.source = dict(source)
+        self.part = self.dest.with_name(self.dest.name + ".part")
+        self.tag = self.dest.with_name(self.dest.name + ".part.etag")
+
+    def offset(self) -> tuple[int, str | None]:
+        """Bytes already here and the ETag they were read under (0, None: start from the
+        beginning)."""
+        try:
+            record = json.loads(self.tag.read_text())
+            size = self.part.stat().st_size
+        except (OSError, ValueError):  # none, or an older client's plain ETag
+            return 0, None
+        if not isinstance(record, dict) or not isinstance(record.get("etag"), str):
+            return 0, None
+        if any(record.get(key) != value for key, value in self.source.items()):
+            return 0, None
+        return size, record["etag"]
+
+    def headers(self, offset: int, etag: str | None) -> dict[str, str]:
+        """`Range` from the bytes here, and `If-Range`: a server that has another version
+        answers the whole file (200) instead of the rest of a version these bytes are not of."""
+        if not offset or etag is None:
+            return {}
+        return {"Range": f"bytes={offset}-", "If-Range": etag}
+
+    def start(self, response: httpx.Response, resumed: bool) -> BinaryIO:
+        """The part file to write to: appended to when resuming, else from empty, recorded as
+        resumable only when the answer's ETag is one to trust (`settled`)."""
+        if resumed:
+            return self.part.open("ab")
+        # The record goes after the truncation: never an old part under a new record.
+        self.tag.unlink(missing_ok=True)
+        out = self.part.open("wb")
+        etag = response.headers.get("etag")
+        if etag and settled(response):
+            self.tag.write_text(json.dumps({**self.source, "etag": etag}))
+        return out
+
+    def verify(self, out: BinaryIO, total: int) -> None:
+        """The part file has the file's size, as the server announced it: else something else
+        wrote into it too (another download to the same place); it is removed."""
+        out.flush()
+        size = os.fstat(out.fileno()).st_size
+        if size != total:
+            self.discard()
+            raise SshapiError(
+                f"{self.part}: {size} bytes where the file has {total} (written to by something "
+                "else too?); removed, run the download again"
+            )
+
+    def done(self) -> None:
+        self.part.replace(self.dest)
+        self.tag.unlink(missing_ok=True)
+
+    def discard(self) -> None:
+        self.part.unlink(missing_ok=True)
+        self.tag.unlink(missing_ok=True)
+
+
+def resumable(response: httpx.Response, offset: int, etag: str | None) -> bool | None:
+    """Whether an answer to `Range: bytes=<offset>-` continues the part file (True), replaces
+    it (False: a whole file, 200), or is not the continuation of the bytes here (None: start
+    again): another ETag than theirs, or another first byte."""
+    if offset == 0 or response.status_code == 200:
+        return False
+    if (
+        response.status_code == 206
+        and etag
+        and response.headers.get("etag") == etag
+        and _range_start(response) == offset
+    ):
+        return True
+    return None

@@ -1,0 +1,61 @@
+"""A local file as each client reads and writes it: besides waiting, the one place where the two
+clients differ. `AsyncFile` (the async client's, in _async.py) runs each blocking call in a
+thread so that the event loop goes on; unasync's rule turns the name into `SyncFile` in the
+generated _sync.py, where the calls are the plain ones."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import BinaryIO
+
+
+class AsyncFile:
+    """A local file whose blocking calls run in a thread."""
+
+    def __init__(self, raw: BinaryIO) -> None:
+        self.raw = raw
+
+    @classmethod
+    async def open(cls, path: str | os.PathLike[str]) -> AsyncFile:
+        """`path`, opened for reading."""
+        return cls(await asyncio.to_thread(Path(path).open, "rb"))
+
+    @staticmethod
+    async def size(path: str | os.PathLike[str]) -> int:
+        return (await asyncio.to_thread(os.stat, path)).st_size
+
+    async def read(self, size: int) -> bytes:
+        return await asyncio.to_thread(self.raw.read, size)
+
+    async def write(self, data: bytes) -> None:
+        await asyncio.to_thread(self.raw.write, data)
+
+    def close(self) -> None:
+        self.raw.close()
+
+
+class SyncFile:
+    """A local file, called directly."""
+
+    def __init__(self, raw: BinaryIO) -> None:
+        self.raw = raw
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str]) -> SyncFile:
+        """`path`, opened for reading."""
+        return cls(Path(path).open("rb"))
+
+    @staticmethod
+    def size(path: str | os.PathLike[str]) -> int:
+        return os.path.getsize(path)
+
+    def read(self, size: int) -> bytes:
+        return self.raw.read(size)
+
+    def write(self, data: bytes) -> None:
+        self.raw.write(data)
+
+    def close(self) -> None:
+        self.raw.close()

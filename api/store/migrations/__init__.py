@@ -1,0 +1,1 @@
+"""Alembic's environment and the job store's revisions (`versions/`), run by migrate.py."""

@@ -1,0 +1,170 @@
+"""The job table, the record the service holds (`JobRow`), and the small value helpers every
+part of the store shares. Job ids are UUIDv7, so ordering by id is ordering by creation time and
+the list cursor is simply the last id seen.
+
+`JOBS` is the table as the code reads and writes it; the database gets it through the revisions
+in migrations/versions/. A change here comes with a new revision (tests/api/test_api_migrations.py
+fails while the two differ). Rows are read with Core into plain `JobRow` records (no ORM)."""
+
+from __future__ import annotations
+
+import secrets
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    Column,
+    DateTime,
+    Float,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    Row,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+)
+
+from api.states import ACTIVE
+
+
+def new_id() -> str:
+    """A UUIDv7 (RFC 9562): 48-bit Unix milliseconds, then random bits. Sorts by creation."""
+    ms = time.time_ns() // 1_000_000
+    rand = int.from_bytes(secrets.token_bytes(10), "big")
+    value = (ms & (2**48 - 1)) << 80 | rand
+    value = (value & ~(0xF << 76)) | (0x7 << 76)  # version 7
+    value = (value & ~(0x3 << 62)) | (0x2 << 62)  # RFC 4122 variant
+    return str(uuid.UUID(int=value))
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+METADATA = MetaData()
+
+JOBS = Table(
+    "sshapi_jobs",
+    METADATA,
+    Column("id", String(36), primary_key=True),
+    Column("owner_iss", String(512), nullable=False),
+    Column("owner_sub", String(512), nullable=False),
+    Column("replica", String(255), nullable=False),
+    Column("host", String(64), nullable=False),
+    # user@host:port the command ran as (the policy's account), for operators.
+    Column("target", String(512), nullable=False),
+    Column("argv", JSON, nullable=True),
+    Column("command", Text, nullable=True),
+    Column("template", String(64), nullable=True),
+    Column("params", JSON, nullable=True),
+    Column("timeout", Float, nullable=False),
+    Column("state", String(16), nullable=False),
+    Column("error", Text, nullable=True),
+    Column("error_kind", String(64), nullable=True),
+    Column("exit_status", Integer, nullable=True),
+    Column("exit_signal", String(32), nullable=True),
+    Column("stdout", LargeBinary, nullable=False, default=b""),
+    Column("stderr", LargeBinary, nullable=False, default=b""),
+    Column("stdout_bytes", Integer, nullable=False, default=0),
+    Column("stderr_bytes", Integer, nullable=False, default=0),
+    Column("stdout_truncated", Boolean, nullable=False, default=False),
+    Column("stderr_truncated", Boolean, nullable=False, default=False),
+    Column("created_at", DateTime(timezone=True), nullable=False),
+    Column("started_at", DateTime(timezone=True), nullable=True),
+    Column("finished_at", DateTime(timezone=True), nullable=True),
+    # Milliseconds per stage: queue, connect, open, exec.
+    Column("timings", JSON, nullable=False, default=dict),
+    Column("idempotency_key", String(255), nullable=True),
+    Column("request_hash", String(64), nullable=True),
+    # Batch jobs (kind "batch"): the request's script and options, and the scheduler's view. NULL
+    # kind is "command" (rows written before batch jobs existed).
+    Column("kind", String(16), nullable=True),
+    Column("batch", JSON(none_as_null=True), nullable=True),
+    Column("scheduler_job_id", String(32), nullable=True),
+    Column("scheduler_state", String(64), nullable=True),
+    Column("scheduler_reason", Text, nullable=True),
+    # The remote process group of a started command (the wrapper's `$$`), so that any replica
+    # can kill it; and why a replica other than the owner asked to cancel it.
+    Column("pgid", Integer, nullable=True),
+    Column("cancel_requested", Text, nullable=True),
+    UniqueConstraint("owner_iss", "owner_sub", "idempotency_key", name="sshapi_jobs_idem"),
+    Index("sshapi_jobs_owner", "owner_iss", "owner_sub", "id"),
+    Index("sshapi_jobs_replica_state", "replica", "state"),
+)
+
+
+@dataclass(slots=True, kw_only=True)
+class JobRow:
+    """One job as the service holds it: a row of JOBS as a plain record. Not an ORM-mapped
+    class: SQLAlchemy's attribute instrumentation (a descriptor call and an event check on every
+    read and write, about 140 per job) was 10% of the API's Python calls per job. The store reads
+    rows with Core and builds these from them; writes are statements (`Store.update`), so a
+    field set here changes only this copy."""
+
+    id: str
+    owner_iss: str
+    owner_sub: str
+    replica: str
+    host: str
+    target: str
+    timeout: float
+    state: str
+    created_at: datetime
+    argv: list[str] | None = None
+    command: str | None = None
+    template: str | None = None
+    params: dict[str, Any] | None = None
+    error: str | None = None
+    error_kind: str | None = None
+    exit_status: int | None = None
+    exit_signal: str | None = None
+    stdout: bytes = b""
+    stderr: bytes = b""
+    stdout_bytes: int = 0
+    stderr_bytes: int = 0
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    idempotency_key: str | None = None
+    request_hash: str | None = None
+    kind: str | None = None
+    batch: dict[str, Any] | None = None
+    scheduler_job_id: str | None = None
+    scheduler_state: str | None = None
+    scheduler_reason: str | None = None
+    pgid: int | None = None
+    cancel_requested: str | None = None
+
+
+FIELDS = tuple(c.key for c in JOBS.columns)
+# What a list selects: never the output columns (up to the policy's max_output each).
+LISTED = [c for c in JOBS.columns if c.key not in ("stdout", "stderr")]
+
+
+def job_row(row: Row[Any]) -> JobRow:
+    return JobRow(**row._mapping)
+
+
+# Writes are DB-API calls on the writer's sqlite3 connection (SQLite), text statements on its
+# asyncpg connection (PostgreSQL) or Core statements (any other URL): building a statement per
+# write cost about as much CPU as running it (py-spy).
+Write = Callable[[Any], Any]
+ACTIVE_SQL = ", ".join(f"'{state}'" for state in sorted(ACTIVE))
+
+
+def aware(value: datetime | None) -> datetime | None:
+    """SQLite returns naive datetimes; every time here is UTC."""
+    if value is not None and value.tzinfo is None:
+        return value.replace(tzinfo=UTC)
+    return value

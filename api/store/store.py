@@ -1,0 +1,353 @@
+"""The job store's one face (`Store`): reads through SQLAlchemy Core, writes through one writer
+task with group commit, handed to the dialect's writer (api/store/sqlite.py,
+api/store/postgres.py) or, for any other URL, to SQLAlchemy Core.
+
+Writes go through one writer task with group commit: whatever insert and update calls arrive
+while a transaction commits are applied together in the next one, and each caller's await
+returns only once the transaction holding its write has committed. So durability is per call as
+before, but a burst of jobs costs a few commits instead of one each, and SQLite never sees two
+writers fighting for its lock (which made the losers sleep in its busy handler for seconds).
+
+The schema is not the store's business at run time: `start` has migrate.py upgrade the database
+to this release's revision (or, with upgrades off, check it) before anything else."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+from sqlalchemy import (
+    Connection,
+    Select,
+    case,
+    event,
+    insert,
+    or_,
+    select,
+    text,
+    update,
+)
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.sql.expression import ClauseElement
+
+from api.states import ACTIVE
+from api.store import migrate
+from api.store.postgres import PgWriter, output_bytes
+from api.store.schema import FIELDS, JOBS, LISTED, JobRow, Write, job_row, utcnow
+from api.store.sqlite import Sql, SqliteWriter, sqlite_pragmas
+
+log = logging.getLogger("sshapi.store")
+
+MAX_BATCH = 256  # writes per transaction: bounds the time one commit holds the lock
+_Queued = tuple[Write, int, "asyncio.Future[Any]"]  # a write, the output it carries, its caller
+
+
+class Store:
+    def __init__(self, url: str, *, schema: str | None = None, upgrade: bool = True) -> None:
+        """`upgrade`: bring the schema to this release's revision at start (else only check
+        it, and refuse to start when it differs: api/store/migrate.py)."""
+        self.url = url
+        self.schema = schema
+        self.upgrade = upgrade
+        self._engine: AsyncEngine | None = None
+        self._writes: asyncio.Queue[_Queued] = asyncio.Queue()
+        self._writer: asyncio.Task[None] | None = None
+        # SQLite only: the writer's DB-API connections (the loop's and its thread's).
+        self._sqlite: SqliteWriter | None = None
+        self._sql = Sql()
+        # PostgreSQL only: the writer's own asyncpg connection.
+        self._pg: PgWriter | None = None
+
+    @property
+    def dialect(self) -> str:
+        return self.url.split(":", 1)[0].split("+", 1)[0]
+
+    async def start(self) -> None:
+        kwargs: dict[str, Any] = {"pool_pre_ping": True}
+        if self.dialect == "sqlite":
+            path = self.url.split("///", 1)[-1]
+            if path and path != ":memory:":
+                # Before any connection exists: one blocking mkdir at start is fine.
+                Path(path).absolute().parent.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240
+        elif self.schema:
+            kwargs["connect_args"] = {"server_settings": {"search_path": self.schema}}
+        if self.upgrade:
+            await migrate.upgrade(self.url, self.schema)
+        else:
+            await migrate.check(self.url, self.schema)
+        engine = create_async_engine(self.url, **kwargs)
+        if self.dialect == "sqlite":
+            event.listen(engine.sync_engine, "connect", sqlite_pragmas)
+        self._engine = engine
+        if self.dialect == "postgresql":
+            self._pg = PgWriter(self.url, self.schema)
+        if self.dialect == "sqlite":
+            self._sqlite = SqliteWriter(make_url(self.url).database or ":memory:")
+            await self._sqlite.start()
+        self._writer = asyncio.create_task(self._write_loop(), name="store-writer")
+
+    async def close(self) -> None:
+        if self._writer is not None:
+            await self._writes.join()  # every accepted write is committed (or failed) first
+            self._writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._writer
+            self._writer = None
+        if self._sqlite is not None:
+            await self._sqlite.close()
+            self._sqlite = None
+        if self._pg is not None:
+            await self._pg.close()
+            self._pg = None
+        if self._engine is not None:
+            await self._engine.dispose()
+            self._engine = None
+
+    def _started(self) -> AsyncEngine:
+        """The engine, for reads and the rare statements outside the writer (mark_lost)."""
+        if self._engine is None:
+            raise RuntimeError("store not started")
+        return self._engine
+
+    async def _rows(self, query: Select[Any]) -> list[JobRow]:
+        async with self._started().connect() as conn:
+            return [job_row(r) for r in await conn.execute(query)]
+
+    async def _one(self, query: Select[Any]) -> JobRow | None:
+        rows = await self._rows(query)
+        return rows[0] if rows else None
+
+    async def ping(self) -> None:
+        async with self._started().connect() as conn:
+            await conn.execute(text("SELECT 1"))
+
+    async def _write(self, write: Write, size: int = 0) -> Any:
+        """Queue a write for the writer; returns its result once its transaction committed.
+        `size`: the job output it carries, in bytes."""
+        if self._writer is None:
+            raise RuntimeError("store not started")
+        done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._writes.put_nowait((write, size, done))
+        return await done
+
+    async def _write_loop(self) -> None:
+        while True:
+            batch = [await self._writes.get()]
+            while len(batch) < MAX_BATCH and not self._writes.empty():
+                batch.append(self._writes.get_nowait())
+            try:
+                await self._commit(batch)
+            except Exception:
+                # One bad write (a duplicate idempotency key) must not fail the others: apply
+                # each in its own transaction so that only it gets the error.
+                for item in batch:
+                    with contextlib.suppress(Exception):
+                        await self._commit([item])
+            finally:
+                for _ in batch:
+                    self._writes.task_done()
+            if self._sqlite is not None:
+                await self._sqlite.checkpoint_if_due()
+
+    async def _commit(self, batch: list[_Queued]) -> None:
+        """Apply `batch` in one transaction; results (or, for a batch of one, the error) go to
+        the callers only after the commit."""
+        try:
+            results = await self._transaction(
+                [write for write, _, _ in batch], sum(size for _, size, _ in batch)
+            )
+        except Exception as exc:
+            if len(batch) == 1 and not batch[0][2].done():
+                batch[0][2].set_exception(exc)
+            raise
+        for (_, _, done), result in zip(batch, results, strict=True):
+            if not done.done():  # the caller may have been cancelled meanwhile
+                done.set_result(result)
+
+    async def _transaction(self, writes: list[Write], size: int) -> list[Any]:
+        if self._sqlite is not None:
+            return await self._sqlite.transaction(writes, size)
+        if self._pg is not None:
+            return await self._pg.transaction(writes)
+        if self._engine is None:
+            raise RuntimeError("store not started")
+        async with self._engine.begin() as conn:
+            return await conn.run_sync(lambda c: [write(c) for write in writes])
+
+    async def insert(self, row: JobRow) -> JobRow:
+        """Insert a job; IntegrityError on a duplicate (owner, idempotency key)."""
+
+        # None is left out, so that the columns' defaults apply as in a Core insert.
+        values = {k: v for k in FIELDS if (v := getattr(row, k)) is not None}
+        add: Write
+        size = 0  # the output it carries: SQLite writes a large one off the event loop
+        if self._sqlite is not None:
+            values = self._sql.with_defaults(values)
+            sql, params = self._sql.insert(tuple(values)), self._sql.params(values)
+            size = output_bytes(params)
+
+            def add(db: sqlite3.Connection) -> None:
+                try:
+                    db.execute(sql, params)
+                except sqlite3.IntegrityError as exc:
+                    # The same exception as from SQLAlchemy: callers catch one kind.
+                    raise IntegrityError(sql, params, exc) from None
+        elif self._pg is not None:
+            pg = self._pg.sql
+            values = pg.with_defaults(values)
+            sql, params = pg.insert(tuple(values)), pg.params(values)
+
+            async def add(conn: asyncpg.Connection) -> None:
+                try:
+                    await conn.execute(sql, *params)
+                except asyncpg.UniqueViolationError as exc:
+                    raise IntegrityError(sql, params, exc) from None
+        else:
+
+            def add(conn: Connection) -> None:
+                conn.execute(insert(JOBS).values(values))
+
+        await self._write(add, size)
+        return row
+
+    async def get(self, job_id: str) -> JobRow | None:
+        return await self._one(select(JOBS).where(JOBS.c.id == job_id))
+
+    async def by_key(self, iss: str, sub: str, key: str) -> JobRow | None:
+        c = JOBS.c
+        return await self._one(
+            select(JOBS).where(c.owner_iss == iss, c.owner_sub == sub, c.idempotency_key == key)
+        )
+
+    async def update(
+        self,
+        job_id: str,
+        *,
+        only_active: bool = False,
+        unless_cancel_requested: bool = False,
+        **values: Any,
+    ) -> bool:
+        """Set columns of one job; with only_active, only while it is queued or running (so a
+        late writer never overwrites a final state); with unless_cancel_requested, only while
+        no other replica asked to cancel it. True if a row changed."""
+        if self._sqlite is not None:
+            exprs = {k: v for k, v in values.items() if isinstance(v, ClauseElement)}
+            if exprs:  # rare: built per call, not cached
+                sql, params = self._update_with_expressions(
+                    job_id, values, exprs, only_active, unless_cancel_requested
+                )
+            else:
+                sql = self._sql.update(tuple(values), only_active, unless_cancel_requested)
+                params = [*self._sql.params(values), job_id]
+
+            def run(db: sqlite3.Connection) -> bool:
+                return db.execute(sql, params).rowcount > 0
+
+            return bool(await self._write(run, output_bytes(params)))
+        if self._pg is not None:
+            pg = self._pg.sql
+            if any(isinstance(v, ClauseElement) for v in values.values()):  # rare: per call
+                sets, params = pg.expression(update(JOBS).values(**values))
+                params.append(job_id)
+                sql = f"{sets} {pg.where(f'${len(params)}', only_active, unless_cancel_requested)}"
+            else:
+                sql = pg.update(tuple(values), only_active, unless_cancel_requested)
+                params = [*pg.params(values), job_id]
+
+            async def change(conn: asyncpg.Connection) -> bool:
+                status: str = await conn.execute(sql, *params)  # "UPDATE <rows>"
+                return status.rsplit(" ", 1)[-1] != "0"
+
+            return bool(await self._write(change))
+        query = update(JOBS).where(JOBS.c.id == job_id).values(**values)
+        if only_active:
+            query = query.where(JOBS.c.state.in_(ACTIVE))
+        if unless_cancel_requested:
+            query = query.where(JOBS.c.cancel_requested.is_(None))
+
+        def execute(conn: Connection) -> bool:
+            return bool(conn.execute(query).rowcount)
+
+        return bool(await self._write(execute))
+
+    def _update_with_expressions(
+        self,
+        job_id: str,
+        values: dict[str, Any],
+        exprs: dict[str, ClauseElement],
+        only_active: bool,
+        unless_cancel: bool,
+    ) -> tuple[str, list[Any]]:
+        sets, params = [], []
+        for key, value in values.items():
+            if key in exprs:
+                text_, more = self._sql.expression(exprs[key])
+                sets.append(f"{key} = {text_}")
+                params += more
+            else:
+                sets.append(f"{key} = ?")
+                params += self._sql.params({key: value})
+        template = self._sql.update(("__sets__",), only_active, unless_cancel)
+        sql = template.replace("__sets__ = ?", ", ".join(sets))
+        return sql, [*params, job_id]
+
+    async def list_jobs(
+        self,
+        *,
+        owner: tuple[str, str] | None,
+        state: str | None,
+        host: str | None,
+        limit: int,
+        before: str | None,
+    ) -> list[JobRow]:
+        """Newest first; `before` is the id of the last job of the previous page. Without the
+        output columns (up to the policy's max_output each): a list never carries them, so a
+        listed row's stdout and stderr are empty whatever the job wrote."""
+        c = JOBS.c
+        query = select(*LISTED).order_by(c.id.desc()).limit(limit)
+        if owner is not None:
+            query = query.where(c.owner_iss == owner[0], c.owner_sub == owner[1])
+        if state is not None:
+            query = query.where(c.state == state)
+        if host is not None:
+            query = query.where(c.host == host)
+        if before is not None:
+            query = query.where(c.id < before)
+        return await self._rows(query)
+
+    async def mark_lost(self, replica: str) -> int:
+        """Commands this replica left queued or running when it died: their outcome is unknown,
+        except those another replica cancelled (and killed) meanwhile. Batch jobs are not
+        touched: the scheduler still knows them (see `active_batch`)."""
+        c = JOBS.c
+        cancelled = c.cancel_requested.is_not(None)
+        query = (
+            update(JOBS)
+            .where(c.replica == replica, c.state.in_(ACTIVE))
+            .where(or_(c.kind.is_(None), c.kind != "batch"))
+            .values(
+                state=case((cancelled, "cancelled"), else_="lost"),
+                error=case(
+                    (cancelled, c.cancel_requested),
+                    else_="the API restarted while the job was active",
+                ),
+                finished_at=utcnow(),
+            )
+        )
+        async with self._started().begin() as conn:
+            result = await conn.execute(query)
+            return int(result.rowcount)
+
+    async def active_batch(self, replica: str) -> list[JobRow]:
+        """Batch jobs of this replica not final yet: tracked again (or resolved) on start."""
+        c = JOBS.c
+        return await self._rows(
+            select(JOBS).where(c.replica == replica, c.kind == "batch", c.state.in_(ACTIVE))
+        )

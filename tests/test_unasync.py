@@ -1,0 +1,31 @@
+"""The sync client is generated from the async one (issue 27): api/client/_sync.py must be what
+scripts/gen_sync_client.py makes of api/client/_async.py today, so that nobody edits the
+generated half by hand and no change to the source is left out of it."""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_committed_sync_client_is_generated_from_the_async_one() -> None:
+    spec = importlib.util.spec_from_file_location(
+        "gen_sync_client", ROOT / "scripts" / "gen_sync_client.py"
+    )
+    assert spec is not None and spec.loader is not None
+    generator = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generator)
+    generated = generator.generate()
+    committed = (ROOT / "api" / "client" / "_sync.py").read_text()
+    diff = "".join(
+        difflib.unified_diff(
+            committed.splitlines(keepends=True),
+            generated.splitlines(keepends=True),
+            "committed",
+            "generated",
+        )
+    )
+    assert diff == "", f"api/client/_sync.py differs from what `make unasync` makes:\n{diff}"
