@@ -70,8 +70,7 @@ from api.quota import Quota, make_quota
 from api.relay import make_relay
 from api.settings import Settings
 from api.store import Store
-from api.tasks import Policy as TaskPolicy
-from api.tasks import Supervisor
+from api.tasks import OnDeath, Supervisor
 from sshpool import Pool, SSHPoolError
 
 log = logging.getLogger("sshapi")
@@ -166,11 +165,11 @@ async def running(
         await supervisor.start()
         stack.push_async_callback(supervisor.close)
         for task_name, loop in batch.loops().items():
-            supervisor.spawn(task_name, loop, TaskPolicy.RESTART)
+            supervisor.spawn(task_name, loop, OnDeath.RESTART)
         for name, host in config.hosts.items():
             if host.limits.min_connections > 0:
                 prewarm = functools.partial(_prewarm, the_pool, name, host)
-                supervisor.spawn(f"prewarm-{name}", prewarm, TaskPolicy.ONCE)
+                supervisor.spawn(f"prewarm-{name}", prewarm, OnDeath.ONCE)
         services = Services(
             settings=settings,
             config=config,

@@ -37,7 +37,7 @@ RESTART_WINDOW = 60.0
 RESTART_DELAY = (0.5, 10.0)  # the pause before a restart: from the first figure, doubling
 
 
-class Policy(enum.Enum):
+class OnDeath(enum.Enum):
     RESTART = "restart"
     ONCE = "once"
     FATAL = "fatal"
@@ -51,7 +51,7 @@ class TaskDied(Exception):
 class _Child:
     name: str
     start: Callable[[], Coroutine[Any, Any, None]]
-    policy: Policy
+    policy: OnDeath
     task: asyncio.Task[None] | None = None
     deaths: list[float] = field(default_factory=list)
 
@@ -88,7 +88,7 @@ class Supervisor:
         await self._running.wait()
 
     def spawn(
-        self, name: str, start: Callable[[], Coroutine[Any, Any, None]], policy: Policy
+        self, name: str, start: Callable[[], Coroutine[Any, Any, None]], policy: OnDeath
     ) -> None:
         """Run `start()` in the group under `policy`; `start` is called again for a restart."""
         if self._group is None or self.failure is not None:
@@ -117,17 +117,19 @@ class Supervisor:
         while True:
             try:
                 await child.start()
-                log.error("background task %s returned: it should run until shutdown", child.name)
-                raise TaskDied(f"{child.name} returned")
+                if child.policy is OnDeath.ONCE:
+                    return
+                # A loop that returns has stopped doing its work: a death like any other.
+                raise TaskDied(f"{child.name} returned; it should run until shutdown")
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                if child.policy is Policy.ONCE:
+                if child.policy is OnDeath.ONCE:
                     log.exception("background task %s failed (not restarted)", child.name)
                     return
                 now = time.monotonic()
                 child.deaths = [t for t in child.deaths if now - t < RESTART_WINDOW] + [now]
-                if child.policy is Policy.FATAL or len(child.deaths) >= MAX_RESTARTS:
+                if child.policy is OnDeath.FATAL or len(child.deaths) >= MAX_RESTARTS:
                     log.critical(
                         "background task %s died (%d time(s) within %g s)",
                         child.name,
