@@ -24,8 +24,16 @@ CHROMEDRIVER_BIN ?= /usr/bin/chromedriver
 ENSUREPIP_MAIN ?= $(shell $(PYTHON) -c 'import sysconfig; print(sysconfig.get_path("stdlib"))')/ensurepip/__main__.py
 # Where `sshpool.devhost.slurm install` looks for Slurm's programs; empty: its default.
 SLURM_SEARCH_PATH ?=
+# What `sshpool.devhost.services install` checks and where it starts the test run's own servers
+# (PG_BIN_DIR empty: the newest /usr/lib/postgresql/N/bin). The tests' URLs name these ports.
+PG_PORT ?= 5432
+REDIS_PORT ?= 6379
+PG_BIN_DIR ?=
+REDIS_SERVER_BIN ?= /usr/bin/redis-server
+PG_ETC ?= /etc/postgresql
+SERVICES_DIR ?= /tmp/sshapi-services-$(shell id -u)
 
-.PHONY: run test lint unasync python-venv sshd slurm deploy-tools shells browser
+.PHONY: run test lint unasync python-venv sshd slurm services deploy-tools shells browser
 
 # Create or refresh .venv whenever pyproject.toml changes. An existing .venv keeps the interpreter
 # it was made with: remove it to move to another one.
@@ -78,6 +86,18 @@ slurm: $(STAMP)
 	$(VENV)/bin/python -m sshpool.devhost.slurm install $(if $(SUDO),--sudo,--no-sudo) \
 	  $(if $(SLURM_SEARCH_PATH),--search-path $(SLURM_SEARCH_PATH))
 
+# The API tests use PostgreSQL (postgres@127.0.0.1:5432/test) and Redis (127.0.0.1:6379). When
+# they answer, nothing happens; else the packages are installed when missing and the test run
+# starts its own servers under SERVICES_DIR, without systemd (sshpool/devhost/services.py).
+# SSHAPI_TEST_PG (the tests' PostgreSQL URL) set: that server is its owner's, left alone.
+services: $(STAMP)
+	@$(VENV)/bin/python -m sshpool.devhost.services install $(if $(SUDO),--sudo,--no-sudo) \
+	  --pg-port $(PG_PORT) --redis-port $(REDIS_PORT) --data-dir $(SERVICES_DIR) \
+	  $(if $(PG_BIN_DIR),--pg-bin-dir $(PG_BIN_DIR)) --redis-server $(REDIS_SERVER_BIN) --pg-etc $(PG_ETC) \
+	  $(if $(SSHAPI_TEST_PG),--no-postgresql) || { \
+	  echo "(tests against another PostgreSQL: SSHAPI_TEST_PG=postgresql+asyncpg://USER:PASSWORD@HOST:PORT/DB make test)"; \
+	  exit 1; }
+
 # Start the local HPC host (sshd on loopback, `tuned` profile) and the API on 127.0.0.1:8000.
 run: $(STAMP) sshd
 	$(VENV)/bin/sshapi dev
@@ -95,5 +115,5 @@ unasync: $(STAMP)
 # The whole suite: lint, then every test (SSH, API, fault and slow ones included). Each run gets
 # its own temp dir: pytest prunes /tmp/pytest-of-$USER to 3 runs, which would delete the sshd
 # files of a run still going.
-test: $(STAMP) sshd shells slurm deploy-tools browser lint
+test: $(STAMP) sshd shells slurm services deploy-tools browser lint
 	$(VENV)/bin/pytest --basetemp="$$(mktemp -d /tmp/sshapi-tests.XXXXXX)"

@@ -1,26 +1,39 @@
 """Every install recipe of the Makefile works as root (no sudo) and through sudo.
 
 Each recipe is run for real by make, with its tool checks pointed at absent paths (the make
-variables *_BIN, SLURM_SEARCH_PATH) and `apt-get` and `sudo` replaced by recording programs first
-on PATH. The fake sudo resets the environment as the real one does (env_reset), so a variable set
-before `sudo` is lost, and a recipe that expands to `-E apt-get` (empty $(SUDO)) exits 127. The
-fake apt-get records its argv and environment and "installs" each package by creating the
-programs the recipes check, so a second run must install nothing: the checked paths and the
-installed packages agree. `sh -n` alone accepts all of those bugs.
+variables *_BIN, SLURM_SEARCH_PATH, PG_BIN_DIR) and `apt-get` and `sudo` replaced by recording
+programs first on PATH. The fake sudo resets the environment as the real one does (env_reset), so
+a variable set before `sudo` is lost, and a recipe that expands to `-E apt-get` (empty $(SUDO))
+exits 127. The fake apt-get records its argv and environment and "installs" each package by
+creating the programs the recipes check, so a second run must install nothing: the checked paths
+and the installed packages agree. `sh -n` alone accepts all of those bugs.
+
+`services` goes further: its fake packages link to this machine's real PostgreSQL and Redis
+programs, and its ports are free ones, so the recipe really starts the test run's own servers
+(stopped after each test) while the system's servers on 5432 and 6379 are only ever connected to.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
+import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
+import asyncpg
 import pytest
+import redis
 
+from sshpool.devhost import services
 from sshpool.devhost.slurm import BINARIES as SLURM_BINARIES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,9 +57,16 @@ RECIPES: dict[str, dict[str, dict[str, str]]] = {
         }
         for package in sorted(set(SLURM_BINARIES.values()))
     },
+    "services": {
+        "postgresql": {"PG_BIN_DIR": "pgbin"},
+        "redis-server": {"REDIS_SERVER_BIN": "redis-server"},
+    },
 }
+# Fake packages whose program is a link to the real one: `services` runs what it installs.
+REAL_PG_BIN = services.pg_bin_dir(None)
+LINKS = {"pgbin": str(REAL_PG_BIN), "redis-server": services.REDIS_SERVER}
 # Variables the recipe must pass to apt-get install beyond DEBIAN_FRONTEND.
-EXTRA_ENV = {"deploy-tools": {"RUNLEVEL": "1"}}
+EXTRA_ENV = {"deploy-tools": {"RUNLEVEL": "1"}, "services": {"RUNLEVEL": "1"}}
 
 FAKE_APT = """\
 #!{python}
@@ -57,12 +77,30 @@ with open({log!r}, "a") as f:
         ("DEBIAN_FRONTEND", "RUNLEVEL", "SUDO_COMMAND")}}}}) + "\\n")
 if "install" in args:
     programs = json.load(open({programs!r}))
+    links = json.load(open({links!r}))
     for package in args:
+        for name, text in json.load(open({files!r})).get(package, {{}}).items():
+            path = os.path.join({installed!r}, name)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w") as out:
+                out.write(text)
         for program in programs.get(package, []):
             path = os.path.join({installed!r}, program)
+            if program in links:
+                os.symlink(links[program], path)
+                continue
             with open(path, "w") as out:
                 out.write("#!/bin/sh\\n")
             os.chmod(path, 0o755)
+"""
+
+# Records how Debian's cluster made by the fake postgresql package is stopped.
+FAKE_PG_CTLCLUSTER = """\
+#!{python}
+import json, os, sys
+with open({pg_log!r}, "a") as f:
+    f.write(json.dumps({{"argv": sys.argv[1:], "sudo": os.environ.get("SUDO_COMMAND")}}) + "\\n")
+sys.exit(2)  # "Cluster is not running", as without systemd
 """
 
 # Like sudo's env_reset: the command gets PATH (secure_path) and sudo's own variables only.
@@ -81,12 +119,14 @@ def install_recipes() -> set[str]:
     for line in (ROOT / "Makefile").read_text().splitlines():
         if m := re.match(r"^([A-Za-z][\w-]*):", line):
             target = m.group(1)
-        elif line.startswith("\t") and re.search(r"APT_GET|apt-get|slurm install", line):
+        elif line.startswith("\t") and re.search(r"APT_GET|apt-get|(slurm|services) install", line):
             found.add(target)
     return found
 
 
-def make(target: str, tmp: Path, sudo: str) -> subprocess.CompletedProcess[str]:
+def make(
+    target: str, tmp: Path, sudo: str, env_extra: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     installed = tmp / "installed"
     variables = {"SUDO": sudo, "SLURM_SEARCH_PATH": str(installed)}
     for packages in RECIPES.values():
@@ -96,11 +136,16 @@ def make(target: str, tmp: Path, sudo: str) -> subprocess.CompletedProcess[str]:
     stamp = tmp / "stamp"
     stamp.touch()
     variables |= {"VENV": str(Path(sys.executable).parent.parent), "STAMP": str(stamp)}
+    # The test run's own servers on free ports, their files beside the fakes.
+    variables |= json.loads((tmp / "services.json").read_text())
+    variables["PG_ETC"] = str(installed / "pgetc")
     if target == "python-venv":  # what it installs is only needed to create a missing venv
         variables["VENV"] = str(tmp / "no-venv")
     env = {**os.environ, "PATH": f"{tmp / 'bin'}:{os.environ['PATH']}"}
     env.pop("DEBIAN_FRONTEND", None)
     env.pop("RUNLEVEL", None)
+    env.pop("SSHAPI_TEST_PG", None)
+    env |= env_extra or {}
     argv = ["make", "--no-print-directory", "-C", str(ROOT), target]
     argv += [f"{k}={v}" for k, v in variables.items()]
     return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
@@ -111,8 +156,37 @@ def calls(tmp: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
 @pytest.fixture
-def fakes(tmp_path: Path) -> Path:
+def fakes() -> Iterator[Path]:
+    """The fake programs' directory, with the test run's servers' files, stopped afterwards.
+    In /tmp and traversable: as root, PostgreSQL runs as the postgres account, which must reach
+    its programs (the fake package's link) and its cluster (pytest's basetemp is mode 700)."""
+    tmp_path = Path(tempfile.mkdtemp(prefix="sshapi-make-"))
+    tmp_path.chmod(0o755)
+    try:
+        yield from _fakes(tmp_path)
+    finally:
+        services.stop(tmp_path / "services")
+        shutil.rmtree(tmp_path)
+
+
+def _fakes(tmp_path: Path) -> Iterator[Path]:
+    (tmp_path / "services.json").write_text(
+        json.dumps(
+            {
+                "SERVICES_DIR": str(tmp_path / "services"),
+                "PG_PORT": str(free_port()),
+                "REDIS_PORT": str(free_port()),
+            }
+        )
+    )
     (tmp_path / "bin").mkdir()
     (tmp_path / "installed").mkdir()
     programs = {
@@ -121,17 +195,29 @@ def fakes(tmp_path: Path) -> Path:
         for package, progs in packages.items()
     }
     (tmp_path / "programs.json").write_text(json.dumps(programs))
+    (tmp_path / "links.json").write_text(json.dumps(LINKS))
+    # The postgresql package makes Debian's cluster 15/main on the tests' port (postinst).
+    pg_port = settings(tmp_path)["PG_PORT"]
+    cluster = {
+        "pgetc/15/main/postgresql.conf": f"port = {pg_port}\n",
+        "pgetc/15/main/start.conf": "auto\n",
+    }
+    (tmp_path / "files.json").write_text(json.dumps({"postgresql": cluster}))
     fill = {
         "python": sys.executable,
         "log": str(tmp_path / "apt.log"),
         "programs": str(tmp_path / "programs.json"),
+        "links": str(tmp_path / "links.json"),
+        "files": str(tmp_path / "files.json"),
+        "pg_log": str(tmp_path / "pg_ctlcluster.log"),
         "installed": str(tmp_path / "installed"),
     }
-    for name, text in (("apt-get", FAKE_APT), ("sudo", FAKE_SUDO)):
+    fakes = (("apt-get", FAKE_APT), ("sudo", FAKE_SUDO), ("pg_ctlcluster", FAKE_PG_CTLCLUSTER))
+    for name, text in fakes:
         path = tmp_path / "bin" / name
         path.write_text(textwrap.dedent(text).format(**fill))
         path.chmod(0o755)
-    return tmp_path
+    yield tmp_path
 
 
 def test_every_install_recipe_is_covered() -> None:
@@ -157,7 +243,112 @@ def test_install_recipe_installs_missing_packages(recipe: str, sudo: str, fakes:
         assert (env["SUDO_COMMAND"] is not None) == bool(sudo), call  # type: ignore[index]
     for name, value in EXTRA_ENV.get(recipe, {}).items():
         assert recorded[1]["env"][name] == value, recorded[1]  # type: ignore[index]
+    if recipe == "services":  # Debian's new cluster on the port: stopped and kept stopped
+        stops = [
+            json.loads(line) for line in (fakes / "pg_ctlcluster.log").read_text().splitlines()
+        ]
+        assert [c["argv"] for c in stops] == [["15", "main", "stop"]], stops
+        assert (stops[0]["sudo"] is not None) == bool(sudo), stops
+        assert (
+            fakes / "installed" / "pgetc" / "15" / "main" / "start.conf"
+        ).read_text() == "manual\n"
 
     again = make(recipe, fakes, sudo)
     assert again.returncode == 0, again.stdout + again.stderr
     assert len(calls(fakes)) == len(recorded), "the second run installed again"
+
+
+def settings(tmp: Path) -> dict[str, str]:
+    return json.loads((tmp / "services.json").read_text())  # type: ignore[no-any-return]
+
+
+def assert_answers(pg_port: str, redis_port: str) -> None:
+    """Both servers answer as the suite uses them (tests/api/api_helpers.py's URLs)."""
+
+    async def pg() -> None:
+        conn = await asyncpg.connect(f"postgresql://postgres@127.0.0.1:{pg_port}/test")
+        try:
+            assert await conn.fetchval("SELECT current_database()") == "test"
+        finally:
+            await conn.close()
+
+    with redis.Redis(host="127.0.0.1", port=int(redis_port)) as client:
+        assert client.ping()
+    asyncio.run(pg())
+
+
+def test_services_already_answering_does_nothing(fakes: Path) -> None:
+    """PostgreSQL and Redis answer on the suite's ports (this machine's own servers, which are
+    only connected to): with their programs "absent", nothing is installed or started, and the
+    recipe says so in one line."""
+    ports = {"PG_PORT": "5432", "REDIS_PORT": "6379"}
+    (fakes / "services.json").write_text(json.dumps(settings(fakes) | ports))
+    done = make("services", fakes, "")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip().splitlines() == [
+        "PostgreSQL on 127.0.0.1:5432 and Redis on 127.0.0.1:6379 answer"
+    ], done.stdout + done.stderr
+    assert calls(fakes) == []
+    assert not (fakes / "services").exists()
+
+
+@pytest.mark.parametrize("sudo", ["", "sudo"], ids=["as-root", "through-sudo"])
+def test_services_installed_but_stopped_are_started(sudo: str, fakes: Path) -> None:
+    """Programs installed, nothing on the ports: the recipe starts the test run's own PostgreSQL
+    (database test, postgres without a password) and Redis there, without apt-get; a second run
+    finds them answering and leaves them as they are."""
+    ports = settings(fakes)
+    real = {"PG_BIN_DIR": str(REAL_PG_BIN), "REDIS_SERVER_BIN": services.REDIS_SERVER}
+    (fakes / "services.json").write_text(json.dumps(ports | real))
+    done = make("services", fakes, sudo)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert calls(fakes) == []
+    assert done.stdout.count("started ") == 2, done.stdout
+    assert_answers(ports["PG_PORT"], ports["REDIS_PORT"])
+    pid_files = [fakes / "services" / f for f in ("postgresql/postmaster.pid", "redis/redis.pid")]
+    pids = [path.read_text().split()[0] for path in pid_files]
+
+    again = make("services", fakes, sudo)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert len(again.stdout.strip().splitlines()) == 1 and "answer" in again.stdout
+    assert_answers(ports["PG_PORT"], ports["REDIS_PORT"])
+    assert [path.read_text().split()[0] for path in pid_files] == pids, "restarted"
+    assert services.stop(fakes / "services") == ["PostgreSQL", "Redis"]
+
+
+def test_services_port_held_by_another_program_fails_clearly(fakes: Path) -> None:
+    """A program that is not a password-free Redis holds the Redis port: the recipe fails,
+    naming the port and what to do, and installs or starts nothing."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+
+        def answer() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                conn.sendall(b"-NOAUTH Authentication required.\r\n")
+
+        thread = threading.Thread(target=answer, daemon=True)
+        thread.start()
+        port = str(listener.getsockname()[1])
+        (fakes / "services.json").write_text(json.dumps(settings(fakes) | {"REDIS_PORT": port}))
+        done = make("services", fakes, "")
+        thread.join(10)
+    assert done.returncode != 0
+    assert f"Redis on 127.0.0.1:{port} cannot serve the tests" in done.stdout, done.stdout
+    assert "NOAUTH" in done.stdout
+    assert calls(fakes) == []
+    assert not (fakes / "services").exists()
+
+
+def test_services_leaves_postgresql_to_sshapi_test_pg(fakes: Path) -> None:
+    """SSHAPI_TEST_PG gives the tests another PostgreSQL: the recipe neither installs nor starts
+    one (nothing answers on its port here, and its programs are "absent")."""
+    redis_answers = {"REDIS_PORT": "6379"}
+    (fakes / "services.json").write_text(json.dumps(settings(fakes) | redis_answers))
+    url = "postgresql+asyncpg://someone:secret@db.example:5432/elsewhere"
+    done = make("services", fakes, "", {"SSHAPI_TEST_PG": url})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "PostgreSQL: the tests use another server" in done.stdout, done.stdout
+    assert calls(fakes) == []
+    assert not (fakes / "services").exists()

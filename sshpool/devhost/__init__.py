@@ -1,9 +1,12 @@
 """The development rig: a local HPC host (a real OpenSSH sshd on loopback), a single-node Slurm
-beside it, and a fake backend, for `sshapi dev`, the tests and the benchmarks.
+beside it, the tests' PostgreSQL and Redis, and a fake backend, for `sshapi dev`, the tests and
+the benchmarks.
 
 * `host.py`: `LocalHost`, one sshd with its keys, account and profile (`stock` or `tuned`).
 * `slurm.py`: `LocalSlurm`, munged + slurmctld + slurmd on loopback
   (`python -m sshpool.devhost.slurm install` installs the OS packages).
+* `services.py`: PostgreSQL and Redis for the test suite, installed and started when absent
+  (`python -m sshpool.devhost.services install`, what `make services` runs).
 * `procs.py`: the processes, ports and at-exit clean-up both share.
 * `fake.py`: `FakeBackend`, a backend without SSH for pool-logic tests.
 
