@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from api.settings import read_secret_file
-from sshpool.target import Limits, Target
+from sshpool import Limits, Target
 
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 # What the files API never writes, whatever the roots (`[hosts.X] protected_paths`): paths

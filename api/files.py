@@ -56,12 +56,15 @@ from api.quota import Quota
 from sshpool import (
     CommandTimeout,
     ConnectionLost,
+    FileAttrs,
+    FileType,
     Pool,
+    RemoteFile,
     RemoteFileError,
     RemoteNotFound,
+    SFTPSession,
     SSHPoolError,
 )
-from sshpool.backends.base import FileAttrs, FileType, RemoteFile, SFTPSession
 
 # Bytes per SFTP read or write the API issues; an upload or a download holds at most two of
 # them at once (one moving on each side). 4 MiB is what asyncssh keeps in flight per call (16

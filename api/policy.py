@@ -20,7 +20,7 @@ from api.auth import Principal
 from api.config import PLACEHOLDER, Config, HostConfig, ParamSpec, PolicyRule, TemplateConfig
 from api.problems import Problem
 from api.schemas import JobRequest
-from sshpool.target import Target
+from sshpool import Target
 
 
 def _listed(name: str, patterns: list[str]) -> bool:

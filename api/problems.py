@@ -18,7 +18,7 @@ from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as StorePoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from sshpool.errors import (
+from sshpool import (
     AuthenticationFailed,
     ConnectError,
     ConnectionLost,

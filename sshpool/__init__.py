@@ -1,8 +1,12 @@
 """sshpool: SSH connections kept open and shared, commands multiplexed as channels.
 
-Usable on its own: `from sshpool import Pool, Target`.
+Usable on its own: `from sshpool import Pool, Target`. Every type the pool hands to its callers
+is exported here, so callers import nothing of the submodules: the errors, the command result,
+and the SFTP session `Pool.sftp` yields with the files and attributes it returns (its interface
+lives with the backends', in `sshpool.backends.base`).
 """
 
+from sshpool.backends.base import DirEntry, FileAttrs, FileType, RemoteFile, SFTPSession
 from sshpool.command import CommandResult, OutputStream
 from sshpool.errors import (
     AuthenticationFailed,
@@ -34,6 +38,9 @@ __all__ = [
     "ConnectError",
     "ConnectTimeout",
     "ConnectionLost",
+    "DirEntry",
+    "FileAttrs",
+    "FileType",
     "HostKeyMismatch",
     "HostUnavailable",
     "Limits",
@@ -41,12 +48,14 @@ __all__ = [
     "Pool",
     "PoolFull",
     "PoolTimeout",
+    "RemoteFile",
     "RemoteFileError",
     "RemoteFileFailure",
     "RemoteNoSpace",
     "RemoteNotFound",
     "RemotePermissionDenied",
     "RemoteUnsupported",
+    "SFTPSession",
     "SSHPoolError",
     "Target",
 ]

@@ -34,8 +34,16 @@ import logging
 import random
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Callable, Coroutine, Hashable, Iterator, Sequence
-from typing import Any
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Hashable,
+    Iterator,
+    Sequence,
+)
+from typing import Any, TypeVar
 
 from sshpool.backends import Backend, Connection, Exit, load_backend
 from sshpool.backends.base import SFTPSession
@@ -65,6 +73,8 @@ from sshpool.errors import (
 from sshpool.target import Target
 
 log = logging.getLogger("sshpool")
+
+T = TypeVar("T")
 
 # How often the maintenance task prunes dead, idle and expired connections.
 MAINTENANCE_INTERVAL = 1.0
@@ -344,6 +354,16 @@ class _HostPool:
         self.counters["channel_refused"] += 1
         self._dispatch()
 
+    def _failed(self, c: _Conn, exc: BaseException) -> None:
+        """A channel on `c` failed with `exc` (its open, or what ran on it): refused, the
+        connection shrinks to what it holds now; lost or anything else, it is discarded."""
+        if isinstance(exc, ChannelRefused):
+            self._shrink(c)
+            return
+        if isinstance(exc, ConnectionLost):
+            self.counters["connections_lost"] += 1
+        self._discard(c)
+
     def _regrow(self, c: _Conn) -> None:
         """A clean channel open: after REGROW_AFTER of them a shrunk connection grows by one."""
         c.clean_opens += 1
@@ -452,13 +472,6 @@ class _HostPool:
         c = lease.conn
         try:
             yield lease
-        except ChannelRefused:
-            self._shrink(c)
-            raise
-        except ConnectionLost:
-            self.counters["connections_lost"] += 1
-            self._discard(c)
-            raise
         except TimeoutError:
             self.counters["timeouts_command"] += 1
             await self._kill(c, lease.pgid)
@@ -467,8 +480,8 @@ class _HostPool:
             self.counters["cancelled"] += 1
             self.spawn(self._kill(c, lease.pgid))
             raise
-        except BaseException:
-            self._discard(c)
+        except BaseException as exc:
+            self._failed(c, exc)
             raise
         self._regrow(c)
         self._release(c)
@@ -506,44 +519,55 @@ class _HostPool:
         finally:
             self._release(c)
 
-    async def open_sftp(
-        self, deadline: float | None, since: float, tenant: Hashable = None
-    ) -> tuple[_Conn, SFTPSession]:
-        """A channel slot with the sftp subsystem started on it (see `Pool.sftp`), waited for
-        in `tenant`'s turns like a command's: refused channels shrink the connection and are
-        retried, a connection lost before the session started is discarded and retried once."""
+    async def retried(self, attempt: Callable[[], Awaitable[T]]) -> T:
+        """`attempt()` (take a slot, open a channel on it, use it), again while it fails before
+        anything ran: after a refused channel (the connection already shrunk) with a growing
+        pause, up to MAX_REFUSALS in a row; after a connection lost before the start
+        (ConnectionLost(started=False), the connection already discarded) once, on a fresh
+        connection. The one retry policy of commands and SFTP sessions alike."""
         refusals = 0
         lost_retried = False
         while True:
-            c = await self.acquire(deadline, tenant)
             try:
-                session = await c.conn.sftp()
+                return await attempt()
             except ChannelRefused:
-                self._shrink(c)
                 refusals += 1
                 if refusals >= MAX_REFUSALS:
                     raise ConnectionLost(
                         f"{self.target}: sshd refused {refusals} channels in a row", started=False
                     ) from None
                 await asyncio.sleep(0.005 * refusals)
-                continue
-            except ConnectionLost:
-                self.counters["connections_lost"] += 1
-                self._discard(c)
-                if lost_retried:
+            except ConnectionLost as exc:
+                if exc.started or lost_retried:
                     raise
-                lost_retried = True
-                continue
-            except RemoteFileError:
-                self._release(c)  # no sftp subsystem: the connection itself is fine
-                raise
-            except BaseException:
-                self._discard(c)
-                raise
-            self._regrow(c)
-            self.counters["sftp_sessions"] += 1
-            c.leases += 1
-            return c, session
+                lost_retried = True  # it never ran: once more, on a fresh connection
+
+    async def open_sftp(
+        self, deadline: float | None, since: float, tenant: Hashable = None
+    ) -> tuple[_Conn, SFTPSession]:
+        """A channel slot with the sftp subsystem started on it (see `Pool.sftp`), waited for
+        in `tenant`'s turns like a command's and retried as a command's (`retried`: a
+        session's open that fails raises started=False)."""
+        return await self.retried(functools.partial(self._open_sftp, deadline, tenant))
+
+    async def _open_sftp(
+        self, deadline: float | None, tenant: Hashable
+    ) -> tuple[_Conn, SFTPSession]:
+        """One try of `open_sftp`: the slot goes as a command's does when its channel fails
+        (`_failed`)."""
+        c = await self.acquire(deadline, tenant)
+        try:
+            session = await c.conn.sftp()
+        except RemoteFileError:
+            self._release(c)  # no sftp subsystem: the connection itself is fine
+            raise
+        except BaseException as exc:
+            self._failed(c, exc)
+            raise
+        self._regrow(c)
+        self.counters["sftp_sessions"] += 1
+        c.leases += 1
+        return c, session
 
     async def close_sftp(self, c: _Conn, session: SFTPSession, healthy: bool) -> None:
         """Close an SFTP session's channel, then release its slot (or discard the connection
@@ -694,32 +718,20 @@ class Pool:
         # Stage timings use perf_counter: uvloop's loop.time() only ticks in milliseconds.
         t0 = time.perf_counter()
         deadline = None if acquire_timeout is None else host.loop.time() + acquire_timeout
-        lost_retried = False
-        refusals = 0
-        while True:
+
+        async def attempt() -> CommandResult:
             try:
                 async with host.lease(deadline, since=t0, tenant=tenant) as lease:
                     async with asyncio.timeout(timeout):
                         end = await lease.exec(line, stdin, max_output, on_started, on_output)
-            except ChannelRefused:
-                refusals += 1
-                if refusals >= MAX_REFUSALS:
-                    raise ConnectionLost(
-                        f"{target}: sshd refused {refusals} channels in a row", started=False
-                    ) from None
-                await asyncio.sleep(0.005 * refusals)
-                continue
-            except ConnectionLost as exc:
-                if exc.started or lost_retried:
-                    raise
-                lost_retried = True  # it never ran: once more, on a fresh connection
-                continue
             except TimeoutError:
                 # The lease killed the remote group before letting go of the slot.
                 result = lease.result(None)
                 raise CommandTimeout(f"command ran past its {timeout} s timeout", result) from None
             host.counters["commands"] += 1
             return lease.result(end)
+
+        return await host.retried(attempt)
 
     @contextlib.asynccontextmanager
     async def sftp(

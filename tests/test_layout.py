@@ -2,6 +2,8 @@
 
 * `import sshpool` loads nothing of the dev rig (`sshpool.devhost`).
 * The sshpool package reads no SSHAPI_* variable: the API's environment is the API's.
+* api/ imports sshpool by its public names only (`from sshpool import ...`), never a submodule:
+  the one exception is the dev rig, which the `sshapi dev` command imports inside the command.
 * No module of sshpool/, api/ or loadtests/ imports a private name (`_x`, or a module `_m`) of
   another package.
 * The client package (`api/client/`) imports nothing of `api` outside `api.client`: the server
@@ -14,6 +16,7 @@ import ast
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,6 +44,55 @@ def test_sshpool_reads_no_sshapi_variable() -> None:
     assert hits == []
 
 
+# The sshpool submodules api/ may import, and the one place each: the dev rig for `sshapi dev`,
+# inside the command so that no other command loads it.
+API_SSHPOOL_SUBMODULES = {"sshpool.devhost": "api/cli.py"}
+
+
+def _imports(tree: ast.AST) -> Iterator[tuple[ast.Import | ast.ImportFrom, str, list[str]]]:
+    """Every absolute import in `tree`: the statement, the module, and the names taken from it
+    (none for `import m`)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            yield node, node.module, [alias.name for alias in node.names]
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node, alias.name, []
+
+
+def _sshpool_submodule_imports(path: Path) -> list[str]:
+    """`from sshpool.x import ...` and `import sshpool.x` in one api/ module, but for the
+    allowed submodule imported inside a function of its one module."""
+    where = str(path.relative_to(ROOT))
+    tree = ast.parse(path.read_text(), str(path))
+    nested = {
+        id(node)
+        for scope in ast.walk(tree)
+        if isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef))
+        for node in ast.walk(scope)
+    }
+    found: list[str] = []
+    for node, module, _ in _imports(tree):
+        if not module.startswith("sshpool."):
+            continue
+        home = API_SSHPOOL_SUBMODULES.get(".".join(module.split(".")[:2]))
+        if home == where and id(node) in nested:
+            continue
+        found.append(f"{where}:{node.lineno}: {module}")
+    return found
+
+
+def test_api_imports_sshpool_by_its_public_names_only() -> None:
+    """What the pool hands to the API (SFTP sessions, files, attributes, errors, results) is
+    exported by `sshpool`: an import from a submodule means the package's face lacks a name."""
+    found = [
+        hit
+        for path in sorted((ROOT / "api").rglob("*.py"))
+        for hit in _sshpool_submodule_imports(path)
+    ]
+    assert found == []
+
+
 def _is_private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
@@ -50,21 +102,12 @@ def _private_imports(path: Path) -> list[str]:
     the importing module's own top-level package."""
     own = path.relative_to(ROOT).parts[0]
     found: list[str] = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            modules = [node.module]
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.Import):
-            modules = [alias.name for alias in node.names]
-            names = []
-        else:
+    for node, module, names in _imports(ast.parse(path.read_text(), str(path))):
+        if module.split(".")[0] == own:
             continue
-        for module in modules:
-            if module.split(".")[0] == own:
-                continue
-            private = [part for part in [*module.split("."), *names] if _is_private(part)]
-            if private:
-                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {module} {private}")
+        private = [part for part in [*module.split("."), *names] if _is_private(part)]
+        if private:
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {module} {private}")
     return found
 
 
@@ -82,16 +125,8 @@ def _server_imports(path: Path) -> list[str]:
     """The imports of `api` modules outside `api.client` in one file (relative imports stay in
     the package: the client has no parent to reach)."""
     found: list[str] = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            if node.module == "api":
-                modules = [f"api.{alias.name}" for alias in node.names]
-            else:
-                modules = [node.module]
-        elif isinstance(node, ast.Import):
-            modules = [alias.name for alias in node.names]
-        else:
-            continue
+    for node, imported, names in _imports(ast.parse(path.read_text(), str(path))):
+        modules = [f"api.{name}" for name in names] if imported == "api" and names else [imported]
         for module in modules:
             if module.split(".")[0] == "api" and module.split(".")[:2] != ["api", "client"]:
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {module}")

@@ -239,6 +239,14 @@ class AsyncsshConnection:
     def is_alive(self) -> bool:
         return self._client.alive
 
+    def _open_failed(self, exc: asyncssh.ChannelOpenError, started: bool) -> SSHPoolError:
+        """A channel (an exec's or an SFTP session's) that sshd would not open: refused while
+        the connection lives, lost with it otherwise."""
+        if not self.is_alive():
+            return ConnectionLost(str(exc), started=started)
+        # MaxSessions: "open failed" (code 2) on OpenSSH 9, code 1 on older sshd.
+        return ChannelRefused(f"channel refused: {exc.reason}")
+
     async def exec(
         self, command: str, stdin: bytes | None, stdout: Capture, stderr: Capture
     ) -> Exit:
@@ -246,10 +254,7 @@ class AsyncsshConnection:
         try:
             chan, _ = await self._conn.create_session(lambda: session, command, encoding=None)
         except asyncssh.ChannelOpenError as exc:
-            if not self.is_alive():
-                raise ConnectionLost(str(exc), started=session.chan is not None) from exc
-            # MaxSessions: "open failed" (code 2) on OpenSSH 9, code 1 on older sshd.
-            raise ChannelRefused(f"channel refused: {exc.reason}") from exc
+            raise self._open_failed(exc, started=session.chan is not None) from exc
         except (asyncssh.Error, OSError) as exc:
             raise ConnectionLost(str(exc), started=session.chan is not None) from exc
         except asyncio.CancelledError:
@@ -278,9 +283,7 @@ class AsyncsshConnection:
         try:
             client = await self._conn.start_sftp_client()
         except asyncssh.ChannelOpenError as exc:
-            if not self.is_alive():
-                raise ConnectionLost(str(exc), started=False) from exc
-            raise ChannelRefused(f"channel refused: {exc.reason}") from exc
+            raise self._open_failed(exc, started=False) from exc
         except asyncssh.SFTPError as exc:
             raise translate.sftp_error(exc.code, f"no SFTP: {exc.reason}", None) from exc
         except (asyncssh.Error, OSError, EOFError) as exc:

@@ -523,6 +523,21 @@ class ParamikoConnection:
             await asyncio.wait([fut], timeout=CANCEL_GRACE)
             raise
 
+    def _open_channel(self) -> Any:
+        """A new session channel (an exec's or an SFTP session's; in the executor): refused
+        while the transport lives, lost with it otherwise."""
+        try:
+            return self._transport.open_session()
+        except paramiko.ChannelException as exc:
+            # MaxSessions: "open failed" (code 2) on OpenSSH 9, code 1 on older sshd.
+            raise ChannelRefused(f"channel refused: {exc.text} (code {exc.code})") from exc
+        except (paramiko.SSHException, EOFError, OSError) as exc:
+            if self.is_alive():
+                # paramiko keeps one saved exception per transport: when two opens fail at once,
+                # the second sees a bare SSHException instead of its ChannelException.
+                raise ChannelRefused(f"channel refused: {exc}") from exc
+            raise ConnectionLost(f"cannot open a channel: {exc}", started=False) from exc
+
     def _exec_blocking(
         self,
         command: str,
@@ -534,18 +549,7 @@ class ParamikoConnection:
     ) -> Exit:
         if cancel.is_set():
             raise ConnectionLost("cancelled before start", started=False)
-        transport = self._transport
-        try:
-            chan = transport.open_session()
-        except paramiko.ChannelException as exc:
-            # MaxSessions: "open failed" (code 2) on OpenSSH 9, code 1 on older sshd.
-            raise ChannelRefused(f"channel refused: {exc.text} (code {exc.code})") from exc
-        except (paramiko.SSHException, EOFError, OSError) as exc:
-            if self.is_alive():
-                # paramiko keeps one saved exception per transport: when two opens fail at once,
-                # the second sees a bare SSHException instead of its ChannelException.
-                raise ChannelRefused(f"channel refused: {exc}") from exc
-            raise ConnectionLost(f"cannot open a channel: {exc}", started=False) from exc
+        chan = self._open_channel()
         try:
             return self._run(chan, command, stdin, stdout, stderr, relay, cancel)
         finally:
@@ -632,14 +636,7 @@ class ParamikoConnection:
         return Exit(status=None)
 
     def _sftp_blocking(self) -> Any:
-        try:
-            chan = self._transport.open_session()
-        except paramiko.ChannelException as exc:
-            raise ChannelRefused(f"channel refused: {exc.text} (code {exc.code})") from exc
-        except (paramiko.SSHException, EOFError, OSError) as exc:
-            if self.is_alive():
-                raise ChannelRefused(f"channel refused: {exc}") from exc
-            raise ConnectionLost(f"cannot open a channel: {exc}", started=False) from exc
+        chan = self._open_channel()
         try:
             chan.invoke_subsystem("sftp")
             return paramiko.SFTPClient(chan)

@@ -361,6 +361,15 @@ class Ssh2Connection:
 
     # ---- commands
 
+    async def _open_channel(self, open_: Callable[[], T], pending: _Pending) -> T:
+        """`open_` (a session channel's open, or sftp_init's), one open at a time: refused when
+        sshd answers it with a failure (MaxSessions: "open failed", code 2)."""
+        try:
+            async with self._opening:
+                return await self._call(open_, pending=pending)
+        except ssh2_errors.ChannelFailure as exc:
+            raise ChannelRefused(f"channel refused: {describe(exc)}") from exc
+
     async def exec(
         self, command: str, stdin: bytes | None, stdout: Capture, stderr: Capture
     ) -> Exit:
@@ -368,12 +377,7 @@ class Ssh2Connection:
         chan: Any = None
         started = False
         try:
-            try:
-                async with self._opening:
-                    chan = await self._call(self._session.open_session, pending=pending)
-            except ssh2_errors.ChannelFailure as exc:
-                # MaxSessions: sshd answers the open with a failure ("open failed", code 2).
-                raise ChannelRefused(f"channel refused: {describe(exc)}") from exc
+            chan = await self._open_channel(self._session.open_session, pending)
             started = True
             try:
                 await self._call(chan.execute, command, pending=pending)
@@ -472,11 +476,10 @@ class Ssh2Connection:
             )
         pending = _Pending()
         try:
-            async with self._opening:
-                # sftp_init opens the channel and starts the subsystem: one open at a time.
-                sftp = await self._call(self._session.sftp_init, pending=pending)
-        except ssh2_errors.ChannelFailure as exc:
-            raise ChannelRefused(f"channel refused: {describe(exc)}") from exc
+            # sftp_init opens the channel and starts the subsystem.
+            sftp = await self._open_channel(self._session.sftp_init, pending)
+        except ChannelRefused:
+            raise  # sshd answered the open: nothing of it is left half sent
         except ConnectionLost as exc:
             raise ConnectionLost(str(exc), started=False) from exc
         except BaseException:

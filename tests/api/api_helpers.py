@@ -13,7 +13,12 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
+from contextlib import (
+    AbstractAsyncContextManager,
+    AsyncExitStack,
+    asynccontextmanager,
+    contextmanager,
+)
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +39,7 @@ from loadtests.server import wait_ready
 from sshpool.devhost import LocalHost
 
 PG_URL = os.environ.get("SSHAPI_TEST_PG", "postgresql+asyncpg://postgres@127.0.0.1:5432/test")
+REDIS_URL = "redis://127.0.0.1:6379/0"
 AUDIENCE = "sshapi-test"
 # The `api_with_own_host` fixture: name -> (the API, the host of that name).
 OwnHostApi = Callable[[str], AbstractAsyncContextManager[tuple["Api", LocalHost]]]
@@ -348,6 +354,21 @@ def make_settings(tmp_path: Path, config_file: Path, db: str, schema: str | None
         replica="test-replica",
         shutdown_grace=0.5,
     )
+
+
+@asynccontextmanager
+async def replicas(
+    tmp_path: Path, config_file: Path, keys: Keys, secret: str, redis_url: str | None = None
+) -> AsyncIterator[tuple[Api, Api]]:
+    """Replicas `a` and `b` of `config_file` on one fresh PostgreSQL schema (and on Redis at
+    `redis_url`, when given)."""
+    async with pg_schema() as schema, AsyncExitStack() as stack:
+        apis = []
+        for name in ("a", "b"):
+            base = make_settings(tmp_path / name, config_file, "postgresql", schema)
+            settings = base.model_copy(update={"replica": name, "redis_url": redis_url})
+            apis.append(await stack.enter_async_context(running_api(settings, keys, secret)))
+        yield apis[0], apis[1]
 
 
 @contextmanager

@@ -12,8 +12,7 @@ import signal
 import stat
 import subprocess
 import uuid
-from collections.abc import AsyncIterator, Iterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -23,13 +22,14 @@ import redis.asyncio as aioredis
 from api_helpers import (
     KEYS_ISS,
     LOCAL_ISS,
+    REDIS_URL,
     SSHAPI,
     Api,
     Keys,
     config_toml,
     free_port,
     make_settings,
-    pg_schema,
+    replicas,
     running_api,
 )
 from pydantic import ValidationError
@@ -45,7 +45,6 @@ from sshpool.devhost import LocalHost, LocalSlurm
 
 pytestmark = pytest.mark.timeout(180)
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
 SCHEDULER = """
 [hosts.local.scheduler]
 poll_interval = 0.3
@@ -59,20 +58,6 @@ def with_rule(text: str, rule: str) -> str:
     marker = '[[policy]]\nsubject = "*"'
     assert marker in text
     return text.replace(marker, rule + "\n" + marker)
-
-
-@asynccontextmanager
-async def redis_replicas(
-    path: Path, tmp_path: Path, keys: Keys, secret: str
-) -> AsyncIterator[tuple[Api, Api]]:
-    """Replicas `a` and `b` of the configuration at `path`, sharing PostgreSQL and Redis."""
-    async with pg_schema() as schema, AsyncExitStack() as stack:
-        apis = []
-        for name in ("a", "b"):
-            base = make_settings(tmp_path / name, path, "postgresql", schema)
-            settings = base.model_copy(update={"replica": name, "redis_url": REDIS_URL})
-            apis.append(await stack.enter_async_context(running_api(settings, keys, secret)))
-        yield apis[0], apis[1]
 
 
 # ---- item 7: batch jobs count against max_concurrent until final
@@ -106,7 +91,7 @@ max_concurrent = 8
         return {"host": "local", "batch": {"script": script, "workdir": workdir}}
 
     accepted: list[str] = []
-    async with redis_replicas(path, tmp_path, keys, secret) as (a, b):
+    async with replicas(tmp_path, path, keys, secret, REDIS_URL) as (a, b):
         try:
             codes = []
             # The first job ends soon by itself; the others would run for five minutes.
@@ -183,16 +168,6 @@ def test_policy_rule_without_issuer_fails_to_load_with_a_clear_message(tmp_path:
     with pytest.raises(ValidationError) as refused:
         load_config(path)
     assert "policy rule for subject 'alice' has no `issuer`" in str(refused.value)
-
-
-def test_sshapi_serve_reports_a_rule_without_issuer_without_a_traceback(tmp_path: Path) -> None:
-    """`sshapi serve` with such a file exits 2 with one line naming the problem."""
-    path = tmp_path / "noissuer.toml"
-    path.write_text('[[issuers]]\nissuer = "a"\naudience = "x"\n\n[[policy]]\nsubject = "*"\n')
-    env = {**os.environ, "SSHAPI_CONFIG": str(path), "SSHAPI_DATA_DIR": str(tmp_path / "d")}
-    done = subprocess.run([SSHAPI, "serve"], env=env, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2
-    assert "has no `issuer`" in done.stderr and "Traceback" not in done.stderr
 
 
 async def test_a_rule_for_one_issuers_alice_does_not_match_another_issuers_alice(
@@ -312,17 +287,36 @@ async def test_a_token_signed_with_the_hs_secret_is_refused_for_the_asymmetric_i
     assert r.status_code == 401
 
 
-def test_sshapi_serve_with_a_five_byte_secret_file_exits_saying_why(tmp_path: Path) -> None:
-    """`sshapi serve` with a 5-byte secret_file exits 2 with the reason, no traceback."""
+def rule_without_issuer(tmp_path: Path) -> str:
+    """A policy rule naming no issuer (item 8)."""
+    return '[[issuers]]\nissuer = "a"\naudience = "x"\n\n[[policy]]\nsubject = "*"\n'
+
+
+def five_byte_secret_file(tmp_path: Path) -> str:
+    """An HS issuer whose secret_file holds 5 bytes (item 9)."""
     weak = tmp_path / "weak"
     weak.write_text("12345")
     weak.chmod(0o600)
+    return issuer_toml("a", '["HS256"]', f'secret_file = "{weak}"')
+
+
+@pytest.mark.parametrize(
+    ("configuration", "says"),
+    [
+        pytest.param(rule_without_issuer, "has no `issuer`", id="rule-without-issuer"),
+        pytest.param(five_byte_secret_file, "at least 32 bytes", id="five-byte-secret-file"),
+    ],
+)
+def test_sshapi_serve_with_a_bad_configuration_exits_2_saying_why(
+    tmp_path: Path, configuration: Callable[[Path], str], says: str
+) -> None:
+    """`sshapi serve` with such a file exits 2 with the reason, no traceback."""
     path = tmp_path / "c.toml"
-    path.write_text(issuer_toml("a", '["HS256"]', f'secret_file = "{weak}"'))
+    path.write_text(configuration(tmp_path))
     env = {**os.environ, "SSHAPI_CONFIG": str(path), "SSHAPI_DATA_DIR": str(tmp_path / "d")}
     done = subprocess.run([SSHAPI, "serve"], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
-    assert "at least 32 bytes" in done.stderr and "Traceback" not in done.stderr
+    assert says in done.stderr and "Traceback" not in done.stderr
 
 
 # ---- item 10: the rendered element, not the first placeholder, decides

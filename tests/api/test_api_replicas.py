@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +14,13 @@ import pytest
 import redis.asyncio as aioredis
 from api_helpers import (
     LOCAL_ISS,
+    REDIS_URL,
     Api,
     Keys,
     eventually,
     free_port,
     make_settings,
-    pg_schema,
+    replicas,
     sse_events,
 )
 from api_helpers import running_api as run_one
@@ -29,22 +28,6 @@ from api_helpers import running_api as run_one
 from api.problems import Problem
 from api.quota import PREFIX, RedisQuota
 from sshpool.devhost import LocalHost
-
-REDIS_URL = "redis://127.0.0.1:6379/0"
-
-
-@asynccontextmanager
-async def replicas(
-    tmp_path: Path, config_file: Path, keys: Keys, secret: str, redis_url: str | None = None
-) -> AsyncIterator[tuple[Api, Api]]:
-    """Replicas `a` and `b` on one fresh PostgreSQL schema."""
-    async with pg_schema() as schema, AsyncExitStack() as stack:
-        apis = []
-        for name in ("a", "b"):
-            base = make_settings(tmp_path / name, config_file, "postgresql", schema)
-            settings = base.model_copy(update={"replica": name, "redis_url": redis_url})
-            apis.append(await stack.enter_async_context(run_one(settings, keys, secret)))
-        yield apis[0], apis[1]
 
 
 async def forget(*subjects: str) -> None:
