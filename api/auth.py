@@ -60,11 +60,17 @@ KEY_TYPES: dict[str, tuple[type, ...]] = {
 
 @dataclass(frozen=True, slots=True)
 class Principal:
-    """A verified caller. Identity is (issuer, subject)."""
+    """A verified caller. Identity is (issuer, subject): `key`."""
 
     issuer: str
     subject: str
     scopes: frozenset[str]
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """The caller's identity wherever one is kept or compared: a job's owner (the store's
+        `owner_iss`, `owner_sub`), the quota's buckets and capped sets, listing snapshots."""
+        return (self.issuer, self.subject)
 
     @property
     def is_admin(self) -> bool:

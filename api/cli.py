@@ -100,7 +100,9 @@ def load_config(command: str, settings: Settings, *, require: bool = False) -> C
 def serve(workers: Workers = None) -> None:
     """Run the API (SSHAPI_* settings; hosts and policy from SSHAPI_CONFIG, else from the
     local configuration `sshapi dev` left in the data dir)."""
-    from api.app import serve as run_server  # the server, loaded by the commands that serve only
+    from api.workers import (
+        serve as run_server,  # the server, loaded by the commands that serve only
+    )
 
     settings = load_settings("serve", workers)
     config = load_config("serve", settings, require=True)
@@ -240,7 +242,7 @@ def dev(
     the exports the client commands need (SSHAPI_URL, SSHAPI_TOKEN) and a curl command. Ctrl-C
     stops both."""
     # The dev rig is imported here only: `serve`, `token` and `hosts check` never load it.
-    from api.app import serve as run_server
+    from api.workers import serve as run_server
     from sshpool.devhost import LocalHost, LocalSlurm, install_packages
 
     settings = load_settings("dev", workers, host="127.0.0.1", port=port)

@@ -3,44 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
 from typing import Annotated, Any
 
-import httpx
 from fastapi import Depends, Request
 from fastapi.dependencies.models import Dependant
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.routing import BaseRoute
 
-from api.auth import Authenticator, Principal
-from api.config import Config
-from api.files import FileService
-from api.jobs import JobService
-from api.metrics import Metrics
-from api.policy import Policy
+from api.auth import Principal
 from api.problems import Problem
-from api.settings import Settings
-from api.store import Store
+from api.services import Services
 from api.timing import stage
-from sshpool import Pool
-
-
-@dataclass(slots=True)
-class Services:
-    """The shared objects the lifespan builds; one per app."""
-
-    settings: Settings
-    config: Config
-    policy: Policy
-    auth: Authenticator
-    store: Store
-    pool: Pool
-    jobs: JobService
-    metrics: Metrics
-    http: httpx.AsyncClient
-    files: FileService
-    ready: bool = False
 
 
 # async, though it never awaits: FastAPI runs a plain `def` dependency in a worker thread,

@@ -4,7 +4,8 @@
 (403), batch only where a scheduler runs (422), raw shell lines and templates allowed (403),
 template parameters valid (422), stdin and command sizes (413), the timeout capped. It creates
 nothing. The stateful rest (idempotency replay, the caller's rate and concurrent-job cap, shared
-by replicas) is applied by `JobService.submit` (api/jobs.py, api/quota.py) to its `Admission`.
+by replicas) is applied by `JobService.submit` (api/jobs/service.py, api/quota.py) to its
+`Admission`.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ time the job can still be active (created + queue timeout + command timeout + a 
 replica that dies without releasing its jobs therefore cannot block their owner for longer than
 those jobs could have run anyway; no heartbeat, no cleanup task.
 
-Batch jobs count until they are final, however long they pend (api/batch.py): their entry's
+Batch jobs count until they are final, however long they pend (api/jobs/batch.py): their entry's
 expiry is their time limit plus a margin from the last `hold`, which the process tracking them
 renews periodically. A tracking process that is gone stops renewing, and the entry lapses within
 the job's time limit plus that margin.
@@ -32,10 +32,24 @@ from api.problems import Problem, retry_after
 
 log = logging.getLogger("sshapi.quota")
 
-Identity = tuple[str, str]
+Identity = tuple[str, str]  # api/auth.py `Principal.key`: (issuer, subject)
 REDIS_TIMEOUT = 0.25  # seconds per Redis call before falling back to the local limits
 PREFIX = "sshapi:"
 
+
+# The capped sets an identity has places in: active jobs (batch jobs, checksums: anything that
+# takes a place under `max_concurrent`), transfers, directory listings, live followers; and
+# `commits`, one upload's commit per (host, path). The values are what each set's Redis key
+# holds between the kind and the identity: the key format of the previous releases, kept as it
+# was so that replicas of the old and the new release share the caps through a rolling restart.
+Space = Literal["jobs", "transfers", "listings", "followers", "commits"]
+SPACES: dict[Space, str] = {
+    "jobs": "",
+    "transfers": "files\0",
+    "listings": "listings\0",
+    "followers": "follow:",
+    "commits": "files-commit\0",
+}
 
 # The buckets of one identity: job submissions, and SSH-backed reads (output reads, cancels).
 Bucket = Literal["rate", "reads"]
@@ -66,14 +80,16 @@ class Quota(Protocol):
     async def take(self, who: Identity, rate: float, burst: int, bucket: Bucket = "rate") -> None:
         """Spend one token of who's bucket or raise 429 `rate-limited` with Retry-After."""
 
-    async def enter(self, who: Identity, job_id: str, cap: int, ttl: float) -> None:
+    async def enter(
+        self, who: Identity, job_id: str, cap: int, ttl: float, space: Space = "jobs"
+    ) -> None:
         """Count job_id as active for who (at most `ttl` seconds) or raise 429 `too-many-jobs`."""
 
-    async def hold(self, who: Identity, job_id: str, ttl: float) -> None:
+    async def hold(self, who: Identity, job_id: str, ttl: float, space: Space = "jobs") -> None:
         """Count job_id (already admitted) as active for `ttl` more seconds, whatever the cap:
         a batch job's entry renewed by the process tracking it."""
 
-    async def leave(self, who: Identity, job_id: str) -> None:
+    async def leave(self, who: Identity, job_id: str, space: Space = "jobs") -> None:
         """The job is no longer active."""
 
     async def close(self) -> None: ...
@@ -87,7 +103,7 @@ class LocalQuota:
     def __init__(self) -> None:
         # (bucket, identity) -> (tokens, last refill time)
         self._buckets: dict[tuple[Bucket, Identity], tuple[float, float]] = {}
-        self._active: dict[Identity, set[str]] = {}
+        self._active: dict[tuple[Space, Identity], set[str]] = {}
 
     async def take(self, who: Identity, rate: float, burst: int, bucket: Bucket = "rate") -> None:
         now = time.monotonic()
@@ -103,21 +119,23 @@ class LocalQuota:
             for k in [k for k, (_, t) in self._buckets.items() if now - t > 3600]:
                 del self._buckets[k]
 
-    async def enter(self, who: Identity, job_id: str, cap: int, ttl: float) -> None:
-        jobs = self._active.setdefault(who, set())
+    async def enter(
+        self, who: Identity, job_id: str, cap: int, ttl: float, space: Space = "jobs"
+    ) -> None:
+        jobs = self._active.setdefault((space, who), set())
         if len(jobs) >= cap:
             raise too_many_jobs(cap)
         jobs.add(job_id)
 
-    async def hold(self, who: Identity, job_id: str, ttl: float) -> None:
-        self._active.setdefault(who, set()).add(job_id)
+    async def hold(self, who: Identity, job_id: str, ttl: float, space: Space = "jobs") -> None:
+        self._active.setdefault((space, who), set()).add(job_id)
 
-    async def leave(self, who: Identity, job_id: str) -> None:
-        jobs = self._active.get(who)
+    async def leave(self, who: Identity, job_id: str, space: Space = "jobs") -> None:
+        jobs = self._active.get((space, who))
         if jobs is not None:
             jobs.discard(job_id)
             if not jobs:
-                del self._active[who]
+                del self._active[(space, who)]
 
     async def close(self) -> None:
         pass
@@ -191,9 +209,10 @@ class RedisQuota:
             log.warning("Redis is back: limits are shared by all replicas again")
 
     @staticmethod
-    def _key(kind: str, who: Identity) -> str:
+    def _key(kind: str, who: Identity, space: Space | None = None) -> str:
         # A NUL separates issuer and subject: neither holds one in practice, so keys never clash.
-        return f"{PREFIX}{kind}:{who[0]}\0{who[1]}"
+        within = SPACES[space] if space is not None else ""
+        return f"{PREFIX}{kind}:{within}{who[0]}\0{who[1]}"
 
     async def take(self, who: Identity, rate: float, burst: int, bucket: Bucket = "rate") -> None:
         try:
@@ -205,29 +224,32 @@ class RedisQuota:
         if not ok:
             raise rate_limited(rate, burst, float(wait), bucket)
 
-    async def enter(self, who: Identity, job_id: str, cap: int, ttl: float) -> None:
+    async def enter(
+        self, who: Identity, job_id: str, cap: int, ttl: float, space: Space = "jobs"
+    ) -> None:
         try:
-            ok = await self._enter(keys=[self._key("active", who)], args=[job_id, cap, ttl])
+            key = self._key("active", who, space)
+            ok = await self._enter(keys=[key], args=[job_id, cap, ttl])
         except Exception as exc:
             self._failed(exc)
-            return await self.fallback.enter(who, job_id, cap, ttl)
+            return await self.fallback.enter(who, job_id, cap, ttl, space)
         self._ok()
         if not ok:
             raise too_many_jobs(cap)
 
-    async def hold(self, who: Identity, job_id: str, ttl: float) -> None:
+    async def hold(self, who: Identity, job_id: str, ttl: float, space: Space = "jobs") -> None:
         try:
-            await self._hold(keys=[self._key("active", who)], args=[job_id, ttl])
+            await self._hold(keys=[self._key("active", who, space)], args=[job_id, ttl])
         except Exception as exc:
             self._failed(exc)
-            return await self.fallback.hold(who, job_id, ttl)
+            return await self.fallback.hold(who, job_id, ttl, space)
         self._ok()
 
-    async def leave(self, who: Identity, job_id: str) -> None:
+    async def leave(self, who: Identity, job_id: str, space: Space = "jobs") -> None:
         # The job may have been counted by either side (Redis went down or came back meanwhile).
-        await self.fallback.leave(who, job_id)
+        await self.fallback.leave(who, job_id, space)
         try:
-            await self._redis.zrem(self._key("active", who), job_id)
+            await self._redis.zrem(self._key("active", who, space), job_id)
         except Exception as exc:
             self._failed(exc)  # the entry expires at its deadline by itself
 

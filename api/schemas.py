@@ -7,7 +7,7 @@ from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from api.scheduler import BatchOptions, BatchRequest, batch_options
+from api.batchspec import BatchOptions, BatchRequest, batch_options
 from api.states import State
 from api.store import JobRow, aware
 

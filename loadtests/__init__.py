@@ -3,7 +3,7 @@
 `hdr`, `summary`, `report`, `plots`).
 
 May import: the API through HTTP, plus its public seam: `api.local` (tokens, local limits and
-issuer), `api.app.serve` (run a server in a child process), `api.config` / `api.settings`
+issuer), `api.workers.serve` (run a server in a child process), `api.config` / `api.settings`
 types; `sshpool` by public names for the raw-ceiling benchmark, and the dev rig
 (`sshpool.devhost`) for the hosts it measures against. No private name of another package.
 """

@@ -152,8 +152,8 @@ def stop_api(proc: subprocess.Popen[bytes]) -> None:
 
 def main(argv: list[str]) -> None:
     # Imported here: the parent (start_api) needs neither FastAPI nor uvicorn.
-    from api.app import serve
     from api.settings import Settings
+    from api.workers import serve
 
     spec = json.loads(Path(argv[0]).read_text())
     serve(Settings(), Config.model_validate(spec["config"]))

@@ -158,3 +158,42 @@ def test_file_routes_never_touch_the_sftp_session() -> None:
         if isinstance(node, ast.Attribute) and node.attr == "fs"
     ]
     assert found == []
+
+
+def test_http_schemas_load_nothing_of_the_slurm_client() -> None:
+    """api/schemas.py takes the batch request's shape from api/batchspec.py: loading the HTTP
+    schemas loads neither the Slurm client nor the jobs package (issue 27)."""
+    code = "import json, sys, api.schemas; print(json.dumps(sorted(sys.modules)))"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    loaded = json.loads(done.stdout)
+    assert "api.schemas" in loaded
+    assert [
+        m for m in loaded if m in ("api.scheduler", "api.jobs") or m.startswith("api.jobs.")
+    ] == []
+
+
+def _imported_modules(path: Path) -> list[tuple[int, str]]:
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+    return found
+
+
+def test_the_jobs_package_is_imported_through_its_face() -> None:
+    """Outside api/jobs/, api/ imports `api.jobs` (its `__init__`) only, never its modules."""
+    import api.jobs
+
+    inside = ROOT / "api" / "jobs"
+    found = [
+        f"{path.relative_to(ROOT)}:{line}: {name}"
+        for path in sorted((ROOT / "api").rglob("*.py"))
+        if inside not in path.parents
+        for line, name in _imported_modules(path)
+        if name.startswith("api.jobs.") and name.split(".")[2] not in api.jobs.__all__
+    ]
+    assert found == []

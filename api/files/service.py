@@ -73,7 +73,7 @@ class FileService:
 
     async def spend(self, who: Principal, grant: Grant) -> None:
         """One rate token per SSH-backed file operation, from the caller's job bucket."""
-        await self.quota.take((who.issuer, who.subject), grant.rule.rate, grant.rule.burst)
+        await self.quota.take(who.key, grant.rule.rate, grant.rule.burst)
 
     @contextlib.asynccontextmanager
     async def open(self, who: Principal, host: str) -> AsyncIterator[Files]:
@@ -85,7 +85,7 @@ class FileService:
             async with self.pool.sftp(
                 grant.target,
                 acquire_timeout=self.config.api.queue_timeout,
-                tenant=(who.issuer, who.subject),  # in turns with the caller's jobs
+                tenant=who.key,  # in turns with the caller's jobs
             ) as fs:
                 confinement = await self.confinements.get(fs, grant, who, roots)
                 yield Files(fs, grant, who, confinement)
@@ -95,10 +95,11 @@ class FileService:
     @contextlib.asynccontextmanager
     async def transfer(self, who: Principal, grant: Grant, direction: str) -> AsyncIterator[None]:
         """Counts one transfer against the identity's max_transfers and the active gauge."""
-        key = (f"files\0{who.issuer}", who.subject)  # its own set, apart from active jobs
         tid = uuid.uuid4().hex
         try:
-            await self.quota.enter(key, tid, grant.rule.max_transfers, TRANSFER_TTL)
+            await self.quota.enter(
+                who.key, tid, grant.rule.max_transfers, TRANSFER_TTL, space="transfers"
+            )
         except Problem as refused:
             # The quota speaks of jobs; this set counts transfers, and says so.
             if refused.status != 429:
@@ -116,7 +117,7 @@ class FileService:
             yield
         finally:
             gauge.dec()
-            await self.quota.leave(key, tid)
+            await self.quota.leave(who.key, tid, space="transfers")
 
     @contextlib.asynccontextmanager
     async def commit_lock(self, host: str, path: str) -> AsyncIterator[None]:
@@ -125,14 +126,14 @@ class FileService:
         entry in the quota's active set for (host, resolved path) with a cap of one. Shared by
         the replicas and workers that share Redis (SSHAPI_REDIS_URL); without it, or while
         Redis is down, it holds within each process only."""
-        key = (f"files-commit\0{host}", path)
+        key = (host, path)
         token = uuid.uuid4().hex
         loop = asyncio.get_running_loop()
         deadline = loop.time() + COMMIT_WAIT
         pause = 0.005
         while True:
             try:
-                await self.quota.enter(key, token, 1, COMMIT_TTL)
+                await self.quota.enter(key, token, 1, COMMIT_TTL, space="commits")
                 break
             except Problem as busy:
                 if busy.status != 429:
@@ -150,16 +151,17 @@ class FileService:
         try:
             yield
         finally:
-            await self.quota.leave(key, token)
+            await self.quota.leave(key, token, space="commits")
 
     @contextlib.asynccontextmanager
     async def listing_slot(self, who: Principal, grant: Grant) -> AsyncIterator[None]:
         """Counts one directory read against the identity's max_listings."""
-        key = (f"listings\0{who.issuer}", who.subject)  # a set of its own, like transfers'
         lid = uuid.uuid4().hex
         cap = grant.rule.max_listings
         try:
-            await self.quota.enter(key, lid, cap, self.config.api.list_timeout + 60)
+            await self.quota.enter(
+                who.key, lid, cap, self.config.api.list_timeout + 60, space="listings"
+            )
         except Problem as exc:
             if exc.status != 429:
                 raise
@@ -167,7 +169,7 @@ class FileService:
         try:
             yield
         finally:
-            await self.quota.leave(key, lid)
+            await self.quota.leave(who.key, lid, space="listings")
 
     async def list_dir(
         self, who: Principal, host: str, given: str, limit: int, cursor: str | None
@@ -178,7 +180,7 @@ class FileService:
         directory again."""
         api = self.config.api
         limit = min(limit, api.max_page)
-        owner = (who.issuer, who.subject)
+        owner = who.key
         self.grant(who, host)  # 403 before anything else
         after: str | None = None
         if cursor is not None:
@@ -269,9 +271,9 @@ class FileService:
         await self.spend(who, grant)
         api = self.config.api
         timeout = checksums.timeout_for(api, grant, attrs.size)
-        owner = (who.issuer, who.subject)
+        owner = who.key
         cid = uuid.uuid4().hex
-        # The same admission as a job's (api/jobs.py): a place under max_concurrent until done.
+        # The same admission as a job's (api/jobs/): a place under max_concurrent until done.
         await self.quota.enter(
             owner, cid, grant.rule.max_concurrent, api.queue_timeout + timeout + 60
         )

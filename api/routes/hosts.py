@@ -9,9 +9,10 @@ from typing import Any
 from fastapi import APIRouter
 
 from api.auth import Principal
-from api.deps import Reader, Services, Svc
+from api.deps import Reader, Svc
 from api.problems import Problem
 from api.schemas import HostInfo
+from api.services import Services
 
 router = APIRouter(prefix="/v1/hosts", tags=["hosts"])
 

@@ -22,8 +22,9 @@ import pytest
 from api_helpers import Api, Keys, eventually, make_settings, server_process, write_batch_config
 from faults import figure
 
+from api.batchspec import BatchOptions
 from api.config import Config, load_config
-from api.scheduler import BatchOptions, key_comment
+from api.jobs.scheduler import key_comment
 from api.settings import Settings
 from sshpool import Pool
 from sshpool.devhost import LocalHost, LocalSlurm

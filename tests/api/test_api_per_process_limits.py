@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from api_helpers import make_settings
 
-from api import app as app_module
+from api import workers as app_module
 from api.config import load_config
 
 

@@ -9,10 +9,10 @@ import contextlib
 import time
 from datetime import UTC, datetime
 
-from api.batch import BatchJobs
 from api.config import Config
+from api.jobs import BatchJobs
+from api.jobs.scheduler import SlurmClient
 from api.policy import Policy
-from api.scheduler import SlurmClient
 from api.store import JobRow
 from sshpool import Limits, Pool, Target
 from sshpool.devhost import FakeBackend

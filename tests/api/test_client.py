@@ -21,6 +21,7 @@ from api_helpers import SSHAPI, Api
 from typer.testing import CliRunner
 
 from api import schemas, states
+from api.batchspec import BatchOptions
 from api.cli import app
 from api.client import (
     AsyncClient,
@@ -33,7 +34,6 @@ from api.client import (
 )
 from api.client import models as client_models
 from api.client import profile as client_profile
-from api.scheduler import BatchOptions
 
 FILES = "jobs:read jobs:write files:read files:write"
 

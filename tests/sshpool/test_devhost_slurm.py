@@ -19,8 +19,8 @@ import psutil
 import pytest
 from pydantic import ValidationError
 
-from api.scheduler import (
-    BatchOptions,
+from api.batchspec import BatchOptions
+from api.jobs.scheduler import (
     JobStatus,
     SlurmClient,
     SubmitRejected,

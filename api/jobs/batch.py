@@ -27,30 +27,29 @@ import contextlib
 import functools
 import logging
 import signal
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from typing import Any
 
 from sqlalchemy import func
 
+from api.batchspec import BatchOptions, BatchRequest, batch_options
 from api.config import Config
-from api.metrics import Metrics
-from api.output import PIECE, OutputChunk, OutputRange, Stream, pieces
-from api.policy import Policy
-from api.problems import Problem, log_ssh_failure, retry_after, ssh_detail, ssh_problem
-from api.quota import Identity, LocalQuota, Quota
-from api.scheduler import (
-    BatchOptions,
-    BatchRequest,
+from api.jobs.scheduler import (
     JobStatus,
     SchedulerError,
     SlurmClient,
     SubmissionUnknown,
     SubmitRejected,
     Tracker,
-    batch_options,
 )
+from api.metrics import Metrics
+from api.output import PIECE, OutputChunk, OutputRange, Stream, pieces
+from api.policy import Policy
+from api.problems import Problem, log_ssh_failure, retry_after, ssh_detail, ssh_problem
+from api.quota import Identity, LocalQuota, Quota
 from api.states import FINAL
 from api.store import JOBS, JobRow, Store, utcnow
+from api.tasks import TaskSet
 from sshpool import Pool, SSHPoolError, Target
 
 log = logging.getLogger("sshapi.batch")
@@ -112,7 +111,8 @@ class BatchJobs:
         self._jobs: dict[tuple[str, str], str] = {}
         # Job id -> (owner, entry ttl): the active-job entries this process renews.
         self._held: dict[str, tuple[Identity, float]] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
+        # Lookups of submissions whose outcome is unknown, one per job.
+        self._tasks = TaskSet("batch")
 
     def client(self, host_name: str, target: Target, owner: Identity | None = None) -> SlurmClient:
         """The scheduler's commands on `target`, waiting in `owner`'s turns on a saturated host
@@ -127,16 +127,12 @@ class BatchJobs:
             tenant=owner,
         )
 
-    def _background(self, coro: Any, name: str) -> None:
-        task = asyncio.create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
     # ---- lifecycle
 
     async def start(self, replica: str) -> None:
-        """A tracker per host with a scheduler (idle, no SSH, while it tracks nothing); the jobs
-        an earlier run of this replica left active are tracked again or resolved."""
+        """A tracker per host with a scheduler (idle, no SSH, while it tracks nothing: `loops`
+        are run by api/services.py's supervisor); the jobs an earlier run of this replica left
+        active are tracked again or resolved."""
         for name, host in self.config.hosts.items():
             if host.scheduler is None:
                 continue
@@ -147,7 +143,6 @@ class BatchJobs:
                 on_change=functools.partial(self._record, name),
             )
             self.trackers[name] = tracker
-            self._background(tracker.run(), f"track-{name}")
         for row in await self.store.active_batch(replica):
             if row.host not in self.trackers:
                 await self._update(row, state="lost", error="the host has no scheduler any more")
@@ -157,8 +152,16 @@ class BatchJobs:
             if row.scheduler_job_id is not None:
                 self._track(row.host, row.scheduler_job_id, row.id)
             else:
-                self._background(self._resolve(row), f"resolve-{row.id}")
-        self._background(self._renew(), "renew-batch-holds")
+                self._tasks.spawn(self._resolve(row), f"resolve-{row.id}")
+
+    def loops(self) -> dict[str, Callable[[], Coroutine[Any, Any, None]]]:
+        """The long-lived tasks of batch jobs, by name, for the supervisor to run until
+        shutdown: a tracker per host, and the renewal of the active-job entries."""
+        loops: dict[str, Callable[[], Coroutine[Any, Any, None]]] = {
+            f"track-{name}": tracker.run for name, tracker in self.trackers.items()
+        }
+        loops["renew-batch-holds"] = self._renew
+        return loops
 
     async def hold(self, row: JobRow) -> None:
         """Count an admitted batch job as active until it is final (renewed by `_renew`)."""
@@ -179,9 +182,7 @@ class BatchJobs:
                 await self.quota.hold(owner, job_id, ttl)
 
     async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._tasks.close()
 
     # ---- submit
 
@@ -201,7 +202,7 @@ class BatchJobs:
             # sbatch may have run: only the scheduler can tell, later.
             log.warning("job %s: submission outcome unknown (%s); resolving", row.id, exc)
             self._held[row.id] = (owner_of(row), hold_ttl(request.options()))
-            self._background(self._resolve(row), f"resolve-{row.id}")
+            self._tasks.spawn(self._resolve(row), f"resolve-{row.id}")
             return
         await self._update(row, scheduler_job_id=submitted.job_id)
         self._held[row.id] = (owner_of(row), hold_ttl(request.options()))
@@ -381,7 +382,7 @@ class BatchJobs:
         final = values.get("state") in FINAL
         if final:
             values.setdefault("finished_at", utcnow())
-            # Given back before the state is readable (as api/jobs.py `_record_outcome` does).
+            # Given back before the state is readable (as api/jobs/runner.py `_record_outcome`).
             await self._release(row.id, owner_of(row))
         changed = await self.store.update(row.id, only_active=True, **values)
         if changed and final:

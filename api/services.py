@@ -1,0 +1,192 @@
+"""The long-lived objects of one API process, built in order and closed in the reverse order, and
+every background task, owned by one supervisor (api/tasks.py: one `asyncio.TaskGroup`).
+
+Built, in this order (closed in the reverse): the data directory's permissions, the store (and
+the jobs a previous run of this replica left active marked `lost`), the HTTP client (JWKS), the
+pool, the policy, the quota (Redis or local), the live relay, batch jobs, the job service, the
+file service, the pool and tracker metrics, then the supervisor with its tasks. Objects handed in
+(a test's pool or store) stay the caller's to start and close.
+
+Background tasks and what their death means (a death is an exception other than cancellation;
+every one is logged with its traceback):
+
+| task                | what                               | policy  | why                       |
+|---------------------|------------------------------------|---------|---------------------------|
+| `track-<host>`      | polls the host's scheduler for the | restart | the tracked jobs live in  |
+|                     | batch jobs this process tracks     |         | the Tracker: a restart    |
+|                     |                                    |         | resumes; lost, they never |
+|                     |                                    |         | reach a final state here  |
+| `renew-batch-holds` | renews batch jobs' active-job      | restart | lost, the entries lapse   |
+|                     | entries (api/quota.py)             |         | and the cap undercounts   |
+| `prewarm-<host>`    | opens the host's `min_connections` | once    | best effort: jobs connect |
+|                     | at start                           |         | on demand anyway          |
+
+`restart`: started again after a pause (doubling); the third death within a minute takes the
+process down. Taking it down: the other tasks are cancelled, /readyz answers 503, and the
+process's fatal handler runs (api/tasks.py `on_fatal`: `sshapi serve` stops serving gracefully and
+exits with status 70, so that its supervisor, systemd or the orchestrator starts it again with a
+clean state; an app run by a test stays up, not ready).
+
+Tasks with an owner of their own, not the supervisor's:
+
+| task                       | owner, and who awaits it                                        |
+|----------------------------|-----------------------------------------------------------------|
+| `job-<id>`, `batch-<id>`   | api/jobs/runner.py `Runner` (a TaskSet): closed after the grace |
+| a job's command and marker | awaited by the job's runner task                                |
+| `cancel-<id>`              | api/jobs/cancel.py `Cancels` (a TaskSet)                        |
+| `resolve-<id>`             | api/jobs/batch.py `BatchJobs` (a TaskSet)                       |
+| `pub-<id>`, `live-<id>`    | api/live.py `LiveHub`: cancelled and awaited by its `close`     |
+| `live-relay-listen`        | api/relay.py `RedisRelay`: retries every failure itself, closed |
+|                            | by its `close`                                                  |
+| `store-writer`             | api/store.py `Store`: started by `start`, awaited by `close`    |
+| request-scoped tasks       | the request that starts them (api/routes/files.py, api/files.py)|
+
+Shutdown: not ready (503) first; the supervisor's tasks cancelled (the last started first);
+the job service closed (batch lookups, live feeds, the running jobs' grace then their kill, the
+cancels); then the quota, the pool, the HTTP client and the store.
+
+May import: every part of `api` it builds, `sshpool` by its public names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from api.auth import Authenticator
+from api.client import tls_context
+from api.config import Config, HostConfig
+from api.files import FileService
+from api.jobs import BatchJobs, JobService
+from api.live import make_relay
+from api.metrics import Metrics
+from api.policy import Policy
+from api.quota import Quota, make_quota
+from api.settings import Settings
+from api.store import Store
+from api.tasks import OnDeath, Supervisor
+from sshpool import Pool, SSHPoolError
+
+log = logging.getLogger("sshapi")
+
+
+@dataclass(slots=True)
+class Services:
+    """The shared objects of one app (api/deps.py hands them to the routes)."""
+
+    settings: Settings
+    config: Config
+    policy: Policy
+    auth: Authenticator
+    store: Store
+    pool: Pool
+    jobs: JobService
+    metrics: Metrics
+    http: httpx.AsyncClient
+    files: FileService
+    quota: Quota
+    batch: BatchJobs
+    supervisor: Supervisor
+    accepting: bool = False
+
+    @property
+    def ready(self) -> bool:
+        """Started, not stopping, and no background task took the process down."""
+        return self.accepting and self.supervisor.healthy
+
+
+async def _prewarm(pool: Pool, name: str, host: HostConfig) -> None:
+    try:
+        await pool.prewarm(host.target())
+    except SSHPoolError as exc:
+        # Not fatal: the host may come up later; jobs then connect on demand.
+        log.warning("prewarm of host %s failed: %s", name, exc)
+
+
+@contextlib.asynccontextmanager
+async def running(
+    settings: Settings,
+    config: Config,
+    metrics: Metrics,
+    *,
+    pool: Pool | None = None,
+    store: Store | None = None,
+) -> AsyncIterator[Services]:
+    """Build and start every long-lived object and background task; close them on exit (see
+    the module docstring for both orders)."""
+    async with contextlib.AsyncExitStack() as stack:
+        settings.secure_data_dir()
+        the_store = store or Store(
+            settings.resolved_database_url,
+            schema=settings.database_schema,
+            upgrade=settings.db_upgrade == "auto",
+        )
+        if store is None:
+            await the_store.start()
+            stack.push_async_callback(the_store.close)
+        lost = await the_store.mark_lost(settings.replica)
+        if lost:
+            log.warning("%d job(s) left active by a previous run are now `lost`", lost)
+        http = httpx.AsyncClient(follow_redirects=False, verify=tls_context())
+        stack.push_async_callback(http.aclose)
+        the_pool = pool or Pool(backend=settings.backend)
+        if pool is None:
+            stack.push_async_callback(the_pool.close)
+        policy = Policy(config)
+        quota = make_quota(settings.redis_url)
+        stack.push_async_callback(quota.close)
+        batch = BatchJobs(config, policy, the_store, the_pool, metrics, quota)
+        # The relay is closed by the job service's live feeds (api/live.py `LiveHub.close`).
+        relay = make_relay(settings.redis_url, settings.replica)
+        jobs = JobService(
+            config, policy, the_store, the_pool, metrics, settings.replica, batch, quota, relay
+        )
+        stack.push_async_callback(jobs.close, settings.shutdown_grace)
+        files = FileService(config, policy, the_pool, quota, metrics)
+        for name, host in config.hosts.items():
+            # Every worker of every replica has its own pool: the host sees all of them.
+            for problem in host.ssh_budget(settings.replicas * settings.workers):
+                log.warning("SSH budget of host %s: %s", name, problem)
+
+        def pools_by_host() -> dict[str, list[dict[str, Any]]]:
+            stats = the_pool.stats()
+            return {n: [stats[t] for t in policy.targets(n) if t in stats] for n in config.hosts}
+
+        metrics.watch_pool(pools_by_host)
+        metrics.watch_trackers(lambda: batch.trackers)
+        await batch.start(settings.replica)
+        supervisor = Supervisor()
+        await supervisor.start()
+        stack.push_async_callback(supervisor.close)
+        for task_name, loop in batch.loops().items():
+            supervisor.spawn(task_name, loop, OnDeath.RESTART)
+        for name, host in config.hosts.items():
+            if host.limits.min_connections > 0:
+                prewarm = functools.partial(_prewarm, the_pool, name, host)
+                supervisor.spawn(f"prewarm-{name}", prewarm, OnDeath.ONCE)
+        services = Services(
+            settings=settings,
+            config=config,
+            policy=policy,
+            auth=Authenticator(config.issuers, settings.hs256_secret, http),
+            store=the_store,
+            pool=the_pool,
+            jobs=jobs,
+            metrics=metrics,
+            http=http,
+            files=files,
+            quota=quota,
+            batch=batch,
+            supervisor=supervisor,
+            accepting=True,
+        )
+        try:
+            yield services
+        finally:
+            services.accepting = False
