@@ -30,7 +30,7 @@ from api.settings import Settings
 from sshpool import Pool, SSHPoolError
 
 if TYPE_CHECKING:
-    from api.store.migrate import Upgrade
+    from api.store import migrate
 
 app = typer.Typer(help="SSH-backed HPC REST API.", no_args_is_help=True)
 hosts_app = typer.Typer(help="Configured hosts.", no_args_is_help=True)
@@ -126,7 +126,7 @@ def db_upgrade() -> None:
         typer.echo(f"job database upgraded from {before} to {done.after}")
 
 
-def _store_schema(command: str, settings: Settings, *, upgrade: bool) -> Upgrade | None:
+def _store_schema(command: str, settings: Settings, *, upgrade: bool) -> migrate.Upgrade | None:
     """Upgrade (or only check) the job database's schema; a failure ends `command` with one
     line. Returns what the upgrade did (None for a check)."""
     from sqlalchemy.exc import SQLAlchemyError

@@ -10,16 +10,23 @@
   (no `.fs` attribute anywhere in it).
 * The client package (`api/client/`) imports nothing of `api` outside `api.client`: the server
   may use the client, never the reverse (issue 27), so `import api.client` loads no server.
+* The HTTP schemas load nothing of the Slurm client or the jobs package.
+* The feature packages (`api/jobs`, `files`, `live`, `store`, `client`) are imported by the rest
+  of api/ through their faces only (the names of their `__init__`'s `__all__`).
+* No module of api/ is over 600 lines.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
 import json
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("sshpool", "api", "loadtests")
@@ -175,6 +182,7 @@ def test_http_schemas_load_nothing_of_the_slurm_client() -> None:
 
 
 def _imported_modules(path: Path) -> list[tuple[int, str]]:
+    """Every `module.name` a file imports (`from m import n` as `m.n`), with its line."""
     found: list[tuple[int, str]] = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -184,16 +192,41 @@ def _imported_modules(path: Path) -> list[tuple[int, str]]:
     return found
 
 
-def test_the_jobs_package_is_imported_through_its_face() -> None:
-    """Outside api/jobs/, api/ imports `api.jobs` (its `__init__`) only, never its modules."""
-    import api.jobs
+# The feature packages of api/ and their faces: what the rest of api/ may import from each.
+# `api.client.cli` is the client's second face, the researcher's commands that `sshapi`
+# registers (kept apart so that `import api.client` loads no CLI framework).
+FEATURES = ("jobs", "files", "live", "store", "client")
+EXTRA_FACES = {"api.client.cli"}
 
-    inside = ROOT / "api" / "jobs"
+
+@pytest.mark.parametrize("feature", FEATURES)
+def test_feature_packages_are_imported_through_their_faces(feature: str) -> None:
+    """Outside api/<feature>/, api/ imports the feature's `__init__` (the names in its
+    `__all__`) only, never one of its modules: each feature has one face."""
+    face = importlib.import_module(f"api.{feature}")
+    inside = ROOT / "api" / feature
+    prefix = f"api.{feature}."
     found = [
         f"{path.relative_to(ROOT)}:{line}: {name}"
         for path in sorted((ROOT / "api").rglob("*.py"))
         if inside not in path.parents
         for line, name in _imported_modules(path)
-        if name.startswith("api.jobs.") and name.split(".")[2] not in api.jobs.__all__
+        if name.startswith(prefix)
+        and name.split(".")[2] not in face.__all__
+        and ".".join(name.split(".")[:3]) not in EXTRA_FACES
     ]
     assert found == []
+
+
+# The most lines a module of api/ may have (a generated module included): past it, a module
+# holds more than one thing and is split by what it does.
+MAX_MODULE_LINES = 600
+
+
+def test_no_module_of_api_is_over_the_size_limit() -> None:
+    """Every module of api/ keeps within MAX_MODULE_LINES lines."""
+    sizes = {
+        str(path.relative_to(ROOT)): len(path.read_text().splitlines())
+        for path in sorted((ROOT / "api").rglob("*.py"))
+    }
+    assert {p: n for p, n in sizes.items() if n > MAX_MODULE_LINES} == {}

@@ -2,13 +2,15 @@
 
 Exports `Store` (the one face the service uses), the row record `JobRow`, the table `JOBS`
 (for the few Core expressions callers pass to `Store.update`) and the value helpers `new_id`,
-`utcnow` and `aware`. May import `api.states` and nothing else of `api`.
+`utcnow` and `aware`, and `migrate` (what `sshapi db upgrade` runs). May import `api.states`
+and nothing else of `api`.
 
 Modules: `schema` (the table and the record), `store` (reads, the write queue), `sqlite` and
 `postgres` (each dialect's writer), `migrate` (the schema's Alembic migrations).
 """
 
+from api.store import migrate
 from api.store.schema import JOBS, JobRow, aware, new_id, utcnow
 from api.store.store import Store
 
-__all__ = ["JOBS", "JobRow", "Store", "aware", "new_id", "utcnow"]
+__all__ = ["JOBS", "JobRow", "Store", "aware", "migrate", "new_id", "utcnow"]
