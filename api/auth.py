@@ -1,4 +1,4 @@
-"""Bearer JWT validation (DESIGN.md section 5).
+"""Bearer JWT validation (docs/http-api.md, "Authentication").
 
 The token's `iss` (read before verification, only to pick the configuration) selects an issuer
 entry; everything else comes from that entry: the fixed algorithm list, the audience, the keys.

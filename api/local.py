@@ -43,10 +43,9 @@ MAX_TOKEN_TTL = 30 * 86400.0
 LOCAL_CONFIG_NAME = "local.toml"
 
 # The pool's defaults (4 connections x 8 channels, inside a stock sshd) with one connection kept
-# open: a burst on a cold pool waited 0.4-0.7 s for its handshakes. Until 2026-11-24 these were
-# 4 x 12 channels and 8 handshakes, which sshd_config.tuned allows; `loadtests.raw_matrix` on a
-# quiet box measured no difference from the defaults (+-30 commands/s of ~780, 8 and 32
-# callers, 5 rounds, every interval across 0; docs/benchmarks.md), so nothing backs them.
+# open, so that a burst on a cold pool does not wait for its handshakes. Wider limits, which
+# sshd_config.tuned allows, measured no different from the defaults in `loadtests.raw_matrix`,
+# so nothing backs them (docs/benchmarks.md, "Figures behind the code").
 LOCAL_LIMITS = Limits(min_connections=1)
 
 NO_CONFIG = (

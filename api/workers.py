@@ -121,10 +121,10 @@ def per_process_limits(settings: Settings) -> str | None:
 def _freeze_startup_heap() -> None:
     """Put every object alive before serving (the imported libraries, the app) out of the
     garbage collector's reach. Each full collection walked them all with the event loop
-    stopped: 94-238 ms, about once a second at 250-400 jobs/s (gc.callbacks in the API,
-    2026-11-24), and those pauses were the p99 of such rates. They live as long as the process
-    anyway; whatever is allocated from here on is collected as before (the thresholds stay
-    Python's: raising them let garbage holding SSH read buffers pile up, commit 76dca0f)."""
+    stopped, about once a second at a few hundred jobs/s, and those pauses were the p99 of such
+    rates. They live as long as the process anyway; whatever is allocated from here on is
+    collected as before (the thresholds stay Python's: raising them let garbage holding SSH read
+    buffers pile up). Figures: docs/benchmarks.md, "Figures behind the code"."""
     gc.collect()
     gc.freeze()
 

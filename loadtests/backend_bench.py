@@ -11,7 +11,7 @@ command (HdrHistogram, 3 significant digits, successes only; errors counted apar
 
 Everything runs on this machine: sshd, its sessions and the client share the CPUs, so the figures
 are a ceiling for this box, not for a remote login host. The login account's shell is /bin/sh
-with no rc files (DESIGN.md 3.5: a heavy rc file adds ~100 ms to every command).
+with no rc files (docs/operations.md: a heavy rc file adds to every command).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Bursts on POST /v1/jobs (DESIGN.md section 8): N simultaneous requests released by a barrier.
+"""Bursts on POST /v1/jobs (docs/load-suite.md): N simultaneous requests released by a barrier.
 
     locust -f loadtests/burst.py --headless                              # 10 50 100 200 400, x3
     locust -f loadtests/burst.py --headless --burst-sizes 10 100 --repeats 5 --cooldown 5

@@ -5,14 +5,14 @@ explains a difference in the raw ceiling?
     .venv/bin/python -m loadtests.raw_matrix --limits default local sessions12 --rounds 5
 
 `loadtests.bench` measures the raw ceiling of each sshd profile (with the limits the API uses,
-`loadtests.server.limits`; until 2026-11-24 they differed per profile) one profile after the
+`loadtests.server.limits`, the same for both profiles) one profile after the
 other, so a difference between its two rows mixes the sshd settings and the drift of a shared
 machine. Here every combination runs once per round, in a different order each round, as a
 closed loop of `hostname` at each --concurrency; the table gives commands/s per cell (mean and
 range over rounds) and, per concurrency, the difference of each cell from the baseline (the
 first profile with the first limits) with a bootstrap 95% interval over the rounds and its
-verdict (`loadtests.verdict.mean_difference`). Since 2026-11-24 `local` and `min1` are the
-same limits (LOCAL_LIMITS is the defaults with one connection kept open).
+verdict (`loadtests.verdict.mean_difference`). `local` and `min1` are the same limits
+(LOCAL_LIMITS is the defaults with one connection kept open).
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from sshpool.devhost import LocalHost
 COMMAND = ("hostname",)  # what loadtests.bench's raw ceiling runs
 BASE = Limits()
 # Named pool limits. `local` is api.local.LOCAL_LIMITS (the embedded host's, and what the API
-# benchmarks use with either sshd); `s12h8` is what it was until 2026-11-24; the single-change
-# ones tell which difference from the defaults matters.
+# benchmarks use with either sshd); `s12h8` is what it was before it became the defaults; the
+# single-change ones tell which difference from the defaults matters.
 LIMITS: dict[str, Limits] = {
     "default": BASE,
     "local": LOCAL_LIMITS,

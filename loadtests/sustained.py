@@ -1,4 +1,4 @@
-"""Sustained load on POST /v1/jobs (DESIGN.md section 8).
+"""Sustained load on POST /v1/jobs (docs/load-suite.md).
 
     locust -f loadtests/sustained.py --headless                       # smoke, open model
     locust -f loadtests/sustained.py --headless --load-profile paper  # 50 then 90 requests/s

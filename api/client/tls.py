@@ -14,6 +14,7 @@ def tls_context() -> ssl.SSLContext:
     """httpx's default verification (certifi's CAs, or SSL_CERT_FILE / SSL_CERT_DIR), shared.
 
     httpx loads the whole CA bundle for every client it makes with the default `verify=True`:
-    50-150 ms of CPU each, paid by every app start (its JWKS client) and every `Client`. One
+    tens of milliseconds of CPU each, paid by every app start (its JWKS client) and every
+    `Client`. One
     context serves them all (httpx's advice for many clients); it is only read once built."""
     return httpx.create_ssl_context()

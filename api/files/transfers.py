@@ -25,10 +25,9 @@ from sshpool import ConnectionLost, FileAttrs, RemoteFile, RemoteFileFailure, SS
 
 # Bytes per SFTP read or write the API issues; an upload or a download holds at most two of
 # them at once (one moving on each side). 4 MiB is what asyncssh keeps in flight per call (16
-# requests of OpenSSH's 255 KiB): with 1 MiB (5 requests) the SFTP pipe drained between chunks.
-# Measured (loadtests.files_bench, 384 MiB, load 1.2-4, interleaved): upload 101/121/116 MB/s
-# against 92/79/103 with 1 MiB, download 103/114/106 against 105/93/85; RSS growth per transfer
-# +22 MiB against +8 (the 50 MiB bound of tests/loadtests/test_files_bench.py holds).
+# requests of OpenSSH's 255 KiB): with 1 MiB (5 requests) the SFTP pipe drained between chunks,
+# for a few MiB more memory per transfer (the figures: docs/benchmarks.md, "Figures behind the
+# code").
 CHUNK = 4 << 20
 # Bytes of an upload's name kept in its temporary name: with the dot, `.sshapi-`, 12 hex digits
 # and `.part`, the temporary name stays within NAME_MAX.

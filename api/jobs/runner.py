@@ -176,7 +176,7 @@ class Runner:
             if job.feed is not None:
                 job.feed.update(row)
             # Written at once, not deferred: other replicas need the pgid to cancel the job
-            # (deferring it a second saved 3% of CPU per request but made such cancels late).
+            # (deferring it a second saved a little CPU per request but made such cancels late).
             if not await self.store.update(
                 row.id,
                 only_active=True,

@@ -141,7 +141,7 @@ class JobService:
             admission.timeout,
         )
         api = self.config.api
-        # Only a replay compares bodies: without a key there is nothing to hash (~1% of CPU).
+        # Only a replay compares bodies: without a key there is nothing to hash (a hash costs CPU).
         digest: str | None = None
         if idempotency_key is not None:
             digest = request_hash(body)

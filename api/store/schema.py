@@ -106,7 +106,8 @@ JOBS = Table(
 class JobRow:
     """One job as the service holds it: a row of JOBS as a plain record. Not an ORM-mapped
     class: SQLAlchemy's attribute instrumentation (a descriptor call and an event check on every
-    read and write, about 140 per job) was 10% of the API's Python calls per job. The store reads
+    read and write, over a hundred per job) was a tenth of the API's Python calls per job
+    (docs/benchmarks.md, "Figures behind the code"). The store reads
     rows with Core and builds these from them; writes are statements (`Store.update`), so a
     field set here changes only this copy."""
 

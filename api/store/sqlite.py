@@ -159,12 +159,13 @@ PAGE_BYTES = 4096  # what one small write adds to the WAL, about: a page of the 
 class SqliteWriter:
     """SQLite writes on the event loop when they are quick, else on one thread.
 
-    On the thread alone (as before), a burst's transactions took 10-36 ms of wall time for
-    0.2-2 ms of CPU: the thread waited for the GIL the busy loop held (5 ms per switch, several
+    On the thread alone (as before), a burst's transactions took many times their CPU in wall
+    time: the thread waited for the GIL the busy loop held (a switch interval each, several
     times per transaction), then for the loop to see its result, and every answer waited with
-    it. A WAL commit with synchronous=NORMAL writes to the WAL file without an fsync: tens of
-    microseconds per statement, less than the hand-off. Three things would block the loop, so
-    they run on the thread, with its own connection:
+    it (docs/benchmarks.md, "Figures behind the code"). A WAL commit with synchronous=NORMAL
+    writes to the WAL file without an fsync: tens of microseconds per statement, less than the
+    hand-off. Three things would block the loop, so they run on the thread, with its own
+    connection:
     - another process's write lock (workers sharing the file): the loop's connection has no
       busy timeout, so its BEGIN IMMEDIATE fails at once and the thread redoes the transaction,
       waiting its turn for up to the 5 s busy timeout;
@@ -173,8 +174,8 @@ class SqliteWriter:
       once about CHECKPOINT_BYTES were written on the loop, the Store's writer task runs one on
       the thread before its next transaction. Between two transactions, not beside them: a
       checkpoint racing this process's own writes never catches up with the WAL's end, and the
-      WAL only starts over from its beginning after one that did (measured: 49 MiB of WAL for
-      40 MiB written).
+      WAL only starts over from its beginning after one that did (else it grows past what was
+      written).
     The writer task runs one transaction or checkpoint at a time, so the two connections never
     write at once within this process."""
 

@@ -320,9 +320,9 @@ class _CoalescingTransport:
 
     asyncssh writes every SSH packet on its own, and precedes each channel packet with an
     SSH_MSG_IGNORE one (its traffic-analysis countermeasure): the open, exec, EOF and close of
-    one command were 8 transport writes, each a send() system call (py-spy: ~10% of the API's
-    CPU at 100 jobs/s). Gathered, they are 4; packets that go out in the same turn for several
-    commands share one. Everything else goes to the real transport."""
+    one command were 8 transport writes, each a send() system call (a large share of the API's
+    CPU in py-spy's profiles). Gathered, they are 4; packets that go out in the same turn for
+    several commands share one. Everything else goes to the real transport."""
 
     def __init__(self, transport: asyncio.Transport) -> None:
         self._transport = transport

@@ -6,7 +6,8 @@ never in asyncio's small default executor. A running exec holds one thread; the 
 cap bounds how many run at once, MAX_THREADS bounds them whatever the caller does.
 
 What paramiko does not do and this module adds:
-- TCP_NODELAY: without it each exec waits ~45 ms on Nagle's algorithm (DESIGN.md 3.5).
+- TCP_NODELAY: without it each exec waits on Nagle's algorithm (tens of milliseconds a
+  command; docs/benchmarks.md, "Figures behind the code").
 - Dead peer detection: paramiko's keepalive wants no reply, so it cannot notice a silent peer.
   We send a want-reply global request after keepalive_interval without sending anything, and
   declare the peer dead after keepalive_count_max + 1 intervals without receiving anything, as

@@ -1,5 +1,5 @@
 """The local HPC host: a real OpenSSH sshd on a loopback address, for development, tests and
-benchmarks (DESIGN.md section 7).
+benchmarks (docs/pool.md, "The local host rig").
 
 ```python
 with LocalHost("hpc1", profile="stock", data_dir=Path(".data")) as host:
