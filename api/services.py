@@ -35,11 +35,12 @@ Tasks with an owner of their own, not the supervisor's:
 | a job's command and marker | awaited by the job's runner task                                |
 | `cancel-<id>`              | api/jobs/cancel.py `Cancels` (a TaskSet)                        |
 | `resolve-<id>`             | api/jobs/batch.py `BatchJobs` (a TaskSet)                       |
-| `pub-<id>`, `live-<id>`    | api/live.py `LiveHub`: cancelled and awaited by its `close`     |
-| `live-relay-listen`        | api/relay.py `RedisRelay`: retries every failure itself, closed |
-|                            | by its `close`                                                  |
-| `store-writer`             | api/store.py `Store`: started by `start`, awaited by `close`    |
-| request-scoped tasks       | the request that starts them (api/routes/files.py, api/files.py)|
+| `pub-<id>`, `live-<id>`    | api/live/hub.py `LiveHub`: cancelled and awaited by its `close` |
+| `live-relay-listen`        | api/live/relay.py `RedisRelay`: retries every failure itself,   |
+|                            | closed by its `close`                                           |
+| `store-writer`             | api/store/store.py `Store`: started by `start`, awaited by      |
+|                            | `close`                                                         |
+| request-scoped tasks       | the request that starts them (api/routes/files.py, api/files/)  |
 
 Shutdown: not ready (503) first; the supervisor's tasks cancelled (the last started first);
 the job service closed (batch lookups, live feeds, the running jobs' grace then their kill, the
@@ -142,7 +143,7 @@ async def running(
         quota = make_quota(settings.redis_url)
         stack.push_async_callback(quota.close)
         batch = BatchJobs(config, policy, the_store, the_pool, metrics, quota)
-        # The relay is closed by the job service's live feeds (api/live.py `LiveHub.close`).
+        # The relay is closed by the job service's live feeds (api/live/hub.py `LiveHub.close`).
         relay = make_relay(settings.redis_url, settings.replica)
         jobs = JobService(
             config, policy, the_store, the_pool, metrics, settings.replica, batch, quota, relay

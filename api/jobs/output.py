@@ -1,6 +1,6 @@
 """A job's output for its readers: byte ranges (GET /v1/jobs/{id}/output) and live followers.
 
-This belongs to live output (api/live.py, api/relay.py) rather than to running jobs; it sits
+This belongs to live output (api/live/) rather than to running jobs; it sits
 here, behind api/jobs' face (`JobService.output`, `JobService.following`), until live output
 becomes a package of its own.
 """

@@ -55,7 +55,7 @@ class Running:
     runner: asyncio.Task[None] | None = None
     command: asyncio.Task[CommandResult] | None = None
     cancel_reason: str | None = None
-    # Live output of a command, for followers (api/live.py).
+    # Live output of a command, for followers (api/live/).
     feed: Feed | None = None
 
     def on_started(self, pgid: int) -> None:

@@ -85,7 +85,7 @@ class JobService:
         await self.quota.take(who.key, rate, burst, "reads")
 
     def read_spend(self, who: Principal) -> Spend:
-        """How a live follower of `who` pays for its SSH reads (api/live.py `Cursor.pay`): a
+        """How a live follower of `who` pays for its SSH reads (api/live/feeds.py `Cursor.pay`): a
         token of the reads bucket, or, beyond the rate, the time until the next one."""
         rate, _ = self._read_rate(who)
 
