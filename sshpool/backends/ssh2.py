@@ -752,25 +752,8 @@ class Ssh2SFTP:
         return buf.raw[:n].decode(errors="replace")
 
     async def listdir(self, path: str) -> list[DirEntry]:
-        handle = await self.op(path, self._sftp.opendir, path)
-        pointer = self._handle(handle)
-        entries: list[DirEntry] = []
-        try:
-            # ssh2-python's readdir is a generator that yields (EAGAIN, ...) when it would
-            # block: each next() is one non-blocking call.
-            items = handle.readdir(1024)
-            while True:
-                item = await self.op(path, next, items, None)
-                if item is None:
-                    break
-                _, name, attrs = item
-                text = name.decode(errors="replace")
-                if text not in (".", ".."):
-                    entries.append(DirEntry(text, _attrs(attrs)))
-        finally:
-            if self._broken is None:
-                await self.close_handle(path, handle, pointer)
-        return entries
+        async with contextlib.aclosing(self.scandir(path)) as entries:
+            return [entry async for entry in entries]
 
     async def scandir(self, path: str) -> AsyncGenerator[DirEntry, None]:
         handle = await self.op(path, self._sftp.opendir, path)
