@@ -15,8 +15,11 @@ Invariants of an sshd budget:
   robin), so one account's backlog delays another's first connection by one turn at most;
 - to make room, the idle connection (no channel in use) of another account that was used
   least recently is closed; a connection with a channel in use is never closed for room;
-- evicting <= max_handshakes - connecting: only as many closes for room at once as handshakes
-  could start when they are done.
+- while accounts wait for a turn at a full sshd, an account with a backlog yields its
+  connections beyond its first: each takes no new channel and closes once its channels end;
+- evicting <= max_handshakes - connecting (closes for room at once, evictions and yields, are
+  no more than the handshakes that could start when they are done), save for yields made
+  while connections were closing anyway.
 
 State changes only in the synchronous methods below; the host pools do the I/O.
 """
@@ -87,6 +90,14 @@ class Sshd:
     def is_queued(self, member: Member) -> bool:
         return id(member) in self.queued
 
+    def owes_room(self, member: Member) -> bool:
+        """Should `member` yield a connection to an account waiting for its turn? While the
+        sshd is full, another account waits, and fewer closes for room are under way than
+        accounts waiting and handshakes that could then start."""
+        waiting = len(self.ring) - (1 if self.is_queued(member) else 0)
+        room_coming = min(waiting, self.max_handshakes - self.connecting)
+        return not self.has_room() and self.evicting < room_coming
+
     # ---- state changes: synchronous, no awaits ----
 
     def want(self, member: Member) -> None:
@@ -117,6 +128,11 @@ class Sshd:
             if member.wants_connection():
                 self.queued[id(member)] = time.monotonic()
                 self.ring.append(member)
+
+    def yielded(self) -> None:
+        """A member retires a connection for room (see `owes_room`)."""
+        self.evicting += 1
+        self.counters["yields"] += 1
 
     def connected(self, ok: bool) -> None:
         """A granted handshake ended: a connection held more, or none."""

@@ -114,6 +114,7 @@ class _Conn:
         "connect_time",
         "created",
         "expired",
+        "for_room",
         "idle_since",
         "in_use",
         "leases",
@@ -128,6 +129,8 @@ class _Conn:
         self.idle_since = now
         self.connect_time = connect_time
         self.expired = False
+        # Closed to make room at the sshd for another account (counted in sshd.evicting).
+        self.for_room = False
         self.leases = 0
         self.clean_opens = 0
         # Something printed before our marker line (warned once per connection).
@@ -364,6 +367,7 @@ class _HostPool:
     def evict(self, c: _Conn) -> None:
         """The sshd closes this idle connection to make room for another account's."""
         self.conns.remove(c)
+        c.expired = c.for_room = True
         self.counters["evicted"] += 1
         self.spawn(self._close(c, evicted=True))
 
@@ -376,7 +380,7 @@ class _HostPool:
         keep: list[_Conn] = []
         for c in self.conns:
             if c.in_use == 0 and (c.expired or not c.conn.is_alive()):
-                self.spawn(self._close(c))
+                self.spawn(self._close(c, evicted=c.for_room))
             else:
                 keep.append(c)
         self.conns = keep
@@ -390,7 +394,15 @@ class _HostPool:
         c.in_use -= 1
         if c.in_use == 0:
             c.idle_since = self.loop.time()
+        if not c.expired and self.sshd.owes_room(self) and self._open_conns() > 1:
+            # Another account waits for its turn at a full sshd: this account's connections
+            # beyond its first go to it (drained, then closed) instead of to its own backlog.
+            c.expired = c.for_room = True
+            self.sshd.yielded()
         self._dispatch()
+
+    def _open_conns(self) -> int:
+        return sum(1 for c in self.conns if not c.expired)
 
     def _discard(self, c: _Conn) -> None:
         """The connection failed under a lease: take no more leases on it."""
