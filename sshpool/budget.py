@@ -17,9 +17,9 @@ Invariants of an sshd budget:
   least recently is closed; a connection with a channel in use is never closed for room;
 - while accounts wait for a turn at a full sshd, an account with a backlog yields its
   connections beyond its first: each takes no new channel and closes once its channels end;
-- evicting <= max_handshakes - connecting (closes for room at once, evictions and yields, are
-  no more than the handshakes that could start when they are done), save for yields made
-  while connections were closing anyway.
+- evicting <= max_handshakes: closes for room at once (evictions and yields) are no more than
+  the handshakes that could start when they are done (the next ones are made ready while
+  the gate is busy), save for yields made while connections were closing anyway.
 
 State changes only in the synchronous methods below; the host pools do the I/O.
 """
@@ -95,7 +95,7 @@ class Sshd:
         sshd is full, another account waits, and fewer closes for room are under way than
         accounts waiting and handshakes that could then start."""
         waiting = len(self.ring) - (1 if self.is_queued(member) else 0)
-        room_coming = min(waiting, self.max_handshakes - self.connecting)
+        room_coming = min(waiting, self.max_handshakes)
         return not self.has_room() and self.evicting < room_coming
 
     # ---- state changes: synchronous, no awaits ----
@@ -117,7 +117,7 @@ class Sshd:
                 continue
             if self.held + self.connecting >= self.max_total_connections:
                 # Full: close the least recently used idle connection, then grant once closed.
-                if self.evicting < self.max_handshakes - self.connecting and self._evict(member):
+                if self.evicting < self.max_handshakes and self._evict(member):
                     continue
                 break
             since = self._leave()
