@@ -85,6 +85,7 @@ class AgentConnection:
         self._out = Capture(0, marker=new_marker(), on_data=self._received)
         self._err = Capture(64 << 10)
         self._task: asyncio.Task[Exit] | None = None
+        self._stopping = False
 
     @property
     def preamble(self) -> bytes:
@@ -178,7 +179,8 @@ class AgentConnection:
         """The executor is gone or not to be trusted: fail its jobs, stop using it."""
         if self._broken is None:
             self._broken = why
-            log.warning("agent on %s ended: %s", self.inner, why)
+            if not self._stopping:
+                log.warning("the executor ended: %s", why)
         jobs, self._jobs = self._jobs, {}
         for job in jobs.values():
             if not job.done.done():
@@ -258,6 +260,7 @@ class AgentConnection:
 
     async def stop(self) -> None:
         """End the executor (EOF on its stdin: it kills what it started and exits)."""
+        self._stopping = True
         self._feed.close()
         if self._task is not None and not self._task.done():
             with contextlib.suppress(TimeoutError):
