@@ -453,7 +453,12 @@ class _HostPool:
         n = self.limits.agent_max_commands
         try:
             # Two more for the executor than the pool leases: kills of timed-out commands.
-            agent = await start_agent(conn, n + 2, timeout=self.limits.agent_start_timeout)
+            agent = await start_agent(
+                conn,
+                n + 2,
+                python=self.target.agent_python,
+                timeout=self.limits.agent_start_timeout,
+            )
         except AgentUnavailable as exc:
             if not conn.is_alive():
                 await conn.close()

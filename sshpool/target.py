@@ -61,6 +61,8 @@ class Target:
     # The SSH library for this host ("asyncssh", "paramiko", "ssh2"); None: the pool's own.
     backend: str | None = None
     exec_mode: ExecMode = "channel"
+    # The interpreter agent mode starts on the host (looked up in the login shell's PATH).
+    agent_python: str = "python3"
 
     def __post_init__(self) -> None:
         if not self.client_keys:
