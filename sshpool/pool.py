@@ -300,6 +300,7 @@ class _HostPool:
         self.loop = asyncio.get_running_loop()
         # Agent mode until a connection finds no usable python3 (then channels, for good).
         self.agent = target.exec_mode == "agent"
+        self.agent_error: str | None = None
 
     # ---- state changes: synchronous, no awaits ----
 
@@ -465,6 +466,7 @@ class _HostPool:
                 raise ConnectionLost(str(exc), started=False) from None
             if self.agent:
                 self.agent = False
+                self.agent_error = str(exc)
                 log.warning(
                     "%s: %s; this host's commands run as channels instead", self.target, exc
                 )
@@ -687,6 +689,7 @@ class _HostPool:
             "target": str(self.target),
             "backend": self.backend.name,
             "exec_mode": "agent" if self.agent else "channel",
+            "agent_error": self.agent_error,
             "connections": len(live),
             "channels_in_use": sum(c.in_use for c in self.conns),
             "capacity": sum(c.capacity for c in live if not c.expired),
