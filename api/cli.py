@@ -27,7 +27,7 @@ from api.local import (
     write_local_config,
 )
 from api.settings import Settings
-from sshpool import Pool, SSHPoolError
+from sshpool import ExecMode, Pool, SSHPoolError
 
 if TYPE_CHECKING:
     from api.store import migrate
@@ -237,6 +237,13 @@ def dev(
         ),
     ] = False,
     workers: Workers = None,
+    exec_mode: Annotated[
+        ExecMode,
+        typer.Option(
+            help="How the API runs commands on the local host: a channel each, or through one "
+            "executor per connection (agent)."
+        ),
+    ] = "channel",
 ) -> None:
     """Start the local HPC host (sshd, tuned profile) and the API on 127.0.0.1; print a token,
     the exports the client commands need (SSHAPI_URL, SSHAPI_TOKEN) and a curl command. Ctrl-C
@@ -261,7 +268,7 @@ def dev(
         stack.callback(host.stop, kill_sessions=True)
         # Left as a plain configuration file: `sshapi serve`, `sshapi token` and `sshapi hosts
         # check` read it later without the dev rig.
-        config = default_config(local_host_config(host, slurm=slurm))
+        config = default_config(local_host_config(host, slurm=slurm, exec_mode=exec_mode))
         write_local_config(settings.data_dir, config)
         tok = local_token(settings, config, sub, ["jobs:read", "jobs:write"], 24 * 3600.0)
         body = '{"host": "local", "argv": ["echo", "hello from the local HPC host"]}'
@@ -271,7 +278,8 @@ def dev(
         base = f"http://127.0.0.1:{port}"
         typer.echo(
             f"\nLocal HPC host: {host.username}@{host.address}:{host.port} (sshd, tuned profile"
-            + (", single-node Slurm)" if slurm else ")")
+            + (", single-node Slurm" if slurm else "")
+            + (", agent mode)" if exec_mode == "agent" else ")")
             + f"\nAPI:            {base}  (docs: {base}/docs)\n\n"
             f"Token for {sub!r} (24 h; another: .venv/bin/sshapi token --sub NAME):\n\n"
             f"export TOKEN={tok}\n"

@@ -35,7 +35,7 @@ from api.config import (
     load_config,
 )
 from api.settings import Settings, read_secret_file
-from sshpool import Limits
+from sshpool import ExecMode, Limits
 
 LOCAL_AUDIENCE = "sshapi"
 # A local token lives at most this long: it cannot be revoked (rotate the secret instead).
@@ -113,9 +113,12 @@ def default_config(local: HostConfig | None = None) -> Config:
     )
 
 
-def local_host_config(host: LocalSshd, *, slurm: bool = False) -> HostConfig:
+def local_host_config(
+    host: LocalSshd, *, slurm: bool = False, exec_mode: ExecMode = "channel"
+) -> HostConfig:
     """The started local host as configuration (with a scheduler when Slurm runs beside it)."""
     return HostConfig(
+        exec_mode=exec_mode,
         hostname=host.address,
         port=host.port,
         username=host.username,

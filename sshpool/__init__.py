@@ -28,7 +28,7 @@ from sshpool.errors import (
     SSHPoolError,
 )
 from sshpool.pool import Pool
-from sshpool.target import Limits, Target
+from sshpool.target import ExecMode, Limits, Target
 
 __all__ = [
     "AuthenticationFailed",
@@ -39,6 +39,7 @@ __all__ = [
     "ConnectTimeout",
     "ConnectionLost",
     "DirEntry",
+    "ExecMode",
     "FileAttrs",
     "FileType",
     "HostKeyMismatch",
