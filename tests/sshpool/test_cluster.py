@@ -37,8 +37,9 @@ def test_adding_a_fourth_node_moves_about_a_quarter_of_the_accounts() -> None:
     moved = sum(rank(three, a)[0] != rank(four, a)[0] for a in accounts)
     assert 200 <= moved <= 300  # a quarter, within chance
     # Losing a node moves only its own accounts.
-    assert all(rank(three, a)[0] == rank(["n1", "n2"], a)[0] for a in accounts if
-               rank(three, a)[0] != "n3")
+    assert all(
+        rank(three, a)[0] == rank(["n1", "n2"], a)[0] for a in accounts if rank(three, a)[0] != "n3"
+    )
 
 
 def test_a_node_with_a_malformed_port_is_refused(cluster: LocalCluster) -> None:
