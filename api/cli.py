@@ -244,13 +244,23 @@ def dev(
             "executor per connection (agent)."
         ),
     ] = "channel",
+    nodes: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            max=16,
+            help="Login nodes of the local host: more than 1 starts that many sshd on "
+            "127.0.0.2, .3, ... sharing one port, home and Slurm (a cluster, `nodes` in its "
+            "configuration).",
+        ),
+    ] = 1,
 ) -> None:
     """Start the local HPC host (sshd, tuned profile) and the API on 127.0.0.1; print a token,
     the exports the client commands need (SSHAPI_URL, SSHAPI_TOKEN) and a curl command. Ctrl-C
     stops both."""
     # The dev rig is imported here only: `serve`, `token` and `hosts check` never load it.
     from api.workers import serve as run_server
-    from sshpool.devhost import LocalHost, LocalSlurm, install_packages
+    from sshpool.devhost import LocalCluster, LocalHost, LocalSlurm, install_packages
 
     settings = load_settings("dev", workers, host="127.0.0.1", port=port)
     # uvicorn re-raises SIGTERM after its graceful shutdown; with the default handler the process
@@ -263,12 +273,19 @@ def dev(
             cluster = stack.enter_context(LocalSlurm("local", data_dir=rig_dir(settings.data_dir)))
             overrides = cluster.sshd_overrides()
         # Beside the data dir: the host's account must reach its files; the data dir is 0700.
-        host = LocalHost("local", "tuned", data_dir=rig_dir(settings.data_dir), overrides=overrides)
+        host: LocalHost | LocalCluster
+        rig = rig_dir(settings.data_dir)
+        if nodes > 1:
+            host = LocalCluster("local", nodes, "tuned", data_dir=rig, overrides=overrides)
+        else:
+            host = LocalHost("local", "tuned", data_dir=rig, overrides=overrides)
         host.start()
         stack.callback(host.stop, kill_sessions=True)
+        addresses = host.addresses if isinstance(host, LocalCluster) else ()
         # Left as a plain configuration file: `sshapi serve`, `sshapi token` and `sshapi hosts
         # check` read it later without the dev rig.
-        config = default_config(local_host_config(host, slurm=slurm, exec_mode=exec_mode))
+        local = local_host_config(host, slurm=slurm, exec_mode=exec_mode, nodes=addresses)
+        config = default_config(local)
         write_local_config(settings.data_dir, config)
         tok = local_token(settings, config, sub, ["jobs:read", "jobs:write"], 24 * 3600.0)
         body = '{"host": "local", "argv": ["echo", "hello from the local HPC host"]}'
@@ -277,7 +294,8 @@ def dev(
             body = f'{{"host": "local", "batch": {{"script": "{script}", "name": "hello"}}}}'
         base = f"http://127.0.0.1:{port}"
         typer.echo(
-            f"\nLocal HPC host: {host.username}@{host.address}:{host.port} (sshd, tuned profile"
+            f"\nLocal HPC host: {host.username}@{','.join(addresses) or host.address}:{host.port}"
+            + " (sshd, tuned profile"
             + (", single-node Slurm" if slurm else "")
             + (", agent mode)" if exec_mode == "agent" else ")")
             + f"\nAPI:            {base}  (docs: {base}/docs)\n\n"

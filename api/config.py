@@ -200,7 +200,14 @@ class SshdLimits(Strict):
 
 
 class HostConfig(Strict):
-    hostname: str
+    # One login node: its name or address. Several: `nodes` instead (not both).
+    hostname: str = ""
+    # A cluster's login nodes (`name` or `name:port`): each account's work goes to one node
+    # that is up, moving when it fails or is drained (docs/operations.md, "Login nodes").
+    nodes: list[str] = Field(default_factory=list, max_length=64)
+    # False when the nodes do not share the home file systems: an account's file requests
+    # then always go to the same node (its first by rendezvous, up or not).
+    shared_files: bool = True
     port: int = Field(default=22, ge=1, le=65535)
     # The account used when the policy names none for this host.
     username: str
@@ -226,6 +233,19 @@ class HostConfig(Strict):
     # whatever the file roots (403 protected-path; docs/files.md). Setting it replaces the
     # default list: copy PROTECTED_PATHS and add to it.
     protected_paths: list[str] = Field(default_factory=lambda: list(PROTECTED_PATHS))
+
+    @model_validator(mode="after")
+    def _hostname_or_nodes(self) -> HostConfig:
+        if bool(self.hostname) == bool(self.nodes):
+            raise ValueError("a host has either `hostname` (one node) or `nodes` (several)")
+        if self.nodes:
+            self.target()  # a malformed or repeated node fails the start
+        return self
+
+    @property
+    def name_shown(self) -> str:
+        """The host name for people: `hostname`, or the nodes joined."""
+        return self.hostname or ",".join(self.nodes)
 
     @field_validator("protected_paths")
     @classmethod
@@ -285,7 +305,7 @@ class HostConfig(Strict):
         username = account.username if account else self.username
         keys = account.client_keys if account else self.client_keys
         return Target(
-            host=self.hostname,
+            host=self.hostname or "cluster",
             port=self.port,
             username=username,
             client_keys=tuple(keys),
@@ -294,6 +314,8 @@ class HostConfig(Strict):
             backend=self.backend,
             exec_mode=self.exec_mode,
             agent_python=self.agent_python,
+            nodes=tuple(self.nodes),
+            shared_files=self.shared_files,
         )
 
 
@@ -456,7 +478,7 @@ class Config(Strict):
                 if not any(fnmatchcase(host_name, p) for p in rule.hosts):
                     continue
                 account = rule.accounts.get(host_name)
-                key = (host.hostname, host.port, account.username if account else host.username)
+                key = (host.name_shown, host.port, account.username if account else host.username)
                 roots = next(
                     (r for p, r in rule.file_roots.items() if fnmatchcase(host_name, p)), None
                 )

@@ -72,12 +72,13 @@ from api.files import FileService
 from api.jobs import BatchJobs, JobService
 from api.live import make_relay
 from api.metrics import Metrics
+from api.nodes import NodeDrains
 from api.policy import Policy
 from api.quota import Quota, make_quota
 from api.settings import Settings
 from api.store import Store
 from api.tasks import OnDeath, Supervisor
-from sshpool import Pool, SSHPoolError
+from sshpool import Pool, SSHPoolError, Target
 
 log = logging.getLogger("sshapi")
 
@@ -99,12 +100,18 @@ class Services:
     quota: Quota
     batch: BatchJobs
     supervisor: Supervisor
+    drains: NodeDrains
     accepting: bool = False
 
     @property
     def ready(self) -> bool:
         """Started, not stopping, and no background task took the process down."""
         return self.accepting and self.supervisor.healthy
+
+
+def _per_node(target: Target) -> list[Target]:
+    """A target's pools: one per login node on a host with several."""
+    return [target.node_target(n) for n in target.nodes] if target.nodes else [target]
 
 
 async def _prewarm(pool: Pool, name: str, host: HostConfig) -> None:
@@ -168,7 +175,11 @@ async def running(
 
         def pools_by_host() -> dict[str, list[dict[str, Any]]]:
             stats = the_pool.stats()
-            return {n: [stats[t] for t in policy.targets(n) if t in stats] for n in config.hosts}
+            # A host with several login nodes has a pool per node and account.
+            return {
+                n: [stats[t] for t in policy.targets(n) for t in _per_node(t) if t in stats]
+                for n in config.hosts
+            }
 
         def sshds_by_host() -> dict[str, list[dict[str, Any]]]:
             sshds = the_pool.sshd_stats()
@@ -182,10 +193,14 @@ async def running(
         metrics.watch_trackers(lambda: batch.trackers)
         await batch.start(settings.replica)
         jobs.start(supervisor)
+        drains = NodeDrains(config, the_store, the_pool)
+        await drains.refresh()  # a drain survives the restart before any job is taken
         tasks = [
             supervisor.spawn(task_name, loop, OnDeath.RESTART)
             for task_name, loop in batch.loops().items()
         ]
+        if any(host.nodes for host in config.hosts.values()):
+            tasks.append(supervisor.spawn("node-drains", drains.loop, OnDeath.RESTART))
         for name, host in config.hosts.items():
             if host.limits.min_connections > 0:
                 prewarm = functools.partial(_prewarm, the_pool, name, host)
@@ -206,6 +221,7 @@ async def running(
             quota=quota,
             batch=batch,
             supervisor=supervisor,
+            drains=drains,
             accepting=True,
         )
         try:

@@ -29,6 +29,7 @@ from sqlalchemy import (
     Connection,
     Select,
     case,
+    delete,
     event,
     insert,
     or_,
@@ -44,7 +45,16 @@ from sqlalchemy.sql.expression import ClauseElement
 from api.states import ACTIVE
 from api.store import migrate
 from api.store.postgres import PgWriter, output_bytes
-from api.store.schema import FIELDS, JOBS, LISTED, JobRow, Write, job_row, utcnow
+from api.store.schema import (
+    FIELDS,
+    JOBS,
+    LISTED,
+    NODE_DRAINS,
+    JobRow,
+    Write,
+    job_row,
+    utcnow,
+)
 from api.store.sqlite import Sql, SqliteWriter, sqlite_pragmas
 from api.tasks import Child, OnDeath, Supervisor
 
@@ -358,3 +368,29 @@ class Store:
         return await self._rows(
             select(JOBS).where(c.replica == replica, c.kind == "batch", c.state.in_(ACTIVE))
         )
+
+    # ---- drained login nodes (rare writes: outside the job writer, one statement each)
+
+    async def drain(self, host: str, node: str, by: tuple[str, str]) -> None:
+        """Record `node` of `host` as drained (again: kept as first drained)."""
+        values = {"host": host, "node": node, "drained_at": utcnow()}
+        values |= {"drained_by_iss": by[0], "drained_by_sub": by[1]}
+        query = select(NODE_DRAINS.c.host).where(
+            NODE_DRAINS.c.host == host, NODE_DRAINS.c.node == node
+        )
+        async with self._started().begin() as conn:
+            if (await conn.execute(query)).first() is None:
+                with contextlib.suppress(IntegrityError):  # another replica, just now
+                    async with conn.begin_nested():
+                        await conn.execute(insert(NODE_DRAINS).values(**values))
+
+    async def undrain(self, host: str, node: str) -> None:
+        query = delete(NODE_DRAINS).where(NODE_DRAINS.c.host == host, NODE_DRAINS.c.node == node)
+        async with self._started().begin() as conn:
+            await conn.execute(query)
+
+    async def drained(self) -> set[tuple[str, str]]:
+        """Every drained (host, node)."""
+        query = select(NODE_DRAINS.c.host, NODE_DRAINS.c.node)
+        async with self._started().connect() as conn:
+            return {(r.host, r.node) for r in await conn.execute(query)}

@@ -66,6 +66,11 @@ class LocalCluster:
         return self.nodes[0].port
 
     @property
+    def address(self) -> str:
+        """The first node's address."""
+        return self.nodes[0].address
+
+    @property
     def addresses(self) -> tuple[str, ...]:
         return tuple(node.address for node in self.nodes)
 
