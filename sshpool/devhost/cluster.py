@@ -11,11 +11,12 @@ with LocalCluster("hpc", 3, data_dir=Path(".data")) as cluster:
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
-from sshpool.devhost.host import LocalHost, Profile
+from sshpool.devhost.host import LocalHost, LocalHostError, Profile
 from sshpool.target import Limits, Target
 
 # The first node's address; the next ones count up from it (any of 127.0.0.0/8 needs no setup).
@@ -38,12 +39,17 @@ class LocalCluster:
         profile: Profile = "tuned",
         *,
         data_dir: Path | str,
+        host_ca: bool = False,
         **host_options: Any,
     ) -> None:
+        """``host_ca``: the nodes' host keys are certified by one host CA (made once, under
+        ``<data_dir>/hosts/<name>-ca/``) and known_hosts holds only its ``@cert-authority``
+        line, as a site with many login nodes does instead of a key per node."""
         if not 1 <= count <= 250:
             raise ValueError("a local cluster has 1 to 250 nodes")
         self.name = name
         data = Path(data_dir).absolute()
+        self.ca_key = data / "hosts" / f"{name}-ca" / "ca" if host_ca else None
         first = LocalHost(
             f"{name}-n0", profile, address=node_address(0), data_dir=data, **host_options
         )
@@ -101,9 +107,43 @@ class LocalCluster:
     def start(self) -> Self:
         # Sharing the first node's client directory, each node authorizes its key and adds
         # its own host key to its known_hosts.
+        if self.ca_key is not None:
+            self._certify()
         for node in self.nodes:
             node.start()
+        if self.ca_key is not None:
+            self._trust_ca_only()
         return self
+
+    def _certify(self) -> None:
+        """Make the host CA once, and certify each node's host key for its address."""
+        assert self.ca_key is not None
+        if not self.ca_key.exists():
+            self.ca_key.parent.mkdir(parents=True, exist_ok=True)
+            _ssh_keygen(
+                "-q",
+                "-t",
+                "ed25519",
+                "-N",
+                "",
+                "-C",
+                f"{self.name}-host-ca",
+                "-f",
+                str(self.ca_key),
+            )
+        for node in self.nodes:
+            if not node.host_key_path.exists():
+                node.replace_host_key()
+            pub = f"{node.host_key_path}.pub"
+            _ssh_keygen(
+                "-q", "-s", str(self.ca_key), "-h", "-I", node.name, "-n", node.address, pub
+            )
+            node.overrides["HostCertificate"] = f"{node.host_key_path}-cert.pub"
+
+    def _trust_ca_only(self) -> None:
+        patterns = ",".join(node.host_pattern for node in self.nodes)
+        ca = Path(f"{self.ca_key}.pub").read_text().split()[:2]
+        Path(self.known_hosts).write_text(f"@cert-authority {patterns} {' '.join(ca)}\n")
 
     def stop(self, *, kill_sessions: bool = False) -> None:
         for node in self.nodes:
@@ -119,3 +159,9 @@ class LocalCluster:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def _ssh_keygen(*args: str) -> None:
+    done = subprocess.run(["ssh-keygen", *args], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise LocalHostError(f"ssh-keygen {' '.join(args)} failed: {done.stderr.strip()}")
