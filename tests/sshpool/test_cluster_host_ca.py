@@ -15,6 +15,15 @@ from sshpool import HostKeyMismatch, Pool
 from sshpool.devhost import LocalCluster
 
 
+def read(path: str) -> str:
+    return Path(path).read_text()
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text + "\n")
+    return path
+
+
 @pytest.fixture(scope="module")
 def ca_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     data = tmp_path_factory.mktemp("ca-cluster")
@@ -42,9 +51,10 @@ async def test_asyncssh_refuses_a_node_certified_by_another_ca(
     with other:
         # The first cluster's CA line, this node's address and port: its certificate is the
         # other CA's.
-        known = tmp_path / "known_hosts"
-        ca = Path(ca_cluster.known_hosts).read_text().split()[2:]
-        known.write_text(f"@cert-authority {other.nodes[0].host_pattern} {' '.join(ca)}\n")
+        ca = " ".join(read(ca_cluster.known_hosts).split()[2:])
+        known = write(
+            tmp_path / "known_hosts", f"@cert-authority {other.nodes[0].host_pattern} {ca}"
+        )
         target = replace(other.target(), known_hosts=str(known), backend="asyncssh")
         async with Pool() as pool:
             with pytest.raises(HostKeyMismatch):
@@ -66,10 +76,9 @@ async def test_a_ca_line_beside_key_lines_breaks_no_backend(
     ca_cluster: LocalCluster, backend: str, tmp_path: Path
 ) -> None:
     """The CA line and a key line per node in one file: every backend reaches every node."""
-    known = tmp_path / "known_hosts"
-    lines = [Path(ca_cluster.known_hosts).read_text().strip()]
+    lines = [read(ca_cluster.known_hosts).strip()]
     lines += [node.known_hosts_line() for node in ca_cluster.nodes]
-    known.write_text("\n".join(lines) + "\n")
+    known = write(tmp_path / "known_hosts", "\n".join(lines))
     target = replace(ca_cluster.target(), backend=backend, known_hosts=str(known))
     async with Pool() as pool:
         for node in target.nodes:
