@@ -813,6 +813,7 @@ class _HostPool:
             "handshakes_in_flight": self.connecting,
             "sshd": self.sshd.key,
             "breaker": self.breaker.state,
+            "breaker_retry_after": round(self.breaker.retry_after(self.loop.time()), 3),
             "counters": dict(self.counters),
         }
 
