@@ -5,13 +5,21 @@ state in /v1/hosts) hold across a restart."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
 from sshpool.devhost import LocalCluster, LocalHost
-from tests.api.api_helpers import Api, Keys, config_toml, make_settings, running_api
+from tests.api.api_helpers import (
+    Api,
+    Keys,
+    config_toml,
+    make_settings,
+    replicas,
+    running_api,
+)
 
 NAME = "hpc"
 
@@ -116,3 +124,31 @@ async def test_drain_is_admin_only_and_survives_a_restart(
         r = await again.client.post(undrain, headers=admin(again))
         assert r.status_code == 200 and r.json()["state"] == "up"
         assert (await run(again, ["true"]))["node"] == home
+
+
+async def test_a_drain_holds_on_every_replica(
+    cluster_config: Path, secret: str, keys: Keys, tmp_path: Path
+) -> None:
+    """Drained on replica a (twice: a no-op), drained on b within its poll; undrained on b,
+    back on a."""
+    async with replicas(tmp_path, cluster_config, keys, secret) as (a, b):
+        home = str((await run(a, ["true"]))["node"])
+        path = f"/v1/admin/hosts/{NAME}/nodes/{home}"
+        for _ in range(2):
+            r = await a.client.post(f"{a.url}{path}/drain", headers=admin(a))
+            assert r.status_code == 200, r.text
+
+        async def state(api: Api) -> str:
+            r = await api.client.get(f"{api.url}/v1/hosts/{NAME}", headers=admin(api))
+            return str({n["name"]: n["state"] for n in r.json()["nodes"]}[home])
+
+        async def until(api: Api, wanted: str) -> None:
+            async with asyncio.timeout(5):
+                while await state(api) != wanted:  # noqa: ASYNC110 (another replica's poll)
+                    await asyncio.sleep(0.1)
+
+        await until(b, "drained")
+        assert (await run(b, ["true"]))["node"] != home
+        assert (await b.client.post(f"{b.url}{path}/undrain", headers=admin(b))).status_code == 200
+
+        await until(a, "up")
