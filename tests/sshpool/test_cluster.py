@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from sshpool import HostUnavailable, NodeFailed, Pool, Target
-from sshpool.cluster import rank
+from sshpool.cluster import Cluster, rank
 from sshpool.devhost import LocalCluster
 
 HOSTNAME = ["sh", "-c", "echo $SSH_CONNECTION"]
@@ -40,6 +40,18 @@ def test_adding_a_fourth_node_moves_about_a_quarter_of_the_accounts() -> None:
     assert all(
         rank(three, a)[0] == rank(["n1", "n2"], a)[0] for a in accounts if rank(three, a)[0] != "n3"
     )
+
+
+def test_a_long_queue_at_home_spills_to_the_next_node_with_a_shorter_one() -> None:
+    cluster = Cluster(("n1", "n2", "n3"))
+    order = rank(["n1", "n2", "n3"], "alice")
+    queues = {order[0]: 16, order[1]: 3, order[2]: 0}
+    assert cluster.pick("alice", set(), queues.__getitem__, spill=16) == order[2]
+    queues[order[0]] = 15  # below the threshold: home, however short the others' queues
+    assert cluster.pick("alice", set(), queues.__getitem__, spill=16) == order[0]
+    cluster.nodes[order[0]].drained = True
+    assert cluster.pick("alice", set(), queues.__getitem__, spill=16) == order[1]
+    assert cluster.pick("alice", {order[1], order[2]}, queues.__getitem__, spill=16) is None
 
 
 def test_a_node_with_a_malformed_port_is_refused(cluster: LocalCluster) -> None:
@@ -122,3 +134,24 @@ async def test_no_node_up_is_host_unavailable(cluster: LocalCluster) -> None:
     async with Pool() as pool:
         with pytest.raises(HostUnavailable):
             await pool.run(target, ["true"], acquire_timeout=5)
+
+
+async def test_files_follow_the_account_and_can_be_pinned(cluster: LocalCluster) -> None:
+    """SFTP on a cluster: the session opens on the account's node; with shared_files=False it
+    stays on the account's first node of all, and is refused while that node is drained."""
+    target = cluster.target()
+    first = rank(list(target.nodes), target.username)[0]
+    async with Pool() as pool:
+        async with pool.sftp(target, acquire_timeout=10) as fs:
+            assert await fs.realpath(".")
+        assert pool.nodes(target)[first]["connections"] == 1
+        pinned = replace(target, shared_files=False)
+        pool.drain(pinned, first)
+        # Commands move; pinned files do not.
+        assert node_of((await pool.run(pinned, HOSTNAME)).stdout) != first
+        with pytest.raises(HostUnavailable):
+            async with pool.sftp(pinned, acquire_timeout=5):
+                pass
+        pool.drain(pinned, first, drained=False)
+        async with pool.sftp(pinned, acquire_timeout=10) as fs:
+            assert await fs.realpath(".")
