@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sshpool.devhost import LocalCluster, LocalHost
+from sshpool.devhost import LocalCluster, LocalHost, LocalSlurm
 from tests.api.api_helpers import (
     Api,
     Keys,
@@ -34,7 +34,13 @@ def nodes(tmp_path: Path) -> Iterator[LocalCluster]:
 def cluster_config(
     nodes: LocalCluster, tuned_host: LocalHost, secret_file: Path, keys: Keys, tmp_path: Path
 ) -> Path:
-    extra = f"""
+    path = tmp_path / "sshapi.toml"
+    path.write_text(config_toml(tuned_host, secret_file, keys, cluster_toml(nodes)))
+    return path
+
+
+def cluster_toml(nodes: LocalCluster) -> str:
+    return f"""
 [hosts.{NAME}]
 nodes = {list(nodes.addresses)!r}
 port = {nodes.port}
@@ -44,9 +50,6 @@ known_hosts = "{nodes.known_hosts}"
 [hosts.{NAME}.limits]
 breaker_backoff = 0.5
 """.replace("'", '"')
-    path = tmp_path / "sshapi.toml"
-    path.write_text(config_toml(tuned_host, secret_file, keys, extra))
-    return path
 
 
 @pytest.fixture
@@ -152,3 +155,37 @@ async def test_a_drain_holds_on_every_replica(
         assert (await b.client.post(f"{b.url}{path}/undrain", headers=admin(b))).status_code == 200
 
         await until(a, "up")
+
+
+async def test_batch_jobs_are_cluster_wide(
+    slurm: LocalSlurm,
+    workdir: str,
+    tuned_host: LocalHost,
+    secret_file: Path,
+    secret: str,
+    keys: Keys,
+    tmp_path: Path,
+) -> None:
+    """A batch job submitted through one node is tracked, and its output read, through another
+    once the first is drained: one Slurm behind every node."""
+    overrides = slurm.sshd_overrides()
+    with LocalCluster("slurm", 3, "stock", data_dir=tmp_path / "rig", overrides=overrides) as c:
+        scheduler = f"[hosts.{NAME}.scheduler]\npoll_interval = 0.3\nsettle = 1.0\n"
+        path = tmp_path / "sshapi.toml"
+        path.write_text(config_toml(tuned_host, secret_file, keys, cluster_toml(c) + scheduler))
+        settings = make_settings(tmp_path, path, "sqlite", None)
+        async with running_api(settings, keys, secret) as api:
+            home = str((await run(api, ["true"]))["node"])
+            script = "#!/bin/sh\nsleep 2; echo from-slurm\n"
+            body = {"host": NAME, "batch": {"script": script, "workdir": workdir}}
+            r = await api.submit(body, sub="anyhost")
+            assert r.status_code in (201, 202), r.text
+            job_id = r.json()["id"]
+            drain = f"{api.url}/v1/admin/hosts/{NAME}/nodes/{home}/drain"
+            assert (await api.client.post(drain, headers=admin(api))).status_code == 200
+            job = await api.until_final(job_id, sub="anyhost", timeout=60)
+            assert job["state"] == "succeeded", job
+            out = await api.client.get(
+                f"{api.url}/v1/jobs/{job_id}/output", headers=api.auth("anyhost")
+            )
+            assert out.status_code == 200 and b"from-slurm" in out.content
