@@ -10,7 +10,9 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
+from api.config import HostConfig
 from sshpool.devhost import LocalCluster, LocalHost, LocalSlurm
 from tests.api.api_helpers import (
     Api,
@@ -189,3 +191,20 @@ async def test_batch_jobs_are_cluster_wide(
                 f"{api.url}/v1/jobs/{job_id}/output", headers=api.auth("anyhost")
             )
             assert out.status_code == 200 and b"from-slurm" in out.content
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"hostname": "a", "nodes": ["b", "c"]}, "either `hostname`"),
+        ({}, "either `hostname`"),
+        ({"nodes": ["b", "b"]}, "distinct"),
+        ({"nodes": ["b:port"]}, "optionally :port"),
+    ],
+)
+def test_a_host_has_a_hostname_or_well_formed_nodes(
+    fields: dict[str, object], message: str
+) -> None:
+    base = {"username": "u", "client_keys": ["k"], "known_hosts": "kh"}
+    with pytest.raises(ValidationError, match=message):
+        HostConfig.model_validate(base | fields)
