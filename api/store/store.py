@@ -103,7 +103,8 @@ class Store:
 
     async def close(self) -> None:
         if self._writer is not None and self._tasks is not None:
-            if self._tasks.healthy:  # else the writer is gone with the others: nothing commits
+            task = self._writer.task
+            if task is not None and not task.done():  # else nothing would ever commit them
                 await self._writes.join()  # every accepted write is committed (or failed) first
             await self._tasks.stop(self._writer)
             self._writer = None
