@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from sshpool.certificates import Credentials, UserCA
+
 
 @dataclass(frozen=True, slots=True)
 class Limits:
@@ -39,7 +41,13 @@ class Limits:
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    """One account on one SSH host. Equal targets share pooled connections."""
+    """One account on one SSH host. Equal targets share pooled connections.
+
+    It logs in with its `client_keys` (private key files), or, with `ca` set, with a fresh
+    certificate of that CA per connection (`UserCA.mint(username, identity)`; `client_keys` is
+    then empty). `identity` names on whose behalf (sshd logs it in the certificate's key id);
+    it is part of the pool key, so two identities never share a connection, nor a breaker.
+    """
 
     host: str
     username: str
@@ -49,13 +57,26 @@ class Target:
     limits: Limits = field(default_factory=Limits)
     # The SSH library for this host ("asyncssh", "paramiko", "ssh2"); None: the pool's own.
     backend: str | None = None
+    ca: UserCA | None = None
+    identity: str = ""
 
     def __post_init__(self) -> None:
-        if not self.client_keys:
-            raise ValueError("a target needs at least one client key")
+        if self.ca is None and not self.client_keys:
+            raise ValueError("a target needs at least one client key, or a CA")
+        if self.ca is not None and self.client_keys:
+            raise ValueError("a target logs in with client keys or a CA, not both")
+        if self.ca is not None:
+            self.ca.check_identity(self.identity or self.username)
         if not self.known_hosts:
             # Fail closed: there is no "accept any host key" mode.
             raise ValueError("a target needs a known_hosts file")
+
+    def credentials(self) -> Credentials | None:
+        """A fresh key pair and certificate for one connection (None: log in with
+        client_keys). Called by the backends at each connect, never kept."""
+        if self.ca is None:
+            return None
+        return self.ca.mint(self.username, self.identity or self.username)
 
     def __str__(self) -> str:
         where = f"{self.username}@{self.host}:{self.port}"
