@@ -85,6 +85,9 @@ KEYWORD_MIN_VERSION: dict[str, tuple[int, int]] = {
     "persourcepenaltyexemptlist": (9, 8),
 }
 
+# The per-connection programs of newer sshd: keyword, program, first version.
+SSHD_HELPERS = (("SshdSessionPath", "sshd-session", (9, 8)), ("SshdAuthPath", "sshd-auth", (10, 0)))
+
 
 class LocalHostError(RuntimeError):
     """The local sshd could not be prepared, started or stopped."""
@@ -488,6 +491,14 @@ class LocalHost:
         put("X11Forwarding", "no")
         put("Subsystem", "sftp internal-sftp")
         put("LogLevel", "VERBOSE")
+        # sshd >= 9.8 runs each connection in sshd-session (>= 10.0: and sshd-auth), at a path
+        # compiled in; one unpacked elsewhere (sshpool.devhost.openssh) uses its own.
+        binary = Path(self.sshd_binary)
+        version = sshd_version(str(binary))
+        for keyword, helper, since in SSHD_HELPERS:
+            path = binary.parents[1] / "lib" / "openssh" / helper
+            if version >= since and path.exists():
+                put(keyword, str(path))
         if self.profile == "tuned":
             kept, self.skipped_settings = tuned_settings(
                 sshd_version(self.sshd_binary), self.tuned_config
