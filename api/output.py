@@ -45,6 +45,14 @@ class OutputRange:
         return self.offset + self.length
 
 
+def stored_range(kept: bytes, final: bool, offset: int, limit: int) -> OutputRange:
+    """A byte range of a command's kept output (the store's): nothing until the job is final."""
+    if not final:
+        return OutputRange(offset, None, 0, pieces())
+    data = kept[offset : offset + limit]
+    return OutputRange(offset, len(kept), len(data), pieces(data))
+
+
 async def pieces(*items: bytes) -> AsyncIterator[bytes]:
     """An output body from bytes already in memory."""
     for item in items:

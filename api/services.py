@@ -1,17 +1,24 @@
 """The long-lived objects of one API process, built in order and closed in the reverse order, and
-every background task, owned by one supervisor (api/tasks.py: one `asyncio.TaskGroup`).
+every long-lived task, owned by one supervisor (api/tasks.py: one `asyncio.TaskGroup`).
 
-Built, in this order (closed in the reverse): the data directory's permissions, the store (and
-the jobs a previous run of this replica left active marked `lost`), the HTTP client (JWKS), the
-pool, the policy, the quota (Redis or local), the live relay, batch jobs, the job service, the
-file service, the pool and tracker metrics, then the supervisor with its tasks. Objects handed in
-(a test's pool or store) stay the caller's to start and close.
+Built, in this order (closed in the reverse): the data directory's permissions, the supervisor,
+the store (its writer a task of the supervisor's; the jobs a previous run of this replica left
+active marked `lost`), the HTTP client (JWKS), the pool, the policy, the quota (Redis or local),
+the live relay, batch jobs, the job service, the file service, the pool and tracker metrics,
+then the tasks below. Objects handed in (a test's pool or store) stay the caller's to start and
+close.
 
-Background tasks and what their death means (a death is an exception other than cancellation;
-every one is logged with its traceback):
+The supervisor's tasks and what their death means (a death is an exception other than
+cancellation; every one is logged with its traceback):
 
 | task                | what                               | policy  | why                       |
 |---------------------|------------------------------------|---------|---------------------------|
+| `store-writer`      | commits the store's queued writes  | restart | the queue survives it:    |
+|                     | (api/store/store.py)               |         | the callers' writes wait, |
+|                     |                                    |         | then commit               |
+| `live-relay-listen` | with Redis: other replicas' wish   | restart | lost, followers elsewhere |
+|                     | to follow our commands             |         | see no live output        |
+|                     | (api/live/relay.py)                |         |                           |
 | `track-<host>`      | polls the host's scheduler for the | restart | the tracked jobs live in  |
 |                     | batch jobs this process tracks     |         | the Tracker: a restart    |
 |                     |                                    |         | resumes; lost, they never |
@@ -27,24 +34,22 @@ process's fatal handler runs (api/tasks.py `on_fatal`: `sshapi serve` stops serv
 exits with status 70, so that its supervisor, systemd or the orchestrator starts it again with a
 clean state; an app run by a test stays up, not ready).
 
-Tasks with an owner of their own, not the supervisor's:
+Short-lived tasks belong to the service that starts them, in a `TaskSet` (api/tasks.py) that it
+cancels and awaits when it closes, each failure logged:
 
-| task                       | owner, and who awaits it                                        |
+| task                       | owner                                                           |
 |----------------------------|-----------------------------------------------------------------|
-| `job-<id>`, `batch-<id>`   | api/jobs/runner.py `Runner` (a TaskSet): closed after the grace |
+| `job-<id>`, `batch-<id>`   | api/jobs/runner.py `Runner`: closed after the grace             |
 | a job's command and marker | awaited by the job's runner task                                |
-| `cancel-<id>`              | api/jobs/cancel.py `Cancels` (a TaskSet)                        |
-| `resolve-<id>`             | api/jobs/batch.py `BatchJobs` (a TaskSet)                       |
-| `pub-<id>`, `live-<id>`    | api/live/hub.py `LiveHub`: cancelled and awaited by its `close` |
-| `live-relay-listen`        | api/live/relay.py `RedisRelay`: retries every failure itself,   |
-|                            | closed by its `close`                                           |
-| `store-writer`             | api/store/store.py `Store`: started by `start`, awaited by      |
-|                            | `close`                                                         |
+| `cancel-<id>`              | api/jobs/cancel.py `Cancels`                                    |
+| `resolve-<id>`             | api/jobs/batch.py `BatchJobs`                                   |
+| `pub-<id>`, `live-<id>`    | api/live/hub.py `LiveHub`                                       |
 | request-scoped tasks       | the request that starts them (api/routes/files.py, api/files/)  |
 
-Shutdown: not ready (503) first; the supervisor's tasks cancelled (the last started first);
-the job service closed (batch lookups, live feeds, the running jobs' grace then their kill, the
-cancels); then the quota, the pool, the HTTP client and the store.
+Shutdown: not ready (503) first; the trackers, the renewer and the prewarms stopped (the last
+started first); the job service closed (batch lookups, the relay's listener and the live feeds,
+the running jobs' grace then their kill, the cancels); then the quota, the pool, the HTTP client
+and the store (its accepted writes committed, then its writer stopped); the supervisor last.
 
 May import: every part of `api` it builds, `sshpool` by its public names.
 """
@@ -123,13 +128,17 @@ async def running(
     the module docstring for both orders)."""
     async with contextlib.AsyncExitStack() as stack:
         settings.secure_data_dir()
+        # First in, last out: every long-lived task of the process runs in its group.
+        supervisor = Supervisor()
+        await supervisor.start()
+        stack.push_async_callback(supervisor.close)
         the_store = store or Store(
             settings.resolved_database_url,
             schema=settings.database_schema,
             upgrade=settings.db_upgrade == "auto",
         )
         if store is None:
-            await the_store.start()
+            await the_store.start(supervisor)
             stack.push_async_callback(the_store.close)
         lost = await the_store.mark_lost(settings.replica)
         if lost:
@@ -162,15 +171,17 @@ async def running(
         metrics.watch_pool(pools_by_host)
         metrics.watch_trackers(lambda: batch.trackers)
         await batch.start(settings.replica)
-        supervisor = Supervisor()
-        await supervisor.start()
-        stack.push_async_callback(supervisor.close)
-        for task_name, loop in batch.loops().items():
+        jobs.start(supervisor)
+        tasks = [
             supervisor.spawn(task_name, loop, OnDeath.RESTART)
+            for task_name, loop in batch.loops().items()
+        ]
         for name, host in config.hosts.items():
             if host.limits.min_connections > 0:
                 prewarm = functools.partial(_prewarm, the_pool, name, host)
-                supervisor.spawn(f"prewarm-{name}", prewarm, OnDeath.ONCE)
+                tasks.append(supervisor.spawn(f"prewarm-{name}", prewarm, OnDeath.ONCE))
+        # Stopped before the job service closes (the trackers write to the store it uses).
+        stack.push_async_callback(supervisor.stop, *tasks)
         services = Services(
             settings=settings,
             config=config,

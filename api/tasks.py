@@ -1,6 +1,7 @@
 """Who owns a task: every task the API starts has an owner that awaits it, so none is lost.
 
-- `Supervisor`: the process's long-lived tasks (trackers, renewers, prewarms) in one
+- `Supervisor`: the process's long-lived tasks (the store's writer, the live relay's listener,
+  trackers, renewers, prewarms) in one
   `asyncio.TaskGroup`, each started under a policy that says what its death means (api/services.py
   lists them): `RESTART` (logged, started again after a pause; dying `MAX_RESTARTS` times within
   `RESTART_WINDOW` seconds takes the process down, since a task that keeps dying is a bug that
@@ -10,7 +11,9 @@
   answers 503 from then on, and the process's fatal handler runs (`on_fatal`: `sshapi serve`
   sets one that stops the server and exits non-zero, so its supervisor, systemd or the
   orchestrator starts it again; an app a test runs in its own process stays up, not ready).
-  Shutdown cancels the tasks one at a time, the last started first, each awaited before the next.
+  Shutdown cancels the tasks one at a time, the last started first, each awaited before the next;
+  an owner that must end its task before others close (the store's writer after its last
+  write) stops it itself (`stop`).
 - `TaskSet`: the short-lived tasks of a service (a job's run, a DELETE's cancel, the lookup of a
   batch submission): one set it owns, cancels and awaits on close. A task that fails with nobody
   awaiting it is logged, never dropped silently.
@@ -21,10 +24,11 @@ May import: the standard library only.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -47,8 +51,10 @@ class TaskDied(Exception):
     """A supervised task died and took the process down."""
 
 
-@dataclass(slots=True)
-class _Child:
+@dataclass(slots=True, eq=False)
+class Child:
+    """A task of the supervisor's (what `spawn` returns, for `stop`)."""
+
     name: str
     start: Callable[[], Coroutine[Any, Any, None]]
     policy: OnDeath
@@ -71,7 +77,7 @@ class Supervisor:
     """The long-lived tasks of one process, in one TaskGroup (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._children: list[_Child] = []
+        self._children: list[Child] = []
         self._group: asyncio.TaskGroup | None = None
         self._owner: asyncio.Task[None] | None = None
         self._running = asyncio.Event()
@@ -89,13 +95,14 @@ class Supervisor:
 
     def spawn(
         self, name: str, start: Callable[[], Coroutine[Any, Any, None]], policy: OnDeath
-    ) -> None:
+    ) -> Child:
         """Run `start()` in the group under `policy`; `start` is called again for a restart."""
         if self._group is None or self.failure is not None:
             raise RuntimeError("the supervisor is not running")
-        child = _Child(name, start, policy)
+        child = Child(name, start, policy)
         self._children.append(child)
         child.task = self._group.create_task(self._supervise(child), name=name)
+        return child
 
     async def _main(self) -> None:
         try:
@@ -112,7 +119,7 @@ class Supervisor:
             self._group = None
             self._running.set()
 
-    async def _supervise(self, child: _Child) -> None:
+    async def _supervise(self, child: Child) -> None:
         delay = RESTART_DELAY[0]
         while True:
             try:
@@ -142,16 +149,34 @@ class Supervisor:
             await asyncio.sleep(delay)
             delay = min(delay * 2, RESTART_DELAY[1])
 
-    async def close(self) -> None:
-        """Cancel the tasks, the last started first, each awaited before the next; then close
-        the group."""
-        for child in reversed(self._children):
+    async def stop(self, *children: Child) -> None:
+        """Cancel these tasks (the owner of a task that must end before others, a service
+        closing in its turn), the last given first, each awaited before the next."""
+        for child in reversed(children):
+            if child in self._children:
+                self._children.remove(child)
             if child.task is not None and not child.task.done():
                 child.task.cancel()
                 await asyncio.wait([child.task])
+
+    async def close(self) -> None:
+        """Cancel the tasks still running, the last started first, each awaited before the
+        next; then close the group."""
+        await self.stop(*self._children)
         self._stop.set()
         if self._owner is not None:
             await asyncio.wait([self._owner])
+
+
+@contextlib.asynccontextmanager
+async def supervised() -> AsyncIterator[Supervisor]:
+    """A started supervisor, closed on exit (for an object used on its own, as tests do)."""
+    supervisor = Supervisor()
+    await supervisor.start()
+    try:
+        yield supervisor
+    finally:
+        await supervisor.close()
 
 
 class TaskSet:

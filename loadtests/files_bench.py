@@ -28,7 +28,6 @@ import resource
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -40,7 +39,7 @@ from typing import Any
 import httpx
 import psutil
 
-from loadtests.server import start_api, stop_api
+from loadtests.server import start_api, stop_api, tuned_host
 
 MIB = 1 << 20
 PIECE = MIB  # what the client sends and reads at a time
@@ -418,16 +417,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from sshpool.devhost import LocalHost
-
     args = parse(argv)
-    with tempfile.TemporaryDirectory(prefix="files-bench-") as tmp:
-        out = args.out or Path(tmp)
-        host = LocalHost("files-bench", "tuned", data_dir=out / "hosts").start()
-        try:
-            result = measure(host, args.size_mib * MIB, out / "run", args.backend, args.rounds)
-        finally:
-            host.stop(kill_sessions=True)
+    with tuned_host("files-bench") as (host, tmp):
+        out = args.out or tmp
+        result = measure(host, args.size_mib * MIB, out / "run", args.backend, args.rounds)
     print(report(result))
     return 0
 

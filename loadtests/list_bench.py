@@ -22,7 +22,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -33,7 +32,7 @@ from typing import Any
 import httpx
 
 from loadtests.files_bench import MIB, RssSampler
-from loadtests.server import start_api, stop_api
+from loadtests.server import start_api, stop_api, tuned_host
 
 TIMEOUT = 600.0
 SSHAPI = str(Path(sys.executable).parent / "sshapi")
@@ -286,17 +285,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from sshpool.devhost import LocalHost
-
     args = parse(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
-    with tempfile.TemporaryDirectory(prefix="list-bench-") as tmp:
-        out = Path(tmp)
-        host = LocalHost("list-bench", "tuned", data_dir=out / "hosts").start()
-        try:
-            result = measure(host, out / "run", sizes, args.concurrent)
-        finally:
-            host.stop(kill_sessions=True)
+    with tuned_host("list-bench") as (host, tmp):
+        result = measure(host, tmp / "run", sizes, args.concurrent)
     print(report(result))
     return 0
 

@@ -9,23 +9,43 @@ connection: the API's own configuration expresses it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from api.config import Config
 from api.local import LOCAL_AUDIENCE, LOCAL_ISSUER, LOCAL_LIMITS
 from sshpool import Limits
 
+if TYPE_CHECKING:
+    from sshpool.devhost import LocalHost
+
 POOL_MODES = ("pooled", "per-request")
 READY_TIMEOUT = 30.0
+
+
+@contextlib.contextmanager
+def tuned_host(name: str) -> Iterator[tuple[LocalHost, Path]]:
+    """A benchmark's own LocalHost (sshd_config.tuned) and a scratch directory, both gone on
+    exit (the host's sessions killed)."""
+    from sshpool.devhost import LocalHost
+
+    with tempfile.TemporaryDirectory(prefix=f"{name}-") as tmp:
+        host = LocalHost(name, "tuned", data_dir=Path(tmp) / "hosts").start()
+        try:
+            yield host, Path(tmp)
+        finally:
+            host.stop(kill_sessions=True)
 
 
 def limits(mode: str) -> Limits:

@@ -19,7 +19,6 @@ import asyncio
 import os
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +27,7 @@ from typing import Any
 import httpx
 import psutil
 
-from loadtests.server import start_api, stop_api
+from loadtests.server import start_api, stop_api, tuned_host
 
 MIB = 1 << 20
 
@@ -188,15 +187,9 @@ def measure(host: Any, args: argparse.Namespace, workdir: Path) -> dict[str, Any
 
 
 def main(argv: list[str] | None = None) -> int:
-    from sshpool.devhost import LocalHost
-
     args = parse(argv)
-    with tempfile.TemporaryDirectory(prefix="fairness-") as tmp:
-        host = LocalHost("fairness", "tuned", data_dir=Path(tmp) / "hosts").start()
-        try:
-            result = measure(host, args, Path(tmp))
-        finally:
-            host.stop(kill_sessions=True)
+    with tuned_host("fairness") as (host, tmp):
+        result = measure(host, args, tmp)
     print(report(result))
     return 0
 

@@ -230,3 +230,27 @@ def test_no_module_of_api_is_over_the_size_limit() -> None:
         for path in sorted((ROOT / "api").rglob("*.py"))
     }
     assert {p: n for p, n in sizes.items() if n > MAX_MODULE_LINES} == {}
+
+
+# Where api/ may start a task itself, and who awaits it (api/services.py's tables): everywhere
+# else a task is the supervisor's (`Supervisor.spawn`) or a service's (`TaskSet.spawn`).
+TASK_STARTERS = {
+    "api/tasks.py": "the owners themselves",
+    "api/jobs/runner.py": "a job's command and marker, awaited by the job's runner task",
+    "api/files/transfers.py": "a transfer's next read or write, awaited by the request",
+    "api/routes/files.py": "a checksum and its disconnect watch, awaited by the request",
+}
+
+
+def test_every_task_of_the_api_has_an_owner() -> None:
+    """No bare `create_task`/`ensure_future` outside the owners listed above (issue 27: a task
+    nobody owns dies silently)."""
+    found = []
+    for path in sorted((ROOT / "api").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith("api/client/") or rel in TASK_STARTERS:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr in ("create_task", "ensure_future"):
+                found.append(f"{rel}:{node.lineno}: {node.attr}")
+    assert found == []

@@ -3,11 +3,11 @@
 | module         | what                                                              |
 |----------------|-------------------------------------------------------------------|
 | `service.py`   | `JobService`, the face for the routes: admission, the insert, the |
-|                | hand-off to the runner; reads, waits, cancels and output by id    |
+|                | hand-off to the runner; reads, waits, cancels, output and live    |
+|                | feeds by id (the feeds are api/live/'s)                           |
 | `runner.py`    | one job's life on the pool: run, record the outcome, give the     |
 |                | place under the cap back                                          |
 | `cancel.py`    | cancel a command here or on another replica, or a batch job       |
-| `output.py`    | output reads and live followers (live output's, kept here for now)|
 | `batch.py`     | `BatchJobs`: sbatch, trackers, scancel, output files of batch jobs|
 | `scheduler.py` | the Slurm client (`SlurmClient`, `Tracker`)                       |
 

@@ -335,15 +335,15 @@ class BatchJobs:
             )
         return fresh
 
-    async def read_chunk(self, row: JobRow, stream: Stream, offset: int, limit: int) -> OutputChunk:
+    async def read_bytes(self, row: JobRow, stream: Stream, offset: int, limit: int) -> bytes:
         """One read of the job's output file over SSH (at most `limit` bytes from `offset`):
-        what the live follower of a batch job polls."""
+        what the live feed of a batch job polls (api/live/hub.py)."""
         if row.scheduler_job_id is None or row.batch is None:
-            return OutputChunk(b"", offset, None)
+            return b""
         path = batch_options(row.batch).output_path(row.scheduler_job_id, row.id, stream)
         client = self.client(row.host, self.target_of(row), owner_of(row))
         with answered_as_problem(row):
-            return await client.read_output(path, offset, limit)
+            return (await client.read_output(path, offset, limit)).data
 
     async def output(self, row: JobRow, stream: Stream, offset: int, limit: int) -> OutputRange:
         """The range, read over SSH a PIECE at a time: the first piece before answering (its

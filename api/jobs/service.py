@@ -5,14 +5,13 @@ host, kind of command, templates and sizes; then, here, the idempotency replay/c
 caller's token bucket (429) and concurrent-job cap (429). An admitted job is inserted as
 `queued` and durable before any answer; then the runner (api/jobs/runner.py) runs it: a command
 on the pool, or sbatch for a batch job (`batch` in the body), after which the scheduler owns it
-(api/jobs/batch.py). Cancels are api/jobs/cancel.py's, output reads and followers
-api/jobs/output.py's; the service is their one face for the routes.
+(api/jobs/batch.py). Cancels are api/jobs/cancel.py's, live followers the hub's (api/live/);
+the service is their one face for the routes.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import json
 import uuid
@@ -24,16 +23,17 @@ from api.auth import Principal
 from api.config import Config, PolicyRule
 from api.jobs.batch import BatchJobs, hold_ttl, owner_of
 from api.jobs.cancel import Cancels
-from api.jobs.output import JobOutput, read_file
 from api.jobs.runner import Launch, Runner
 from api.live import Feed, LiveHub, Relay, Spend
 from api.metrics import Metrics
-from api.output import OutputRange, Stream
+from api.output import MAX_READ, OutputRange, Stream, stored_range
 from api.policy import Policy
 from api.problems import Problem
 from api.quota import LocalQuota, Quota
 from api.schemas import JobRequest
+from api.states import FINAL
 from api.store import JobRow, Store, new_id, utcnow
+from api.tasks import Supervisor
 from api.timing import stage
 from sshpool import Pool
 
@@ -63,10 +63,15 @@ class JobService:
         self.quota = quota or LocalQuota()
         # Built and started by api/services.py, whose supervisor runs its trackers.
         self.batch = batch
-        self.live = LiveHub(store.get, functools.partial(read_file, batch), relay)
+        self.live = LiveHub(
+            store.get, batch.read_bytes, self.quota, config.api.max_followers, relay
+        )
         self.runner = Runner(store, pool, metrics, self.quota, batch, self.live)
         self.cancels = Cancels(policy, store, pool, self.runner, batch)
-        self.readers = JobOutput(batch, self.quota, self.live, config.api.max_followers)
+
+    def start(self, tasks: Supervisor) -> None:
+        """Start what runs for the process's life under `tasks` (the live relay's listener)."""
+        self.live.start(tasks)
 
     # ---- reading
 
@@ -248,16 +253,20 @@ class JobService:
     async def output(
         self, who: Principal, job_id: str, stream: Stream, offset: int, limit: int
     ) -> tuple[JobRow, OutputRange]:
-        """A byte range of a job's stdout or stderr (api/jobs/output.py)."""
+        """A byte range of a job's stdout or stderr: a batch job's output file, read over SSH
+        and streamed; a command's kept (capped) output, once it is final."""
         await self.take_read(who)
         row = await self.get(who, job_id)
-        return row, await self.readers.output(row, stream, offset, limit)
+        if row.kind == "batch":
+            return row, await self.batch.output(row, stream, offset, min(limit, MAX_READ))
+        kept = (row.stdout if stream == "stdout" else row.stderr) or b""
+        return row, stored_range(kept, row.state in FINAL, offset, limit)
 
     @contextlib.asynccontextmanager
     async def following(self, who: Principal, job_id: str) -> AsyncIterator[Feed]:
-        """The live feed of a job the caller may see, for one follower (api/jobs/output.py)."""
+        """The live feed of a job the caller may see, for one follower (api/live/hub.py)."""
         row = await self.get(who, job_id)
-        async with self.readers.following(who, row) as feed:
+        async with self.live.following(who.key, row) as feed:
             yield feed
 
     async def close(self, grace: float) -> None:

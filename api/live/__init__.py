@@ -38,18 +38,21 @@ Where the bytes come from:
   head) once the job is final.
 
 The face: `LiveHub` (the feeds of this process; the job service opens and closes a command's
-feed, the live routes get one per follower), `follow` and the items it yields, the `/events`
-offsets, `Relay` (what the hub needs of a relay) and `make_relay`. The modules:
+feed, the live routes get one per follower, admitted under the identity's follower cap),
+`follow` and the items it yields, the `/events` offsets, `Relay` (what the hub needs of a relay)
+and `make_relay`. The modules:
 
     feeds      the bytes (StreamBuffer, Feed) and the cursors into them  api.output, api.store
     followers  follow() and its items; the /events offsets             feeds, api.numbers
-    hub        LiveHub: the feeds of this process, their watchers;     feeds, api.problems,
-               Relay (what it needs of a relay)                        api.states, api.store
+    hub        LiveHub: the feeds of this process, their watchers,     feeds, api.problems,
+               the followers' cap; Relay (what it needs of a relay)    api.quota, api.states,
+                                                                       api.store, api.tasks
     relay      RedisRelay: a command's feed copied between replicas    feeds, hub, api.quota
 
-It may import api.numbers, api.output, api.problems, api.quota, api.states and api.store's
-JobRow. It imports no HTTP framework itself (fastapi, starlette: api/routes/live.py makes the
-responses), no route and no other feature (api.jobs, api.files).
+It may import api.numbers, api.output, api.problems, api.quota, api.states, api.store's
+JobRow and new_id, and api.tasks (its listener is a task of the supervisor's). It imports no
+HTTP framework itself (fastapi, starlette: api/routes/live.py makes the responses), no route
+and no other feature (api.jobs, api.files).
 """
 
 from api.live.feeds import STREAMS, Feed, OutputGone, Spend

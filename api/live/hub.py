@@ -1,11 +1,16 @@
 """The hub: the feeds of this process, for the commands it runs and for the jobs it follows but
 does not run (a watcher per job: the store's state, a batch job's files read ahead of its
-followers, or another replica's command through the relay)."""
+followers, or another replica's command through the relay), and the admission of followers.
+
+Tasks: the relay's listener is a task of the process's supervisor (api/tasks.py), started by
+`start`; the watchers (`live-<id>`) and publishers (`pub-<id>`) are the hub's `TaskSet`,
+cancelled and awaited by `close`."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
@@ -13,23 +18,31 @@ from typing import Protocol
 from api.live.feeds import READ_AHEAD, STREAMS, Feed, head_of, stored
 from api.output import Stream
 from api.problems import Problem, retry_after
+from api.quota import Identity, Quota
 from api.states import FINAL
-from api.store import JobRow
+from api.store import JobRow, new_id
+from api.tasks import Child, OnDeath, Supervisor, TaskSet
 
 log = logging.getLogger("sshapi.live")
 
 POLL = (0.25, 2.0)  # watcher intervals: while output flows, and the idle cap (doubling)
 MAX_PER_JOB = 64  # followers of one job in one process
+# A live follower counts against its owner's follower cap for at most this long (a replica that
+# dies with followers cannot block their owner for longer).
+FOLLOWER_TTL = 3600.0
 
 # The store's row of a job (None: gone).
 Load = Callable[[str], Awaitable[JobRow | None]]
+# A byte range of a batch job's output file, over SSH.
+ReadFile = Callable[[JobRow, Stream, int, int], Awaitable[bytes]]
 
 
 class Relay(Protocol):
     """Commands' live output between replicas (api/live/relay.py's RedisRelay)."""
 
-    def listen(self, wanted: Callable[[str], None]) -> None:
-        """Call `wanted(job_id)` when another replica wants to follow a job."""
+    async def listen(self, wanted: Callable[[str], None]) -> None:
+        """Call `wanted(job_id)` whenever another replica wants to follow a job; runs until
+        cancelled (a failure of the relay's is retried inside)."""
 
     async def publish(self, feed: Feed) -> None:
         """Copy a feed of this process out until it is final."""
@@ -46,16 +59,30 @@ class LiveHub:
     def __init__(
         self,
         load: Load,
-        read_file: Callable[[JobRow, Stream, int, int], Awaitable[tuple[bytes, int | None]]],
+        read_file: ReadFile,
+        quota: Quota,
+        max_followers: int,
         relay: Relay | None = None,
     ) -> None:
         self._load = load  # the store's row
-        self._read_file = read_file  # a batch job's output file, over SSH
+        self._read_file = read_file
+        self.quota = quota
+        self.max_followers = max_followers  # per identity, over all replicas (the quota's)
         self.relay = relay
         self.feeds: dict[str, Feed] = {}
+        self._tasks = TaskSet("live")
         self._watchers: dict[str, asyncio.Task[None]] = {}
         self._commands: set[str] = set()  # jobs whose feed this process fills from the pool
         self._publishers: dict[str, asyncio.Task[None]] = {}
+        self._supervisor: Supervisor | None = None
+        self._listener: Child | None = None
+
+    def start(self, tasks: Supervisor) -> None:
+        """With a relay: listen, under `tasks`, for other replicas' interest in our commands."""
+        if self.relay is not None:
+            self._supervisor = tasks
+            listen = functools.partial(self.relay.listen, self._wanted)
+            self._listener = tasks.spawn("live-relay-listen", listen, OnDeath.RESTART)
 
     # ---- commands run here
 
@@ -63,8 +90,6 @@ class LiveHub:
         feed = Feed(row, cap)
         self.feeds[row.id] = feed
         self._commands.add(row.id)
-        if self.relay is not None:
-            self.relay.listen(self._wanted)
         return feed
 
     def close_command(self, row: JobRow) -> None:
@@ -77,11 +102,34 @@ class LiveHub:
         """Another replica follows a command of ours: publish it (once per job)."""
         if self.relay is None or job_id not in self._commands or job_id in self._publishers:
             return
-        task = asyncio.create_task(self.relay.publish(self.feeds[job_id]), name=f"pub-{job_id}")
+        task = self._tasks.spawn(self.relay.publish(self.feeds[job_id]), f"pub-{job_id}")
         self._publishers[job_id] = task
         task.add_done_callback(lambda _: self._publishers.pop(job_id, None))
 
     # ---- following
+
+    @contextlib.asynccontextmanager
+    async def following(self, who: Identity, row: JobRow) -> AsyncIterator[Feed]:
+        """The live feed of a job, for one follower whose identity is `who` (a caller already
+        allowed to see the job): counted against that identity's follower cap (like the
+        active-job cap: shared through Redis when configured) for as long as it follows."""
+        cap = self.max_followers
+        follower = new_id()
+        try:
+            await self.quota.enter(who, follower, cap, FOLLOWER_TTL, space="followers")
+        except Problem as exc:
+            raise Problem(
+                429,
+                "too-many-followers",
+                "Too many followers",
+                f"at most {cap} live followers at once per identity",
+                headers=exc.headers,
+            ) from None
+        try:
+            async with self.feed_for(row) as feed:
+                yield feed
+        finally:
+            await self.quota.leave(who, follower, space="followers")
 
     @contextlib.asynccontextmanager
     async def feed_for(self, row: JobRow) -> AsyncIterator[Feed]:
@@ -112,8 +160,7 @@ class LiveHub:
         if row.kind == "batch":
 
             async def refill(stream: Stream, offset: int, limit: int) -> bytes:
-                data, _ = await self._read_file(feed.row, stream, offset, limit)
-                return data
+                return await self._read_file(feed.row, stream, offset, limit)
 
             feed = Feed(row, 0, refill, window=READ_AHEAD)
             watcher = self._read_ahead(feed)
@@ -121,7 +168,7 @@ class LiveHub:
             feed = Feed(row, 0)
             watcher = self._watcher(feed)
         self.feeds[row.id] = feed
-        self._watchers[row.id] = asyncio.create_task(watcher, name=f"live-{row.id}")
+        self._watchers[row.id] = self._tasks.spawn(watcher, f"live-{row.id}")
         return feed
 
     async def _watcher(self, feed: Feed) -> None:
@@ -188,7 +235,7 @@ class LiveHub:
                     await lead.pay()
                     read_ok = True
                     try:
-                        data, _ = await self._read_file(
+                        data = await self._read_file(
                             feed.row, stream, buf.total, READ_AHEAD - behind
                         )
                     except Exception as exc:  # the host is unreachable: try again later
@@ -240,10 +287,13 @@ class LiveHub:
         return min(delay * 2, POLL[1])
 
     async def close(self) -> None:
-        tasks = [*self._watchers.values(), *self._publishers.values()]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        """The listener stopped, the watchers and publishers cancelled and awaited, the relay
+        closed."""
+        if self._supervisor is not None and self._listener is not None:
+            await self._supervisor.stop(self._listener)
+            self._listener = None
+        await self._tasks.close()
         self._watchers.clear()
+        self._publishers.clear()
         if self.relay is not None:
             await self.relay.close()

@@ -120,7 +120,6 @@ class RedisRelay:
         self._sub: Any = aioredis.from_url(
             url, socket_connect_timeout=REDIS_TIMEOUT, health_check_interval=30
         )
-        self._listener: asyncio.Task[None] | None = None
         self._failing = False
 
     def _failed(self, what: str, exc: Exception) -> None:
@@ -137,12 +136,9 @@ class RedisRelay:
 
     # ---- the owner
 
-    def listen(self, wanted: Callable[[str], None]) -> None:
-        """Start listening (once) for other replicas' interest in the jobs this one runs."""
-        if self._listener is None:
-            self._listener = asyncio.create_task(self._listen(wanted), name="live-relay-listen")
-
-    async def _listen(self, wanted: Callable[[str], None]) -> None:
+    async def listen(self, wanted: Callable[[str], None]) -> None:
+        """Listen for other replicas' interest in the jobs this one runs, until cancelled: a
+        failure of Redis's is retried here, paced (doubling to 10 s)."""
         delay = POLL[0]
         while True:
             try:
@@ -300,10 +296,7 @@ class RedisRelay:
         return False
 
     async def close(self) -> None:
-        if self._listener is not None:
-            self._listener.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._listener
+        """Close the Redis clients (the listener, the hub's, is stopped before)."""
         for client in (self._redis, self._reader, self._sub):
             with contextlib.suppress(Exception):
                 await client.aclose()

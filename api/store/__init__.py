@@ -3,7 +3,7 @@
 Exports `Store` (the one face the service uses), the row record `JobRow`, the table `JOBS`
 (for the few Core expressions callers pass to `Store.update`) and the value helpers `new_id`,
 `utcnow` and `aware`, and `migrate` (what `sshapi db upgrade` runs). May import `api.states`
-and nothing else of `api`.
+and `api.tasks` (the supervisor its writer runs under) and nothing else of `api`.
 
 Modules: `schema` (the table and the record), `store` (reads, the write queue), `sqlite` and
 `postgres` (each dialect's writer), `migrate` (the schema's Alembic migrations).

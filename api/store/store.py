@@ -8,6 +8,10 @@ returns only once the transaction holding its write has committed. So durability
 before, but a burst of jobs costs a few commits instead of one each, and SQLite never sees two
 writers fighting for its lock (which made the losers sleep in its busy handler for seconds).
 
+The writer is a task of the process's supervisor (api/tasks.py), handed to `start`: a writer loop
+that dies is logged and started again (the queue, and so every caller's write, survives it);
+`close` waits for the accepted writes, then stops it.
+
 The schema is not the store's business at run time: `start` has migrate.py upgrade the database
 to this release's revision (or, with upgrades off, check it) before anything else."""
 
@@ -42,6 +46,7 @@ from api.store import migrate
 from api.store.postgres import PgWriter, output_bytes
 from api.store.schema import FIELDS, JOBS, LISTED, JobRow, Write, job_row, utcnow
 from api.store.sqlite import Sql, SqliteWriter, sqlite_pragmas
+from api.tasks import Child, OnDeath, Supervisor
 
 log = logging.getLogger("sshapi.store")
 
@@ -58,7 +63,8 @@ class Store:
         self.upgrade = upgrade
         self._engine: AsyncEngine | None = None
         self._writes: asyncio.Queue[_Queued] = asyncio.Queue()
-        self._writer: asyncio.Task[None] | None = None
+        self._tasks: Supervisor | None = None
+        self._writer: Child | None = None
         # SQLite only: the writer's DB-API connections (the loop's and its thread's).
         self._sqlite: SqliteWriter | None = None
         self._sql = Sql()
@@ -69,7 +75,8 @@ class Store:
     def dialect(self) -> str:
         return self.url.split(":", 1)[0].split("+", 1)[0]
 
-    async def start(self) -> None:
+    async def start(self, tasks: Supervisor) -> None:
+        """Open the store, its writer running under `tasks`."""
         kwargs: dict[str, Any] = {"pool_pre_ping": True}
         if self.dialect == "sqlite":
             path = self.url.split("///", 1)[-1]
@@ -91,14 +98,14 @@ class Store:
         if self.dialect == "sqlite":
             self._sqlite = SqliteWriter(make_url(self.url).database or ":memory:")
             await self._sqlite.start()
-        self._writer = asyncio.create_task(self._write_loop(), name="store-writer")
+        self._tasks = tasks
+        self._writer = tasks.spawn("store-writer", self._write_loop, OnDeath.RESTART)
 
     async def close(self) -> None:
-        if self._writer is not None:
-            await self._writes.join()  # every accepted write is committed (or failed) first
-            self._writer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._writer
+        if self._writer is not None and self._tasks is not None:
+            if self._tasks.healthy:  # else the writer is gone with the others: nothing commits
+                await self._writes.join()  # every accepted write is committed (or failed) first
+            await self._tasks.stop(self._writer)
             self._writer = None
         if self._sqlite is not None:
             await self._sqlite.close()
@@ -131,8 +138,8 @@ class Store:
     async def _write(self, write: Write, size: int = 0) -> Any:
         """Queue a write for the writer; returns its result once its transaction committed.
         `size`: the job output it carries, in bytes."""
-        if self._writer is None:
-            raise RuntimeError("store not started")
+        if self._writer is None or self._tasks is None or not self._tasks.healthy:
+            raise RuntimeError("store not started, or its writer is gone")
         done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._writes.put_nowait((write, size, done))
         return await done

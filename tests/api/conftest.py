@@ -32,6 +32,7 @@ from api.client import tls_context
 from api.config import Config, load_config
 from api.settings import Settings
 from api.store import Store
+from api.tasks import Supervisor, supervised
 from sshpool.devhost import LocalHost
 
 
@@ -111,9 +112,17 @@ async def store_settings(
 
 
 @pytest.fixture
-async def store(store_settings: Settings) -> AsyncIterator[Store]:
+async def tasks() -> AsyncIterator[Supervisor]:
+    """A running supervisor, for an object a test uses on its own (a store's writer runs
+    under one)."""
+    async with supervised() as supervisor:
+        yield supervisor
+
+
+@pytest.fixture
+async def store(store_settings: Settings, tasks: Supervisor) -> AsyncIterator[Store]:
     s = Store(store_settings.resolved_database_url, schema=store_settings.database_schema)
-    await s.start()
+    await s.start(tasks)
     try:
         yield s
     finally:

@@ -22,6 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from api.store import JOBS, JobRow, Store, aware, migrate, new_id, utcnow
 from api.store.schema import METADATA
+from api.tasks import Supervisor
 
 # The jobs table exactly as release 0.1.0 (63c127d) created it (`create_all`), per dialect.
 PREVIOUS_RELEASE = """
@@ -164,14 +165,14 @@ def _same(row: JobRow | None, job: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize("older", [False, True], ids=["release-0.1.0", "before-batch-jobs"])
 async def test_a_database_of_the_previous_release_upgrades_with_every_job(
-    database: tuple[str, str | None], older: bool
+    database: tuple[str, str | None], older: bool, tasks: Supervisor
 ) -> None:
     """A table (with jobs) the previous release, or one before it, created reaches this
     release's revision at start, every job reads back as written, and a new job goes in."""
     url, schema = database
     jobs = await _previous_release_database(url, schema, older=older)
     store = Store(url, schema=schema)
-    await store.start()
+    await store.start(tasks)
     try:
         for job in jobs:
             _same(await store.get(job["id"]), job)
@@ -213,13 +214,13 @@ async def test_a_new_database_gets_exactly_the_schema_the_code_uses(
 
 
 async def test_stores_starting_together_on_a_new_database_migrate_it_once(
-    database: tuple[str, str | None],
+    database: tuple[str, str | None], tasks: Supervisor
 ) -> None:
     """Four workers starting at once on a new database all start (the migration lock makes
     the others wait and find it done) and share one table."""
     url, schema = database
     stores = [Store(url, schema=schema) for _ in range(4)]
-    await asyncio.gather(*(s.start() for s in stores))
+    await asyncio.gather(*(s.start(tasks) for s in stores))
     try:
         rows = [JobRow(**_job(idempotency_key=None)) for _ in stores]
         await asyncio.gather(*(s.insert(r) for s, r in zip(stores, rows, strict=True)))
@@ -241,7 +242,7 @@ def _sshapi(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess
 
 
 async def test_with_upgrades_off_an_old_database_is_refused_until_sshapi_db_upgrade(
-    database: tuple[str, str | None], tmp_path: Path, config_file: Path
+    database: tuple[str, str | None], tmp_path: Path, config_file: Path, tasks: Supervisor
 ) -> None:
     """SSHAPI_DB_UPGRADE=off: the store and `sshapi serve` refuse a database of the previous
     release and name the command; `sshapi db upgrade` brings it forward, and then the store
@@ -250,7 +251,7 @@ async def test_with_upgrades_off_an_old_database_is_refused_until_sshapi_db_upgr
     jobs = await _previous_release_database(url, schema)
     store = Store(url, schema=schema, upgrade=False)
     with pytest.raises(migrate.SchemaError, match="sshapi db upgrade"):
-        await store.start()
+        await store.start(tasks)
     env = {"SSHAPI_DATA_DIR": str(tmp_path / "data"), "SSHAPI_DATABASE_URL": url}
     if schema:
         env["SSHAPI_DATABASE_SCHEMA"] = schema
@@ -263,7 +264,7 @@ async def test_with_upgrades_off_an_old_database_is_refused_until_sshapi_db_upgr
     assert f"upgraded from an unversioned database to {migrate.head()}" in first.stdout
     again = await migrate.upgrade(url, schema)
     assert again.before == again.after == migrate.head()
-    await store.start()
+    await store.start(tasks)
     try:
         for job in jobs:
             _same(await store.get(job["id"]), job)

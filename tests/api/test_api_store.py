@@ -12,6 +12,7 @@ from sqlalchemy import func
 from sqlalchemy.exc import IntegrityError
 
 from api.store import JOBS, JobRow, Store, aware, new_id, utcnow
+from api.tasks import Supervisor
 
 
 def job(**over: Any) -> JobRow:
@@ -126,14 +127,14 @@ async def _loop_lag(during: asyncio.Future[Any], tick: float = 0.01) -> float:
 
 
 async def test_sqlite_writes_wait_for_another_process_lock_without_blocking_the_loop(
-    tmp_path: Path,
+    tmp_path: Path, tasks: Supervisor
 ) -> None:
     """Another worker holding SQLite's write lock (workers share one file) delays this
     process's writes until it commits, but never freezes the event loop meanwhile: every other
     request goes on being served."""
     path = tmp_path / "jobs.sqlite3"
     store = Store(f"sqlite+aiosqlite:///{path}")
-    await store.start()
+    await store.start(tasks)
     other = sqlite3.connect(path, isolation_level=None)
     try:
         await store.insert(job())  # the file and its WAL exist
@@ -151,13 +152,15 @@ async def test_sqlite_writes_wait_for_another_process_lock_without_blocking_the_
         await store.close()
 
 
-async def test_sqlite_wal_stays_bounded_and_large_outputs_round_trip(tmp_path: Path) -> None:
+async def test_sqlite_wal_stays_bounded_and_large_outputs_round_trip(
+    tmp_path: Path, tasks: Supervisor
+) -> None:
     """Writing far more than a WAL's worth of job output, in outputs small and large, keeps the
     WAL file near its checkpoint size (a disk that fills up with WAL is an outage) and every
     output reads back whole."""
     path = tmp_path / "jobs.sqlite3"
     store = Store(f"sqlite+aiosqlite:///{path}")
-    await store.start()
+    await store.start(tasks)
     try:
         small, large = b"s" * (100 << 10), b"L" * (2 << 20)
         rows = [await store.insert(job(stdout=small, stderr=b"")) for _ in range(400)]  # 40 MiB

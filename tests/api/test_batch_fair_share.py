@@ -46,7 +46,7 @@ async def test_one_owners_slurm_backlog_delays_another_owners_command_by_one_tur
 
 async def test_one_identitys_transfers_and_batch_polls_delay_anothers_commands_one_turn() -> None:
     """Alice queues 200 SFTP sessions (a transfer each, holding its channel one turn) and 100
-    batch polls (what the follower of her batch job reads: `BatchJobs.read_chunk`) on a host
+    batch polls (what the follower of her batch job reads: `BatchJobs.read_bytes`) on a host
     with 4 slots. Bob's single commands, transfers and polls of his own batch job, one after the
     other, each wait one turn at most: sessions and polls take their owner's turns (Pool.sftp's
     tenant; BatchJobs passes the job's owner to SlurmClient). Were the polls, or the sessions,
@@ -94,7 +94,7 @@ async def test_one_identitys_transfers_and_batch_polls_delay_anothers_commands_o
             t0 = time.perf_counter()
             # The fake host's answer is no output file's: the poll fails after its turn.
             with contextlib.suppress(ValueError):
-                await jobs.read_chunk(row, "stdout", 0, 1024)
+                await jobs.read_bytes(row, "stdout", 0, 1024)
             return time.perf_counter() - t0
 
         alice, bob = batch_job("alice"), batch_job("bob")

@@ -52,7 +52,11 @@ async def test_a_relayed_follower_that_missed_bytes_gets_a_gap_and_every_other_b
         return stored.get("row", row(job_id, "running"))
 
     tasks: list[asyncio.Task[None]] = []
-    owner.listen(lambda wanted: tasks.append(asyncio.create_task(owner.publish(mine))))
+    tasks.append(
+        asyncio.create_task(
+            owner.listen(lambda wanted: tasks.append(asyncio.create_task(owner.publish(mine))))
+        )
+    )
     await asyncio.sleep(0.3)  # subscribed (else the watcher's next announce, 5 s later, counts)
     theirs = Feed(row(job_id, "running"), 0)
     tasks.append(asyncio.create_task(other.watch(theirs, load)))
