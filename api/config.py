@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import re
 import tomllib
+from dataclasses import replace
 from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from api.settings import read_secret_file
-from sshpool import Limits, Target
+from sshpool import Limits, Target, UserCA
 
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 # What the files API never writes, whatever the roots (`[hosts.X] protected_paths`): paths
@@ -124,6 +125,10 @@ class IssuerConfig(Strict):
     scopes: list[str] = Field(
         default_factory=lambda: ["jobs:read", "jobs:write", "files:read", "files:write"]
     )
+    # The claim naming the caller's own Unix account (e.g. "preferred_username"): on a host
+    # whose credentials are certificates, the caller runs as that account unless their policy
+    # rule maps a fixed one. Unset: no account from tokens of this issuer.
+    account_claim: str | None = Field(default=None, min_length=1, max_length=64)
 
     @field_validator("scopes")
     @classmethod
@@ -167,10 +172,85 @@ class IssuerConfig(Strict):
 
 
 class Account(Strict):
-    """The remote account a policy maps an identity to on one host."""
+    """The remote account a policy maps an identity to on one host. On a host whose
+    credentials are keys, with its key files; on a certificate host, the name alone."""
 
     username: str
-    client_keys: list[str] = Field(min_length=1)
+    client_keys: list[str] = Field(default_factory=list)
+
+
+# A POSIX-portable user name (useradd's default rule, 32 characters at most).
+ACCOUNT_PATTERN = r"^[a-z_][a-z0-9_-]{0,31}$"
+# Accounts a token never names, whatever the pattern: Debian's and RHEL's system accounts.
+DENY_ACCOUNTS = (
+    "root", "daemon", "bin", "sys", "sync", "games", "man", "lp", "mail", "news", "uucp",
+    "proxy", "www-data", "backup", "list", "irc", "gnats", "nobody", "systemd-network",
+    "systemd-resolve", "systemd-timesync", "messagebus", "sshd", "_apt", "adm", "halt",
+    "shutdown", "operator", "ftp", "postgres", "redis", "slurm", "munge", "nginx", "polkitd",
+)  # fmt: skip
+
+
+class KeyCredentials(Strict):
+    """The host's accounts log in with key files (`client_keys`): the default."""
+
+    kind: Literal["keys"] = "keys"
+
+
+class CertificateCredentials(Strict):
+    """The host's accounts log in with a fresh short-lived certificate per connection, signed
+    by `ca_key` (docs/operations.md, "Researchers as themselves"): no user key anywhere."""
+
+    kind: Literal["certificate"]
+    # The CA's private key: mode 0600 (anyone who reads it can log in as any account).
+    ca_key: Path
+    cert_ttl: float = Field(default=300.0, gt=0, le=86400)
+    # The API's egress addresses: sshd accepts the certificates only from there. Empty: any.
+    source_address: list[str] = Field(default_factory=list)
+    permit_user_rc: bool = False
+    # Which account names a token may name (full match), and which never.
+    account_pattern: str = ACCOUNT_PATTERN
+    deny_accounts: list[str] = Field(default_factory=lambda: list(DENY_ACCOUNTS))
+    # A researcher's connection closes when idle this long (each account has its own).
+    idle_timeout: float = Field(default=30.0, gt=0)
+    _ca: UserCA | None = PrivateAttr(default=None)
+
+    @field_validator("account_pattern")
+    @classmethod
+    def _compiles(cls, value: str) -> str:
+        re.compile(value)
+        return value
+
+    def model_post_init(self, context: Any, /) -> None:
+        mode = self.ca_key.stat().st_mode if self.ca_key.exists() else 0
+        if mode & 0o077:
+            raise ValueError(
+                f"CA key {self.ca_key} is readable by others (mode {mode & 0o777:o}): chmod 600 "
+                "it (whoever reads it can log in as any account)"
+            )
+        # The replica part of key ids is left to the minting process (host name and pid): the
+        # configuration is loaded before worker processes fork.
+        self._ca = UserCA(
+            self.ca_key,
+            ttl=self.cert_ttl,
+            source_address=self.source_address,
+            permit_user_rc=self.permit_user_rc,
+        )
+
+    @property
+    def ca(self) -> UserCA:
+        assert self._ca is not None
+        return self._ca
+
+    def account_problem(self, name: str) -> str | None:
+        """Why `name` may not be logged in as here, or None when it may."""
+        if not re.fullmatch(self.account_pattern, name):
+            return f"not an account name here (must match {self.account_pattern})"
+        if name == "root" or name in self.deny_accounts:
+            return "a system account"
+        return None
+
+
+Credentials = Annotated[KeyCredentials | CertificateCredentials, Field(discriminator="kind")]
 
 
 class SchedulerConfig(Strict):
@@ -201,9 +281,11 @@ class SshdLimits(Strict):
 class HostConfig(Strict):
     hostname: str
     port: int = Field(default=22, ge=1, le=65535)
-    # The account used when the policy names none for this host.
+    # The account used when the policy names none for this host (on a certificate host: the
+    # API's own, for health probes and the scheduler's tracker; callers run as theirs).
     username: str
-    client_keys: list[str] = Field(min_length=1)
+    client_keys: list[str] = Field(default_factory=list)
+    credentials: Credentials = Field(default_factory=KeyCredentials)
     known_hosts: str
     # Mapping anyone to root is refused unless the operator says so here.
     allow_root: bool = False
@@ -220,6 +302,21 @@ class HostConfig(Strict):
     # whatever the file roots (403 protected-path; docs/files.md). Setting it replaces the
     # default list: copy PROTECTED_PATHS and add to it.
     protected_paths: list[str] = Field(default_factory=lambda: list(PROTECTED_PATHS))
+
+    @model_validator(mode="after")
+    def _keys_for_key_logins(self) -> HostConfig:
+        certificate = isinstance(self.credentials, CertificateCredentials)
+        if not certificate and not self.client_keys:
+            raise ValueError("client_keys: at least one key file (or credentials.kind = ...)")
+        if certificate and self.client_keys:
+            raise ValueError("a certificate host logs in with certificates: drop client_keys")
+        return self
+
+    @property
+    def certificates(self) -> CertificateCredentials | None:
+        """The certificate settings when this host's accounts log in with certificates."""
+        creds = self.credentials
+        return creds if isinstance(creds, CertificateCredentials) else None
 
     @field_validator("protected_paths")
     @classmethod
@@ -268,17 +365,34 @@ class HostConfig(Strict):
             )
         return found
 
-    def target(self, account: Account | None = None) -> Target:
+    def target(self, account: Account | None = None, identity: str = "") -> Target:
+        """The Target of `account` (None: the host's own `username`). On a certificate host it
+        logs in with a certificate naming `identity` (sshapi's own: "sshapi"), with the short
+        per-account idle timeout and no connections kept open."""
         username = account.username if account else self.username
-        keys = account.client_keys if account else self.client_keys
+        certs = self.certificates
+        if certs is None:
+            keys = account.client_keys if account else self.client_keys
+            return Target(
+                host=self.hostname,
+                port=self.port,
+                username=username,
+                client_keys=tuple(keys),
+                known_hosts=self.known_hosts,
+                limits=self.limits,
+                backend=self.backend,
+            )
+        limits = replace(self.limits, idle_timeout=certs.idle_timeout, min_connections=0)
         return Target(
             host=self.hostname,
             port=self.port,
             username=username,
-            client_keys=tuple(keys),
+            client_keys=(),
             known_hosts=self.known_hosts,
-            limits=self.limits,
+            limits=limits,
             backend=self.backend,
+            ca=certs.ca,
+            identity=identity or "sshapi",
         )
 
 
@@ -412,6 +526,11 @@ class Config(Strict):
                     )
                 if account.username == "root" and not mapped.allow_root:
                     raise ValueError(f"policy rule {n} maps to root on {host_name!r}: allow_root")
+                if mapped.certificates is None and not account.client_keys:
+                    raise ValueError(
+                        f"policy rule {n} maps account {account.username!r} on {host_name!r} "
+                        "without client_keys (a certificate host needs none; this one has keys)"
+                    )
         self._writes_beside_restricted()
         return self
 

@@ -166,7 +166,7 @@ async def running(
 
         def pools_by_host() -> dict[str, list[dict[str, Any]]]:
             stats = the_pool.stats()
-            return {n: [stats[t] for t in policy.targets(n) if t in stats] for n in config.hosts}
+            return {n: policy.pools(n, stats) for n in config.hosts}
 
         metrics.watch_pool(pools_by_host)
         metrics.watch_trackers(lambda: batch.trackers)

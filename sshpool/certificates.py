@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -78,12 +79,13 @@ class UserCA:
         replica: str = "",
     ) -> None:
         """`key`: the CA private key, a file path or its OpenSSH/PEM text (no passphrase).
+        `replica`: the middle part of key ids (default: host name and pid of the minting
+        process).
         Raises ValueError for a key that cannot be read or parsed (the message names the file,
         never its content)."""
         if ttl <= 0:
             raise ValueError("ttl must be > 0")
-        replica = replica or f"pid{os.getpid()}"
-        if not _KEY_ID_PART.fullmatch(replica):
+        if replica and not _KEY_ID_PART.fullmatch(replica):
             raise ValueError(f"replica {replica!r}: printable ASCII without spaces or '/'")
         try:
             if isinstance(key, bytes):
@@ -122,7 +124,10 @@ class UserCA:
         self.check_identity(identity)
         now = time.time() if now is None else now
         serial = next(self._serials)
-        key_id = f"{identity}/{self.replica}/{serial}"
+        # Unnamed: this process, named when it mints (a CA made before worker processes fork
+        # names each worker, and their serials, apart).
+        replica = self.replica or f"{socket.gethostname()}.{os.getpid()}"
+        key_id = f"{identity}/{replica}/{serial}"
         user_key = asyncssh.generate_private_key(KEY_TYPE)
         cert = self._key.generate_user_certificate(
             user_key,
