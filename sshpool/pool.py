@@ -47,7 +47,7 @@ from typing import Any, TypeVar
 
 from sshpool.backends import Backend, Connection, Exit, load_backend
 from sshpool.backends.base import SFTPSession
-from sshpool.breaker import Breaker
+from sshpool.breaker import Breaker, Penalties
 from sshpool.command import (
     Capture,
     CommandResult,
@@ -263,7 +263,7 @@ async def _kill_exec(conn: Connection, pgid: int) -> None:
 
 
 class _HostPool:
-    def __init__(self, target: Target, backend: Backend) -> None:
+    def __init__(self, target: Target, backend: Backend, penalties: Penalties) -> None:
         self.target = target
         self.limits = target.limits
         self.backend = backend
@@ -274,7 +274,13 @@ class _HostPool:
             self.limits.breaker_threshold,
             self.limits.breaker_backoff,
             self.limits.breaker_backoff_max,
+            self.limits.auth_backoff,
+            self.limits.auth_backoff_max,
         )
+        # Refused logins of every account of this sshd; this account may add one only while
+        # it is not known good (it never logged in, or sshd refused it since).
+        self.penalties = penalties
+        self.trusted = False
         self.counters: Counter[str] = Counter()
         self.tasks: set[asyncio.Task[Any]] = set()
         self.loop = asyncio.get_running_loop()
@@ -315,6 +321,7 @@ class _HostPool:
                 self.connecting * self.limits.max_sessions < len(self.waiters)
                 or len(self.conns) + self.connecting < self.limits.min_connections
             )
+            and (self.trusted or (self.connecting == 0 and self.penalties.allows(now)))
             and self.breaker.allow(now)
         ):
             self.connecting += 1
@@ -400,7 +407,12 @@ class _HostPool:
         except SSHPoolError as exc:
             self.connecting -= 1
             self.counters["connects_failed"] += 1
-            self.breaker.failure(self.loop.time())
+            if isinstance(exc, AuthenticationFailed):
+                self.trusted = False
+                self.penalties.failure(self.loop.time())
+                self.breaker.auth_failure(self.loop.time())
+            else:
+                self.breaker.failure(self.loop.time())
             log.warning("connect to %s failed: %s", self.target, exc)
             live = any(c.conn.is_alive() and not c.expired for c in self.conns)
             if isinstance(exc, (AuthenticationFailed, HostKeyMismatch)) or (
@@ -417,6 +429,7 @@ class _HostPool:
         self.connecting -= 1
         self.counters["connects"] += 1
         self.breaker.success()
+        self.trusted = True
         self.conns.append(_Conn(conn, self.limits.max_sessions, now, time.perf_counter() - start))
         self._dispatch()
         return None
@@ -649,6 +662,8 @@ class Pool:
         self.backend = load_backend(backend) if isinstance(backend, str) else backend
         self._backends: dict[str, Backend] = {self.backend.name: self.backend}
         self._hosts: dict[Target, _HostPool] = {}
+        # Per sshd (address, port): the refused logins of all its accounts (`Penalties`).
+        self._penalties: dict[tuple[str, int], Penalties] = {}
         self._maintenance: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -666,7 +681,12 @@ class Pool:
             name = target.backend or self.backend.name
             if name not in self._backends:
                 self._backends[name] = load_backend(name)
-            host = self._hosts[target] = _HostPool(target, self._backends[name])
+            limits = target.limits
+            penalties = self._penalties.setdefault(
+                (target.host, target.port),
+                Penalties(limits.penalty_per_failure, limits.penalty_threshold),
+            )
+            host = self._hosts[target] = _HostPool(target, self._backends[name], penalties)
         if self._maintenance is None:
             self._maintenance = asyncio.create_task(self._maintain())
         return host

@@ -28,6 +28,14 @@ class Limits:
     breaker_threshold: int = 3
     breaker_backoff: float = 1.0
     breaker_backoff_max: float = 30.0
+    # A refused login (an account sshd does not let in) opens the breaker at once for this
+    # back-off, doubling to the cap: retrying soon fails again and costs sshd penalty time.
+    auth_backoff: float = 10.0
+    auth_backoff_max: float = 300.0
+    # sshd's PerSourcePenalties as the pool assumes it (OpenSSH's defaults authfail:5, min:15):
+    # logins that may be refused are spaced so that refusals never reach the threshold.
+    penalty_per_failure: float = 5.0
+    penalty_threshold: float = 15.0
     # False reproduces the connection-per-request design (one command per connection, then
     # close) for comparisons; pair it with max_sessions=1 and a wide handshake gate.
     reuse: bool = True
