@@ -811,6 +811,20 @@ class Pool:
         Raises PoolTimeout, PoolFull, HostUnavailable, ConnectError or TimeoutError."""
         await self._host(target).kill(pgid)
 
+    async def discard(self, target: Target) -> int:
+        """Close `target`'s connections now, with whatever still runs on them (the API revokes
+        an identity this way, after killing its commands): its waiters fail with PoolTimeout
+        and its next call starts afresh, with a new login. Kills already under way get up to
+        KILL_TIMEOUT to finish first. Returns how many connections it closed."""
+        host = self._hosts.pop(target, None)
+        if host is None:
+            return 0
+        closed = sum(1 for c in host.conns if c.conn.is_alive())
+        if host.tasks:
+            await asyncio.wait(list(host.tasks), timeout=KILL_TIMEOUT)
+        await asyncio.shield(host.close())
+        return closed
+
     def stats(self) -> dict[Target, dict[str, Any]]:
         """Per target: connections, channels in use, waiters, handshakes in flight, counters.
         Keyed by the Target itself: two targets that differ only in key or limits stay apart."""

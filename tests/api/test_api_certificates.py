@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import tempfile
 import tomllib
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -170,3 +171,37 @@ def test_doctor_logs_in_with_a_certificate_and_names_what_to_check_when_refused(
     assert "the CA is not trusted" in auth.detail and untrusted.certificates is not None
     assert untrusted.certificates.ca.fingerprint in auth.detail
     assert "PerSourcePenaltyExemptList" in auth.detail and "clocks" in auth.detail
+
+
+async def test_no_user_key_material_on_disk_after_a_run(
+    stock_host: LocalHost,
+    secret_file: Path,
+    secret: str,
+    keys: Keys,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Jobs as certificate logins on all three backends leave no private key and no
+    certificate in the API's data dir or its temporary directory (a private one, so that other
+    programs' files cannot hide a leak or fake one)."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    path = tmp_path / "sshapi.toml"
+    path.write_text(cert_config(stock_host, secret_file, keys))
+    settings = make_settings(tmp_path, path, "sqlite", None)
+    for backend in ("asyncssh", "paramiko", "ssh2"):
+        settings = settings.model_copy(update={"backend": backend})
+        async with running_api(settings, keys, secret) as api:
+            r = await run_as(api, f"k-{backend}", ["id", "-un"], **{CLAIM: stock_host.username})
+            assert r.json()["stdout"].strip() == stock_host.username, r.text
+    scanned = 0
+    for root in (settings.data_dir, temp):
+        for file in Path(root).rglob("*"):
+            if file.is_file():
+                scanned += 1
+                data = file.read_bytes()
+                assert b"PRIVATE KEY" not in data, file
+                assert b"-cert-v01@openssh.com" not in data, file
+    assert scanned > 0  # the store's database at least
