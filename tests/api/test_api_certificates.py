@@ -196,12 +196,17 @@ async def test_no_user_key_material_on_disk_after_a_run(
         async with running_api(settings, keys, secret) as api:
             r = await run_as(api, f"k-{backend}", ["id", "-un"], **{CLAIM: stock_host.username})
             assert r.json()["stdout"].strip() == stock_host.username, r.text
+    assert scan_for_keys(Path(settings.data_dir), temp) > 0  # the store's database at least
+
+
+def scan_for_keys(*roots: Path) -> int:
+    """Assert no file under `roots` holds a private key or a certificate; how many were read."""
     scanned = 0
-    for root in (settings.data_dir, temp):
-        for file in Path(root).rglob("*"):
+    for root in roots:
+        for file in root.rglob("*"):
             if file.is_file():
                 scanned += 1
                 data = file.read_bytes()
                 assert b"PRIVATE KEY" not in data, file
                 assert b"-cert-v01@openssh.com" not in data, file
-    assert scanned > 0  # the store's database at least
+    return scanned
