@@ -8,7 +8,7 @@ import asyncio
 import re
 import tempfile
 import tomllib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from api.doctor import Finding, check_host
 from api.settings import Settings
 from sshpool import Pool
 from sshpool.devhost import LocalHost
+from sshpool.devhost.accounts import ensure_accounts
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -87,6 +88,29 @@ async def test_caller_runs_as_the_account_their_token_names(
     assert job["stdout"].strip() == stock_host.username
     log = stock_host.log_tail(200)
     assert re.search(rf"ID researcher-7@{LOCAL_ISS}/\S+/\d+ \(serial \d+\)", log), log[-2000:]
+
+
+async def test_each_researcher_runs_as_their_own_account_and_never_another(
+    make_host: Callable[..., LocalHost],
+    secret_file: Path,
+    secret: str,
+    keys: Keys,
+    tmp_path: Path,
+) -> None:
+    """Two real accounts on one root sshd: alice's token runs as alice, bob's as bob; a token
+    naming alice signed for bob's subject still runs as alice only (the claim decides, and the
+    certificate names that account alone)."""
+    alice, bob = (a.name for a in ensure_accounts(2, data_dir=tmp_path / "accounts"))
+    host = make_host("stock", researchers=True)
+    path = tmp_path / "sshapi.toml"
+    path.write_text(cert_config(host, secret_file, keys))
+    async with running_api(make_settings(tmp_path, path, "sqlite", None), keys, secret) as api:
+        for sub, account in (("alice-sub", alice), ("bob-sub", bob), ("bob-sub", alice)):
+            r = await run_as(api, sub, ["sh", "-c", "id -un; echo $HOME"], **{CLAIM: account})
+            assert r.json()["stdout"].split() == [account, f"/home/{account}"], r.text
+    log = host.log_tail(400)
+    assert re.search(rf"Accepted publickey for {alice} .* ID alice-sub@{LOCAL_ISS}/", log)
+    assert re.search(rf"Accepted publickey for {bob} .* ID bob-sub@{LOCAL_ISS}/", log)
 
 
 HOSTILE_CLAIMS: list[Any] = [
