@@ -28,7 +28,7 @@ from api.local import (
     write_local_config,
 )
 from api.settings import Settings
-from sshpool import Pool, SSHPoolError
+from sshpool import ExecMode, Pool, SSHPoolError
 
 if TYPE_CHECKING:
     from api.store import migrate
@@ -252,6 +252,13 @@ def dev(
             max=9999,
         ),
     ] = 0,
+    exec_mode: Annotated[
+        ExecMode,
+        typer.Option(
+            help="How the API runs commands on the local host: a channel each, or through one "
+            "executor per connection (agent)."
+        ),
+    ] = "channel",
 ) -> None:
     """Start the local HPC host (sshd, tuned profile) and the API on 127.0.0.1; print a token,
     the exports the client commands need (SSHAPI_URL, SSHAPI_TOKEN) and a curl command. Ctrl-C
@@ -282,7 +289,8 @@ def dev(
         # Left as a plain configuration file: `sshapi serve`, `sshapi token` and `sshapi hosts
         # check` read it later without the dev rig.
         hpc = local_certificate_host_config(host, host.user_ca_key) if names else None
-        config = default_config(local_host_config(host, slurm=slurm), hpc)
+        local = local_host_config(host, slurm=slurm, exec_mode=exec_mode)
+        config = default_config(local, hpc)
         write_local_config(settings.data_dir, config)
         account = names[0] if names else None
         tok = local_token(settings, config, sub, ["jobs:read", "jobs:write"], 24 * 3600.0, account)
@@ -295,7 +303,8 @@ def dev(
         base = f"http://127.0.0.1:{port}"
         typer.echo(
             f"\nLocal HPC host: {host.username}@{host.address}:{host.port} (sshd, tuned profile"
-            + (", single-node Slurm)" if slurm else ")")
+            + (", single-node Slurm" if slurm else "")
+            + (", agent mode)" if exec_mode == "agent" else ")")
             + f"\nAPI:            {base}  (docs: {base}/docs)\n\n"
             + (f"Accounts:       {names[0]} ... {names[-1]} on host `hpc`\n\n" if names else "")
             + f"Token for {sub!r}"

@@ -293,6 +293,11 @@ class HostConfig(Strict):
     description: str = ""
     # The SSH library for this host; unset: SSHAPI_BACKEND.
     backend: Literal["asyncssh", "paramiko", "ssh2"] | None = None
+    # How commands reach the host: a session channel each, or one resident executor per
+    # connection ("agent": the login shell runs once per connection; docs/pool.md#agent-mode).
+    exec_mode: Literal["channel", "agent"] = "channel"
+    # Agent mode's interpreter on the host (3.6 or newer), found in the login shell's PATH.
+    agent_python: str = Field(default="python3", min_length=1, max_length=256)
     # sshpool's own Limits, validated by pydantic: unknown keys and bad values are refused.
     limits: Limits = Field(default_factory=Limits)
     # Set: the host accepts batch jobs (`batch` in POST /v1/jobs).
@@ -399,6 +404,8 @@ class HostConfig(Strict):
             known_hosts=self.known_hosts,
             limits=limits,
             backend=self.backend,
+            exec_mode=self.exec_mode,
+            agent_python=self.agent_python,
             ca=certs.ca,
             identity=identity or "sshapi",
         )

@@ -36,7 +36,7 @@ from api.config import (
     load_config,
 )
 from api.settings import Settings, read_secret_file
-from sshpool import Limits
+from sshpool import ExecMode, Limits
 
 LOCAL_AUDIENCE = "sshapi"
 # The claim naming the caller's account in local tokens (as Keycloak's and most IdPs' tokens).
@@ -136,9 +136,12 @@ def local_certificate_host_config(host: LocalSshd, ca_key: str) -> HostConfig:
     )
 
 
-def local_host_config(host: LocalSshd, *, slurm: bool = False) -> HostConfig:
+def local_host_config(
+    host: LocalSshd, *, slurm: bool = False, exec_mode: ExecMode = "channel"
+) -> HostConfig:
     """The started local host as configuration (with a scheduler when Slurm runs beside it)."""
     return HostConfig(
+        exec_mode=exec_mode,
         hostname=host.address,
         port=host.port,
         username=host.username,

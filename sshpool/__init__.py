@@ -30,7 +30,7 @@ from sshpool.errors import (
     SSHPoolError,
 )
 from sshpool.pool import Pool
-from sshpool.target import Limits, Target
+from sshpool.target import ExecMode, Limits, Target
 
 __all__ = [
     "AuthenticationFailed",
@@ -42,6 +42,7 @@ __all__ = [
     "ConnectionLost",
     "Credentials",
     "DirEntry",
+    "ExecMode",
     "FileAttrs",
     "FileType",
     "HostKeyMismatch",

@@ -58,6 +58,7 @@ from collections.abc import (
 )
 from typing import Any, TypeVar
 
+from sshpool.agent import AgentConnection, start_agent
 from sshpool.backends import Backend, Connection, Exit, load_backend
 from sshpool.backends.base import SFTPSession
 from sshpool.breaker import Breaker, Penalties
@@ -72,6 +73,7 @@ from sshpool.command import (
     wrap,
 )
 from sshpool.errors import (
+    AgentUnavailable,
     AuthenticationFailed,
     ChannelRefused,
     CommandTimeout,
@@ -109,6 +111,7 @@ class _Conn:
 
     __slots__ = (
         "capacity",
+        "ceiling",
         "clean_opens",
         "conn",
         "connect_time",
@@ -124,6 +127,8 @@ class _Conn:
     def __init__(self, conn: Connection, capacity: int, now: float, connect_time: float) -> None:
         self.conn = conn
         self.capacity = capacity
+        # What capacity grows back to: max_sessions, or agent_max_commands on an executor.
+        self.ceiling = capacity
         self.in_use = 0
         self.created = now
         self.idle_since = now
@@ -166,14 +171,16 @@ class _Lease:
 
     async def exec(
         self,
-        line: str,
+        command: str | Sequence[str],
         stdin: bytes | None,
         max_output: int,
         on_started: Callable[[int], None] | None,
         on_output: Callable[[OutputStream, bytes], None] | None = None,
     ) -> Exit:
-        """Run `line` on this slot. A lost connection counts as started once the command
-        reported its process group, and carries that group."""
+        """Run `command` (a shell line, or argv) on this slot. A lost connection counts as
+        started once the command reported its process group, and carries that group. On an
+        executor (agent mode) argv starts with no shell; anything else goes through the login
+        shell behind the marker line (module docstring of sshpool.command)."""
 
         def started() -> None:
             self.t_started = time.perf_counter()
@@ -184,11 +191,24 @@ class _Lease:
         if on_output is not None:
             on_out = functools.partial(on_output, "stdout")
             on_err = functools.partial(on_output, "stderr")
-        marker = new_marker()
-        out = self.out = Capture(max_output, marker=marker, on_start=started, on_data=on_out)
-        self.err = Capture(max_output, on_data=on_err)
+        conn = self.conn.conn
+        if isinstance(conn, AgentConnection) and not isinstance(command, str):
+            out = self.out = Capture(max_output, on_data=on_out)
+            self.err = Capture(max_output, on_data=on_err)
+
+            def on_pgid(pgid: int | None) -> None:
+                out.pgid = pgid if pgid is not None and pgid > 1 else None
+                started()
+
+            run = conn.run_argv(command, stdin, out, self.err, on_pgid)
+        else:
+            line = command if isinstance(command, str) else command_line(command)
+            marker = new_marker()
+            out = self.out = Capture(max_output, marker=marker, on_start=started, on_data=on_out)
+            self.err = Capture(max_output, on_data=on_err)
+            run = conn.exec(wrap(line, marker), stdin, out, self.err)
         try:
-            return await self.conn.conn.exec(wrap(line, marker), stdin, out, self.err)
+            return await run
         except ConnectionLost as exc:
             exc.started = exc.started or out.pgid is not None
             exc.remote_pgid = out.pgid
@@ -318,6 +338,9 @@ class _HostPool:
         self.counters: Counter[str] = Counter()
         self.tasks: set[asyncio.Task[Any]] = set()
         self.loop = asyncio.get_running_loop()
+        # Agent mode until a connection finds no usable python3 (then channels, for good).
+        self.agent = target.exec_mode == "agent"
+        self.agent_error: str | None = None
 
     # ---- state changes: synchronous, no awaits ----
 
@@ -441,7 +464,7 @@ class _HostPool:
     def _regrow(self, c: _Conn) -> None:
         """A clean channel open: after REGROW_AFTER of them a shrunk connection grows by one."""
         c.clean_opens += 1
-        if c.capacity < self.limits.max_sessions and c.clean_opens >= REGROW_AFTER:
+        if c.capacity < c.ceiling and c.clean_opens >= REGROW_AFTER:
             c.capacity += 1
             c.clean_opens = 0
 
@@ -495,6 +518,7 @@ class _HostPool:
         start = time.perf_counter()
         try:
             conn = await self._handshake()
+            conn, slots = await self._with_agent(conn)
         except SSHPoolError as exc:
             self.connecting -= 1
             self.sshd.connected(False)
@@ -524,9 +548,47 @@ class _HostPool:
         self.counters["connects"] += 1
         self.breaker.success()
         self.trusted = True
-        self.conns.append(_Conn(conn, self.limits.max_sessions, now, time.perf_counter() - start))
+        self.conns.append(_Conn(conn, slots, now, time.perf_counter() - start))
         self._connected(None)
         return None
+
+    async def _with_agent(self, conn: Connection) -> tuple[Connection, int]:
+        """In agent mode, `conn` with its executor started, and the commands it may run at
+        once. A host without a usable python3 turns this pool to channel mode, with one log
+        line; a connection lost meanwhile is a failed connect."""
+        if not self.agent:
+            return conn, self.limits.max_sessions
+        n = self.limits.agent_max_commands
+        try:
+            # Two more for the executor than the pool leases: kills of timed-out commands.
+            agent = await start_agent(
+                conn,
+                n + 2,
+                python=self.target.agent_python,
+                timeout=self.limits.agent_start_timeout,
+            )
+        except AgentUnavailable as exc:
+            if not conn.is_alive():
+                await conn.close()
+                raise ConnectionLost(str(exc), started=False) from None
+            if self.agent:
+                self.agent = False
+                self.agent_error = str(exc)
+                log.warning(
+                    "%s: %s; this host's commands run as channels instead", self.target, exc
+                )
+            return conn, self.limits.max_sessions
+        except BaseException:
+            await conn.close()
+            raise
+        if agent.preamble:
+            log.warning(
+                "the login printed %d bytes before the executor started (not output): %r",
+                len(agent.preamble),
+                agent.preamble[:200],
+            )
+        self.counters["agents_started"] += 1
+        return agent, n
 
     async def acquire(self, deadline: float | None, tenant: Hashable = None) -> _Conn:
         if not self.waiters:
@@ -752,6 +814,8 @@ class _HostPool:
         return {
             "target": str(self.target),
             "backend": self.backend.name,
+            "exec_mode": "agent" if self.agent else "channel",
+            "agent_error": self.agent_error,
             "connections": len(live),
             "channels_in_use": sum(c.in_use for c in self.conns),
             "capacity": sum(c.capacity for c in live if not c.expired),
@@ -870,7 +934,8 @@ class Pool:
         `Capture`). The command's own output comes after the start (the wrapper's marker line),
         so the pool's one retry of a connection lost before the start repeats none of it.
         """
-        line = command if isinstance(command, str) else command_line(command)
+        if not isinstance(command, str):
+            command_line(command)  # refuse an empty argv or a NUL before taking a slot
         host = await self._host(target)
         # Stage timings use perf_counter: uvloop's loop.time() only ticks in milliseconds.
         t0 = time.perf_counter()
@@ -880,7 +945,7 @@ class Pool:
             try:
                 async with host.lease(deadline, since=t0, tenant=tenant) as lease:
                     async with asyncio.timeout(timeout):
-                        end = await lease.exec(line, stdin, max_output, on_started, on_output)
+                        end = await lease.exec(command, stdin, max_output, on_started, on_output)
             except TimeoutError:
                 # The lease killed the remote group before letting go of the slot.
                 result = lease.result(None)

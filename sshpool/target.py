@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from sshpool.certificates import Credentials, UserCA
+
+# How commands reach the host: a session channel each ("channel"), or one resident executor
+# per connection that runs them all ("agent", sshpool.agent; docs/pool.md).
+ExecMode = Literal["channel", "agent"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,12 +50,18 @@ class Limits:
     # False: the handshake gate and the connection count per account instead of per sshd, and a
     # dropped handshake retried once (the pool before issue 29), for comparisons.
     per_sshd: bool = True
+    # Agent mode (Target.exec_mode "agent"): commands one executor runs at once per connection
+    # (it takes two more, for kills), and how long its start (the login shell, python3) may take.
+    agent_max_commands: int = 32
+    agent_start_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         if min(self.max_connections, self.max_sessions, self.max_handshakes) < 1:
             raise ValueError("max_connections, max_sessions and max_handshakes must be >= 1")
         if self.max_total_connections < 1:
             raise ValueError("max_total_connections must be >= 1")
+        if self.agent_max_commands < 1:
+            raise ValueError("agent_max_commands must be >= 1")
         if not 0 <= self.min_connections <= self.max_connections:
             raise ValueError("min_connections must be between 0 and max_connections")
 
@@ -73,6 +84,9 @@ class Target:
     limits: Limits = field(default_factory=Limits)
     # The SSH library for this host ("asyncssh", "paramiko", "ssh2"); None: the pool's own.
     backend: str | None = None
+    exec_mode: ExecMode = "channel"
+    # The interpreter agent mode starts on the host (looked up in the login shell's PATH).
+    agent_python: str = "python3"
     ca: UserCA | None = None
     identity: str = ""
 
@@ -96,4 +110,7 @@ class Target:
 
     def __str__(self) -> str:
         where = f"{self.username}@{self.host}:{self.port}"
-        return f"{where} ({self.backend})" if self.backend else where
+        how = ", ".join(
+            x for x in (self.backend, "agent" if self.exec_mode == "agent" else "") if x
+        )
+        return f"{where} ({how})" if how else where

@@ -53,7 +53,7 @@ from typing import Any, NamedTuple, TypeVar
 from sshpool.backends import translate
 from sshpool.backends.base import DirEntry, Exit, FileAttrs
 from sshpool.backends.translate import describe
-from sshpool.command import Capture
+from sshpool.command import Capture, Feed
 from sshpool.errors import (
     AuthenticationFailed,
     ChannelRefused,
@@ -372,7 +372,7 @@ class Ssh2Connection:
             raise ChannelRefused(f"channel refused: {describe(exc)}") from exc
 
     async def exec(
-        self, command: str, stdin: bytes | None, stdout: Capture, stderr: Capture
+        self, command: str, stdin: bytes | Feed | None, stdout: Capture, stderr: Capture
     ) -> Exit:
         pending = _Pending()
         chan: Any = None
@@ -406,10 +406,20 @@ class Ssh2Connection:
         return Exit(status=chan.get_exit_status())
 
     async def _drain(
-        self, chan: Any, stdin: bytes | None, stdout: Capture, stderr: Capture, pending: _Pending
+        self,
+        chan: Any,
+        stdin: bytes | Feed | None,
+        stdout: Capture,
+        stderr: Capture,
+        pending: _Pending,
     ) -> None:
-        """Write stdin then EOF while reading stdout and stderr, until the remote EOF."""
-        data = stdin or b""
+        """Write stdin then EOF while reading stdout and stderr, until the remote EOF. A Feed
+        is sent as it is written to (it wakes this loop), EOF once it is closed."""
+        feed = stdin if isinstance(stdin, Feed) else None
+        data = stdin if isinstance(stdin, bytes) else b""
+        eof_due = feed is None
+        if feed is not None:
+            feed.subscribe(self._wake)
         sent = 0
         eof_sent = False
         while True:
@@ -424,12 +434,15 @@ class Ssh2Connection:
             if chan.eof():  # remote EOF, and nothing left queued for this channel
                 await self._flush_pending(pending)
                 return
+            if feed is not None and sent == len(data) and not eof_sent:
+                data, eof_due = feed.take(CHUNK * 16)
+                sent = 0
             if sent < len(data):
                 # After EAGAIN the same offset must be offered again (see _Pending).
                 _, written = self._attempt(chan.write, data[sent : sent + CHUNK], pending=pending)
                 sent += written
                 busy = busy or written > 0
-            elif not eof_sent:
+            elif eof_due and not eof_sent:
                 eof_sent = not _eagain(self._attempt(chan.send_eof, pending=pending))
                 busy = busy or eof_sent
             if busy:
