@@ -26,7 +26,6 @@ import tomli_w
 
 from api.config import LOCAL_ISSUER as LOCAL_ISSUER  # re-exported: loadtests, tests use it
 from api.config import (
-    CertificateCredentials,
     Config,
     HostConfig,
     IssuerConfig,
@@ -35,6 +34,7 @@ from api.config import (
     SshdLimits,
     load_config,
 )
+from api.credentials import CertificateCredentials
 from api.settings import Settings, read_secret_file
 from sshpool import ExecMode, Limits
 
