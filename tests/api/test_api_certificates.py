@@ -9,6 +9,7 @@ import re
 import tempfile
 import tomllib
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -234,3 +235,24 @@ def scan_for_keys(*roots: Path) -> int:
                 assert b"PRIVATE KEY" not in data, file
                 assert b"-cert-v01@openssh.com" not in data, file
     return scanned
+
+
+async def test_an_idle_researcher_connection_closes_and_the_next_login_mints_anew(
+    stock_host: LocalHost, secret_file: Path, keys: Keys, tmp_path: Path
+) -> None:
+    """A certificate host's targets take its short per-account idle_timeout and keep no
+    connection open; after the idle close the next job logs in with a new certificate."""
+    path = tmp_path / "sshapi.toml"
+    path.write_text(cert_config(stock_host, secret_file, keys))
+    host = load_config(path).hosts["hpc"]
+    target = host.target(identity="idle-test")
+    assert (target.limits.idle_timeout, target.limits.min_connections) == (5.0, 0)
+    quick = replace(target, limits=replace(target.limits, idle_timeout=0.5))
+    async with Pool() as pool:
+        await pool.run(quick, ["true"], timeout=10)
+        await asyncio.sleep(2.5)  # idle past 0.5 s: the maintenance pass closes it
+        assert pool.stats()[quick]["connections"] == 0
+        await pool.run(quick, ["true"], timeout=10)
+        assert pool.stats()[quick]["counters"]["connects"] == 2
+    ids = re.findall(r"ID idle-test/\S+/(\d+) ", stock_host.log_tail(200))
+    assert len(set(ids)) >= 2, ids  # two certificates, two serials
