@@ -321,6 +321,8 @@ class HostConfig(Strict):
                 known_hosts=self.known_hosts,
                 limits=self.limits,
                 backend=self.backend,
+                exec_mode=self.exec_mode,
+                agent_python=self.agent_python,
             )
         limits = replace(self.limits, idle_timeout=certs.idle_timeout, min_connections=0)
         return Target(
