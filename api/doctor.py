@@ -76,6 +76,26 @@ async def diagnose(config: Config, settings: Settings, timeout: float = 10.0) ->
     return found
 
 
+def _auth_advice(name: str, host: HostConfig) -> str:
+    """What to check when sshd refused the login, in the order it most often is."""
+    certs = host.certificates
+    if certs is None:
+        return (
+            f"install the public key of {', '.join(host.client_keys)} in "
+            f"~{host.username}/.ssh/authorized_keys on the host, or fix [hosts.{name}] username"
+        )
+    return (
+        f"sshd refused a fresh certificate for {host.username!r} (sshd's log says which of "
+        f"these): the CA is not trusted (TrustedUserCAKeys must hold the public key of "
+        f"{certs.ca_key}, fingerprint {certs.ca.fingerprint}); the principal is refused (the "
+        f"account {host.username!r} must exist and AuthorizedPrincipalsFile, if set, must list "
+        f"it); the clocks differ by more than 60 s (certificates are back-dated 60 s and valid "
+        f"{certs.cert_ttl:g} s: run NTP on both); source-address {certs.source_address or 'any'}"
+        " does not include this machine; or the API's address is penalised after failed logins "
+        "(OpenSSH >= 9.8 PerSourcePenalties: exempt it with PerSourcePenaltyExemptList)"
+    )
+
+
 async def check_host(
     pool: Pool,
     name: str,
@@ -119,18 +139,15 @@ async def check_host(
         return found
     except AuthenticationFailed as exc:
         add("host key", "ok", f"known ({host.known_hosts})")
-        add(
-            "auth",
-            "FAIL",
-            f"{exc}: install the public key of {', '.join(host.client_keys)} in "
-            f"~{host.username}/.ssh/authorized_keys on the host, or fix [hosts.{name}] username",
-        )
+        add("auth", "FAIL", f"{exc}: {_auth_advice(name, host)}")
         return found
     except (ConnectTimeout, SSHPoolError) as exc:
         add("connect", "FAIL", f"{type(exc).__name__}: {exc}")
         return found
     add("host key", "ok", f"known ({host.known_hosts})")
-    add("auth", "ok", f"{host.username} with {', '.join(host.client_keys)}")
+    certs = host.certificates
+    how = f"a certificate of CA {certs.ca.fingerprint}" if certs else ", ".join(host.client_keys)
+    add("auth", "ok", f"{host.username} with {how}")
 
     runs: list[CommandResult] = []
     times: list[float] = []

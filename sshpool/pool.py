@@ -61,7 +61,7 @@ from typing import Any, TypeVar, cast
 from sshpool.agent import AgentConnection, start_agent
 from sshpool.backends import Backend, Connection, Exit, load_backend
 from sshpool.backends.base import SFTPSession
-from sshpool.breaker import Breaker
+from sshpool.breaker import Breaker, Penalties
 from sshpool.budget import Sshd
 from sshpool.cluster import Router
 from sshpool.command import (
@@ -329,7 +329,13 @@ class _HostPool:
             self.limits.breaker_threshold,
             self.limits.breaker_backoff,
             self.limits.breaker_backoff_max,
+            self.limits.auth_backoff,
+            self.limits.auth_backoff_max,
         )
+        # Refused logins of every account of this sshd; this account may add one only while
+        # it is not known good (it never logged in, or sshd refused it since).
+        self.penalties = sshd.penalties
+        self.trusted = False
         self.counters: Counter[str] = Counter()
         self.tasks: set[asyncio.Task[Any]] = set()
         self.loop = asyncio.get_running_loop()
@@ -375,11 +381,12 @@ class _HostPool:
         min_connections open while the sshd has room. Asked by the sshd before each grant."""
         lim = self.limits
         opened = len(self.conns) + self.connecting
-        if (
-            self.retired
-            or opened >= lim.max_connections
-            or not self.breaker.may_try(self.loop.time())
-        ):
+        now = self.loop.time()
+        if self.retired or opened >= lim.max_connections or not self.breaker.may_try(now):
+            return False
+        if not self.trusted and (self.connecting or not self.penalties.allows(now)):
+            # An account not known good may be refused: one login at a time, and only while
+            # one more refusal stays under the sshd's penalty threshold (`Penalties`).
             return False
         if self.connecting * lim.max_sessions < len(self.waiters):
             return True
@@ -530,7 +537,12 @@ class _HostPool:
             self.connecting -= 1
             self.sshd.connected(False)
             self.counters["connects_failed"] += 1
-            self.breaker.failure(self.loop.time())
+            if isinstance(exc, AuthenticationFailed):
+                self.trusted = False
+                self.penalties.failure(self.loop.time())
+                self.breaker.auth_failure(self.loop.time())
+            else:
+                self.breaker.failure(self.loop.time())
             log.warning("connect to %s failed: %s", self.target, exc)
             live = any(c.conn.is_alive() and not c.expired for c in self.conns)
             if isinstance(exc, (AuthenticationFailed, HostKeyMismatch)) or (
@@ -549,6 +561,7 @@ class _HostPool:
         self.sshd.connected(True)
         self.counters["connects"] += 1
         self.breaker.success()
+        self.trusted = True
         self.conns.append(_Conn(conn, slots, now, time.perf_counter() - start))
         self._connected(None)
         return None
@@ -783,6 +796,19 @@ class _HostPool:
         conns, self.conns = self.conns, []
         await asyncio.gather(*(c.conn.close() for c in conns), return_exceptions=True)
 
+    async def discard(self) -> int:
+        """Close every connection now (see `Pool.discard`), through the sshd's budget like any
+        close; the account stays a member of its sshd, with its breaker."""
+        self._fail_waiters(PoolTimeout(f"{self.target}: its connections were closed"))
+        if self.tasks:
+            await asyncio.wait(list(self.tasks), timeout=KILL_TIMEOUT)
+        conns, self.conns = self.conns, []
+        for c in conns:
+            c.expired = True
+        await asyncio.gather(*(self._close(c) for c in conns), return_exceptions=True)
+        self.counters["discarded"] += len(conns)
+        return len(conns)
+
     def maintain(self) -> None:
         """Expire old connections, close idle ones beyond min_connections, top up the minimum."""
         now = self.loop.time()
@@ -868,7 +894,9 @@ class Pool:
         (once per pool) and its port; a target with per_sshd=False has one of its own."""
         lim = target.limits
         if not lim.per_sshd:
-            return Sshd(str(target), lim.max_handshakes, math.inf)
+            own = Sshd(str(target), lim.max_handshakes, math.inf)
+            own.penalties = Penalties(lim.penalty_per_failure, lim.penalty_threshold)
+            return own
         name = (target.host, target.port)
         resolved = self._addresses.get(name)
         if resolved is None:
@@ -880,6 +908,7 @@ class Pool:
         if sshd is None:
             where = f"[{address}]:{target.port}" if ":" in address else f"{address}:{target.port}"
             sshd = self._sshds[key] = Sshd(where, lim.max_handshakes, lim.max_total_connections)
+            sshd.penalties = Penalties(lim.penalty_per_failure, lim.penalty_threshold)
         return sshd
 
     async def _maintain(self) -> None:
@@ -1037,6 +1066,20 @@ class Pool:
                 raise ValueError(f"{target}: kill on a cluster needs one of its nodes")
             target = target.node_target(node)
         await (await self._host(target)).kill(pgid)
+
+    async def discard(self, target: Target) -> int:
+        """Close `target`'s connections now, with whatever still runs on them (the API revokes
+        an identity this way, after killing its commands): its waiters fail with PoolTimeout
+        and its next call starts afresh, with a new login. Kills already under way get up to
+        KILL_TIMEOUT to finish first. Returns how many connections it closed. A cluster's:
+        on every node."""
+        if target.nodes:
+            closed = [await self.discard(target.node_target(n)) for n in target.nodes]
+            return sum(closed)
+        host = self._hosts.get(target)
+        if host is None:
+            return 0
+        return await asyncio.shield(host.discard())
 
     # ---- login-node clusters (sshpool.cluster)
 

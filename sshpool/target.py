@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from sshpool.certificates import Credentials, UserCA
+
 # How commands reach the host: a session channel each ("channel"), or one resident executor
 # per connection that runs them all ("agent", sshpool.agent; docs/pool.md).
 ExecMode = Literal["channel", "agent"]
@@ -34,6 +36,14 @@ class Limits:
     breaker_threshold: int = 3
     breaker_backoff: float = 1.0
     breaker_backoff_max: float = 30.0
+    # A refused login (an account sshd does not let in) opens the breaker at once for this
+    # back-off, doubling to the cap: retrying soon fails again and costs sshd penalty time.
+    auth_backoff: float = 10.0
+    auth_backoff_max: float = 300.0
+    # sshd's PerSourcePenalties as the pool assumes it (OpenSSH's defaults authfail:5, min:15):
+    # logins that may be refused are spaced so that refusals never reach the threshold.
+    penalty_per_failure: float = 5.0
+    penalty_threshold: float = 15.0
     # False reproduces the connection-per-request design (one command per connection, then
     # close) for comparisons; pair it with max_sessions=1 and a wide handshake gate.
     reuse: bool = True
@@ -68,9 +78,15 @@ class Limits:
 class Target:
     """One account on one SSH host. Equal targets share pooled connections.
 
+    It logs in with its `client_keys` (private key files), or, with `ca` set, with a fresh
+    certificate of that CA per connection (`UserCA.mint(username, identity)`; `client_keys` is
+    then empty). `identity` names on whose behalf (sshd logs it in the certificate's key id);
+    it is part of the pool key, so two identities never share a connection, nor a breaker.
+
     With `nodes`, the host is a cluster of login nodes (`host` is then its name, for messages):
     each command goes to one node (`sshpool.cluster`), as the target `node_target(node)`. A
-    node is ``name`` or ``name:port`` (``[v6]:port``); without a port, `port` applies."""
+    node is ``name`` or ``name:port`` (``[v6]:port``); without a port, `port` applies.
+    """
 
     host: str
     username: str
@@ -83,14 +99,20 @@ class Target:
     exec_mode: ExecMode = "channel"
     # The interpreter agent mode starts on the host (looked up in the login shell's PATH).
     agent_python: str = "python3"
+    ca: UserCA | None = None
+    identity: str = ""
     nodes: tuple[str, ...] = ()
     # False: the nodes do not share file systems, so an account's SFTP sessions always go to
     # the same node (its first by rendezvous over all nodes, healthy or not).
     shared_files: bool = True
 
     def __post_init__(self) -> None:
-        if not self.client_keys:
-            raise ValueError("a target needs at least one client key")
+        if self.ca is None and not self.client_keys:
+            raise ValueError("a target needs at least one client key, or a CA")
+        if self.ca is not None and self.client_keys:
+            raise ValueError("a target logs in with client keys or a CA, not both")
+        if self.ca is not None:
+            self.ca.check_identity(self.identity or self.username)
         if not self.known_hosts:
             # Fail closed: there is no "accept any host key" mode.
             raise ValueError("a target needs a known_hosts file")
@@ -103,6 +125,13 @@ class Target:
         """The target of one node of this cluster: the same account, keys and limits."""
         host, port = split_node(node, self.port)
         return replace(self, host=host, port=port, nodes=())
+
+    def credentials(self) -> Credentials | None:
+        """A fresh key pair and certificate for one connection (None: log in with
+        client_keys). Called by the backends at each connect, never kept."""
+        if self.ca is None:
+            return None
+        return self.ca.mint(self.username, self.identity or self.username)
 
     def __str__(self) -> str:
         where = f"{self.username}@{self.host}:{self.port}"

@@ -50,8 +50,11 @@ from api.store.schema import (
     JOBS,
     LISTED,
     NODE_DRAINS,
+    REVOCATIONS,
     JobRow,
+    Revocation,
     Write,
+    aware,
     job_row,
     utcnow,
 )
@@ -113,7 +116,8 @@ class Store:
 
     async def close(self) -> None:
         if self._writer is not None and self._tasks is not None:
-            if self._tasks.healthy:  # else the writer is gone with the others: nothing commits
+            task = self._writer.task
+            if task is not None and not task.done():  # else nothing would ever commit them
                 await self._writes.join()  # every accepted write is committed (or failed) first
             await self._tasks.stop(self._writer)
             self._writer = None
@@ -369,6 +373,37 @@ class Store:
             select(JOBS).where(c.replica == replica, c.kind == "batch", c.state.in_(ACTIVE))
         )
 
+    # ---- revocations (rare writes: outside the job writer, one statement each)
+
+    async def revoke(self, revocation: Revocation) -> None:
+        async with self._started().begin() as conn:
+            await conn.execute(insert(REVOCATIONS).values(**_fields(revocation)))
+
+    async def revocations(self) -> list[Revocation]:
+        """Every revocation, oldest first."""
+        query = select(REVOCATIONS).order_by(REVOCATIONS.c.id)
+        async with self._started().connect() as conn:
+            rows = [dict(r._mapping) for r in await conn.execute(query)]
+        for row in rows:
+            row["created_at"] = aware(row["created_at"])
+        return [Revocation(**row) for row in rows]
+
+    async def lift(self, revocation_id: str) -> bool:
+        """Delete a revocation; False when there is none of that id."""
+        query = delete(REVOCATIONS).where(REVOCATIONS.c.id == revocation_id)
+        async with self._started().begin() as conn:
+            return bool((await conn.execute(query)).rowcount)
+
+    async def active_of(self, owner: tuple[str, str] | None, account: str | None) -> list[JobRow]:
+        """Active jobs of an identity, or run as an account (their target is `account@...`)."""
+        c = JOBS.c
+        query = select(*LISTED).where(c.state.in_(ACTIVE))
+        if owner is not None:
+            query = query.where(c.owner_iss == owner[0], c.owner_sub == owner[1])
+        if account is not None:
+            query = query.where(c.target.startswith(f"{account}@", autoescape=True))
+        return await self._rows(query)
+
     # ---- drained login nodes (rare writes: outside the job writer, one statement each)
 
     async def drain(self, host: str, node: str, by: tuple[str, str]) -> None:
@@ -394,3 +429,7 @@ class Store:
         query = select(NODE_DRAINS.c.host, NODE_DRAINS.c.node)
         async with self._started().connect() as conn:
             return {(r.host, r.node) for r in await conn.execute(query)}
+
+
+def _fields(revocation: Revocation) -> dict[str, Any]:
+    return {name: getattr(revocation, name) for name in REVOCATIONS.c.keys()}  # noqa: SIM118

@@ -30,12 +30,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import io
 import os
 import select
 import socket
 import threading
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, TypeVar
 
@@ -192,13 +193,27 @@ def _host_keys(path: str) -> Any:
     return host_keys
 
 
-def _authenticate(transport: Any, target: Target, deadline: float) -> None:
-    refused: list[str] = []
+def _keys(target: Target) -> Iterator[tuple[str, Any]]:
+    """(name, paramiko key) of each key to offer, in order; a key file that cannot be loaded is
+    (name, the reason). A certificate login is its one fresh key, loaded from memory."""
+    creds = target.credentials()
+    if creds is not None:
+        key = paramiko.Ed25519Key.from_private_key(io.StringIO(creds.private_key.decode()))
+        key.load_certificate(creds.certificate.decode())
+        yield f"certificate {creds.key_id}", key
+        return
     for path in target.client_keys:
         try:
-            key = paramiko.PKey.from_path(path)
+            yield path, paramiko.PKey.from_path(path)
         except (OSError, paramiko.SSHException, ValueError) as exc:
-            refused.append(f"{path}: cannot load: {exc}")
+            yield path, f"cannot load: {exc}"
+
+
+def _authenticate(transport: Any, target: Target, deadline: float) -> None:
+    refused: list[str] = []
+    for path, key in _keys(target):
+        if isinstance(key, str):
+            refused.append(f"{path}: {key}")
             continue
         transport.auth_timeout = max(0.001, deadline - time.monotonic())
         try:
