@@ -15,8 +15,10 @@ output). Each command is verified for real, by the kind of its program:
 - `pip install 'sshapi[EXTRA]'`: pyproject.toml names the project `sshapi` and has that extra;
 - `curl ...` (console blocks only): run against a real API that this test starts with
   `sshapi dev --slurm` (what `make run` does, plus Slurm for the batch example), with the token
-  `sshapi token` mints for it; every curl shows its expected status (`HTTP/1.1 NNN` below it, with
-  `-i`) or, when its output is captured (`NAME=$(curl -sf ...)`), must succeed and print something.
+  `sshapi token` mints for it in `$TOKEN` and its URL in `$SSHAPI_URL` (commands never name a
+  port: `make run PORT=N` may have moved it); every curl shows its expected status
+  (`HTTP/1.1 NNN` below it, with `-i`) or, when its output is captured (`NAME=$(curl -sf ...)`),
+  must succeed and print something.
 
 A command no check knows fails the test: rewrite the docs rather than show an unchecked command.
 Python blocks must compile and their imports must resolve. Every relative link and #anchor in the
@@ -47,7 +49,6 @@ ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINKED = [*DOCS, ROOT / "RELIABILITY.md"]
-DOC_URL = "http://127.0.0.1:8000"
 # Help output must not be cut or boxed to the terminal's width.
 HELP_ENV = {**os.environ, "COLUMNS": "300", "TERM": "dumb", "NO_COLOR": "1"}
 
@@ -311,10 +312,10 @@ def dev_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevApi]:
 def test_curl_examples(where: tuple[Path, int], dev_api: DevApi) -> None:
     """Run a console block's commands in order, as a reader would paste them; variables a
     command assigns (`LOCATION=$(curl ...)`) carry to the next ones."""
-    env = {**os.environ, "TOKEN": dev_api.token}
+    env = {**os.environ, "TOKEN": dev_api.token, "SSHAPI_URL": dev_api.url}
     for command in [c for c in ALL if (c.path, c.block) == where]:
         assert command.lang == "console", f"{command}\n  curl examples go in console blocks"
-        script = command.text.replace(DOC_URL, dev_api.url)
+        script = command.text
         assignment = re.match(r"^([A-Za-z_][A-Za-z0-9_]*)=\$\(", script)
         if assignment:
             script += f'\nprintf %s "${assignment.group(1)}"'
@@ -425,6 +426,13 @@ def test_index_links_every_page_and_the_readme_is_short() -> None:
     pages = [p.name for p in DOCS if p.parent.name == "docs" and p.name != "index.md"]
     assert [p for p in pages if f"]({p})" not in index] == []
     assert len((ROOT / "README.md").read_text().splitlines()) <= 150
+
+
+def test_no_command_names_a_fixed_api_port() -> None:
+    """`make run PORT=N` moves the API: commands say `$SSHAPI_URL`, which it prints."""
+    port = re.compile(r"(127\.0\.0\.1|localhost):8000")
+    fixed = [str(c) for c in ALL if any(port.search(w) for w in words(c))]
+    assert fixed == []
 
 
 def test_every_command_is_checked() -> None:
