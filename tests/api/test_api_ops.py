@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import tomllib
+from pathlib import Path
 
 from api_helpers import Api
 
@@ -56,6 +58,9 @@ async def test_openapi_documents_the_job_api_with_examples(api: Api) -> None:
     assert {"argv", "command", "template"} <= set(examples)
     assert {"201", "202", "429", "503"} <= set(post["responses"])
     assert "HTTPBearer" in spec["components"]["securitySchemes"]
+    # The /docs badge shows the package's version (it said 1.0.0 while the package was 0.1.0).
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    assert spec["info"]["version"] == pyproject["project"]["version"]
 
 
 async def test_hosts_lists_what_the_caller_may_use(api: Api) -> None:

@@ -439,3 +439,101 @@ def test_every_command_is_checked() -> None:
     """The extraction itself: the docs do show commands, and console output is not taken for one."""
     assert len(ALL) > 20
     assert not [c for c in ALL if c.text.startswith(("HTTP/", "{", "export "))]
+
+
+# --------------------------------------------------------------------------------------------
+# What renders and what is cited.
+
+
+def table_cells(row: str) -> int:
+    """A table row's cell count: pipes inside code spans or escaped do not separate cells."""
+    text = re.sub(r"`[^`]*`", "x", row.strip()).replace("\\|", "x")
+    return len(text.strip("|").split("|"))
+
+
+@pytest.mark.parametrize("path", LINKED, ids=lambda p: str(p.relative_to(ROOT)))
+def test_tables_render_as_tables(path: Path) -> None:
+    """A table is a header, a `|---|` row, then rows of as many cells, after a blank line: rows
+    pasted under a paragraph or another section render as pipe text."""
+    lines = path.read_text().splitlines()
+    broken, fenced, start = [], False, None
+    for number, line in enumerate([*lines, ""], 1):
+        if line.startswith("```"):
+            fenced = not fenced
+        is_row = not fenced and line.lstrip().startswith("|")
+        if is_row and start is None:
+            start = number
+        elif not is_row and start is not None:
+            table = lines[start - 1 : number - 1]
+            where = f"{path.relative_to(ROOT)}:{start}"
+            if start > 1 and lines[start - 2].strip():
+                broken.append(f"{where}: no blank line before the table")
+            if len(table) < 2 or not re.fullmatch(
+                r"\|?( *:?-+:? *\|)+( *:?-+:? *)?", table[1].strip()
+            ):
+                broken.append(f"{where}: no |---| row under the header")
+            widths = {table_cells(row) for row in table}
+            if len(widths) > 1:
+                broken.append(f"{where}: rows of {sorted(widths)} cells")
+            start = None
+    assert not broken, "\n".join(broken)
+
+
+def tracked() -> set[str]:
+    done = run(["git", "ls-files"])
+    assert done.returncode == 0, done.stderr
+    return set(done.stdout.splitlines())
+
+
+@pytest.mark.parametrize("path", LINKED, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_doc_cites_a_file_outside_the_repository(path: Path) -> None:
+    """A reader must be able to open what a page cites. A path in backticks that starts with one
+    of the repository's top-level names exists; every Markdown file named (prose or code) is one
+    of the repository's, or a report the load suite writes (its name is in loadtests/)."""
+    files = tracked()
+    tops = {f.split("/")[0] for f in files}
+    names = {Path(f).name for f in files if f.endswith(".md")}
+    suite = "".join(p.read_text() for p in (ROOT / "loadtests").glob("*.py"))
+    missing = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        for m in re.finditer(r"`([\w.-]+/[^`\s]*)`", line):
+            cited = re.split(r"[#:]| ", m.group(1))[0].rstrip("/.,")
+            placeholder = re.search(r"[*<>{}]", cited)
+            if cited.split("/")[0] in tops and not placeholder and not (ROOT / cited).exists():
+                missing.append(f"{number}: {m.group(1)}")
+        for m in re.finditer(r"[\w./-]*\b[\w-]+\.md\b", line):
+            name = Path(m.group(0)).name
+            if name not in names and f'"{name}"' not in suite:
+                missing.append(f"{number}: {m.group(0)}")
+    assert not missing, f"{path.relative_to(ROOT)} cites what the repository lacks: {missing}"
+
+
+def answered_problem_kinds() -> set[str]:
+    """Every `kind` the API can answer: the literal second argument of each `Problem(...)` in
+    api/ (or every literal in it, `"a" if x else "b"`), and the tables problems.py maps from."""
+    import ast
+
+    from api.problems import BATCH_ERRORS, HTTP_KINDS, SSH_ERRORS
+
+    kinds = {kind for _, kind, _ in SSH_ERRORS.values()} | set(BATCH_ERRORS)
+    kinds |= set(HTTP_KINDS.values())
+    for source in (ROOT / "api").rglob("*.py"):
+        for node in ast.walk(ast.parse(source.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            name = getattr(node.func, "id", getattr(node.func, "attr", None))
+            if name == "Problem" and len(node.args) > 1:
+                for part in ast.walk(node.args[1]):
+                    if isinstance(part, ast.Constant) and isinstance(part.value, str):
+                        kinds.add(part.value)
+    return kinds
+
+
+def test_every_problem_type_the_api_answers_is_listed() -> None:
+    page = (ROOT / "docs" / "http-api.md").read_text()
+    listing = page.split("where kind is one of:", 1)[1].split("\n- **", 1)[0]
+    listed = set(re.findall(r"`([a-z-]+)`", listing))
+    answered = answered_problem_kinds()
+    assert len(answered) > 40  # the collection itself works
+    assert sorted(answered - listed) == []
+    assert sorted(listed - answered) == []
