@@ -255,6 +255,7 @@ def test_command(command: Command, tmp_path: Path) -> None:
 class DevApi:
     url: str
     token: str
+    env: dict[str, str]  # what its own `sshapi` commands need (its data dir)
 
 
 def free_port() -> int:
@@ -294,7 +295,7 @@ def dev_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevApi]:
             text=True,
             check=True,
         )
-        yield DevApi(url, minted.stdout.strip())
+        yield DevApi(url, minted.stdout.strip(), env)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -338,6 +339,28 @@ def test_curl_examples(where: tuple[Path, int], dev_api: DevApi) -> None:
         got = done.stdout.splitlines()[0] if done.stdout else ""
         expected = f"HTTP/1.1 {statuses[0]}"
         assert got.startswith(expected), f"{command}\n  got {got!r}:\n{done.stdout}"
+
+
+def test_the_doctor_example_is_what_doctor_prints(dev_api: DevApi) -> None:
+    """docs/operations.md shows `sshapi doctor` against `sshapi dev --slurm`: the same checks and
+    figures as it prints now, apart from what differs per run (ports, timings, the rig's path,
+    the OpenSSH build)."""
+    page = ROOT / "docs" / "operations.md"
+    [example] = [c for c in commands(page) if words(c)[:2] == ["sshapi", "doctor"] and c.output]
+    done = subprocess.run(
+        [str(BIN / "sshapi"), "doctor"], env=dev_api.env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    rig = str(Path(dev_api.env["SSHAPI_DATA_DIR"])) + "-hosts"
+
+    def steady(line: str) -> str:
+        line = line.replace(rig, "<repo>/.data-hosts")
+        line = re.sub(r"127\.0\.0\.1:\d+", "127.0.0.1:PORT", line)
+        line = re.sub(r"\(SSH-2\.0-[^)]*\)", "(SSH-2.0-...)", line)
+        line = re.sub(r"slurm-wlm [\d.]+", "slurm-wlm N", line)
+        return re.sub(r"[\d.]+ ms", "N ms", line).rstrip()
+
+    assert [steady(o) for o in example.output] == [steady(o) for o in done.stdout.splitlines()]
 
 
 # --------------------------------------------------------------------------------------------
