@@ -363,6 +363,33 @@ def test_the_doctor_example_is_what_doctor_prints(dev_api: DevApi) -> None:
     assert [steady(o) for o in example.output] == [steady(o) for o in done.stdout.splitlines()]
 
 
+@pytest.mark.parametrize("locustfile", ["burst", "sustained"])
+def test_the_load_suite_options_are_documented_with_their_defaults(locustfile: str) -> None:
+    """Locust's --help cannot show a locustfile's options (it prints before loading it): the
+    table in docs/load-suite.md is their help, so it names every one with its default."""
+    script = (
+        f"import loadtests.{locustfile}\n"
+        "from locust.argument_parser import get_parser\n"
+        "for group in get_parser()._action_groups:\n"
+        "    if group.title in ('sshapi load suite', 'burst', 'sustained'):\n"
+        "        for a in group._group_actions:\n"
+        "            d = a.default\n"
+        "            d = ' '.join(map(str, d)) if isinstance(d, list) else d\n"
+        "            print(a.option_strings[0], d, sep='\\t')\n"
+    )
+    done = run([sys.executable, "-c", script])
+    assert done.returncode == 0, done.stderr
+    rows = (ROOT / "docs" / "load-suite.md").read_text().split("\n## Options\n", 1)[1]
+    found = [line.split("\t") for line in done.stdout.splitlines()]
+    assert len(found) > 10
+    missing = [
+        f"{option} (default {default})"
+        for option, default in found
+        if not re.search(rf"^\| `{option}` \|[^|]*\| `{re.escape(default)}` \|", rows, re.M)
+    ]
+    assert missing == []
+
+
 # --------------------------------------------------------------------------------------------
 # Python blocks compile and import what exists.
 
