@@ -232,3 +232,18 @@ def test_write_run_writes_summary_records_report_and_plots(tmp_path: Path) -> No
         assert (tmp_path / png).stat().st_size > 0
         assert png in text
     assert len(summary["stages"]) == 3
+
+
+def test_over_time_breaks_its_lines_across_a_cool_down_and_counts_failures_from_zero() -> None:
+    """Two bursts 5 s apart: before, the p50 line sloped across the idle seconds, and a run
+    without failures drew a failures axis of -0.04..0.04."""
+    from loadtests.plots import over_time_figure
+
+    records = [rec(10.0, t=1000.0), rec(12.0, t=1000.2), rec(40.0, t=1005.0), rec(44.0, t=1005.1)]
+    fig = over_time_figure(records)
+    ax, failures = fig.axes
+    p50 = next(line for line in ax.get_lines() if line.get_label() == "p50")
+    ys = list(p50.get_ydata())
+    assert len(ys) == 3 and math.isnan(ys[1])  # burst, break, burst
+    assert failures.get_ylim()[0] == 0 and failures.get_ylim()[1] >= 1
+    fig.clf()
