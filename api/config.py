@@ -194,7 +194,8 @@ class SshdLimits(Strict):
     per_source_max_startups: int | None = Field(default=None, ge=1)
     # MaxSessions: channels per connection.
     max_sessions: int = Field(default=10, ge=1)
-    # Sessions the account may hold at once (a site limit: pam_limits maxlogins, nproc, policy).
+    # Sessions the sshd may hold at once, all accounts together (a site limit: memory, its
+    # processes; per account: pam_limits maxlogins, nproc, policy).
     max_total_sessions: int | None = Field(default=None, ge=1)
 
 
@@ -234,14 +235,16 @@ class HostConfig(Strict):
             cleaned.append("/".join(parts))
         return cleaned
 
-    def ssh_budget(self, replicas: int) -> list[str]:
-        """Where `replicas` API processes, each with this pool, would exceed the host's limits.
-        Each replica has its own pool, so the host sees the sum: handshakes in flight up to
-        replicas x max_handshakes, which must stay below MaxStartups' first number (beyond it
-        sshd drops connections at random); sessions up to replicas x max_connections x
-        max_sessions. Per connection, max_sessions stays below MaxSessions: the kill of a
-        cancelled command needs a spare channel, and sshd frees a slot only after the command
-        exits."""
+    def ssh_budget(self, replicas: int, accounts: int = 1) -> list[str]:
+        """Where `replicas` API processes, each with this pool, would exceed the host's sshd's
+        limits, counted over the whole sshd: its `accounts` (the pool's handshake gate and
+        connection budget are per sshd, shared by every account reaching it). Each replica has
+        its own pool, so the host sees the sum: handshakes in flight up to replicas x
+        max_handshakes, which must stay below MaxStartups' first number (beyond it sshd drops
+        connections at random); connections up to replicas x min(accounts x max_connections,
+        max_total_connections), each with up to max_sessions sessions. Per connection,
+        max_sessions stays below MaxSessions: the kill of a cancelled command needs a spare
+        channel, and sshd frees a slot only after the command exits."""
         lim, sshd = self.limits, self.sshd
         found = []
         if replicas * lim.max_handshakes >= sshd.max_startups:
@@ -260,10 +263,15 @@ class HostConfig(Strict):
                 f"max_sessions {lim.max_sessions} >= MaxSessions {sshd.max_sessions}: "
                 "no spare channel per connection"
             )
-        sessions = replicas * lim.max_connections * lim.max_sessions
+        held = min(accounts * lim.max_connections, lim.max_total_connections)
+        sessions = replicas * held * lim.max_sessions
         if sshd.max_total_sessions is not None and sessions > sshd.max_total_sessions:
+            if accounts * lim.max_connections <= lim.max_total_connections:
+                connections = f"{accounts} account(s) x max_connections {lim.max_connections}"
+            else:
+                connections = f"max_total_connections {lim.max_total_connections}"
             found.append(
-                f"{replicas} replica(s) x max_connections {lim.max_connections} x max_sessions "
+                f"{replicas} replica(s) x {connections} x max_sessions "
                 f"{lim.max_sessions} = {sessions} > max_total_sessions {sshd.max_total_sessions}"
             )
         return found

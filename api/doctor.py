@@ -12,7 +12,8 @@ Checks, in order (a failed connection step skips the rest for that host):
   shell start + exit); past 20 ms every job pays it (a module system or pyenv in the rc: ~100 ms);
 - sshd limits: MaxSessions / MaxStartups / PerSourceMaxStartups from `sshd -T` on the host when
   the account may run it (usually root only), else the configured `[hosts.X.sshd]` values; the
-  pool limits x SSHAPI_REPLICAS x workers checked against them (HostConfig.ssh_budget);
+  pool limits x SSHAPI_REPLICAS x workers checked against them over the whole sshd, all the
+  accounts the policy maps to the host together (HostConfig.ssh_budget);
 - slurm (hosts with a scheduler): `sbatch --version` and `squeue` answer over SSH.
 """
 
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from api.config import Config, HostConfig, SshdLimits
+from api.policy import Policy
 from api.settings import Settings
 from sshpool import (
     AuthenticationFailed,
@@ -63,13 +65,21 @@ async def diagnose(config: Config, settings: Settings, timeout: float = 10.0) ->
     found: list[Finding] = []
     async with Pool(backend=settings.backend) as pool:
         for name, host in config.hosts.items():
-            found += await check_host(pool, name, host, settings, timeout)
+            accounts = len(Policy(config).targets(name))
+            found += await check_host(pool, name, host, settings, timeout, accounts)
     return found
 
 
 async def check_host(
-    pool: Pool, name: str, host: HostConfig, settings: Settings, timeout: float
+    pool: Pool,
+    name: str,
+    host: HostConfig,
+    settings: Settings,
+    timeout: float,
+    accounts: int = 1,
 ) -> list[Finding]:
+    """`accounts`: how many accounts the policy maps to the host (its sshd's budget counts
+    them all)."""
     found: list[Finding] = []
 
     def add(check: str, status: Status, detail: str) -> None:
@@ -145,7 +155,7 @@ async def check_host(
     else:
         add("shell start", "ok", f"{fastest:.1f} ms for `true` (fastest of {SHELL_START_RUNS})")
 
-    found += await _sshd_limits(pool, name, host, settings, timeout)
+    found += await _sshd_limits(pool, name, host, settings, timeout, accounts)
     if host.scheduler is not None:
         found += await _slurm(pool, name, host, timeout)
     return found
@@ -184,7 +194,7 @@ def parse_sshd_t(text: str, configured: SshdLimits) -> SshdLimits | None:
 
 
 async def _sshd_limits(
-    pool: Pool, name: str, host: HostConfig, settings: Settings, timeout: float
+    pool: Pool, name: str, host: HostConfig, settings: Settings, timeout: float, accounts: int
 ) -> list[Finding]:
     found: list[Finding] = []
     try:
@@ -223,8 +233,11 @@ async def _sshd_limits(
         )
     replicas, workers = processes(settings)
     lim = host.limits
-    budget = host.model_copy(update={"sshd": sshd}).ssh_budget(replicas * workers)
-    procs = f"{replicas} replica(s) x {workers} worker(s) = {replicas * workers} pool(s)"
+    budget = host.model_copy(update={"sshd": sshd}).ssh_budget(replicas * workers, accounts)
+    procs = (
+        f"{replicas} replica(s) x {workers} worker(s) = {replicas * workers} pool(s), "
+        f"{accounts} account(s) on one sshd"
+    )
     for problem in budget:
         found.append(
             Finding(

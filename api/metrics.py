@@ -56,6 +56,57 @@ class PoolCollector(Collector):
         yield from counters.values()
 
 
+class SshdCollector(Collector):
+    """Reads the sshd budgets at scrape time, per configured host name: one sshd is shared by
+    every account (and every host name) reaching it, so these are the sshd's figures, not sums
+    over accounts. Labelled by host only, like the pool's."""
+
+    def __init__(self, stats: Callable[[], dict[str, list[dict[str, Any]]]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Any]:
+        connections = GaugeMetricFamily(
+            "sshpool_sshd_connections",
+            "Connections to the host's sshd, all accounts, by state (busy: a channel in use)",
+            labels=["host", "state"],
+        )
+        gauges = {
+            name: GaugeMetricFamily(f"sshpool_sshd_{name}", text, labels=["host"])
+            for name, text in (
+                ("handshakes_in_flight", "Handshakes in flight to the host's sshd"),
+                ("handshakes_queued", "Accounts waiting for their turn to connect"),
+                ("accounts_holding", "Accounts holding connections to the host's sshd"),
+                ("connections_max", "The most connections held at once"),
+            )
+        }
+        counters = {
+            name: CounterMetricFamily(f"sshpool_sshd_{name}", text, labels=["host"])
+            for name, text in (
+                ("evictions", "Idle connections closed to make room for another account"),
+                ("yields", "Connections an account with a backlog gave up for another account"),
+                ("handshakes_granted", "Handshakes the sshd's gate let through"),
+                ("connection_wait_seconds", "Seconds accounts waited for their turn to connect"),
+            )
+        }
+        for host, sshds in self._stats().items():
+            if not sshds:
+                continue
+            for state in ("busy", "idle", "closing"):
+                value = sum(float(s[f"connections_{state}"]) for s in sshds)
+                connections.add_metric([host, state], value)
+            for name, gauge in gauges.items():
+                gauge.add_metric([host], sum(float(s[name]) for s in sshds))
+            for name, counter in counters.items():
+                if name == "connection_wait_seconds":
+                    value = sum(float(s[name]) for s in sshds)
+                else:
+                    value = sum(float(s["counters"].get(name, 0)) for s in sshds)
+                counter.add_metric([host], value)
+        yield connections
+        yield from gauges.values()
+        yield from counters.values()
+
+
 def _number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
@@ -143,6 +194,10 @@ class Metrics:
     def watch_pool(self, stats: Callable[[], dict[str, list[dict[str, Any]]]]) -> None:
         """`stats()`: host name -> the stats of that host's pools (one per account)."""
         self.registry.register(PoolCollector(stats))
+
+    def watch_sshds(self, stats: Callable[[], dict[str, list[dict[str, Any]]]]) -> None:
+        """`stats()`: host name -> the budgets of the sshds its accounts reach (usually one)."""
+        self.registry.register(SshdCollector(stats))
 
     def watch_trackers(self, trackers: Callable[[], dict[str, Any]]) -> None:
         self.registry.register(TrackerCollector(trackers))

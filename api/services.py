@@ -161,14 +161,24 @@ async def running(
         files = FileService(config, policy, the_pool, quota, metrics)
         for name, host in config.hosts.items():
             # Every worker of every replica has its own pool: the host sees all of them.
-            for problem in host.ssh_budget(settings.replicas * settings.workers):
+            # Counted over the host's sshd: every account the policy maps to it.
+            accounts = len(policy.targets(name))
+            for problem in host.ssh_budget(settings.replicas * settings.workers, accounts):
                 log.warning("SSH budget of host %s: %s", name, problem)
 
         def pools_by_host() -> dict[str, list[dict[str, Any]]]:
             stats = the_pool.stats()
             return {n: [stats[t] for t in policy.targets(n) if t in stats] for n in config.hosts}
 
+        def sshds_by_host() -> dict[str, list[dict[str, Any]]]:
+            sshds = the_pool.sshd_stats()
+            return {
+                name: [sshds[key] for key in sorted({p["sshd"] for p in pools}) if key in sshds]
+                for name, pools in pools_by_host().items()
+            }
+
         metrics.watch_pool(pools_by_host)
+        metrics.watch_sshds(sshds_by_host)
         metrics.watch_trackers(lambda: batch.trackers)
         await batch.start(settings.replica)
         jobs.start(supervisor)

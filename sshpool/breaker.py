@@ -35,6 +35,14 @@ class Breaker:
             return True
         return False
 
+    def may_try(self, now: float) -> bool:
+        """Would `allow(now)` let an attempt through? Changes nothing."""
+        if self.state == "closed":
+            return True
+        if self.state == "open" and now < self._open_until:
+            return False
+        return not self._trial_in_flight
+
     def is_open(self, now: float) -> bool:
         """True while callers should be refused at once instead of queued."""
         return self.state == "open" and now < self._open_until

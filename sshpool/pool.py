@@ -10,10 +10,18 @@ decides what becomes of the slot when the command ends: released after a
 clean exec, shrunk when sshd refused the channel, discarded when the connection failed, and after
 a timeout or cancellation released only once the remote process group was killed.
 
+Every host pool reaches one sshd (`sshpool.budget.Sshd`, shared by all the accounts that reach
+the same address and port): it asks it for each new connection, and the sshd grants handshakes
+in turns, within its gate and its connection budget, closing other accounts' idle connections
+for room.
+
 Invariants of a host pool:
 - 0 <= conn.in_use <= conn.capacity <= limits.max_sessions for every pooled connection;
 - len(conns) + connecting <= limits.max_connections;
-- connecting <= limits.max_handshakes (the handshake gate: stock MaxStartups drops from 10);
+- a connection is opened only when the sshd grants it (`start_connect`): the handshake gate
+  (max_handshakes; stock MaxStartups drops from 10) and max_total_connections are the sshd's;
+- a connection to keep min_connections open is asked for only while the sshd has room
+  without closing another account's; waiters' connections may make room;
 - waiters take turns by tenant (`Pool.run(..., tenant=...)`, `Pool.sftp(..., tenant=...)`):
   each tenant's waiters are served in FIFO order, and tenants with waiters are served round
   robin, one slot each per turn (a command or an SFTP session alike), so one tenant's backlog
@@ -21,7 +29,10 @@ Invariants of a host pool:
   callers without a tenant share one queue (plain FIFO among them);
 - a new caller never takes a free slot while others wait;
 - len(waiters) <= limits.max_waiters, counted over all tenants;
-- an expired or dead connection takes no new lease and is closed once it has none.
+- an expired or dead connection takes no new lease and is closed once it has none;
+- every connection made is reported closed to the sshd once its close is done;
+- a handshake sshd drops (MaxStartups) is retried, paced, while callers still wait for it:
+  they get PoolTimeout at their deadline, never the drop.
 """
 
 from __future__ import annotations
@@ -31,7 +42,9 @@ import contextlib
 import copy
 import functools
 import logging
+import math
 import random
+import socket
 import time
 from collections import Counter, deque
 from collections.abc import (
@@ -48,6 +61,7 @@ from typing import Any, TypeVar
 from sshpool.backends import Backend, Connection, Exit, load_backend
 from sshpool.backends.base import SFTPSession
 from sshpool.breaker import Breaker
+from sshpool.budget import Sshd
 from sshpool.command import (
     Capture,
     CommandResult,
@@ -84,6 +98,10 @@ REGROW_AFTER = 100
 MAX_REFUSALS = 20
 # How long the kill of a timed-out or cancelled command may take, all attempts included.
 KILL_TIMEOUT = 5.0
+# The pause before retrying a handshake sshd dropped: doubles from the first to the cap, with
+# jitter, while the attempt keeps its place in the handshake gate (so the gate slows down too).
+DROP_PAUSE = 0.1
+DROP_PAUSE_MAX = 2.0
 
 
 class _Conn:
@@ -96,6 +114,7 @@ class _Conn:
         "connect_time",
         "created",
         "expired",
+        "for_room",
         "idle_since",
         "in_use",
         "leases",
@@ -110,6 +129,8 @@ class _Conn:
         self.idle_since = now
         self.connect_time = connect_time
         self.expired = False
+        # Closed to make room at the sshd for another account (counted in sshd.evicting).
+        self.for_room = False
         self.leases = 0
         self.clean_opens = 0
         # Something printed before our marker line (warned once per connection).
@@ -257,19 +278,32 @@ class _Waiters:
             self._ring.remove(tenant)
 
 
+async def _resolve(host: str, port: int) -> str:
+    """The address a host name resolves to (the first); the name itself when it does not."""
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        return str(infos[0][4][0])
+    except (OSError, IndexError):
+        return host  # the connect will say what is wrong
+
+
 async def _kill_exec(conn: Connection, pgid: int) -> None:
     """The one kill: TERM the remote process group, KILL it after a grace period."""
     await conn.exec(kill_group_line(pgid), None, Capture(4096), Capture(4096))
 
 
 class _HostPool:
-    def __init__(self, target: Target, backend: Backend) -> None:
+    def __init__(self, target: Target, backend: Backend, sshd: Sshd) -> None:
         self.target = target
         self.limits = target.limits
         self.backend = backend
+        self.sshd = sshd
         self.conns: list[_Conn] = []
         self.waiters = _Waiters()
         self.connecting = 0
+        # Set while prewarm() waits: min_connections is then a need, not a wish.
+        self.prewarming = False
+        self.connect_watchers: list[asyncio.Future[SSHPoolError | None]] = []
         self.breaker = Breaker(
             self.limits.breaker_threshold,
             self.limits.breaker_backoff,
@@ -306,26 +340,47 @@ class _HostPool:
         self._maybe_grow()
 
     def _maybe_grow(self) -> None:
-        """One new connection per max_sessions waiters, through the handshake gate."""
-        now = self.loop.time()
-        while (
-            self.connecting < self.limits.max_handshakes
-            and len(self.conns) + self.connecting < self.limits.max_connections
-            and (
-                self.connecting * self.limits.max_sessions < len(self.waiters)
-                or len(self.conns) + self.connecting < self.limits.min_connections
-            )
-            and self.breaker.allow(now)
-        ):
-            self.connecting += 1
-            self.spawn(self._connect())
+        """Ask the sshd for a connection when one is needed (see `wants_connection`)."""
+        if self.wants_connection():
+            self.sshd.want(self)
+
+    def wants_connection(self) -> bool:
+        """One new connection per max_sessions waiters, up to max_connections; or one to keep
+        min_connections open while the sshd has room. Asked by the sshd before each grant."""
+        lim = self.limits
+        opened = len(self.conns) + self.connecting
+        if opened >= lim.max_connections or not self.breaker.may_try(self.loop.time()):
+            return False
+        if self.connecting * lim.max_sessions < len(self.waiters):
+            return True
+        return opened < lim.min_connections and (self.prewarming or self.sshd.has_room())
+
+    def start_connect(self) -> None:
+        """The sshd granted a handshake."""
+        self.breaker.allow(self.loop.time())
+        self.connecting += 1
+        self.spawn(self._connect())
+
+    def evictable(self) -> list[tuple[float, _Conn]]:
+        return [(c.idle_since, c) for c in self.conns if c.in_use == 0 and not c.expired]
+
+    def evict(self, c: _Conn) -> None:
+        """The sshd closes this idle connection to make room for another account's."""
+        self.conns.remove(c)
+        c.expired = c.for_room = True
+        self.counters["evicted"] += 1
+        self.spawn(self._close(c, evicted=True))
+
+    def holds(self) -> tuple[int, int]:
+        busy = sum(1 for c in self.conns if c.in_use)
+        return busy, len(self.conns) - busy
 
     def _prune(self) -> None:
         """Drop dead and drained-expired connections (closing them in the background)."""
         keep: list[_Conn] = []
         for c in self.conns:
             if c.in_use == 0 and (c.expired or not c.conn.is_alive()):
-                self.spawn(c.conn.close())
+                self.spawn(self._close(c, evicted=c.for_room))
             else:
                 keep.append(c)
         self.conns = keep
@@ -339,7 +394,15 @@ class _HostPool:
         c.in_use -= 1
         if c.in_use == 0:
             c.idle_since = self.loop.time()
+        if not c.expired and self.sshd.owes_room(self) and self._open_conns() > 1:
+            # Another account waits for its turn at a full sshd: this account's connections
+            # beyond its first go to it (drained, then closed) instead of to its own backlog.
+            c.expired = c.for_room = True
+            self.sshd.yielded()
         self._dispatch()
+
+    def _open_conns(self) -> int:
+        return sum(1 for c in self.conns if not c.expired)
 
     def _discard(self, c: _Conn) -> None:
         """The connection failed under a lease: take no more leases on it."""
@@ -384,21 +447,46 @@ class _HostPool:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
+    async def _close(self, c: _Conn, evicted: bool = False) -> None:
+        try:
+            await c.conn.close()
+        finally:
+            self.sshd.closed(evicted)
+
+    async def _handshake(self) -> Connection:
+        """backend.connect, again after a drop (a reset before the banner: sshd shedding load,
+        MaxStartups) while callers still wait for it, paced; per_sshd=False: once."""
+        drops = 0
+        while True:
+            try:
+                return await self.backend.connect(self.target)
+            except ConnectError as exc:
+                drops += 1
+                if not exc.retryable or (
+                    drops > 1
+                    and not (self.limits.per_sshd and (self.waiters or self.connect_watchers))
+                ):
+                    raise
+                self.counters["connect_retries"] += 1
+                pause = min(DROP_PAUSE * 2 ** (drops - 1), DROP_PAUSE_MAX)
+                await asyncio.sleep(random.uniform(pause / 2, pause))
+
+    def _connected(self, result: SSHPoolError | None) -> None:
+        for fut in self.connect_watchers:
+            if not fut.done():
+                fut.set_result(result)
+        self.connect_watchers.clear()
+        self._dispatch()
+        self.sshd.dispatch()
+
     async def _connect(self) -> SSHPoolError | None:
         """Open one connection (the caller counted it in `connecting`); returns the error."""
         start = time.perf_counter()
         try:
-            try:
-                conn = await self.backend.connect(self.target)
-            except ConnectError as exc:
-                if not exc.retryable:
-                    raise
-                # A reset before the banner is sshd shedding load (MaxStartups): pause, retry once.
-                self.counters["connect_retries"] += 1
-                await asyncio.sleep(random.uniform(0.05, 0.25))
-                conn = await self.backend.connect(self.target)
+            conn = await self._handshake()
         except SSHPoolError as exc:
             self.connecting -= 1
+            self.sshd.connected(False)
             self.counters["connects_failed"] += 1
             self.breaker.failure(self.loop.time())
             log.warning("connect to %s failed: %s", self.target, exc)
@@ -408,17 +496,19 @@ class _HostPool:
             ):
                 # Nothing will free a slot for them: tell the waiters now, not at their deadline.
                 self._fail_waiters(exc)
-            self._dispatch()
+            self._connected(exc)
             return exc
         except BaseException:
             self.connecting -= 1
+            self.sshd.connected(False)
             raise
         now = self.loop.time()
         self.connecting -= 1
+        self.sshd.connected(True)
         self.counters["connects"] += 1
         self.breaker.success()
         self.conns.append(_Conn(conn, self.limits.max_sessions, now, time.perf_counter() - start))
-        self._dispatch()
+        self._connected(None)
         return None
 
     async def acquire(self, deadline: float | None, tenant: Hashable = None) -> _Conn:
@@ -583,21 +673,27 @@ class _HostPool:
             self._discard(c)
 
     async def prewarm(self) -> None:
-        """Open limits.min_connections now, through the handshake gate; raises the connect
-        error if one failed."""
-        while (missing := self.limits.min_connections - len(self.conns) - self.connecting) > 0:
-            n = min(missing, self.limits.max_handshakes - self.connecting)
-            if n <= 0:
-                await asyncio.sleep(0.05)
-                continue
-            self.connecting += n
-            errors = await asyncio.gather(*(self._connect() for _ in range(n)))
-            for error in errors:
-                if error is not None:
-                    raise error
+        """Open limits.min_connections now, through the sshd's gate and budget; raises the
+        connect error if one failed."""
+        while len(self.conns) < self.limits.min_connections:
+            fut: asyncio.Future[SSHPoolError | None] = self.loop.create_future()
+            self.connect_watchers.append(fut)
+            self.prewarming = True
+            try:
+                self._maybe_grow()
+                if self.connecting == 0 and not fut.done() and not self.sshd.is_queued(self):
+                    retry = self.breaker.retry_after(self.loop.time())
+                    message = f"{self.target}: host down, retry in {retry:.1f} s"
+                    raise HostUnavailable(message, retry)
+                error = await fut
+            finally:
+                self.prewarming = False
+            if error is not None:
+                raise error
 
     async def close(self) -> None:
         self._fail_waiters(PoolTimeout("pool closed"))
+        self.connect_watchers.clear()
         tasks = list(self.tasks)
         for t in tasks:
             t.cancel()
@@ -631,6 +727,7 @@ class _HostPool:
             "capacity": sum(c.capacity for c in live if not c.expired),
             "waiters": sum(1 for f in self.waiters if not f.done()),
             "handshakes_in_flight": self.connecting,
+            "sshd": self.sshd.key,
             "breaker": self.breaker.state,
             "counters": dict(self.counters),
         }
@@ -649,6 +746,9 @@ class Pool:
         self.backend = load_backend(backend) if isinstance(backend, str) else backend
         self._backends: dict[str, Backend] = {self.backend.name: self.backend}
         self._hosts: dict[Target, _HostPool] = {}
+        # (address, port) -> its budget; host name and port -> the address it resolved to.
+        self._sshds: dict[tuple[str, int], Sshd] = {}
+        self._addresses: dict[tuple[str, int], asyncio.Future[str]] = {}
         self._maintenance: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -658,18 +758,42 @@ class Pool:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    def _host(self, target: Target) -> _HostPool:
+    async def _host(self, target: Target) -> _HostPool:
         if self._closed:
             raise RuntimeError("pool is closed")
         host = self._hosts.get(target)
         if host is None:
-            name = target.backend or self.backend.name
-            if name not in self._backends:
-                self._backends[name] = load_backend(name)
-            host = self._hosts[target] = _HostPool(target, self._backends[name])
+            sshd = await self._sshd(target)
+            host = self._hosts.get(target)  # made by another caller meanwhile?
+            if host is None:
+                name = target.backend or self.backend.name
+                if name not in self._backends:
+                    self._backends[name] = load_backend(name)
+                host = self._hosts[target] = _HostPool(target, self._backends[name], sshd)
+                lim = target.limits
+                sshd.join(host, lim.max_handshakes, lim.max_total_connections)
         if self._maintenance is None:
             self._maintenance = asyncio.create_task(self._maintain())
         return host
+
+    async def _sshd(self, target: Target) -> Sshd:
+        """The budget of the sshd `target` reaches: by the address its host name resolves to
+        (once per pool) and its port; a target with per_sshd=False has one of its own."""
+        lim = target.limits
+        if not lim.per_sshd:
+            return Sshd(str(target), lim.max_handshakes, math.inf)
+        name = (target.host, target.port)
+        resolved = self._addresses.get(name)
+        if resolved is None:
+            # One lookup per name, awaited by every caller in arrival order (FIFO kept).
+            resolved = self._addresses[name] = asyncio.ensure_future(_resolve(*name))
+        address = await resolved
+        key = (address, target.port)
+        sshd = self._sshds.get(key)
+        if sshd is None:
+            where = f"[{address}]:{target.port}" if ":" in address else f"{address}:{target.port}"
+            sshd = self._sshds[key] = Sshd(where, lim.max_handshakes, lim.max_total_connections)
+        return sshd
 
     async def _maintain(self) -> None:
         while True:
@@ -680,7 +804,7 @@ class Pool:
     async def prewarm(self, target: Target) -> None:
         """Open target.limits.min_connections now, through the handshake gate; raises the
         connect error if one failed."""
-        await self._host(target).prewarm()
+        await (await self._host(target)).prewarm()
 
     async def run(
         self,
@@ -714,7 +838,7 @@ class Pool:
         so the pool's one retry of a connection lost before the start repeats none of it.
         """
         line = command if isinstance(command, str) else command_line(command)
-        host = self._host(target)
+        host = await self._host(target)
         # Stage timings use perf_counter: uvloop's loop.time() only ticks in milliseconds.
         t0 = time.perf_counter()
         deadline = None if acquire_timeout is None else host.loop.time() + acquire_timeout
@@ -757,7 +881,7 @@ class Pool:
         (`SFTPSession.intact`): ssh2's; asyncssh's and paramiko's keep it. When the body ends
         (whatever way) the session's channel is closed and its slot released.
         """
-        host = self._host(target)
+        host = await self._host(target)
         t0 = time.perf_counter()
         deadline = None if acquire_timeout is None else host.loop.time() + acquire_timeout
         c, session = await host.open_sftp(deadline, t0, tenant)
@@ -789,12 +913,23 @@ class Pool:
         """Kill a process group on `target` that was started elsewhere (by another process
         sharing the account, e.g. another API replica): TERM, then KILL after a grace period.
         Raises PoolTimeout, PoolFull, HostUnavailable, ConnectError or TimeoutError."""
-        await self._host(target).kill(pgid)
+        await (await self._host(target)).kill(pgid)
 
     def stats(self) -> dict[Target, dict[str, Any]]:
         """Per target: connections, channels in use, waiters, handshakes in flight, counters.
         Keyed by the Target itself: two targets that differ only in key or limits stay apart."""
         return {t: h.stats() for t, h in self._hosts.items()}
+
+    def sshd_stats(self) -> dict[str, dict[str, Any]]:
+        """Per sshd (``address:port``, shared by every account reaching it): connections busy,
+        idle and closing, the most held at once, handshakes in flight and queued (accounts
+        waiting for a turn), accounts holding connections, the time accounts waited for a
+        grant, evictions and grants (counters). A target with per_sshd=False has its own, keyed
+        by the target."""
+        return {key: sshd.stats() for key, sshd in self._sshds_in_use().items()}
+
+    def _sshds_in_use(self) -> dict[str, Sshd]:
+        return {s.key: s for s in (h.sshd for h in self._hosts.values()) if s.members}
 
     def __repr__(self) -> str:
         s = list(self.stats().values())
@@ -811,6 +946,8 @@ class Pool:
         if self._closed:
             return
         self._closed = True
+        for host in self._hosts.values():
+            host.sshd.stopped = True
         if self._maintenance is not None:
             self._maintenance.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -17,6 +17,9 @@ class Limits:
     # Stock MaxStartups starts dropping at 10 unauthenticated connections.
     max_handshakes: int = 4
     max_waiters: int = 1000
+    # Connections to one sshd over all its accounts (the pool's per-sshd budget: docs/pool.md
+    # says why 64); idle ones of other accounts are closed least recently used first for room.
+    max_total_connections: int = 64
     connect_timeout: float = 10.0
     keepalive_interval: float = 15.0
     keepalive_count_max: int = 3
@@ -29,10 +32,15 @@ class Limits:
     # False reproduces the connection-per-request design (one command per connection, then
     # close) for comparisons; pair it with max_sessions=1 and a wide handshake gate.
     reuse: bool = True
+    # False: the handshake gate and the connection count per account instead of per sshd, and a
+    # dropped handshake retried once (the pool before issue 29), for comparisons.
+    per_sshd: bool = True
 
     def __post_init__(self) -> None:
-        if self.max_connections < 1 or self.max_sessions < 1 or self.max_handshakes < 1:
+        if min(self.max_connections, self.max_sessions, self.max_handshakes) < 1:
             raise ValueError("max_connections, max_sessions and max_handshakes must be >= 1")
+        if self.max_total_connections < 1:
+            raise ValueError("max_total_connections must be >= 1")
         if not 0 <= self.min_connections <= self.max_connections:
             raise ValueError("min_connections must be between 0 and max_connections")
 

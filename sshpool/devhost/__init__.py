@@ -7,6 +7,8 @@ the benchmarks.
   (`python -m sshpool.devhost.slurm install` installs the OS packages).
 * `services.py`: PostgreSQL and Redis for the test suite, installed and started when absent
   (`python -m sshpool.devhost.services install`, what `make services` runs).
+* `accounts.py`: researcher accounts (``sshapi-r0001``...), real Unix accounts with their keys,
+  for one sshd with many accounts (a ``LocalHost(..., researchers=True)``).
 * `procs.py`: the processes, ports and at-exit clean-up both share.
 * `fake.py`: `FakeBackend`, a backend without SSH for pool-logic tests.
 
@@ -21,6 +23,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from sshpool.devhost.accounts import AccountError, ensure_accounts, remove_accounts
     from sshpool.devhost.fake import FakeBackend, FakeConnection
     from sshpool.devhost.host import (
         TUNED_CONFIG,
@@ -36,6 +39,9 @@ if TYPE_CHECKING:
 # Public name -> its module, imported on first use: `python -m sshpool.devhost.slurm` must not
 # find its own module imported already by this package (runpy would run a second copy).
 _MODULES = {
+    "AccountError": "sshpool.devhost.accounts",
+    "ensure_accounts": "sshpool.devhost.accounts",
+    "remove_accounts": "sshpool.devhost.accounts",
     "FakeBackend": "sshpool.devhost.fake",
     "FakeConnection": "sshpool.devhost.fake",
     "TUNED_CONFIG": "sshpool.devhost.host",
@@ -60,6 +66,7 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "TUNED_CONFIG",
+    "AccountError",
     "FakeBackend",
     "FakeConnection",
     "LocalHost",
@@ -67,7 +74,9 @@ __all__ = [
     "LocalSlurm",
     "LocalSlurmError",
     "Profile",
+    "ensure_accounts",
     "install_packages",
+    "remove_accounts",
     "sshd_binary",
     "sshd_version",
     "tuned_settings",

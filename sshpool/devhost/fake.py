@@ -143,7 +143,8 @@ class FakeBackend:
     before ChannelRefused), `connect_failures` (raised by the next connects, in order), `lose`
     ("before" / "after": the next execs lose their connection before or after the start).
     Records: `order` (every command line run, in order), `conns` (every connection made),
-    `in_flight` and `max_in_flight` (connects at once).
+    `in_flight` and `max_in_flight` (connects at once), `max_alive` (connections open at once,
+    counted as sshd would: from the connect until the close).
     """
 
     name: str = "fake"
@@ -156,6 +157,7 @@ class FakeBackend:
     conns: list[FakeConnection] = field(default_factory=list)
     in_flight: int = 0
     max_in_flight: int = 0
+    max_alive: int = 0
 
     async def connect(self, target: Target) -> FakeConnection:
         self.in_flight += 1
@@ -168,4 +170,5 @@ class FakeBackend:
             self.in_flight -= 1
         conn = FakeConnection(self, len(self.conns))
         self.conns.append(conn)
+        self.max_alive = max(self.max_alive, sum(1 for c in self.conns if c.alive))
         return conn

@@ -31,6 +31,10 @@ repeated failed logins from 127.0.0.1 get it refused for a while). ``tuned`` add
 this package), minus keywords the installed sshd is too old to know.
 ``overrides`` (any sshd_config keywords) apply last.
 
+``researchers=True`` (root only) runs sshd as root, as a site's is, so that it logs in the host
+account and the rig's researcher accounts too (``sshpool.devhost.accounts``: ``sshapi-r0001``...,
+each with its key in its own ``~/.ssh/authorized_keys``): one sshd, many accounts.
+
 ``stop()`` ends only the sshd listener, as ``systemctl restart ssh`` does: established connections
 and their commands live on (each is its own sshd process) until the client closes them.
 ``stop(kill_sessions=True)`` kills them too, like a host going down.
@@ -66,6 +70,9 @@ TUNED_CONFIG = Path(__file__).with_name("sshd_config.tuned")
 # The account sshd runs as (and logs in) when we are root.
 ACCOUNT = "sshapi-hpc"
 ACCOUNT_SHELL = "/bin/sh"
+# The researcher accounts a `researchers` host logs in (sshpool.devhost.accounts names them).
+ACCOUNTS_PATTERN = "sshapi-r*"
+PRIVSEP_DIR = "/run/sshd"
 START_TIMEOUT = 10.0
 STOP_TIMEOUT = 5.0
 
@@ -293,10 +300,12 @@ class LocalHost:
         shell: str | None = None,
         sshd: str | None = None,
         tuned_config: Path = TUNED_CONFIG,
+        researchers: bool = False,
     ) -> None:
         """``data_dir``: where the host keeps its files (``<data_dir>/hosts/<name>/``).
         ``sshd``: the sshd binary (default: ``sshd`` on PATH or in /usr/sbin, /sbin).
-        ``tuned_config``: the sshd_config fragment of the ``tuned`` profile."""
+        ``tuned_config``: the sshd_config fragment of the ``tuned`` profile.
+        ``researchers``: sshd runs as root and also logs in the researcher accounts."""
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
             raise ValueError(f"host name {name!r}: use letters, digits, '.', '_' and '-'")
         if profile not in ("stock", "tuned"):
@@ -312,6 +321,9 @@ class LocalHost:
         self._sshd = sshd
         self.tuned_config = tuned_config
         self._account = host_account(shell)
+        if researchers and os.geteuid() != 0:
+            raise LocalHostError("logging in researcher accounts needs an sshd run as root")
+        self.researchers = researchers
         self._port = port if port is not None else self._pick_port()
         self._proc: subprocess.Popen[bytes] | None = None
         #: Keywords of sshd_config.tuned left out because the installed sshd is too old.
@@ -439,8 +451,12 @@ class LocalHost:
         put("Port", str(self._port))
         put("HostKey", str(self.host_key_path))
         put("PidFile", str(self.pid_path))
-        put("AuthorizedKeysFile", str(sshd / "authorized_keys"))
-        put("AllowUsers", self.username)
+        if self.researchers:
+            put("AuthorizedKeysFile", f".ssh/authorized_keys {sshd / 'authorized_keys'}")
+            put("AllowUsers", f"{self.username} {ACCOUNTS_PATTERN}")
+        else:
+            put("AuthorizedKeysFile", str(sshd / "authorized_keys"))
+            put("AllowUsers", self.username)
         put("PubkeyAuthentication", "yes")
         put("PasswordAuthentication", "no")
         put("KbdInteractiveAuthentication", "no")
@@ -486,7 +502,7 @@ class LocalHost:
         """sshd's own view of the configuration (``sshd -T``), keywords lower-case. Keywords
         given several times (HostKey, ListenAddress...) map to their values joined by newlines."""
         self._prepare()
-        done = self._run_as_account([self.sshd_binary, "-T", "-f", str(self.config_path)])
+        done = self._run_sshd_check("-T")
         if done.returncode != 0:
             raise LocalHostError(f"sshd -T failed: {done.stderr.strip()}")
         config: dict[str, str] = {}
@@ -503,7 +519,7 @@ class LocalHost:
             return self
         self._prepare()
         self._kill_stale()
-        check = self._run_as_account([self.sshd_binary, "-t", "-f", str(self.config_path)])
+        check = self._run_sshd_check("-t")
         if check.returncode != 0:
             raise LocalHostError(
                 f"{self!r}: sshd refuses its configuration {self.config_path}: "
@@ -512,7 +528,7 @@ class LocalHost:
         if not procs.port_is_free(self._address, self._port):
             raise LocalHostError(f"{self!r}: {self._address}:{self._port} is already in use")
         log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
-        user, group, extra_groups = self._switch_user()
+        user, group, extra_groups = (None, None, None) if self.researchers else self._switch_user()
         with open(self.log_path, "ab") as log:
             self._proc = subprocess.Popen(
                 [self.sshd_binary, "-D", "-f", str(self.config_path), "-E", str(self.log_path)],
@@ -627,6 +643,13 @@ class LocalHost:
         account = self._account
         return account.uid, account.gid, os.getgrouplist(account.name, account.gid)
 
+    def _run_sshd_check(self, flag: str) -> subprocess.CompletedProcess[str]:
+        """``sshd -t`` or ``-T`` on our config, as the user sshd runs as."""
+        argv = [self.sshd_binary, flag, "-f", str(self.config_path)]
+        if not self.researchers:
+            return self._run_as_account(argv)
+        return subprocess.run(argv, capture_output=True, text=True, check=False, timeout=30)
+
     def _account_env(self) -> dict[str, str]:
         account = self._account
         return {
@@ -677,6 +700,9 @@ class LocalHost:
             self._write_known_hosts()
         self.config_path.write_text(self.render_config())
         self.log_path.touch()
+        if self.researchers:
+            # A root sshd's privilege separation directory (systemd's unit makes it on a host).
+            Path(PRIVSEP_DIR).mkdir(mode=0o755, exist_ok=True)
         self._chown_sshd_files()
         self._make_traversable()
 

@@ -176,3 +176,17 @@ def test_no_rendered_element_becomes_an_option_whatever_the_placeholders(
         if out.startswith("-") and not after_dashdash:
             assert written.startswith("-"), (written, values, out)
         after_dashdash = after_dashdash or written == "--"
+
+
+def test_ssh_budget_counts_every_account_of_the_sshd() -> None:
+    """Sessions are counted over the host's sshd: each account's connections until the pool's
+    per-sshd budget (max_total_connections) caps them."""
+    host = load_config(Path(__file__).parents[2] / "api" / "sshapi.example.toml").hosts["login1"]
+    assert host.ssh_budget(1, accounts=2) == []
+    assert host.ssh_budget(1, accounts=3) == [
+        "1 replica(s) x 3 account(s) x max_connections 4 x max_sessions 8 = 96 > "
+        "max_total_sessions 64"
+    ]
+    assert host.ssh_budget(1, accounts=1000) == [
+        "1 replica(s) x max_total_connections 64 x max_sessions 8 = 512 > max_total_sessions 64"
+    ]

@@ -46,6 +46,9 @@ async def test_metrics_expose_requests_jobs_and_pool(api: Api) -> None:
     assert 'sshapi_http_requests_total{method="GET",route="/v1/jobs/{job_id}",status="200"}' in text
     assert 'sshapi_jobs_finished_total{host="local",state="failed"} 1.0' in text
     assert re.search(r'sshpool_connections\{host="local"\} [1-9]', text)
+    # The host's sshd, over all its accounts: the job's connection, the handshake it took.
+    assert re.search(r'sshpool_sshd_connections\{host="local",state="(busy|idle)"\} [1-9]', text)
+    assert re.search(r'sshpool_sshd_handshakes_granted_total\{host="local"\} [1-9]', text)
     assert "sshapi_job_stage_seconds_bucket" in text
 
 
