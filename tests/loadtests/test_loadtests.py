@@ -11,7 +11,7 @@ import pytest
 
 from loadtests import hdr
 from loadtests.records import DROPPED, Record, error_kind, parse_server_timing, read_jsonl
-from loadtests.report import write_run
+from loadtests.report import render, write_run
 from loadtests.schedule import (
     PROFILES,
     Stage,
@@ -247,3 +247,22 @@ def test_over_time_breaks_its_lines_across_a_cool_down_and_counts_failures_from_
     assert len(ys) == 3 and math.isnan(ys[1])  # burst, break, burst
     assert failures.get_ylim()[0] == 0 and failures.get_ylim()[1] >= 1
     fig.clf()
+
+
+def test_a_run_refused_by_the_apis_own_limits_is_not_a_plain_valid_run() -> None:
+    """The issue's run: 50 requests on one identity, 41 answered 429. Before: `run VALID`."""
+    records = [rec(10.0) for _ in range(9)]
+    records += [rec(5.0, ok=False, status=429, error="http 429") for _ in range(41)]
+    v = validity(records, {})
+    assert v["valid"]  # the generator kept its schedule ...
+    assert v["limited"] == [  # ... but what it measured was the limiter
+        "most requests failed (41 of 50)",
+        "41 of 41 failures were the API's own limits refusing (http 429: 41): the run measured "
+        "its rate limits, caps or admission, not the service",
+    ]
+    assert "**LIMITED**" in render(summarize(records, {}, {}), {})
+    # A few refusals in a large run, or failures of another kind, are no such verdict.
+    healthy = [rec(10.0) for _ in range(1000)] + [rec(5.0, ok=False, status=503, error="http 503")]
+    assert validity(healthy, {})["limited"] == []
+    broken = [rec(10.0), rec(5.0, ok=False, status=0, error="reset")]
+    assert validity(broken, {})["limited"] == []
