@@ -10,6 +10,7 @@ import signal
 import socket
 import time
 import tomllib
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
@@ -125,6 +126,33 @@ def db_upgrade() -> None:
     else:
         before = done.before or "an unversioned database"  # new, or from before migrations
         typer.echo(f"job database upgraded from {before} to {done.after}")
+
+
+@db_app.command("prune")
+def db_prune(
+    older_than: Annotated[
+        float,
+        typer.Option(
+            min=0, help="Delete the jobs that ended more than this many days ago (0: all ended)."
+        ),
+    ],
+) -> None:
+    """Delete finished jobs (every final state) that ended before the cutoff; active jobs stay.
+    Run it from a timer: each row keeps up to the policy's max_output of stdout and stderr."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from api.store import prune
+
+    settings = load_settings("db prune")
+    settings.secure_data_dir()
+    cutoff = datetime.now(UTC) - timedelta(days=older_than)
+    url, schema = settings.resolved_database_url, settings.database_schema
+    try:
+        _store_schema("db prune", settings, upgrade=False)
+        deleted = asyncio.run(prune(url, schema, cutoff))
+    except (OSError, SQLAlchemyError) as exc:
+        fail("db prune", f"the job database cannot be reached: {type(exc).__name__}: {exc}")
+    typer.echo(f"deleted {deleted} job(s) that ended before {cutoff.isoformat(timespec='seconds')}")
 
 
 def _store_schema(command: str, settings: Settings, *, upgrade: bool) -> migrate.Upgrade | None:
