@@ -33,10 +33,11 @@ def _info(svc: Services, who: Principal, name: str) -> HostInfo:
     if not who.is_admin:
         own = svc.policy.grant(who, name).target
         pools = [{k: v for k, v in stats[own].items() if k != "target"}] if own in stats else []
+    details = who.is_admin or not svc.config.api.host_details_require_admin
     return HostInfo(
         name=name,
-        hostname=host.hostname,
-        port=host.port,
+        hostname=host.hostname if details else None,
+        port=host.port if details else None,
         description=host.description,
         shell=svc.policy.shell_allowed(who, name),
         health=health,  # type: ignore[arg-type]

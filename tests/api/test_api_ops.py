@@ -70,8 +70,11 @@ async def test_hosts_lists_what_the_caller_may_use(api: Api) -> None:
     """A user sees the hosts their policy grants (not `secret`); an admin sees all."""
     r = await api.client.get(f"{api.url}/v1/hosts", headers=api.auth())
     assert [h["name"] for h in r.json()] == ["local", "tiny", "down"]
+    # Where a host is (hostname, port) is for admins (api.host_details_require_admin).
+    assert {(h["hostname"], h["port"]) for h in r.json()} == {(None, None)}
     r = await api.client.get(f"{api.url}/v1/hosts", headers=api.auth("ops", "admin"))
     assert [h["name"] for h in r.json()] == ["local", "tiny", "down", "secret"]
+    assert all(h["hostname"] and h["port"] for h in r.json())
     r = await api.client.get(f"{api.url}/v1/hosts/secret", headers=api.auth())
     assert r.status_code == 404
 
