@@ -12,6 +12,7 @@ output). Each command is verified for real, by the kind of its program:
 - `.venv/bin/locust -f FILE ARGS`: `locust -f FILE ARGS --list` succeeds: Locust parses the exact
   arguments, the locustfile's own included, then lists the user classes and exits;
 - `.venv/bin/pytest PATHS`: each path exists;
+- every command of docs/deploy.md: run, block by block, by tests/deploy/test_deploy_doc.py;
 - `pip install 'sshapi[EXTRA]'`: pyproject.toml names the project `sshapi` and has that extra;
 - `curl ...` (console blocks only): run against a real API that this test starts with
   `sshapi dev --slurm` (what `make run` does, plus Slurm for the batch example), with the token
@@ -227,6 +228,10 @@ def check_pip(command: Command, args: list[str]) -> None:
 
 @pytest.mark.parametrize("command", [c for c in ALL if not is_curl(c)], ids=lambda c: c.where)
 def test_command(command: Command, tmp_path: Path) -> None:
+    if command.path.name == "deploy.md":
+        # Run for real, in order, as root: tests/deploy/test_deploy_doc.py.
+        assert (ROOT / "tests" / "deploy" / "test_deploy_doc.py").is_file()
+        return
     argv = words(command)
     assert argv, f"{command}\n  empty command"
     program, args = argv[0], argv[1:]
