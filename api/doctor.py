@@ -14,14 +14,20 @@ Checks, in order (a failed connection step skips the rest for that host):
   the account may run it (usually root only), else the configured `[hosts.X.sshd]` values; the
   pool limits x SSHAPI_REPLICAS x workers checked against them over the whole sshd, all the
   accounts the policy maps to the host together (HostConfig.ssh_budget);
+- agent: whether the host's python3 (`agent_python`) can run agent mode's executor, and the
+  fastest `true` through it; a host in agent mode without one runs its commands as channels
+  (WARN), a host in channel mode is told what agent mode would give it (ok);
 - slurm (hosts with a scheduler): `sbatch --version` and `squeue` answer over SSH.
+
+The login shell and shell start checks run as channels whatever the host's exec_mode: that is
+where the login's noise and cost show (agent mode pays them once per connection).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from api.config import Config, HostConfig, SshdLimits
@@ -70,6 +76,26 @@ async def diagnose(config: Config, settings: Settings, timeout: float = 10.0) ->
     return found
 
 
+def _auth_advice(name: str, host: HostConfig) -> str:
+    """What to check when sshd refused the login, in the order it most often is."""
+    certs = host.certificates
+    if certs is None:
+        return (
+            f"install the public key of {', '.join(host.client_keys)} in "
+            f"~{host.username}/.ssh/authorized_keys on the host, or fix [hosts.{name}] username"
+        )
+    return (
+        f"sshd refused a fresh certificate for {host.username!r} (sshd's log says which of "
+        f"these): the CA is not trusted (TrustedUserCAKeys must hold the public key of "
+        f"{certs.ca_key}, fingerprint {certs.ca.fingerprint}); the principal is refused (the "
+        f"account {host.username!r} must exist and AuthorizedPrincipalsFile, if set, must list "
+        f"it); the clocks differ by more than 60 s (certificates are back-dated 60 s and valid "
+        f"{certs.cert_ttl:g} s: run NTP on both); source-address {certs.source_address or 'any'}"
+        " does not include this machine; or the API's address is penalised after failed logins "
+        "(OpenSSH >= 9.8 PerSourcePenalties: exempt it with PerSourcePenaltyExemptList)"
+    )
+
+
 async def check_host(
     pool: Pool,
     name: str,
@@ -92,7 +118,7 @@ async def check_host(
         return found
     add("reachable", "ok", f"{where} ({banner})")
 
-    target = host.target()
+    target = replace(host.target(), exec_mode="channel")
     try:
         await pool.run(target, ["true"], timeout=timeout, acquire_timeout=timeout)
     except HostKeyMismatch as exc:
@@ -105,18 +131,15 @@ async def check_host(
         return found
     except AuthenticationFailed as exc:
         add("host key", "ok", f"known ({host.known_hosts})")
-        add(
-            "auth",
-            "FAIL",
-            f"{exc}: install the public key of {', '.join(host.client_keys)} in "
-            f"~{host.username}/.ssh/authorized_keys on the host, or fix [hosts.{name}] username",
-        )
+        add("auth", "FAIL", f"{exc}: {_auth_advice(name, host)}")
         return found
     except (ConnectTimeout, SSHPoolError) as exc:
         add("connect", "FAIL", f"{type(exc).__name__}: {exc}")
         return found
     add("host key", "ok", f"known ({host.known_hosts})")
-    add("auth", "ok", f"{host.username} with {', '.join(host.client_keys)}")
+    certs = host.certificates
+    how = f"a certificate of CA {certs.ca.fingerprint}" if certs else ", ".join(host.client_keys)
+    add("auth", "ok", f"{host.username} with {how}")
 
     runs: list[CommandResult] = []
     times: list[float] = []
@@ -154,6 +177,7 @@ async def check_host(
         )
     else:
         add("shell start", "ok", f"{fastest:.1f} ms for `true` (fastest of {SHELL_START_RUNS})")
+    found.append(await _agent(pool, name, host, timeout))
 
     found += await _sshd_limits(pool, name, host, settings, timeout, accounts)
     if host.scheduler is not None:
@@ -261,6 +285,42 @@ async def _sshd_limits(
             )
         )
     return found
+
+
+async def _agent(pool: Pool, name: str, host: HostConfig, timeout: float) -> Finding:
+    """Whether agent mode's executor starts on the host, and what a command costs through it."""
+    target = replace(host.target(), exec_mode="agent")
+    times: list[float] = []
+    try:
+        for _ in range(SHELL_START_RUNS):
+            start = time.perf_counter()
+            await pool.run(target, ["true"], timeout=timeout, acquire_timeout=timeout)
+            times.append((time.perf_counter() - start) * 1000.0)
+    except SSHPoolError as exc:
+        return Finding(name, "agent", "FAIL", f"{type(exc).__name__}: {exc}")
+    stats = pool.stats()[target]
+    if stats["exec_mode"] != "agent":
+        status: Status = "WARN" if host.exec_mode == "agent" else "ok"
+        return Finding(
+            name,
+            "agent",
+            status,
+            f"{stats['agent_error']}: "
+            + (
+                "agent mode falls back to channels here; install python3 >= 3.6 or set "
+                f"[hosts.{name}] agent_python"
+                if host.exec_mode == "agent"
+                else "agent mode would run as channels here"
+            ),
+        )
+    how = "exec_mode agent" if host.exec_mode == "agent" else "available (exec_mode channel)"
+    return Finding(
+        name,
+        "agent",
+        "ok",
+        f"{host.agent_python} runs the executor: {how}, {min(times):.1f} ms for `true` "
+        f"(fastest of {SHELL_START_RUNS})",
+    )
 
 
 async def _slurm(pool: Pool, name: str, host: HostConfig, timeout: float) -> list[Finding]:

@@ -65,7 +65,7 @@ from typing import Any
 
 import httpx
 
-from api.auth import Authenticator
+from api.auth import Authenticator, Principal
 from api.client import tls_context
 from api.config import Config, HostConfig
 from api.files import FileService
@@ -73,9 +73,11 @@ from api.jobs import BatchJobs, JobService
 from api.live import make_relay
 from api.metrics import Metrics
 from api.policy import Policy
+from api.problems import Problem
 from api.quota import Quota, make_quota
+from api.revocations import Revocations
 from api.settings import Settings
-from api.store import Store
+from api.store import JobRow, Store
 from api.tasks import OnDeath, Supervisor
 from sshpool import Pool, SSHPoolError
 
@@ -98,6 +100,7 @@ class Services:
     files: FileService
     quota: Quota
     batch: BatchJobs
+    revocations: Revocations
     supervisor: Supervisor
     accepting: bool = False
 
@@ -105,6 +108,19 @@ class Services:
     def ready(self) -> bool:
         """Started, not stopping, and no background task took the process down."""
         return self.accepting and self.supervisor.healthy
+
+
+# Who cancels the jobs of a revoked identity (their `error` says so).
+REVOKER = Principal(issuer="sshapi", subject="revocation", scopes=frozenset({"admin"}))
+
+
+async def _cancel_revoked(jobs: JobService, row: JobRow) -> bool:
+    """Cancel one active job of a revoked identity, here or on its replica."""
+    try:
+        await jobs.cancels.cancel(REVOKER, row)
+    except Problem:  # finished meanwhile, or its replica could not be reached
+        return False
+    return True
 
 
 async def _prewarm(pool: Pool, name: str, host: HostConfig) -> None:
@@ -168,7 +184,7 @@ async def running(
 
         def pools_by_host() -> dict[str, list[dict[str, Any]]]:
             stats = the_pool.stats()
-            return {n: [stats[t] for t in policy.targets(n) if t in stats] for n in config.hosts}
+            return {n: policy.pools(n, stats) for n in config.hosts}
 
         def sshds_by_host() -> dict[str, list[dict[str, Any]]]:
             sshds = the_pool.sshd_stats()
@@ -180,11 +196,15 @@ async def running(
         metrics.watch_pool(pools_by_host)
         metrics.watch_sshds(sshds_by_host)
         metrics.watch_trackers(lambda: batch.trackers)
+        revocations = Revocations(
+            the_store, the_pool, policy, functools.partial(_cancel_revoked, jobs)
+        )
+        await revocations.refresh()
         await batch.start(settings.replica)
         jobs.start(supervisor)
         tasks = [
             supervisor.spawn(task_name, loop, OnDeath.RESTART)
-            for task_name, loop in batch.loops().items()
+            for task_name, loop in {**batch.loops(), "revocations": revocations.loop}.items()
         ]
         for name, host in config.hosts.items():
             if host.limits.min_connections > 0:
@@ -205,6 +225,7 @@ async def running(
             files=files,
             quota=quota,
             batch=batch,
+            revocations=revocations,
             supervisor=supervisor,
             accepting=True,
         )

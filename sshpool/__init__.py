@@ -1,12 +1,14 @@
 """sshpool: SSH connections kept open and shared, commands multiplexed as channels.
 
-Usable on its own: `from sshpool import Pool, Target`. Every type the pool hands to its callers
-is exported here, so callers import nothing of the submodules: the errors, the command result,
-and the SFTP session `Pool.sftp` yields with the files and attributes it returns (its interface
-lives with the backends', in `sshpool.backends.base`).
+Usable on its own: `from sshpool import Pool, Target` (`UserCA` for certificate logins). Every
+type the pool hands to its callers is exported here, so callers import nothing of the
+submodules: the errors, the command result, the certificate credentials, and the SFTP session
+`Pool.sftp` yields with the files and attributes it returns (its interface lives with the
+backends', in `sshpool.backends.base`).
 """
 
 from sshpool.backends.base import DirEntry, FileAttrs, FileType, RemoteFile, SFTPSession
+from sshpool.certificates import Credentials, UserCA
 from sshpool.command import CommandResult, OutputStream
 from sshpool.errors import (
     AuthenticationFailed,
@@ -28,7 +30,7 @@ from sshpool.errors import (
     SSHPoolError,
 )
 from sshpool.pool import Pool
-from sshpool.target import Limits, Target
+from sshpool.target import ExecMode, Limits, Target
 
 __all__ = [
     "AuthenticationFailed",
@@ -38,7 +40,9 @@ __all__ = [
     "ConnectError",
     "ConnectTimeout",
     "ConnectionLost",
+    "Credentials",
     "DirEntry",
+    "ExecMode",
     "FileAttrs",
     "FileType",
     "HostKeyMismatch",
@@ -58,4 +62,5 @@ __all__ = [
     "SFTPSession",
     "SSHPoolError",
     "Target",
+    "UserCA",
 ]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import secrets
 import shlex
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -177,6 +178,53 @@ class Capture:
 
     def getvalue(self) -> bytes:
         return bytes(self._buf)
+
+
+class Feed:
+    """stdin written while the command runs, for a channel that lives as long as its connection
+    (agent mode's executor, `sshpool.agent`): `Connection.exec` takes one where it takes stdin
+    bytes. The writer calls `write` and `close` on the event loop; the backend `take`s what was
+    written, from the event loop or its own thread (paramiko), and learns of new data from the
+    callback it `subscribe`d (called on the writer's side: it must not block)."""
+
+    __slots__ = ("_buf", "_closed", "_lock", "_notify")
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._closed = False
+        self._lock = threading.Lock()
+        self._notify: Callable[[], None] | None = None
+
+    def subscribe(self, notify: Callable[[], None]) -> None:
+        self._notify = notify
+        notify()  # what was written before the backend was ready
+
+    def write(self, data: bytes) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._buf += data
+        if self._notify is not None:
+            self._notify()
+
+    def close(self) -> None:
+        """EOF once what was written has been sent."""
+        with self._lock:
+            self._closed = True
+        if self._notify is not None:
+            self._notify()
+
+    def take(self, limit: int = 1 << 30) -> tuple[bytes, bool]:
+        """Up to `limit` bytes written and not yet taken, and whether EOF follows them."""
+        with self._lock:
+            data = bytes(self._buf[:limit])
+            del self._buf[:limit]
+            return data, self._closed and not self._buf
+
+    def give_back(self, data: bytes) -> None:
+        """Put back what `take` gave and could not be sent yet (it goes first)."""
+        with self._lock:
+            self._buf[:0] = data
 
 
 @dataclass(slots=True)

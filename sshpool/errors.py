@@ -12,6 +12,7 @@ SSHPoolError
 │   └── HostKeyMismatch        the host key is not the one in known_hosts (nothing was sent)
 ├── ChannelRefused     sshd refused a channel (MaxSessions); the pool retries, callers never see it
 ├── ConnectionLost     the connection dropped; `started` says whether the command may have run
+├── AgentUnavailable   agent mode: the host has no usable python3 (the pool falls back to channels)
 └── RemoteFileError    an SFTP operation failed on the host; the connection is fine
     ├── RemoteNotFound          no such file or directory
     ├── RemotePermissionDenied  the account may not do that there
@@ -102,6 +103,11 @@ class ConnectionLost(SSHPoolError):
         super().__init__(message)
         self.started = started
         self.remote_pgid: int | None = None
+
+
+class AgentUnavailable(SSHPoolError):
+    """Agent mode could not start its executor on the host (no python3, too old a one, a
+    forced command that refuses it). The pool runs that host's commands as channels instead."""
 
 
 class RemoteFileError(SSHPoolError):

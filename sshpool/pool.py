@@ -58,9 +58,10 @@ from collections.abc import (
 )
 from typing import Any, TypeVar
 
+from sshpool.agent import AgentConnection, start_agent
 from sshpool.backends import Backend, Connection, Exit, load_backend
 from sshpool.backends.base import SFTPSession
-from sshpool.breaker import Breaker
+from sshpool.breaker import Breaker, Penalties
 from sshpool.budget import Sshd
 from sshpool.command import (
     Capture,
@@ -72,6 +73,7 @@ from sshpool.command import (
     wrap,
 )
 from sshpool.errors import (
+    AgentUnavailable,
     AuthenticationFailed,
     ChannelRefused,
     CommandTimeout,
@@ -109,6 +111,7 @@ class _Conn:
 
     __slots__ = (
         "capacity",
+        "ceiling",
         "clean_opens",
         "conn",
         "connect_time",
@@ -124,6 +127,8 @@ class _Conn:
     def __init__(self, conn: Connection, capacity: int, now: float, connect_time: float) -> None:
         self.conn = conn
         self.capacity = capacity
+        # What capacity grows back to: max_sessions, or agent_max_commands on an executor.
+        self.ceiling = capacity
         self.in_use = 0
         self.created = now
         self.idle_since = now
@@ -166,14 +171,16 @@ class _Lease:
 
     async def exec(
         self,
-        line: str,
+        command: str | Sequence[str],
         stdin: bytes | None,
         max_output: int,
         on_started: Callable[[int], None] | None,
         on_output: Callable[[OutputStream, bytes], None] | None = None,
     ) -> Exit:
-        """Run `line` on this slot. A lost connection counts as started once the command
-        reported its process group, and carries that group."""
+        """Run `command` (a shell line, or argv) on this slot. A lost connection counts as
+        started once the command reported its process group, and carries that group. On an
+        executor (agent mode) argv starts with no shell; anything else goes through the login
+        shell behind the marker line (module docstring of sshpool.command)."""
 
         def started() -> None:
             self.t_started = time.perf_counter()
@@ -184,11 +191,24 @@ class _Lease:
         if on_output is not None:
             on_out = functools.partial(on_output, "stdout")
             on_err = functools.partial(on_output, "stderr")
-        marker = new_marker()
-        out = self.out = Capture(max_output, marker=marker, on_start=started, on_data=on_out)
-        self.err = Capture(max_output, on_data=on_err)
+        conn = self.conn.conn
+        if isinstance(conn, AgentConnection) and not isinstance(command, str):
+            out = self.out = Capture(max_output, on_data=on_out)
+            self.err = Capture(max_output, on_data=on_err)
+
+            def on_pgid(pgid: int | None) -> None:
+                out.pgid = pgid if pgid is not None and pgid > 1 else None
+                started()
+
+            run = conn.run_argv(command, stdin, out, self.err, on_pgid)
+        else:
+            line = command if isinstance(command, str) else command_line(command)
+            marker = new_marker()
+            out = self.out = Capture(max_output, marker=marker, on_start=started, on_data=on_out)
+            self.err = Capture(max_output, on_data=on_err)
+            run = conn.exec(wrap(line, marker), stdin, out, self.err)
         try:
-            return await self.conn.conn.exec(wrap(line, marker), stdin, out, self.err)
+            return await run
         except ConnectionLost as exc:
             exc.started = exc.started or out.pgid is not None
             exc.remote_pgid = out.pgid
@@ -308,10 +328,19 @@ class _HostPool:
             self.limits.breaker_threshold,
             self.limits.breaker_backoff,
             self.limits.breaker_backoff_max,
+            self.limits.auth_backoff,
+            self.limits.auth_backoff_max,
         )
+        # Refused logins of every account of this sshd; this account may add one only while
+        # it is not known good (it never logged in, or sshd refused it since).
+        self.penalties = sshd.penalties
+        self.trusted = False
         self.counters: Counter[str] = Counter()
         self.tasks: set[asyncio.Task[Any]] = set()
         self.loop = asyncio.get_running_loop()
+        # Agent mode until a connection finds no usable python3 (then channels, for good).
+        self.agent = target.exec_mode == "agent"
+        self.agent_error: str | None = None
 
     # ---- state changes: synchronous, no awaits ----
 
@@ -349,7 +378,12 @@ class _HostPool:
         min_connections open while the sshd has room. Asked by the sshd before each grant."""
         lim = self.limits
         opened = len(self.conns) + self.connecting
-        if opened >= lim.max_connections or not self.breaker.may_try(self.loop.time()):
+        now = self.loop.time()
+        if opened >= lim.max_connections or not self.breaker.may_try(now):
+            return False
+        if not self.trusted and (self.connecting or not self.penalties.allows(now)):
+            # An account not known good may be refused: one login at a time, and only while
+            # one more refusal stays under the sshd's penalty threshold (`Penalties`).
             return False
         if self.connecting * lim.max_sessions < len(self.waiters):
             return True
@@ -430,7 +464,7 @@ class _HostPool:
     def _regrow(self, c: _Conn) -> None:
         """A clean channel open: after REGROW_AFTER of them a shrunk connection grows by one."""
         c.clean_opens += 1
-        if c.capacity < self.limits.max_sessions and c.clean_opens >= REGROW_AFTER:
+        if c.capacity < c.ceiling and c.clean_opens >= REGROW_AFTER:
             c.capacity += 1
             c.clean_opens = 0
 
@@ -484,11 +518,17 @@ class _HostPool:
         start = time.perf_counter()
         try:
             conn = await self._handshake()
+            conn, slots = await self._with_agent(conn)
         except SSHPoolError as exc:
             self.connecting -= 1
             self.sshd.connected(False)
             self.counters["connects_failed"] += 1
-            self.breaker.failure(self.loop.time())
+            if isinstance(exc, AuthenticationFailed):
+                self.trusted = False
+                self.penalties.failure(self.loop.time())
+                self.breaker.auth_failure(self.loop.time())
+            else:
+                self.breaker.failure(self.loop.time())
             log.warning("connect to %s failed: %s", self.target, exc)
             live = any(c.conn.is_alive() and not c.expired for c in self.conns)
             if isinstance(exc, (AuthenticationFailed, HostKeyMismatch)) or (
@@ -507,9 +547,48 @@ class _HostPool:
         self.sshd.connected(True)
         self.counters["connects"] += 1
         self.breaker.success()
-        self.conns.append(_Conn(conn, self.limits.max_sessions, now, time.perf_counter() - start))
+        self.trusted = True
+        self.conns.append(_Conn(conn, slots, now, time.perf_counter() - start))
         self._connected(None)
         return None
+
+    async def _with_agent(self, conn: Connection) -> tuple[Connection, int]:
+        """In agent mode, `conn` with its executor started, and the commands it may run at
+        once. A host without a usable python3 turns this pool to channel mode, with one log
+        line; a connection lost meanwhile is a failed connect."""
+        if not self.agent:
+            return conn, self.limits.max_sessions
+        n = self.limits.agent_max_commands
+        try:
+            # Two more for the executor than the pool leases: kills of timed-out commands.
+            agent = await start_agent(
+                conn,
+                n + 2,
+                python=self.target.agent_python,
+                timeout=self.limits.agent_start_timeout,
+            )
+        except AgentUnavailable as exc:
+            if not conn.is_alive():
+                await conn.close()
+                raise ConnectionLost(str(exc), started=False) from None
+            if self.agent:
+                self.agent = False
+                self.agent_error = str(exc)
+                log.warning(
+                    "%s: %s; this host's commands run as channels instead", self.target, exc
+                )
+            return conn, self.limits.max_sessions
+        except BaseException:
+            await conn.close()
+            raise
+        if agent.preamble:
+            log.warning(
+                "the login printed %d bytes before the executor started (not output): %r",
+                len(agent.preamble),
+                agent.preamble[:200],
+            )
+        self.counters["agents_started"] += 1
+        return agent, n
 
     async def acquire(self, deadline: float | None, tenant: Hashable = None) -> _Conn:
         if not self.waiters:
@@ -701,6 +780,19 @@ class _HostPool:
         conns, self.conns = self.conns, []
         await asyncio.gather(*(c.conn.close() for c in conns), return_exceptions=True)
 
+    async def discard(self) -> int:
+        """Close every connection now (see `Pool.discard`), through the sshd's budget like any
+        close; the account stays a member of its sshd, with its breaker."""
+        self._fail_waiters(PoolTimeout(f"{self.target}: its connections were closed"))
+        if self.tasks:
+            await asyncio.wait(list(self.tasks), timeout=KILL_TIMEOUT)
+        conns, self.conns = self.conns, []
+        for c in conns:
+            c.expired = True
+        await asyncio.gather(*(self._close(c) for c in conns), return_exceptions=True)
+        self.counters["discarded"] += len(conns)
+        return len(conns)
+
     def maintain(self) -> None:
         """Expire old connections, close idle ones beyond min_connections, top up the minimum."""
         now = self.loop.time()
@@ -722,6 +814,8 @@ class _HostPool:
         return {
             "target": str(self.target),
             "backend": self.backend.name,
+            "exec_mode": "agent" if self.agent else "channel",
+            "agent_error": self.agent_error,
             "connections": len(live),
             "channels_in_use": sum(c.in_use for c in self.conns),
             "capacity": sum(c.capacity for c in live if not c.expired),
@@ -749,6 +843,9 @@ class Pool:
         # (address, port) -> its budget; host name and port -> the address it resolved to.
         self._sshds: dict[tuple[str, int], Sshd] = {}
         self._addresses: dict[tuple[str, int], asyncio.Future[str]] = {}
+        # Callers entering per (host name, port), and the FIFO lock they enter through (`_host`).
+        self._entering: Counter[tuple[str, int]] = Counter()
+        self._entries: dict[tuple[str, int], asyncio.Lock] = {}
         self._maintenance: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -761,19 +858,33 @@ class Pool:
     async def _host(self, target: Target) -> _HostPool:
         if self._closed:
             raise RuntimeError("pool is closed")
+        name = (target.host, target.port)
         host = self._hosts.get(target)
-        if host is None:
-            sshd = await self._sshd(target)
-            host = self._hosts.get(target)  # made by another caller meanwhile?
-            if host is None:
-                name = target.backend or self.backend.name
-                if name not in self._backends:
-                    self._backends[name] = load_backend(name)
-                host = self._hosts[target] = _HostPool(target, self._backends[name], sshd)
-                lim = target.limits
-                sshd.join(host, lim.max_handshakes, lim.max_total_connections)
+        if host is None or self._entering[name]:
+            # Callers enter in arrival order (where the waiters' FIFO starts): the first awaits
+            # the name's lookup, the others queue behind it on a FIFO lock, and none overtakes
+            # them through a host pool made meanwhile (an `await` of a done future does not
+            # yield, so a latecomer would otherwise run before the woken ones).
+            self._entering[name] += 1
+            try:
+                async with self._entries.setdefault(name, asyncio.Lock()):
+                    host = self._hosts.get(target) or await self._new_host(target)
+            finally:
+                self._entering[name] -= 1
+                if not self._entering[name]:
+                    del self._entering[name]
         if self._maintenance is None:
             self._maintenance = asyncio.create_task(self._maintain())
+        return host
+
+    async def _new_host(self, target: Target) -> _HostPool:
+        sshd = await self._sshd(target)
+        name = target.backend or self.backend.name
+        if name not in self._backends:
+            self._backends[name] = load_backend(name)
+        host = self._hosts[target] = _HostPool(target, self._backends[name], sshd)
+        lim = target.limits
+        sshd.join(host, lim.max_handshakes, lim.max_total_connections)
         return host
 
     async def _sshd(self, target: Target) -> Sshd:
@@ -781,11 +892,13 @@ class Pool:
         (once per pool) and its port; a target with per_sshd=False has one of its own."""
         lim = target.limits
         if not lim.per_sshd:
-            return Sshd(str(target), lim.max_handshakes, math.inf)
+            own = Sshd(str(target), lim.max_handshakes, math.inf)
+            own.penalties = Penalties(lim.penalty_per_failure, lim.penalty_threshold)
+            return own
         name = (target.host, target.port)
         resolved = self._addresses.get(name)
         if resolved is None:
-            # One lookup per name, awaited by every caller in arrival order (FIFO kept).
+            # One lookup per name (its callers enter one by one: `_host`).
             resolved = self._addresses[name] = asyncio.ensure_future(_resolve(*name))
         address = await resolved
         key = (address, target.port)
@@ -793,6 +906,7 @@ class Pool:
         if sshd is None:
             where = f"[{address}]:{target.port}" if ":" in address else f"{address}:{target.port}"
             sshd = self._sshds[key] = Sshd(where, lim.max_handshakes, lim.max_total_connections)
+            sshd.penalties = Penalties(lim.penalty_per_failure, lim.penalty_threshold)
         return sshd
 
     async def _maintain(self) -> None:
@@ -837,7 +951,8 @@ class Pool:
         `Capture`). The command's own output comes after the start (the wrapper's marker line),
         so the pool's one retry of a connection lost before the start repeats none of it.
         """
-        line = command if isinstance(command, str) else command_line(command)
+        if not isinstance(command, str):
+            command_line(command)  # refuse an empty argv or a NUL before taking a slot
         host = await self._host(target)
         # Stage timings use perf_counter: uvloop's loop.time() only ticks in milliseconds.
         t0 = time.perf_counter()
@@ -847,7 +962,7 @@ class Pool:
             try:
                 async with host.lease(deadline, since=t0, tenant=tenant) as lease:
                     async with asyncio.timeout(timeout):
-                        end = await lease.exec(line, stdin, max_output, on_started, on_output)
+                        end = await lease.exec(command, stdin, max_output, on_started, on_output)
             except TimeoutError:
                 # The lease killed the remote group before letting go of the slot.
                 result = lease.result(None)
@@ -914,6 +1029,16 @@ class Pool:
         sharing the account, e.g. another API replica): TERM, then KILL after a grace period.
         Raises PoolTimeout, PoolFull, HostUnavailable, ConnectError or TimeoutError."""
         await (await self._host(target)).kill(pgid)
+
+    async def discard(self, target: Target) -> int:
+        """Close `target`'s connections now, with whatever still runs on them (the API revokes
+        an identity this way, after killing its commands): its waiters fail with PoolTimeout
+        and its next call starts afresh, with a new login. Kills already under way get up to
+        KILL_TIMEOUT to finish first. Returns how many connections it closed."""
+        host = self._hosts.get(target)
+        if host is None:
+            return 0
+        return await asyncio.shield(host.discard())
 
     def stats(self) -> dict[Target, dict[str, Any]]:
         """Per target: connections, channels in use, waiters, handshakes in flight, counters.

@@ -3,6 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
+
+from sshpool.certificates import Credentials, UserCA
+
+# How commands reach the host: a session channel each ("channel"), or one resident executor
+# per connection that runs them all ("agent", sshpool.agent; docs/pool.md).
+ExecMode = Literal["channel", "agent"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,25 +36,45 @@ class Limits:
     breaker_threshold: int = 3
     breaker_backoff: float = 1.0
     breaker_backoff_max: float = 30.0
+    # A refused login (an account sshd does not let in) opens the breaker at once for this
+    # back-off, doubling to the cap: retrying soon fails again and costs sshd penalty time.
+    auth_backoff: float = 10.0
+    auth_backoff_max: float = 300.0
+    # sshd's PerSourcePenalties as the pool assumes it (OpenSSH's defaults authfail:5, min:15):
+    # logins that may be refused are spaced so that refusals never reach the threshold.
+    penalty_per_failure: float = 5.0
+    penalty_threshold: float = 15.0
     # False reproduces the connection-per-request design (one command per connection, then
     # close) for comparisons; pair it with max_sessions=1 and a wide handshake gate.
     reuse: bool = True
     # False: the handshake gate and the connection count per account instead of per sshd, and a
     # dropped handshake retried once (the pool before issue 29), for comparisons.
     per_sshd: bool = True
+    # Agent mode (Target.exec_mode "agent"): commands one executor runs at once per connection
+    # (it takes two more, for kills), and how long its start (the login shell, python3) may take.
+    agent_max_commands: int = 32
+    agent_start_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         if min(self.max_connections, self.max_sessions, self.max_handshakes) < 1:
             raise ValueError("max_connections, max_sessions and max_handshakes must be >= 1")
         if self.max_total_connections < 1:
             raise ValueError("max_total_connections must be >= 1")
+        if self.agent_max_commands < 1:
+            raise ValueError("agent_max_commands must be >= 1")
         if not 0 <= self.min_connections <= self.max_connections:
             raise ValueError("min_connections must be between 0 and max_connections")
 
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    """One account on one SSH host. Equal targets share pooled connections."""
+    """One account on one SSH host. Equal targets share pooled connections.
+
+    It logs in with its `client_keys` (private key files), or, with `ca` set, with a fresh
+    certificate of that CA per connection (`UserCA.mint(username, identity)`; `client_keys` is
+    then empty). `identity` names on whose behalf (sshd logs it in the certificate's key id);
+    it is part of the pool key, so two identities never share a connection, nor a breaker.
+    """
 
     host: str
     username: str
@@ -57,14 +84,33 @@ class Target:
     limits: Limits = field(default_factory=Limits)
     # The SSH library for this host ("asyncssh", "paramiko", "ssh2"); None: the pool's own.
     backend: str | None = None
+    exec_mode: ExecMode = "channel"
+    # The interpreter agent mode starts on the host (looked up in the login shell's PATH).
+    agent_python: str = "python3"
+    ca: UserCA | None = None
+    identity: str = ""
 
     def __post_init__(self) -> None:
-        if not self.client_keys:
-            raise ValueError("a target needs at least one client key")
+        if self.ca is None and not self.client_keys:
+            raise ValueError("a target needs at least one client key, or a CA")
+        if self.ca is not None and self.client_keys:
+            raise ValueError("a target logs in with client keys or a CA, not both")
+        if self.ca is not None:
+            self.ca.check_identity(self.identity or self.username)
         if not self.known_hosts:
             # Fail closed: there is no "accept any host key" mode.
             raise ValueError("a target needs a known_hosts file")
 
+    def credentials(self) -> Credentials | None:
+        """A fresh key pair and certificate for one connection (None: log in with
+        client_keys). Called by the backends at each connect, never kept."""
+        if self.ca is None:
+            return None
+        return self.ca.mint(self.username, self.identity or self.username)
+
     def __str__(self) -> str:
         where = f"{self.username}@{self.host}:{self.port}"
-        return f"{where} ({self.backend})" if self.backend else where
+        how = ", ".join(
+            x for x in (self.backend, "agent" if self.exec_mode == "agent" else "") if x
+        )
+        return f"{where} ({how})" if how else where

@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 
 from api.auth import Principal
-from api.jobs.batch import BatchJobs
+from api.jobs.batch import BatchJobs, owner_of
 from api.jobs.runner import CANCEL_WAIT, Runner
 from api.policy import Policy
 from api.problems import Problem, ssh_problem
@@ -100,7 +100,7 @@ class Cancels:
             raise already_finished(current or row)
         if current.pgid is None:
             return current
-        target = self.policy.target_of(current.host, current.target)
+        target = self.policy.target_of(current.host, current.target, owner_of(current))
         if target is None:  # its host or account left the configuration: nothing to reach
             return current
         try:

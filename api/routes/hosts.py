@@ -22,7 +22,7 @@ def _info(svc: Services, who: Principal, name: str) -> HostInfo:
     # By Target, not by address: two hosts on one user@host:port (other keys, limits or
     # backend) have pools of their own, and each host shows only its own.
     stats = svc.pool.stats()
-    pools: list[dict[str, Any]] = [stats[t] for t in svc.policy.targets(name) if t in stats]
+    pools: list[dict[str, Any]] = svc.policy.pools(name, stats)
     # Health is the host's (any account's pool): it names no account.
     if any(p.get("breaker") == "open" for p in pools):
         health = "down"

@@ -101,6 +101,35 @@ JOBS = Table(
     Index("sshapi_jobs_replica_state", "replica", "state"),
 )
 
+# Identities (issuer and subject) or accounts whose requests are refused at once, on every
+# replica (api/revocations.py); deleting the row lifts it. A few rows: every replica reads them
+# all each second.
+REVOCATIONS = Table(
+    "sshapi_revocations",
+    METADATA,
+    Column("id", String(36), primary_key=True),
+    Column("issuer", String(512), nullable=True),
+    Column("subject", String(512), nullable=True),
+    Column("account", String(64), nullable=True),
+    Column("created_at", DateTime(timezone=True), nullable=False),
+    # Who revoked: the admin's issuer and subject.
+    Column("created_by_iss", String(512), nullable=False),
+    Column("created_by_sub", String(512), nullable=False),
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Revocation:
+    """One row of REVOCATIONS: an identity (issuer and subject) or an account."""
+
+    id: str
+    issuer: str | None
+    subject: str | None
+    account: str | None
+    created_at: datetime
+    created_by_iss: str
+    created_by_sub: str
+
 
 @dataclass(slots=True, kw_only=True)
 class JobRow:

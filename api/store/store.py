@@ -46,7 +46,18 @@ from sqlalchemy.sql.expression import ClauseElement
 from api.states import ACTIVE, FINAL
 from api.store import migrate
 from api.store.postgres import PgWriter, output_bytes
-from api.store.schema import FIELDS, JOBS, LISTED, JobRow, Write, job_row, utcnow
+from api.store.schema import (
+    FIELDS,
+    JOBS,
+    LISTED,
+    REVOCATIONS,
+    JobRow,
+    Revocation,
+    Write,
+    aware,
+    job_row,
+    utcnow,
+)
 from api.store.sqlite import Sql, SqliteWriter, sqlite_pragmas
 from api.tasks import Child, OnDeath, Supervisor
 
@@ -105,7 +116,8 @@ class Store:
 
     async def close(self) -> None:
         if self._writer is not None and self._tasks is not None:
-            if self._tasks.healthy:  # else the writer is gone with the others: nothing commits
+            task = self._writer.task
+            if task is not None and not task.done():  # else nothing would ever commit them
                 await self._writes.join()  # every accepted write is committed (or failed) first
             await self._tasks.stop(self._writer)
             self._writer = None
@@ -360,6 +372,41 @@ class Store:
         return await self._rows(
             select(JOBS).where(c.replica == replica, c.kind == "batch", c.state.in_(ACTIVE))
         )
+
+    # ---- revocations (rare writes: outside the job writer, one statement each)
+
+    async def revoke(self, revocation: Revocation) -> None:
+        async with self._started().begin() as conn:
+            await conn.execute(insert(REVOCATIONS).values(**_fields(revocation)))
+
+    async def revocations(self) -> list[Revocation]:
+        """Every revocation, oldest first."""
+        query = select(REVOCATIONS).order_by(REVOCATIONS.c.id)
+        async with self._started().connect() as conn:
+            rows = [dict(r._mapping) for r in await conn.execute(query)]
+        for row in rows:
+            row["created_at"] = aware(row["created_at"])
+        return [Revocation(**row) for row in rows]
+
+    async def lift(self, revocation_id: str) -> bool:
+        """Delete a revocation; False when there is none of that id."""
+        query = delete(REVOCATIONS).where(REVOCATIONS.c.id == revocation_id)
+        async with self._started().begin() as conn:
+            return bool((await conn.execute(query)).rowcount)
+
+    async def active_of(self, owner: tuple[str, str] | None, account: str | None) -> list[JobRow]:
+        """Active jobs of an identity, or run as an account (their target is `account@...`)."""
+        c = JOBS.c
+        query = select(*LISTED).where(c.state.in_(ACTIVE))
+        if owner is not None:
+            query = query.where(c.owner_iss == owner[0], c.owner_sub == owner[1])
+        if account is not None:
+            query = query.where(c.target.startswith(f"{account}@", autoescape=True))
+        return await self._rows(query)
+
+
+def _fields(revocation: Revocation) -> dict[str, Any]:
+    return {name: getattr(revocation, name) for name in REVOCATIONS.c.keys()}  # noqa: SIM118
 
 
 async def prune(url: str, schema: str | None, ended_before: datetime) -> int:

@@ -22,7 +22,7 @@ import asyncssh
 
 from sshpool.backends import translate
 from sshpool.backends.base import DirEntry, Exit, FileAttrs
-from sshpool.command import Capture
+from sshpool.command import Capture, Feed
 from sshpool.errors import (
     AuthenticationFailed,
     ChannelRefused,
@@ -84,6 +84,26 @@ class _Session(asyncssh.SSHClientSession[bytes]):
                 self.done.set_result(None)
             else:
                 self.done.set_exception(exc)
+
+
+class _Pour:
+    """Writes what a Feed was given to the channel as it is given (asyncssh buffers it)."""
+
+    def __init__(self, feed: Feed, chan: asyncssh.SSHClientChannel[bytes]) -> None:
+        self.feed = feed
+        self.chan = chan
+        self.eof_sent = False
+
+    def __call__(self) -> None:
+        data, eof = self.feed.take()
+        if self.eof_sent or self.chan.is_closing():
+            return
+        with contextlib.suppress(asyncssh.Error, OSError):
+            if data:
+                self.chan.write(data)
+            if eof:
+                self.eof_sent = True
+                self.chan.write_eof()
 
 
 def _attrs(attrs: asyncssh.SFTPAttrs) -> FileAttrs:
@@ -248,7 +268,7 @@ class AsyncsshConnection:
         return ChannelRefused(f"channel refused: {exc.reason}")
 
     async def exec(
-        self, command: str, stdin: bytes | None, stdout: Capture, stderr: Capture
+        self, command: str, stdin: bytes | Feed | None, stdout: Capture, stderr: Capture
     ) -> Exit:
         session = _Session(stdout, stderr)
         try:
@@ -262,9 +282,12 @@ class AsyncsshConnection:
                 session.chan.close()
             raise
         try:
-            if stdin:
-                chan.write(stdin)
-            chan.write_eof()
+            if isinstance(stdin, Feed):
+                stdin.subscribe(_Pour(stdin, chan))
+            else:
+                if stdin:
+                    chan.write(stdin)
+                chan.write_eof()
             await session.done
         except asyncio.CancelledError:
             # Best effort: sshd delivers it to the login shell only; the pool kills the group.
@@ -408,9 +431,15 @@ class AsyncsshBackend:
     async def connect(self, target: Target) -> AsyncsshConnection:
         limits = target.limits
         client = _Client()
+        creds = target.credentials()
+        client_keys: list[Any] = list(target.client_keys)
+        if creds is not None:
+            # The fresh key and its certificate, from memory: nothing touches the disk.
+            key = asyncssh.import_private_key(creds.private_key)
+            client_keys = [(key, asyncssh.import_certificate(creds.certificate))]
         options: dict[str, Any] = {
             "username": target.username,
-            "client_keys": list(target.client_keys),
+            "client_keys": client_keys,
             "known_hosts": target.known_hosts,
             "keepalive_interval": limits.keepalive_interval,
             "keepalive_count_max": limits.keepalive_count_max,

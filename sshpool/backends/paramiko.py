@@ -30,17 +30,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import io
+import os
 import select
 import socket
 import threading
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, TypeVar
 
 from sshpool.backends import translate
 from sshpool.backends.base import DirEntry, Exit, FileAttrs
-from sshpool.command import Capture
+from sshpool.command import Capture, Feed
 from sshpool.errors import (
     AuthenticationFailed,
     ChannelRefused,
@@ -174,13 +176,27 @@ def _connect_blocking(target: Target, deadline: float) -> tuple[Any, _WatchedSoc
         raise translate.connect_error(exc, target, _connect_table, timed_out=timed_out) from exc
 
 
-def _authenticate(transport: Any, target: Target, deadline: float) -> None:
-    refused: list[str] = []
+def _keys(target: Target) -> Iterator[tuple[str, Any]]:
+    """(name, paramiko key) of each key to offer, in order; a key file that cannot be loaded is
+    (name, the reason). A certificate login is its one fresh key, loaded from memory."""
+    creds = target.credentials()
+    if creds is not None:
+        key = paramiko.Ed25519Key.from_private_key(io.StringIO(creds.private_key.decode()))
+        key.load_certificate(creds.certificate.decode())
+        yield f"certificate {creds.key_id}", key
+        return
     for path in target.client_keys:
         try:
-            key = paramiko.PKey.from_path(path)
+            yield path, paramiko.PKey.from_path(path)
         except (OSError, paramiko.SSHException, ValueError) as exc:
-            refused.append(f"{path}: cannot load: {exc}")
+            yield path, f"cannot load: {exc}"
+
+
+def _authenticate(transport: Any, target: Target, deadline: float) -> None:
+    refused: list[str] = []
+    for path, key in _keys(target):
+        if isinstance(key, str):
+            refused.append(f"{path}: {key}")
             continue
         transport.auth_timeout = max(0.001, deadline - time.monotonic())
         try:
@@ -198,7 +214,7 @@ class _Relay:
     MAX_IN_FLIGHT chunks not yet consumed."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, cancel: threading.Event) -> None:
-        self._loop = loop
+        self.loop = loop
         self._cancel = cancel
         self._room = threading.Semaphore(MAX_IN_FLIGHT)
 
@@ -207,7 +223,7 @@ class _Relay:
         while not self._room.acquire(timeout=POLL):
             if self._cancel.is_set():
                 return False
-        self._loop.call_soon_threadsafe(self._feed, capture, data)
+        self.loop.call_soon_threadsafe(self._feed, capture, data)
         return True
 
     def _feed(self, capture: Capture, data: bytes) -> None:
@@ -225,6 +241,31 @@ def _signal_message(chan: Any, name: str) -> Any:
     m.add_boolean(False)
     m.add_string(name)
     return m
+
+
+class _Waker:
+    """A pipe that wakes a pump thread's select when its Feed is written to (called on the
+    event loop, as is `close`)."""
+
+    def __init__(self) -> None:
+        self.fd, self._w = os.pipe()
+        os.set_blocking(self.fd, False)
+        os.set_blocking(self._w, False)
+        self._closed = False
+
+    def __call__(self) -> None:
+        if not self._closed:
+            with contextlib.suppress(BlockingIOError):  # a full pipe wakes the thread already
+                os.write(self._w, b"x")
+
+    def drain(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.read(self.fd, 4096)
+
+    def close(self) -> None:
+        self._closed = True
+        os.close(self.fd)
+        os.close(self._w)
 
 
 def _send_while_open(chan: Any, message: Callable[[], Any]) -> None:
@@ -507,7 +548,7 @@ class ParamikoConnection:
         return not self._closed and self._transport.is_active() and not self._silent_too_long()
 
     async def exec(
-        self, command: str, stdin: bytes | None, stdout: Capture, stderr: Capture
+        self, command: str, stdin: bytes | Feed | None, stdout: Capture, stderr: Capture
     ) -> Exit:
         loop = asyncio.get_running_loop()
         cancel = threading.Event()
@@ -542,7 +583,7 @@ class ParamikoConnection:
     def _exec_blocking(
         self,
         command: str,
-        stdin: bytes | None,
+        stdin: bytes | Feed | None,
         stdout: Capture,
         stderr: Capture,
         relay: _Relay,
@@ -561,7 +602,7 @@ class ParamikoConnection:
         self,
         chan: Any,
         command: str,
-        stdin: bytes | None,
+        stdin: bytes | Feed | None,
         stdout: Capture,
         stderr: Capture,
         relay: _Relay,
@@ -581,23 +622,54 @@ class ParamikoConnection:
     def _pump(
         self,
         chan: Any,
-        stdin: bytes | None,
+        stdin: bytes | Feed | None,
         stdout: Capture,
         stderr: Capture,
         relay: _Relay,
         cancel: threading.Event,
     ) -> Exit:
-        """Write stdin then EOF while reading stdout and stderr, until the exit status."""
-        pending = memoryview(stdin or b"")
-        if not pending:
-            _send_while_open(chan, chan._send_eof)
+        """Write stdin then EOF while reading stdout and stderr, until the exit status. A Feed
+        is sent as it is written to (a pipe wakes this thread), EOF once it is closed."""
+        feed = stdin if isinstance(stdin, Feed) else None
+        pending = memoryview(stdin if isinstance(stdin, bytes) else b"")
+        eof_due, eof_sent = feed is None, False
+        waker = None
+        if feed is not None:
+            waker = _Waker()
+            feed.subscribe(waker)
+        try:
+            return self._pump_loop(
+                chan, feed, pending, eof_due, eof_sent, waker, stdout, stderr, relay, cancel
+            )
+        finally:
+            if waker is not None:
+                # On the loop, where the Feed calls it: no poke can hit a closed descriptor.
+                relay.loop.call_soon_threadsafe(waker.close)
+
+    def _pump_loop(
+        self,
+        chan: Any,
+        feed: Feed | None,
+        pending: memoryview,
+        eof_due: bool,
+        eof_sent: bool,
+        waker: _Waker | None,
+        stdout: Capture,
+        stderr: Capture,
+        relay: _Relay,
+        cancel: threading.Event,
+    ) -> Exit:
         ready = chan.fileno()  # readable whenever stdout or stderr has data, or on close
+        watched = [ready] if waker is None else [ready, waker.fd]
         while True:
             busy = False
             while chan.recv_ready():
                 busy = relay.put(stdout, chan.recv(CHUNK))
             while chan.recv_stderr_ready():
                 busy = relay.put(stderr, chan.recv_stderr(CHUNK))
+            if feed is not None and not pending and not eof_sent:
+                data, eof_due = feed.take(CHUNK * 16)
+                pending = memoryview(data)
             if pending and chan.send_ready():
                 try:
                     pending = pending[chan.send(pending[:CHUNK]) :]
@@ -605,10 +677,10 @@ class ParamikoConnection:
                     if not chan.closed:
                         raise
                     pending = pending[:0]  # the command ended without reading all its stdin
-                else:
-                    if not pending:
-                        _send_while_open(chan, chan._send_eof)
                 busy = True
+            if not pending and eof_due and not eof_sent:
+                _send_while_open(chan, chan._send_eof)
+                eof_sent = True
             if chan.exit_status_ready() and (chan.eof_received or chan.closed):
                 if chan.recv_ready() or chan.recv_stderr_ready():
                     continue
@@ -626,7 +698,9 @@ class ParamikoConnection:
                 # The readiness pipe stays readable after EOF: wait for the exit status.
                 chan.status_event.wait(POLL)
             else:
-                select.select([ready], [], [], POLL_STDIN if pending else POLL)
+                readable, _, _ = select.select(watched, [], [], POLL_STDIN if pending else POLL)
+                if waker is not None and waker.fd in readable:
+                    waker.drain()
         signal = getattr(chan, "sshpool_exit_signal", None)
         if signal is not None:
             return Exit(status=-1, signal=signal)

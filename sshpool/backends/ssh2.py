@@ -38,6 +38,7 @@ import asyncio
 import base64
 import contextlib
 import ctypes
+import functools
 import hashlib
 import hmac
 import os
@@ -46,13 +47,13 @@ import select
 import socket
 import time
 import weakref
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Iterator
 from typing import Any, NamedTuple, TypeVar
 
 from sshpool.backends import translate
 from sshpool.backends.base import DirEntry, Exit, FileAttrs
 from sshpool.backends.translate import describe
-from sshpool.command import Capture
+from sshpool.command import Capture, Feed
 from sshpool.errors import (
     AuthenticationFailed,
     ChannelRefused,
@@ -371,7 +372,7 @@ class Ssh2Connection:
             raise ChannelRefused(f"channel refused: {describe(exc)}") from exc
 
     async def exec(
-        self, command: str, stdin: bytes | None, stdout: Capture, stderr: Capture
+        self, command: str, stdin: bytes | Feed | None, stdout: Capture, stderr: Capture
     ) -> Exit:
         pending = _Pending()
         chan: Any = None
@@ -405,10 +406,20 @@ class Ssh2Connection:
         return Exit(status=chan.get_exit_status())
 
     async def _drain(
-        self, chan: Any, stdin: bytes | None, stdout: Capture, stderr: Capture, pending: _Pending
+        self,
+        chan: Any,
+        stdin: bytes | Feed | None,
+        stdout: Capture,
+        stderr: Capture,
+        pending: _Pending,
     ) -> None:
-        """Write stdin then EOF while reading stdout and stderr, until the remote EOF."""
-        data = stdin or b""
+        """Write stdin then EOF while reading stdout and stderr, until the remote EOF. A Feed
+        is sent as it is written to (it wakes this loop), EOF once it is closed."""
+        feed = stdin if isinstance(stdin, Feed) else None
+        data = stdin if isinstance(stdin, bytes) else b""
+        eof_due = feed is None
+        if feed is not None:
+            feed.subscribe(self._wake)
         sent = 0
         eof_sent = False
         while True:
@@ -423,12 +434,15 @@ class Ssh2Connection:
             if chan.eof():  # remote EOF, and nothing left queued for this channel
                 await self._flush_pending(pending)
                 return
+            if feed is not None and sent == len(data) and not eof_sent:
+                data, eof_due = feed.take(CHUNK * 16)
+                sent = 0
             if sent < len(data):
                 # After EAGAIN the same offset must be offered again (see _Pending).
                 _, written = self._attempt(chan.write, data[sent : sent + CHUNK], pending=pending)
                 sent += written
                 busy = busy or written > 0
-            elif not eof_sent:
+            elif eof_due and not eof_sent:
                 eof_sent = not _eagain(self._attempt(chan.send_eof, pending=pending))
                 busy = busy or eof_sent
             if busy:
@@ -903,11 +917,30 @@ async def _handshake(conn: Ssh2Connection, session: Any, target: Target, lines: 
         ) from exc
 
 
+def _logins(target: Target, session: Any) -> Iterator[tuple[str, Callable[[], Any]]]:
+    """(name, one authentication call) per key to offer, in order. A certificate login passes
+    its fresh key and certificate from memory (libssh2 >= 1.11 takes the certificate as the
+    public key)."""
+    creds = target.credentials()
+    if creds is not None:
+        login = functools.partial(
+            session.userauth_publickey_frommemory,
+            target.username,
+            creds.private_key,
+            "",
+            creds.certificate,
+        )
+        yield f"certificate {creds.key_id}", login
+        return
+    for path in target.client_keys:
+        yield path, functools.partial(session.userauth_publickey_fromfile, target.username, path)
+
+
 async def _authenticate(conn: Ssh2Connection, session: Any, target: Target) -> None:
     refused: list[str] = []
-    for path in target.client_keys:
+    for path, login in _logins(target, session):
         try:
-            await conn._call(session.userauth_publickey_fromfile, target.username, path)
+            await conn._call(login)
         except ConnectionLost as exc:
             raise ConnectError(f"{target}: connection lost during authentication") from exc
         except _KEY_ERRORS as exc:

@@ -48,6 +48,22 @@ def test_healthy_host_passes_every_check(tuned_host: LocalHost) -> None:
     assert found["login shell"].status == "ok"
     assert "configured [hosts.h.sshd]" in found["sshd limits"].detail
     assert found["budget"].status == "ok", found["budget"].line()
+    assert found["agent"].status == "ok" and "runs the executor" in found["agent"].detail
+
+
+def test_agent_host_without_python3_warns_that_it_runs_as_channels(
+    tuned_host: LocalHost,
+) -> None:
+    """A host in agent mode whose interpreter is missing: a WARN naming it and what to set;
+    its commands still run (as channels)."""
+    config = local_host_config(tuned_host).model_copy(
+        update={"exec_mode": "agent", "agent_python": "/nonexistent/python3"}
+    )
+    found = doctor(config)
+    assert found["agent"].status == "WARN", found["agent"].line()
+    assert "/nonexistent/python3" in found["agent"].detail
+    assert "agent_python" in found["agent"].detail
+    assert failures(found) == []
 
 
 def test_noisy_login_shell_fails_naming_what_it_prints(make_host: object) -> None:

@@ -1,0 +1,189 @@
+"""Agent mode through the pool against real sshd (sshpool/agent): argv with no shell, the login
+shell once per connection, no python3, the executor killed, the connection cut, output floods,
+commands past MaxSessions. The executor alone: test_agent_executor.py; the backend conformance
+suite runs in agent mode too (test_backend_conformance.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import psutil
+import pytest
+
+from sshpool import ConnectionLost, Pool, Target
+from sshpool.devhost import LocalHost
+
+MakeHost = Callable[..., LocalHost]
+EXECUTOR = "sys.stdin.buffer.read"  # in the executor's command line (a pgrep pattern)
+
+
+def agent(target: Target, **changes: object) -> Target:
+    return replace(target, exec_mode="agent", **changes)  # type: ignore[arg-type]
+
+
+def word() -> str:
+    return f"sshapi-agent-{uuid.uuid4().hex[:12]}"
+
+
+async def appears(host: LocalHost, pattern: str, within: float = 10.0) -> None:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if host.processes(pattern):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{pattern} never ran")
+
+
+async def gone(host: LocalHost, pattern: str, within: float = 3.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if not host.processes(pattern):
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+async def test_argv_runs_without_a_shell_byte_exact(stock_host: LocalHost) -> None:
+    """argv reaches the program byte-exact (newline, `!`, quotes, `$`), stdin goes in, exit
+    codes come back, and on_started gets the command's own process group."""
+    args = ["a b", "it's", "$HOME", "line\nbreak", "bang!", "*", ""]
+    groups: list[int] = []
+    async with Pool() as pool:
+        target = agent(stock_host.target())
+        result = await pool.run(target, ["printf", "%s\\0", *args], on_started=groups.append)
+        assert result.stdout.split(b"\0")[:-1] == [a.encode() for a in args]
+        result = await pool.run(target, ["sh", "-c", "cat; exit 7"], stdin=b"in")
+        assert (result.exit_status, result.stdout) == (7, b"in")
+        result = await pool.run(target, ["no-such-program-sshapi"])
+        assert result.exit_status == 127 and b"no-such-program-sshapi" in result.stderr
+        assert pool.stats()[target]["exec_mode"] == "agent"
+    assert len(groups) == 1 and groups[0] > 1
+
+
+async def test_host_without_python3_falls_back_to_channels(
+    stock_host: LocalHost, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No usable interpreter: commands run as channels, and the log says so once."""
+    target = agent(stock_host.target(max_connections=2), agent_python="/nonexistent/python3")
+    with caplog.at_level(logging.WARNING, logger="sshpool"):
+        async with Pool() as pool:
+            results = await asyncio.gather(*(pool.run(target, ["echo", "ok"]) for _ in range(20)))
+            assert {r.stdout for r in results} == {b"ok\n"}
+            assert pool.stats()[target]["exec_mode"] == "channel"
+    lines = [r.message for r in caplog.records if "run as channels" in r.message]
+    assert len(lines) == 1 and "/nonexistent/python3" in lines[0]
+
+
+async def test_executor_killed_mid_job(stock_host: LocalHost) -> None:
+    """The executor dies under a running job: the job ends ConnectionLost(started=True) with
+    its process group, and the next job gets a fresh executor."""
+    w = word()
+    async with Pool() as pool:
+        target = agent(stock_host.target(max_connections=1))
+        job = asyncio.create_task(pool.run(target, ["sh", "-c", f"sleep 30; : {w}"]))
+        await appears(stock_host, w)
+        for pid in stock_host.processes(EXECUTOR):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with pytest.raises(ConnectionLost) as info:
+            await asyncio.wait_for(job, 10)
+        assert info.value.started and info.value.remote_pgid is not None
+        # Killed with no chance to clean up, the executor leaves the group running (as a cut
+        # connection does); the caller has its group id.
+        os.killpg(info.value.remote_pgid, signal.SIGKILL)
+        result = await pool.run(target, ["echo", "next"])
+        assert result.stdout == b"next\n"
+        assert pool.stats()[target]["counters"]["agents_started"] == 2
+
+
+async def test_connection_cut_kills_the_commands(make_host: MakeHost) -> None:
+    """sshd going down with its sessions: the job ends ConnectionLost(started=True), and the
+    executor, its channel closed, kills what it started."""
+    host = make_host()
+    w = word()
+    async with Pool() as pool:
+        target = agent(host.target(max_connections=1))
+        job = asyncio.create_task(pool.run(target, ["sh", "-c", f"sleep 30; : {w}"]))
+        await appears(host, w)
+        host.stop(kill_sessions=True)
+        with pytest.raises(ConnectionLost) as info:
+            await asyncio.wait_for(job, 10)
+        assert info.value.started
+    assert await gone(host, w)
+
+
+async def test_login_shell_runs_once_per_connection(make_host: MakeHost) -> None:
+    """An account whose ~/.bashrc sleeps 0.3 s and exports a variable: in agent mode the rc
+    file runs once per connection (its environment reaches every command); in channel mode
+    every command pays it."""
+    host = make_host(shell="/bin/bash")
+    rc = Path(host.account.home) / ".bashrc"
+    saved = rc.read_bytes() if rc.exists() else None
+    rc.write_text("sleep 0.3\nexport SSHAPI_FROM_RC=yes\n")
+    try:
+        async with Pool() as pool:
+            target = agent(host.target(max_connections=1))
+            await pool.run(target, ["true"])  # the connection, its login and its executor
+            started = time.perf_counter()
+            for _ in range(10):
+                result = await pool.run(target, ["printenv", "SSHAPI_FROM_RC"])
+                assert result.stdout == b"yes\n"
+            agent_each = (time.perf_counter() - started) / 10
+            channel = host.target(max_connections=1)
+            await pool.run(channel, ["true"])
+            started = time.perf_counter()
+            await pool.run(channel, ["true"])
+            channel_each = time.perf_counter() - started
+    finally:
+        if saved is None:
+            rc.unlink()
+        else:
+            rc.write_bytes(saved)
+    assert agent_each < 0.05 and channel_each > 0.3, (agent_each, channel_each)
+
+
+async def test_commands_past_maxsessions_on_one_connection(stock_host: LocalHost) -> None:
+    """Stock MaxSessions is 10: one connection in agent mode runs 30 commands at once."""
+    async with Pool() as pool:
+        target = agent(stock_host.target(max_connections=1, agent_max_commands=30))
+        await pool.run(target, ["true"])
+        started = time.monotonic()
+        results = await asyncio.gather(*(pool.run(target, ["sleep", "0.5"]) for _ in range(30)))
+        elapsed = time.monotonic() - started
+        assert all(r.exit_status == 0 for r in results)
+        assert pool.stats()[target]["connections"] == 1
+    assert elapsed < 1.5, f"30 x 0.5 s took {elapsed:.1f} s on one connection"
+
+
+async def test_output_flood_keeps_memory_bounded(stock_host: LocalHost) -> None:
+    """200 MB with no live observer: the executor counts past the cap and sends the head only.
+    100 MB watched live: every byte flows through the acknowledged window, memory flat."""
+    me = psutil.Process()
+    async with Pool() as pool:
+        target = agent(stock_host.target())
+        result = await pool.run(target, ["head", "-c", "200000000", "/dev/zero"])
+        assert (result.stdout_bytes, len(result.stdout), result.stdout_truncated) == (
+            200_000_000,
+            1 << 20,
+            True,
+        )
+        seen = 0
+
+        def count(stream: str, data: bytes) -> None:
+            nonlocal seen
+            seen += len(data)
+
+        before = me.memory_info().rss
+        result = await pool.run(target, ["head", "-c", "100000000", "/dev/zero"], on_output=count)
+        grown = me.memory_info().rss - before
+    assert seen == result.stdout_bytes == 100_000_000
+    assert grown < 50 << 20, f"client memory grew {grown >> 20} MiB"
