@@ -109,9 +109,11 @@ services: $(STAMP)
 openssh10: $(STAMP)
 	@$(VENV)/bin/python -m sshpool.devhost.openssh fetch --dir $(OPENSSH10_DIR) --apt $(OPENSSH10_APT)
 
-# Start the local HPC host (sshd on loopback, `tuned` profile) and the API on 127.0.0.1:8000.
+# Start the local HPC host (sshd on loopback, `tuned` profile) and the API on 127.0.0.1:PORT
+# (`make run PORT=8125`; else SSHAPI_PORT, else 8000). Only a PORT given on make's command line
+# counts: a PORT some other tool exported must not move the API.
 run: $(STAMP) sshd
-	$(VENV)/bin/sshapi dev
+	$(VENV)/bin/sshapi dev$(if $(filter command line,$(origin PORT)), --port $(PORT))
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -7,8 +7,10 @@ import asyncio
 import contextlib
 import shlex
 import signal
+import socket
 import time
 import tomllib
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
@@ -127,6 +129,33 @@ def db_upgrade() -> None:
         typer.echo(f"job database upgraded from {before} to {done.after}")
 
 
+@db_app.command("prune")
+def db_prune(
+    older_than: Annotated[
+        float,
+        typer.Option(
+            min=0, help="Delete the jobs that ended more than this many days ago (0: all ended)."
+        ),
+    ],
+) -> None:
+    """Delete finished jobs (every final state) that ended before the cutoff; active jobs stay.
+    Run it from a timer: each row keeps up to the policy's max_output of stdout and stderr."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from api.store import prune
+
+    settings = load_settings("db prune")
+    settings.secure_data_dir()
+    cutoff = datetime.now(UTC) - timedelta(days=older_than)
+    url, schema = settings.resolved_database_url, settings.database_schema
+    try:
+        _store_schema("db prune", settings, upgrade=False)
+        deleted = asyncio.run(prune(url, schema, cutoff))
+    except (OSError, SQLAlchemyError) as exc:
+        fail("db prune", f"the job database cannot be reached: {type(exc).__name__}: {exc}")
+    typer.echo(f"deleted {deleted} job(s) that ended before {cutoff.isoformat(timespec='seconds')}")
+
+
 def _store_schema(command: str, settings: Settings, *, upgrade: bool) -> migrate.Upgrade | None:
     """Upgrade (or only check) the job database's schema; a failure ends `command` with one
     line. Returns what the upgrade did (None for a check)."""
@@ -230,9 +259,40 @@ def _exit_on_signal(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
+def _can_bind(port: int) -> bool:
+    """True when 127.0.0.1:`port` can be bound now, as uvicorn binds it (SO_REUSEADDR)."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _require_free_port(port: int) -> None:
+    """End `sshapi dev` before it starts or prints anything when its port is taken: otherwise
+    the token and curl it prints name a port another program answers on, and uvicorn dies later
+    with a bare `address already in use`."""
+    if _can_bind(port):
+        return
+    spare = next((p for p in range(port + 1, min(port + 100, 65536)) if _can_bind(p)), None)
+    hint = f" (port {spare} is free)" if spare else ""
+    fail(
+        "dev",
+        f"port {port} on 127.0.0.1 is in use (another `sshapi dev`?); pick another{hint}: "
+        f"`make run PORT=N`, `SSHAPI_PORT=N make run` or `sshapi dev --port N`",
+    )
+
+
 @app.command()
 def dev(
-    port: Annotated[int, typer.Option(help="API port on 127.0.0.1.")] = 8000,
+    port: Annotated[
+        int | None,
+        typer.Option(
+            min=1, max=65535, help="API port on 127.0.0.1 (default: SSHAPI_PORT, else 8000)."
+        ),
+    ] = None,
     sub: Annotated[str, typer.Option(help="Subject of the printed token.")] = "dev",
     slurm: Annotated[
         bool,
@@ -278,7 +338,9 @@ def dev(
     from sshpool.devhost import LocalCluster, LocalHost, LocalSlurm, install_packages
     from sshpool.devhost.accounts import ensure_accounts
 
-    settings = load_settings("dev", workers, host="127.0.0.1", port=port)
+    given = {} if port is None else {"port": port}
+    settings = load_settings("dev", workers, host="127.0.0.1", **given)
+    _require_free_port(settings.port)
     # uvicorn re-raises SIGTERM after its graceful shutdown; with the default handler the process
     # would die there, before the local host and Slurm below are stopped. Exit through Python.
     signal.signal(signal.SIGTERM, _exit_on_signal)
@@ -321,7 +383,7 @@ def dev(
         if slurm:
             script = "#!/bin/sh\\nhostname; date\\n"
             body = f'{{"host": "local", "batch": {{"script": "{script}", "name": "hello"}}}}'
-        base = f"http://127.0.0.1:{port}"
+        base = f"http://127.0.0.1:{settings.port}"
         typer.echo(
             f"\nLocal HPC host: {host.username}@{','.join(addresses) or host.address}:{host.port}"
             + " (sshd, tuned profile"
