@@ -18,6 +18,7 @@ from api.client.cli import register as register_client_commands
 from api.config import Config
 from api.local import (
     default_config,
+    default_scopes,
     local_certificate_host_config,
     local_config_path,
     local_host_config,
@@ -150,7 +151,13 @@ def _store_schema(command: str, settings: Settings, *, upgrade: bool) -> migrate
 @app.command()
 def token(
     sub: Annotated[str, typer.Option(help="The subject (user name) of the token.")],
-    scope: Annotated[str, typer.Option(help="Space-separated scopes.")] = "jobs:read jobs:write",
+    scope: Annotated[
+        str | None,
+        typer.Option(
+            help="Space-separated scopes. Default: every scope the local issuer grants but "
+            "admin (jobs and files)."
+        ),
+    ] = None,
     ttl: Annotated[float, typer.Option(help="Lifetime in seconds, at most 30 days.")] = 3600.0,
     account: Annotated[
         str | None,
@@ -161,7 +168,8 @@ def token(
     settings = load_settings("token")
     config = load_config("token", settings)
     try:
-        typer.echo(local_token(settings, config, sub, scope.split(), ttl, account))
+        scopes = scope.split() if scope is not None else default_scopes(config)
+        typer.echo(local_token(settings, config, sub, scopes, ttl, account))
     except OSError as exc:  # the data dir's secret cannot be made or read
         fail("token", f"{exc.filename}: {exc.strerror}" if exc.strerror else str(exc))
     except ValueError as exc:  # NoLocalIssuer, an empty --sub, a --ttl out of range
@@ -293,7 +301,8 @@ def dev(
         config = default_config(local, hpc)
         write_local_config(settings.data_dir, config)
         account = names[0] if names else None
-        tok = local_token(settings, config, sub, ["jobs:read", "jobs:write"], 24 * 3600.0, account)
+        scopes = default_scopes(config)
+        tok = local_token(settings, config, sub, scopes, 24 * 3600.0, account)
         body = '{"host": "local", "argv": ["echo", "hello from the local HPC host"]}'
         if names:
             body = '{"host": "hpc", "argv": ["id", "-un"]}'
@@ -309,7 +318,7 @@ def dev(
             + (f"Accounts:       {names[0]} ... {names[-1]} on host `hpc`\n\n" if names else "")
             + f"Token for {sub!r}"
             + (f" as {account}" if account else "")
-            + " (24 h; another: .venv/bin/sshapi token --sub NAME"
+            + f" ({' '.join(scopes)}; 24 h; another: .venv/bin/sshapi token --sub NAME"
             + (" --account ACCOUNT" if account else "")
             + "):\n\n"
             f"export TOKEN={tok}\n"

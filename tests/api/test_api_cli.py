@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import jwt
 import pytest
 from api_helpers import serve
 from typer.testing import CliRunner
@@ -56,6 +57,20 @@ async def test_token_command_mints_what_the_default_server_accepts(tmp_path: Pat
         assert r.status_code == 200, r.text
         r = await client.get(f"{url}/v1/jobs", headers={"Authorization": "Bearer x" + token})
         assert r.status_code == 401
+
+
+def test_the_default_token_carries_jobs_and_files_but_not_admin(tmp_path: Path) -> None:
+    """One token for a researcher: without --scope, every scope the local issuer grants but
+    admin, which is asked for by name."""
+    env = {"SSHAPI_DATA_DIR": str(tmp_path / "data")}
+    for argv, scopes in (
+        ([], "jobs:read jobs:write files:read files:write"),
+        (["--scope", "jobs:read admin"], "jobs:read admin"),
+    ):
+        result = CliRunner().invoke(app, ["token", "--sub", "alice", *argv], env=env)
+        assert result.exit_code == 0, result.output
+        claims = jwt.decode(result.stdout.strip(), options={"verify_signature": False})
+        assert claims["scope"] == scopes
 
 
 async def test_hosts_check_reports_each_host(config_file: Path, tuned_host: LocalHost) -> None:

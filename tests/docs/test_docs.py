@@ -266,34 +266,27 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def dev_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevApi]:
     data = tmp_path_factory.mktemp("dev") / "data"
+    printed = data.parent / "dev.out"
     port = free_port()
     env = {**os.environ, "SSHAPI_DATA_DIR": str(data), "SSHAPI_LOG_LEVEL": "warning"}
     env.pop("SSHAPI_CONFIG", None)
-    proc = subprocess.Popen(
-        [str(BIN / "sshapi"), "dev", "--slurm", "--port", str(port)],
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-    )
+    with printed.open("w") as out:
+        proc = subprocess.Popen(
+            [str(BIN / "sshapi"), "dev", "--slurm", "--port", str(port)],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+        )
     try:
         url = f"http://127.0.0.1:{port}"
         wait_ready(proc, url, timeout=120)
-        minted = subprocess.run(
-            # The files scopes too, for docs/files.md.
-            [
-                str(BIN / "sshapi"),
-                "token",
-                "--sub",
-                "dev",
-                "--scope",
-                "jobs:read jobs:write files:read files:write",
-            ],
-            env=env,
-            capture_output=True,
-            text=True,
-            check=True,
+        # The token `make run` prints, as a reader pastes it: the files examples need it too.
+        token = next(
+            line.removeprefix("export TOKEN=")
+            for line in printed.read_text().splitlines()
+            if line.startswith("export TOKEN=")
         )
-        yield DevApi(url, minted.stdout.strip())
+        yield DevApi(url, token)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
