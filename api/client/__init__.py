@@ -7,8 +7,8 @@ In a notebook:
     print(client.run("local", ["hostname"]).stdout)
 
 `AsyncClient` has the same methods as coroutines (and async iterators for `follow`/`events`).
-Files (docs/files.md): `list_files`, `stat`, `download` (resumed by Range), `upload` (streamed),
-`delete_file`.
+Files (docs/files.md): `list_files`, `stat`, `download` (resumed by Range), `upload` (streamed,
+`parents=True` as `mkdir -p`), `mkdir`, `delete_file`.
 
 What the client does for you: an `Idempotency-Key` on every POST, so that a retry (after a 429,
 a 503 or a dropped connection) replays the job instead of running the command twice; retries of
