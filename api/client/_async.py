@@ -36,7 +36,7 @@ from api.client.files import (
 )
 from api.client.localfile import AsyncFile
 from api.client.models import FINAL, Job, Stream
-from api.client.tls import tls_context
+from api.client.tls import verify_for
 
 
 class AsyncClient(_Base):
@@ -69,7 +69,7 @@ class AsyncClient(_Base):
             headers=self.headers,
             timeout=timeout,
             transport=transport,
-            verify=tls_context(),
+            verify=verify_for(self.url),
             trust_env=self.trust_env,
         )
 
@@ -91,7 +91,7 @@ class AsyncClient(_Base):
             except httpx.TransportError as exc:
                 delay = self._delay(attempt, None)
                 if delay is None:
-                    raise TransportError(f"{method} {path}: {exc}") from exc
+                    raise TransportError(f"{method} {self.url}{path}: {exc}") from exc
             else:
                 delay = self._delay(attempt, response)
                 if delay is None:
@@ -308,7 +308,7 @@ class AsyncClient(_Base):
             except httpx.TransportError as exc:
                 delay = self._delay(attempt, None)
                 if delay is None:
-                    raise TransportError(f"GET {path}: {exc}") from exc
+                    raise TransportError(f"GET {path} from {self.url}: {exc}") from exc
             await sleep(delay)
             attempt += 1
 

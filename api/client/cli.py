@@ -26,35 +26,27 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console
-from rich.markup import escape
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
 
-from api.client import (
-    FINAL,
-    Client,
-    Job,
-    NotFound,
-    ProblemError,
-    SshapiError,
-    Stream,
-    Unauthorized,
-    exit_code,
-)
-from api.client import Progress as OnProgress
+# The client (httpx, pydantic) and rich load when a command runs, not when `sshapi` starts:
+# `sshapi --help` and the server's commands never need them (api/cli.py).
+if TYPE_CHECKING:
+    from api.client import Client, Job, Stream
+    from api.client import Progress as OnProgress
 
-jobs_app = typer.Typer(help="Your jobs on the server (SSHAPI_URL).", no_args_is_help=True)
-batch_app = typer.Typer(help="Batch jobs for a host's scheduler.", no_args_is_help=True)
-files_app = typer.Typer(help="Files on a host (over SFTP, through the API).", no_args_is_help=True)
+jobs_app = typer.Typer(
+    help="Your jobs on the server (SSHAPI_URL).", no_args_is_help=True, rich_markup_mode=None
+)
+batch_app = typer.Typer(
+    help="Batch jobs for a host's scheduler.", no_args_is_help=True, rich_markup_mode=None
+)
+files_app = typer.Typer(
+    help="Files on a host (over SFTP, through the API).",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
 
 Profile = Annotated[
     str | None,
@@ -62,6 +54,12 @@ Profile = Annotated[
 ]
 AsJson = Annotated[bool, typer.Option("--json", help="Print the API's JSON.")]
 ERROR_EXIT = 255
+# Said when the server cannot be reached: where its URL comes from.
+WHERE_FROM = (
+    "the server's URL comes from SSHAPI_URL, else the url of a profile of the client "
+    "configuration file (--profile, SSHAPI_PROFILE, its `default`; docs/client.md); "
+    "`sshapi dev` prints the export line for its server"
+)
 # Characters a terminal acts on or that reorder what follows, besides the control characters
 # (C0, DEL, C1): the bidi marks, embeddings, overrides and isolates, and the line and paragraph
 # separators. Other format characters stay (the zero-width joiner is part of emoji).
@@ -96,6 +94,8 @@ def say(text: str, err: bool = False) -> None:
 @contextmanager
 def client(profile: str | None) -> Iterator[Client]:
     """A Client; its errors end the command with a message on stderr and exit 255."""
+    from api.client import Client, SshapiError, TransportError
+
     try:
         with warnings.catch_warnings(record=True) as warned:
             warnings.simplefilter("always")
@@ -104,6 +104,10 @@ def client(profile: str | None) -> Iterator[Client]:
             say(f"sshapi: warning: {warning.message}", err=True)
         with made as c:
             yield c
+    except TransportError as exc:
+        say(f"sshapi: {exc}", err=True)
+        say(f"sshapi: {WHERE_FROM}", err=True)
+        raise typer.Exit(ERROR_EXIT) from None
     except SshapiError as exc:
         say(f"sshapi: {exc}", err=True)
         raise typer.Exit(ERROR_EXIT) from None
@@ -134,8 +138,12 @@ def run(
     profile: Profile = None,
     as_json: AsJson = False,
 ) -> None:
-    """Run a command on HOST, print its stdout and stderr as they arrive, and exit with its
-    exit status (a signal as 128+n, a timeout as 124). Ctrl-C cancels the remote command."""
+    """Run a command on HOST and print its output as it arrives.
+
+    Prints its stdout and stderr as they arrive and exits with its exit status (a signal as
+    128+n, a timeout as 124). Ctrl-C cancels the remote command."""
+    from api.client import SshapiError, exit_code
+
     with client(profile) as c:
         job = c.submit(host, argv, timeout=timeout)
         try:
@@ -230,12 +238,18 @@ def batch_submit(
     profile: Profile = None,
     as_json: AsJson = False,
 ) -> None:
-    """Submit a batch script; with --wait, wait for it to end (a spinner on stderr), print its
-    stdout and stderr, and exit with its exit status."""
+    """Submit a batch script.
+
+    With --wait, wait for it to end (a spinner on stderr), print its stdout and stderr, and
+    exit with its exit status."""
     options: dict[str, Any] = {"script": script.read_text()}
     for key, value in (("name", name), ("partition", partition), ("time_limit", time_limit)):
         if value is not None:
             options[key] = value
+    from rich.console import Console
+
+    from api.client import FINAL, exit_code
+
     with client(profile) as c:
         job = c.submit(host, batch=options, wait=0)
         if wait:
@@ -256,6 +270,8 @@ def batch_submit(
 
 def print_output(c: Client, job: Job) -> None:
     """A final job's stdout and stderr, to ours, as the command's own bytes (`sshapi run`)."""
+    from api.client import NotFound
+
     for stream, out in (("stdout", sys.stdout), ("stderr", sys.stderr)):
         which: Stream = "stdout" if stream == "stdout" else "stderr"
         try:
@@ -273,6 +289,16 @@ Host = Annotated[str, typer.Argument(help="A configured host name.")]
 def transfer(label: str, quiet: bool) -> Iterator[OnProgress]:
     """A progress bar on stderr (bytes, speed, time left) while a transfer runs; none when
     stderr is not a terminal or with --json."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
     console = Console(stderr=True)
     with Progress(
         "[progress.description]{task.description}",
@@ -294,7 +320,9 @@ def files_ls(
     profile: Profile = None,
     as_json: AsJson = False,
 ) -> None:
-    """List a directory (type, mode, size, modification time, name), or show one entry."""
+    """List a directory, or show one entry.
+
+    Each entry's type, mode, size, modification time and name."""
     with client(profile) as c:
         if as_json:
             typer.echo(json.dumps(c.list_files(host, path), indent=2))
@@ -349,7 +377,9 @@ def files_put(
     profile: Profile = None,
     as_json: AsJson = False,
 ) -> None:
-    """Upload a file (streamed; it appears on the host only once complete)."""
+    """Upload a file.
+
+    Streamed; it appears on the host only once complete."""
     remote = path or source.name
     hint = "" if parents else " (--parents creates its directories)"
     with (
@@ -404,6 +434,8 @@ def each(host: str, paths: list[str], act: Callable[[str], object]) -> int:
     """`act` on every path, going on past a path the server refuses (reported on stderr,
     naming it); how many failed. A refused token, like the server being unreachable, ends the
     command: every other path would fail the same way."""
+    from api.client import ProblemError, Unauthorized
+
     failed = 0
     for path in paths:
         try:
@@ -420,6 +452,8 @@ def each(host: str, paths: list[str], act: Callable[[str], object]) -> int:
 def sides(host: str, remote: str, local: Path, hint: str = "") -> Iterator[None]:
     """A transfer's error names its side and path: the server's problem with the remote path
     (`hint` added to a 404), or the local file's OSError."""
+    from api.client import ProblemError, SshapiError, Unauthorized
+
     try:
         yield
     except Unauthorized:

@@ -12,7 +12,8 @@ output). Each command is verified for real, by the kind of its program:
 - `.venv/bin/locust -f FILE ARGS`: `locust -f FILE ARGS --list` succeeds: Locust parses the exact
   arguments, the locustfile's own included, then lists the user classes and exits;
 - `.venv/bin/pytest PATHS`: each path exists;
-- `pip install 'sshapi[EXTRA]'`: pyproject.toml names the project `sshapi` and has that extra;
+- `pip install sshapi` / `'sshapi[EXTRA]'`: pyproject.toml names the project `sshapi` and has
+  that extra;
 - `curl ...` (console blocks only): run against a real API that this test starts with
   `sshapi dev --slurm` (what `make run` does, plus Slurm for the batch example), with the token
   `sshapi token` mints for it; every curl shows its expected status (`HTTP/1.1 NNN` below it, with
@@ -218,9 +219,9 @@ def check_pip(command: Command, args: list[str]) -> None:
     assert args[0] == "install", f"{command}\n  only `pip install` is checked"
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     for spec in args[1:]:
-        m = re.fullmatch(r"([\w.-]+)\[([\w,-]+)\]", spec)
+        m = re.fullmatch(r"([\w.-]+)(?:\[([\w,-]+)\])?", spec)
         assert m and m.group(1) == project["name"], f"{command}\n  {spec} is not this project"
-        for extra in m.group(2).split(","):
+        for extra in (m.group(2) or "").split(",") if m.group(2) else []:
             assert extra in project["optional-dependencies"], f"{command}\n  no extra {extra}"
 
 
