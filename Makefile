@@ -44,7 +44,7 @@ OPENSSH10_APT ?= apt-get
 $(STAMP): pyproject.toml | python-venv
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q -e '.[dev,paramiko,ssh2,loadtests]'
+	$(VENV)/bin/python -m pip install -q -e '.[server,dev,paramiko,ssh2,loadtests]'
 	touch $(STAMP)
 
 # Creating .venv with Debian's python3 needs its ensurepip (a separate package there); an existing

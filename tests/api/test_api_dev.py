@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 from pathlib import Path
+from typing import IO
 
 import httpx
 import psutil
@@ -16,11 +17,20 @@ from api_helpers import SSHAPI, free_port
 from loadtests.server import wait_ready
 
 
+def printed_token(stdout: IO[str]) -> str:
+    """The token of the `export TOKEN=` line `sshapi dev` prints."""
+    while not (line := stdout.readline()).startswith("export TOKEN="):
+        assert line, "sshapi dev printed no token"
+    return line.split("=", 1)[1].strip()
+
+
 def test_dev_answers_and_a_sigterm_stops_the_local_host_too(tmp_path: Path) -> None:
-    """systemd, `timeout` and CI stop a process with SIGTERM: the local sshd it started must go
-    with it (uvicorn re-raises the signal after its own shutdown)."""
+    """The one token `sshapi dev` prints runs a job and uploads and lists a file. systemd,
+    `timeout` and CI stop a process with SIGTERM: the local sshd it started must go with it
+    (uvicorn re-raises the signal after its own shutdown)."""
     data = tmp_path / "data"
     port = free_port()
+    url = f"http://127.0.0.1:{port}"
     # The port from SSHAPI_PORT (`SSHAPI_PORT=N make run`); --port is the docs tests'.
     env = {
         **os.environ,
@@ -30,13 +40,27 @@ def test_dev_answers_and_a_sigterm_stops_the_local_host_too(tmp_path: Path) -> N
     }
     proc = subprocess.Popen([SSHAPI, "dev"], env=env, stdout=subprocess.PIPE, text=True)
     try:
-        wait_ready(proc, f"http://127.0.0.1:{port}")
+        wait_ready(proc, url)
         assert proc.stdout is not None
         printed = ""
         while "curl" not in printed and (line := proc.stdout.readline()):
             printed += line
         # What the client commands and the docs' examples need, naming this port.
         assert f"export SSHAPI_URL=http://127.0.0.1:{port} " in printed
+        token = next(
+            line.removeprefix("export TOKEN=")
+            for line in printed.splitlines()
+            if line.startswith("export TOKEN=")
+        )
+        auth = {"Authorization": f"Bearer {token}"}
+        files = f"{url}/v1/hosts/local/files"
+        name = f"sshapi-dev-test-{port}.txt"
+        r = httpx.put(f"{files}/content?path={name}", content=b"one token", headers=auth)
+        assert r.status_code == 201, r.text
+        r = httpx.post(f"{url}/v1/jobs", json={"host": "local", "argv": ["cat", name]},
+                       headers={**auth, "Prefer": "wait=20"}, timeout=30)  # fmt: skip
+        assert r.json()["stdout"] == "one token", r.text
+        assert httpx.delete(f"{files}?path={name}", headers=auth).status_code == 204
 
         def sshd_of_data_dir() -> list[psutil.Process]:
             found = []
@@ -100,11 +124,7 @@ def test_dev_accounts_prints_a_token_that_runs_as_its_own_account(tmp_path: Path
     try:
         wait_ready(proc, url)
         assert proc.stdout is not None
-        token = ""
-        while not token:
-            line = proc.stdout.readline()
-            if line.startswith("export TOKEN="):
-                token = line.split("=", 1)[1].strip()
+        token = printed_token(proc.stdout)
         other = subprocess.run(
             [SSHAPI, "token", "--sub", "bob", "--account", "sshapi-r0002"],
             env=env, capture_output=True, text=True, check=True,

@@ -13,7 +13,8 @@ output). Each command is verified for real, by the kind of its program:
   arguments, the locustfile's own included, then lists the user classes and exits;
 - `.venv/bin/pytest PATHS`: each path exists;
 - every command of docs/deploy.md: run, block by block, by tests/deploy/test_deploy_doc.py;
-- `pip install 'sshapi[EXTRA]'`: pyproject.toml names the project `sshapi` and has that extra;
+- `pip install sshapi` / `'sshapi[EXTRA]'`: pyproject.toml names the project `sshapi` and has
+  that extra;
 - `curl ...` (console blocks only): run against a real API that this test starts with
   `sshapi dev --slurm` (what `make run` does, plus Slurm for the batch example), with the token
   `sshapi token` mints for it in `$TOKEN` and its URL in `$SSHAPI_URL` (commands never name a
@@ -221,9 +222,9 @@ def check_pip(command: Command, args: list[str]) -> None:
     assert args[0] == "install", f"{command}\n  only `pip install` is checked"
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     for spec in args[1:]:
-        m = re.fullmatch(r"([\w.-]+)\[([\w,-]+)\]", spec)
+        m = re.fullmatch(r"([\w.-]+)(?:\[([\w,-]+)\])?", spec)
         assert m and m.group(1) == project["name"], f"{command}\n  {spec} is not this project"
-        for extra in m.group(2).split(","):
+        for extra in (m.group(2) or "").split(",") if m.group(2) else []:
             assert extra in project["optional-dependencies"], f"{command}\n  no extra {extra}"
 
 
@@ -274,34 +275,27 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def dev_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevApi]:
     data = tmp_path_factory.mktemp("dev") / "data"
+    printed = data.parent / "dev.out"
     port = free_port()
     env = {**os.environ, "SSHAPI_DATA_DIR": str(data), "SSHAPI_LOG_LEVEL": "warning"}
     env.pop("SSHAPI_CONFIG", None)
-    proc = subprocess.Popen(
-        [str(BIN / "sshapi"), "dev", "--slurm", "--port", str(port)],
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-    )
+    with printed.open("w") as out:
+        proc = subprocess.Popen(
+            [str(BIN / "sshapi"), "dev", "--slurm", "--port", str(port)],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+        )
     try:
         url = f"http://127.0.0.1:{port}"
         wait_ready(proc, url, timeout=120)
-        minted = subprocess.run(
-            # The files scopes too, for docs/files.md.
-            [
-                str(BIN / "sshapi"),
-                "token",
-                "--sub",
-                "dev",
-                "--scope",
-                "jobs:read jobs:write files:read files:write",
-            ],
-            env=env,
-            capture_output=True,
-            text=True,
-            check=True,
+        # The token `make run` prints, as a reader pastes it: the files examples need it too.
+        token = next(
+            line.removeprefix("export TOKEN=")
+            for line in printed.read_text().splitlines()
+            if line.startswith("export TOKEN=")
         )
-        yield DevApi(url, minted.stdout.strip(), env)
+        yield DevApi(url, token, env)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
