@@ -30,7 +30,7 @@ from sshpool import Limits
 if TYPE_CHECKING:
     from sshpool.devhost import LocalHost
 
-POOL_MODES = ("pooled", "per-request")
+POOL_MODES = ("pooled", "per-request", "channels")
 READY_TIMEOUT = 30.0
 
 
@@ -54,9 +54,13 @@ def limits(mode: str) -> Limits:
     api/sshapi.example.toml deploys a host (without it, a burst on a fresh API waited 0.4-0.7 s
     for its first handshakes before any command ran: docs/benchmarks.md); so `stock` and `tuned`
     differ by sshd alone. `per-request` opens up to 64 connections at once, one command each, as
-    the old design did (stock MaxStartups 10:30:100 starts refusing them at 10)."""
+    the old design did (stock MaxStartups 10:30:100 starts refusing them at 10). `channels`
+    keeps one connection and opens up to 16 channels on it: past stock MaxSessions 10, within
+    sshd_config.tuned's 16."""
     if mode == "per-request":
         return Limits(max_connections=64, max_sessions=1, max_handshakes=64, reuse=False)
+    if mode == "channels":
+        return Limits(min_connections=1, max_connections=1, max_sessions=16)
     if mode != "pooled":
         raise ValueError(f"pool mode {mode!r} is not one of {POOL_MODES}")
     return LOCAL_LIMITS
