@@ -5,7 +5,8 @@
 `Revocations.apply` kills that identity's running commands, wherever they run (the store knows
 them all), and closes this replica's pooled connections of it; every other replica reads the
 revocations once per POLL_INTERVAL (`loop`) and closes its own. Until a revocation is lifted,
-`refused` answers yes for every request of that identity, or of a token naming that account.
+`refused` answers yes for every request of that identity, or of anyone who would run as that
+account on some host (their token names it, or a policy rule maps them to it).
 sshd cannot revoke an open connection: its certificate was checked at login. Closing the
 connections is what makes a revocation reach the host.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 from api.auth import Principal
@@ -37,10 +38,22 @@ class Effect:
     connections_closed: int
 
 
-def matches(revocation: Revocation, who: Principal) -> bool:
-    if revocation.account is not None:
-        return who.account == revocation.account
-    return (who.issuer, who.subject) == (revocation.issuer, revocation.subject)
+def refusing(
+    revocations: Iterable[Revocation], who: Principal, policy: Policy
+) -> Revocation | None:
+    """The first of `revocations` that refuses `who`: one of their identity, or of an account
+    they would run as on some host (their token's or one a policy rule maps them to)."""
+    accounts: set[str] | None = None  # computed once, and only when an account is revoked
+    for revocation in revocations:
+        if revocation.account is None:
+            if who.key == (revocation.issuer, revocation.subject):
+                return revocation
+            continue
+        if accounts is None:
+            accounts = policy.accounts_of(who)
+        if revocation.account in accounts:
+            return revocation
+    return None
 
 
 class Revocations:
@@ -62,7 +75,7 @@ class Revocations:
 
     def refused(self, who: Principal) -> Revocation | None:
         """The revocation that refuses `who`, if any."""
-        return next((r for r in self.known.values() if matches(r, who)), None)
+        return refusing(self.known.values(), who, self.policy)
 
     def _targets(self, revocation: Revocation) -> list[Target]:
         """This replica's pooled targets the revocation covers: an account's on any host, or

@@ -20,10 +20,30 @@ pytestmark = pytest.mark.timeout(120)
 ADMIN = "jobs:read jobs:write admin"
 
 
+def rules(host: LocalHost) -> str:
+    """`root-admin` may use no host (so revoking an account never refuses them); `mapped` runs
+    on hpc as the host's account, fixed by their rule (their token names none)."""
+    return f"""[[policy]]
+subject = "root-admin"
+issuer = "*"
+hosts = []
+
+[[policy]]
+subject = "mapped"
+issuer = "*"
+hosts = ["hpc"]
+[policy.accounts.hpc]
+username = "{host.username}"
+
+"""
+
+
 @pytest.fixture
 def cert_config_file(stock_host: LocalHost, secret_file: Path, keys: Keys, tmp_path: Path) -> Path:
     path = tmp_path / "sshapi.toml"
-    path.write_text(cert_config(stock_host, secret_file, keys))
+    text = cert_config(stock_host, secret_file, keys)
+    fallback = '[[policy]]\nsubject = "*"'
+    path.write_text(text.replace(fallback, rules(stock_host) + fallback, 1))
     return path
 
 
@@ -88,16 +108,47 @@ async def test_revoked_while_its_job_runs_and_lifted(api: Api, stock_host: Local
     assert again.json()["stdout"].strip() == user, again.text
 
 
+async def mapped_job(api: Api, argv: list[str]) -> Any:
+    """A job of `mapped`: their rule, not their token, names the account."""
+    h = headers(api, "mapped") | {"Prefer": "wait=10"}
+    return await api.client.post(
+        f"{api.url}/v1/jobs", json={"host": "hpc", "argv": argv}, headers=h
+    )
+
+
+def revoked(r: Any) -> bool:
+    return (r.status_code, r.json()["type"].split(":")[-1]) == (403, "identity-revoked")
+
+
 async def test_revoked_account_closes_its_idle_connection(api: Api, stock_host: LocalHost) -> None:
     """Revoking an account closes the idle pooled connection its certificate opened (sshd
-    checked the certificate at login only) and refuses tokens naming that account."""
+    checked the certificate at login only) and refuses, before any login, both the tokens
+    naming that account and the callers a policy rule maps to it."""
     user = stock_host.username
     ok = await submit(api, "erin", user, ["true"], wait=10)
     assert ok.json()["state"] == "succeeded"
+    assert (await mapped_job(api, ["id", "-un"])).json()["stdout"].strip() == user
     done = await revoke(api, {"account": user})
-    assert done.json()["connections_closed"] == 1, done.text
-    refused = await submit(api, "frank", user, ["true"], wait=5)
-    assert refused.status_code == 403
+    assert done.json()["connections_closed"] >= 1, done.text
+    before = stock_host.log_path.stat().st_size
+    assert revoked(await submit(api, "frank", user, ["true"], wait=5))
+    assert revoked(await mapped_job(api, ["true"]))
+    assert revoked(await api.client.get(f"{api.url}/v1/jobs", headers=headers(api, "mapped")))
+    logged = stock_host.log_path.read_bytes()[before:].decode(errors="replace")
+    assert "frank@" not in logged and "mapped@" not in logged, logged
+
+
+async def test_revoking_yourself_is_409(api: Api, stock_host: LocalHost) -> None:
+    """An admin cannot revoke their own identity nor an account their rule maps them to (no
+    one could lift it then, were they the only admin); another account they may revoke."""
+    url, admin = f"{api.url}/v1/admin/revocations", headers(api, "mapped", ADMIN)
+    for body, status in (
+        ({"account": stock_host.username}, 409),
+        ({"issuer": LOCAL_ISS, "subject": "mapped"}, 409),
+        ({"account": "someone-else"}, 201),
+    ):
+        r = await api.client.post(url, json=body, headers=admin)
+        assert r.status_code == status, r.text
 
 
 @pytest.mark.parametrize(
