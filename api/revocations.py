@@ -6,7 +6,8 @@
 them all), and closes this replica's pooled connections of it; every other replica reads the
 revocations once per POLL_INTERVAL (`loop`) and closes its own. Until a revocation is lifted,
 `refused` answers yes for every request of that identity, or of anyone who would run as that
-account on some host (their token names it, or a policy rule maps them to it).
+account on some host (their token names it, or a policy rule maps them to it); their live
+output streams end then too (`stops`: the replica wakes its followers).
 sshd cannot revoke an open connection: its certificate was checked at login. Closing the
 connections is what makes a revocation reach the host.
 """
@@ -65,17 +66,39 @@ class Revocations:
         pool: Pool,
         policy: Policy,
         cancel: Callable[[JobRow], Awaitable[bool]],
+        wake: Callable[[], None],
     ) -> None:
-        """`cancel(row)`: cancel one active job (here or on its replica); True when it was."""
+        """`cancel(row)`: cancel one active job (here or on its replica); True when it was.
+        `wake()`: make every live follower of this process ask its `stops` again."""
         self.store = store
         self.pool = pool
         self.policy = policy
         self.cancel = cancel
+        self.wake = wake
         self.known: dict[str, Revocation] = {}
+        self.generation = 0  # counts the revocations that came: `stops` asks again after one
 
     def refused(self, who: Principal) -> Revocation | None:
         """The revocation that refuses `who`, if any."""
         return refusing(self.known.values(), who, self.policy)
+
+    def stops(self, who: Principal) -> Callable[[], bool]:
+        """For a live follower of `who`: true once a revocation refuses them. It asks again only
+        after a revocation came, so that a follower's every step costs no scan."""
+        seen, answer = -1, False
+
+        def revoked() -> bool:
+            nonlocal seen, answer
+            if seen != self.generation:
+                seen, answer = self.generation, self.refused(who) is not None
+            return answer
+
+        return revoked
+
+    def _came(self) -> None:
+        """A revocation came: followers ask again (and the refused ones end at once)."""
+        self.generation += 1
+        self.wake()
 
     def _targets(self, revocation: Revocation) -> list[Target]:
         """This replica's pooled targets the revocation covers: an account's on any host, or
@@ -97,6 +120,7 @@ class Revocations:
         """Refuse at once here, kill the identity's active jobs (all replicas'), then close
         this replica's connections of it."""
         self.known[revocation.id] = revocation
+        self._came()
         owner = None
         if revocation.issuer is not None and revocation.subject is not None:
             owner = (revocation.issuer, revocation.subject)
@@ -110,6 +134,8 @@ class Revocations:
         current = {r.id: r for r in await self.store.revocations()}
         new = [r for r in current.values() if r.id not in self.known]
         self.known = current
+        if new:
+            self._came()
         for revocation in new:
             closed = await self.close_connections(revocation)
             if closed:

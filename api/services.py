@@ -197,7 +197,11 @@ async def running(
         metrics.watch_sshds(sshds_by_host)
         metrics.watch_trackers(lambda: batch.trackers)
         revocations = Revocations(
-            the_store, the_pool, policy, functools.partial(_cancel_revoked, jobs)
+            the_store,
+            the_pool,
+            policy,
+            functools.partial(_cancel_revoked, jobs),
+            jobs.live.wake_all,
         )
         await revocations.refresh()
         await batch.start(settings.replica)

@@ -11,7 +11,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from api_helpers import LOCAL_ISS, Api, Keys, eventually, make_settings, replicas, running_api
+from api_helpers import (
+    LOCAL_ISS,
+    Api,
+    Keys,
+    eventually,
+    make_settings,
+    replicas,
+    running_api,
+    sse_events,
+)
 from test_api_certificates import CLAIM, cert_config
 
 from sshpool.devhost import LocalHost
@@ -199,3 +208,48 @@ async def test_revocation_reaches_the_other_replica(
         refused_after = time.perf_counter() - start
         print(f"replica b refused the revoked identity {refused_after:.2f} s after the POST on a")
         assert refused_after < 3.0, refused_after
+
+
+async def test_live_streams_of_a_revoked_identity_end_on_both_replicas(
+    cert_config_file: Path, secret: str, keys: Keys, tmp_path: Path, stock_host: LocalHost
+) -> None:
+    """An admin, dave, follows carol's job on replica b (events) and on a (raw bytes); dave is
+    revoked on a: a's stream ends at once, b's within its poll of the revocations with a
+    final `revoked` event; carol's job goes on."""
+    loop = ["sh", "-c", "while :; do echo tick; sleep 0.1; done"]
+    async with replicas(tmp_path, cert_config_file, keys, secret) as (a, b):
+        job = (await submit(b, "carol", stock_host.username, loop)).json()
+        dave = headers(a, "dave", ADMIN)
+        ended: dict[str, float] = {}
+        last: list[dict[str, Any]] = []
+        ticking = asyncio.Event()
+
+        async def events() -> None:
+            url = f"{b.url}/v1/jobs/{job['id']}/events"
+            async with b.client.stream("GET", url, headers=dave) as r:
+                async for event in sse_events(r):
+                    last[:] = [event]
+                    if event["event"] == "output":
+                        ticking.set()
+            ended["b"] = time.perf_counter()
+
+        async def raw() -> None:
+            url = f"{a.url}/v1/jobs/{job['id']}/output?follow=true"
+            async with a.client.stream("GET", url, headers=dave) as r:
+                assert r.status_code == 200
+                async for _ in r.aiter_bytes():
+                    pass
+            ended["a"] = time.perf_counter()
+
+        followers = [asyncio.create_task(events()), asyncio.create_task(raw())]
+        await asyncio.wait_for(ticking.wait(), 10)
+        start = time.perf_counter()
+        assert (await revoke(a, {"issuer": LOCAL_ISS, "subject": "dave"})).status_code == 201
+        await asyncio.wait_for(asyncio.gather(*followers), 10)
+        print(f"streams ended {ended['a'] - start:.2f} s (a) {ended['b'] - start:.2f} s (b)")
+        assert last[0]["event"] == "revoked", last
+        assert ended["a"] - start < 1.0 and ended["b"] - start < 3.0, ended
+        carol = headers(b, "carol", **{CLAIM: stock_host.username})
+        still = await b.client.get(f"{b.url}/v1/jobs/{job['id']}", headers=carol)
+        assert still.json()["state"] == "running"
+        await b.client.delete(f"{b.url}/v1/jobs/{job['id']}", headers=carol)
