@@ -843,6 +843,9 @@ class Pool:
         # (address, port) -> its budget; host name and port -> the address it resolved to.
         self._sshds: dict[tuple[str, int], Sshd] = {}
         self._addresses: dict[tuple[str, int], asyncio.Future[str]] = {}
+        # Callers entering per (host name, port), and the FIFO lock they enter through (`_host`).
+        self._entering: Counter[tuple[str, int]] = Counter()
+        self._entries: dict[tuple[str, int], asyncio.Lock] = {}
         self._maintenance: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -855,19 +858,33 @@ class Pool:
     async def _host(self, target: Target) -> _HostPool:
         if self._closed:
             raise RuntimeError("pool is closed")
+        name = (target.host, target.port)
         host = self._hosts.get(target)
-        if host is None:
-            sshd = await self._sshd(target)
-            host = self._hosts.get(target)  # made by another caller meanwhile?
-            if host is None:
-                name = target.backend or self.backend.name
-                if name not in self._backends:
-                    self._backends[name] = load_backend(name)
-                host = self._hosts[target] = _HostPool(target, self._backends[name], sshd)
-                lim = target.limits
-                sshd.join(host, lim.max_handshakes, lim.max_total_connections)
+        if host is None or self._entering[name]:
+            # Callers enter in arrival order (where the waiters' FIFO starts): the first awaits
+            # the name's lookup, the others queue behind it on a FIFO lock, and none overtakes
+            # them through a host pool made meanwhile (an `await` of a done future does not
+            # yield, so a latecomer would otherwise run before the woken ones).
+            self._entering[name] += 1
+            try:
+                async with self._entries.setdefault(name, asyncio.Lock()):
+                    host = self._hosts.get(target) or await self._new_host(target)
+            finally:
+                self._entering[name] -= 1
+                if not self._entering[name]:
+                    del self._entering[name]
         if self._maintenance is None:
             self._maintenance = asyncio.create_task(self._maintain())
+        return host
+
+    async def _new_host(self, target: Target) -> _HostPool:
+        sshd = await self._sshd(target)
+        name = target.backend or self.backend.name
+        if name not in self._backends:
+            self._backends[name] = load_backend(name)
+        host = self._hosts[target] = _HostPool(target, self._backends[name], sshd)
+        lim = target.limits
+        sshd.join(host, lim.max_handshakes, lim.max_total_connections)
         return host
 
     async def _sshd(self, target: Target) -> Sshd:
@@ -881,7 +898,7 @@ class Pool:
         name = (target.host, target.port)
         resolved = self._addresses.get(name)
         if resolved is None:
-            # One lookup per name, awaited by every caller in arrival order (FIFO kept).
+            # One lookup per name (its callers enter one by one: `_host`).
             resolved = self._addresses[name] = asyncio.ensure_future(_resolve(*name))
         address = await resolved
         key = (address, target.port)
