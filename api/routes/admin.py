@@ -116,5 +116,5 @@ async def lift(revocation_id: str, svc: Svc, who: Admin) -> Response:
         raise Problem(404, "not-found", "No such revocation", "no such revocation id") from None
     if not await svc.store.lift(revocation_id):
         raise Problem(404, "not-found", "No such revocation", "no such revocation id")
-    svc.revocations.known.pop(revocation_id, None)
+    await svc.revocations.lifted(revocation_id)
     return Response(status_code=204)

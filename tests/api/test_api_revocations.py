@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from api_helpers import (
     LOCAL_ISS,
+    REDIS_URL,
     Api,
     Keys,
     eventually,
@@ -253,3 +254,67 @@ async def test_live_streams_of_a_revoked_identity_end_on_both_replicas(
         still = await b.client.get(f"{b.url}/v1/jobs/{job['id']}", headers=carol)
         assert still.json()["state"] == "running"
         await b.client.delete(f"{b.url}/v1/jobs/{job['id']}", headers=carol)
+
+
+async def connections(api: Api) -> int:
+    """The connections this replica's pools hold on host hpc (the admin's view)."""
+    r = await api.client.get(f"{api.url}/v1/hosts/hpc", headers=headers(api, "root-admin", ADMIN))
+    return sum(p["connections"] for p in r.json()["pool"])
+
+
+async def timed(at: dict[str, float], start: float, call: Awaitable[Any]) -> Any:
+    """`call`'s answer, its time since `start` in at["answer"]."""
+    answer = await call
+    at["answer"] = time.perf_counter() - start
+    return answer
+
+
+@pytest.mark.parametrize("redis_url", [None, REDIS_URL], ids=["poll", "redis"])
+async def test_time_to_revoke_on_two_replicas(
+    cert_config_file: Path,
+    secret: str,
+    keys: Keys,
+    tmp_path: Path,
+    stock_host: LocalHost,
+    redis_url: str | None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """gina runs a command on each replica; revoked on a: the time from the POST until both
+    commands are killed (the host's view) and both replicas hold no connection of hers. With
+    Redis the poll is made 30 s long: b acts on the nudge alone."""
+    if redis_url is not None:
+        monkeypatch.setattr("api.revocations.POLL_INTERVAL", 30.0)
+    user = stock_host.username
+    async with replicas(tmp_path, cert_config_file, keys, secret, redis_url) as (a, b):
+        admin = headers(a, "root-admin", ADMIN)
+        figures = []
+        for _ in range(2):
+            word = f"revoke-{uuid.uuid4().hex[:8]}"
+            for api in (a, b):
+                assert (
+                    await submit(api, "gina", user, ["sh", "-c", f"sleep 60 # {word}"])
+                ).is_success
+            # Each job is its `sh -c` (and, for a moment, the login shell above it).
+            await eventually(lambda w=word: len(stock_host.processes(w)) >= 2)  # type: ignore[misc]
+            at: dict[str, float] = {}
+            start = time.perf_counter()
+            posted = asyncio.create_task(
+                timed(at, start, revoke(a, {"issuer": LOCAL_ISS, "subject": "gina"}))
+            )
+            while len(at) < 4 and time.perf_counter() - start < 5:
+                for name, api in (("a", a), ("b", b)):
+                    if name not in at and await connections(api) == 0:
+                        at[name] = time.perf_counter() - start
+                if "killed" not in at and not stock_host.processes(word):
+                    at["killed"] = time.perf_counter() - start
+                await asyncio.sleep(0.01)
+            done = await posted
+            figures.append(at)
+            assert done.json()["jobs_cancelled"] == 2, done.text
+            assert set(at) == {"a", "b", "killed", "answer"}, at
+            url = f"{a.url}/v1/admin/revocations/{done.json()['id']}"
+            assert (await a.client.delete(url, headers=admin)).status_code == 204
+            await asyncio.sleep(0.1 if redis_url else 1.2)  # b reads the lift
+        for at in figures:
+            print(" ".join(f"{k} {v:.2f} s" for k, v in sorted(at.items())))
+        assert max(max(at.values()) for at in figures) < 3.0, figures
