@@ -259,13 +259,23 @@ def dev(
             "executor per connection (agent)."
         ),
     ] = "channel",
+    nodes: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            max=16,
+            help="Login nodes of the local host: more than 1 starts that many sshd on "
+            "127.0.0.2, .3, ... sharing one port, home and Slurm (a cluster, `nodes` in its "
+            "configuration).",
+        ),
+    ] = 1,
 ) -> None:
     """Start the local HPC host (sshd, tuned profile) and the API on 127.0.0.1; print a token,
     the exports the client commands need (SSHAPI_URL, SSHAPI_TOKEN) and a curl command. Ctrl-C
     stops both."""
     # The dev rig is imported here only: `serve`, `token` and `hosts check` never load it.
     from api.workers import serve as run_server
-    from sshpool.devhost import LocalHost, LocalSlurm, install_packages
+    from sshpool.devhost import LocalCluster, LocalHost, LocalSlurm, install_packages
     from sshpool.devhost.accounts import ensure_accounts
 
     settings = load_settings("dev", workers, host="127.0.0.1", port=port)
@@ -281,15 +291,26 @@ def dev(
             cluster = stack.enter_context(LocalSlurm("local", data_dir=rig))
             overrides = cluster.sshd_overrides()
         names = [a.name for a in ensure_accounts(accounts, data_dir=rig)] if accounts else []
-        host = LocalHost(
-            "local", "tuned", data_dir=rig, overrides=overrides, researchers=bool(names)
-        )
-        host.start()
-        stack.callback(host.stop, kill_sessions=True)
+        if nodes > 1 and names:
+            raise typer.BadParameter("--nodes and --accounts do not go together yet")
+        cluster_nodes: LocalCluster | None = None
+        if nodes > 1:
+            # One host of several login nodes: the first node stands for them below.
+            cluster_nodes = LocalCluster("local", nodes, "tuned", data_dir=rig, overrides=overrides)
+            cluster_nodes.start()
+            stack.callback(cluster_nodes.stop, kill_sessions=True)
+            host = cluster_nodes.nodes[0]
+        else:
+            host = LocalHost(
+                "local", "tuned", data_dir=rig, overrides=overrides, researchers=bool(names)
+            )
+            host.start()
+            stack.callback(host.stop, kill_sessions=True)
+        addresses = cluster_nodes.addresses if cluster_nodes is not None else ()
         # Left as a plain configuration file: `sshapi serve`, `sshapi token` and `sshapi hosts
         # check` read it later without the dev rig.
         hpc = local_certificate_host_config(host, host.user_ca_key) if names else None
-        local = local_host_config(host, slurm=slurm, exec_mode=exec_mode)
+        local = local_host_config(host, slurm=slurm, exec_mode=exec_mode, nodes=addresses)
         config = default_config(local, hpc)
         write_local_config(settings.data_dir, config)
         account = names[0] if names else None
@@ -302,7 +323,8 @@ def dev(
             body = f'{{"host": "local", "batch": {{"script": "{script}", "name": "hello"}}}}'
         base = f"http://127.0.0.1:{port}"
         typer.echo(
-            f"\nLocal HPC host: {host.username}@{host.address}:{host.port} (sshd, tuned profile"
+            f"\nLocal HPC host: {host.username}@{','.join(addresses) or host.address}:{host.port}"
+            + " (sshd, tuned profile"
             + (", single-node Slurm" if slurm else "")
             + (", agent mode)" if exec_mode == "agent" else ")")
             + f"\nAPI:            {base}  (docs: {base}/docs)\n\n"

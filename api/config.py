@@ -207,7 +207,14 @@ class SshdLimits(Strict):
 
 
 class HostConfig(Strict):
-    hostname: str
+    # One login node: its name or address. Several: `nodes` instead (not both).
+    hostname: str = ""
+    # A cluster's login nodes (`name` or `name:port`): each account's work goes to one node
+    # that is up, moving when it fails or is drained (docs/operations.md, "Login nodes").
+    nodes: list[str] = Field(default_factory=list, max_length=64)
+    # False when the nodes do not share the home file systems: an account's file requests
+    # then always go to the same node (its first by rendezvous, up or not).
+    shared_files: bool = True
     port: int = Field(default=22, ge=1, le=65535)
     # The account used when the policy names none for this host (on a certificate host: the
     # API's own, for health probes and the scheduler's tracker; callers run as theirs).
@@ -244,6 +251,19 @@ class HostConfig(Strict):
         if certificate and self.client_keys:
             raise ValueError("a certificate host logs in with certificates: drop client_keys")
         return self
+
+    @model_validator(mode="after")
+    def _hostname_or_nodes(self) -> HostConfig:
+        if bool(self.hostname) == bool(self.nodes):
+            raise ValueError("a host has either `hostname` (one node) or `nodes` (several)")
+        if self.nodes:
+            self.target()  # a malformed or repeated node fails the start
+        return self
+
+    @property
+    def name_shown(self) -> str:
+        """The host name for people: `hostname`, or the nodes joined."""
+        return self.hostname or ",".join(self.nodes)
 
     @property
     def certificates(self) -> CertificateCredentials | None:
@@ -308,35 +328,27 @@ class HostConfig(Strict):
     def target(self, account: Account | None = None, identity: str = "") -> Target:
         """The Target of `account` (None: the host's own `username`). On a certificate host it
         logs in with a certificate naming `identity` (sshapi's own: "sshapi"), with the short
-        per-account idle timeout and no connections kept open."""
+        per-account idle timeout and no connections kept open. A host with `nodes` is a
+        cluster of login nodes (sshpool routes each command to one)."""
         username = account.username if account else self.username
+        common: dict[str, Any] = {
+            "host": self.hostname or "cluster",
+            "port": self.port,
+            "username": username,
+            "known_hosts": self.known_hosts,
+            "backend": self.backend,
+            "exec_mode": self.exec_mode,
+            "agent_python": self.agent_python,
+            "nodes": tuple(self.nodes),
+            "shared_files": self.shared_files,
+        }
         certs = self.certificates
         if certs is None:
             keys = account.client_keys if account else self.client_keys
-            return Target(
-                host=self.hostname,
-                port=self.port,
-                username=username,
-                client_keys=tuple(keys),
-                known_hosts=self.known_hosts,
-                limits=self.limits,
-                backend=self.backend,
-                exec_mode=self.exec_mode,
-                agent_python=self.agent_python,
-            )
+            return Target(client_keys=tuple(keys), limits=self.limits, **common)
         limits = replace(self.limits, idle_timeout=certs.idle_timeout, min_connections=0)
         return Target(
-            host=self.hostname,
-            port=self.port,
-            username=username,
-            client_keys=(),
-            known_hosts=self.known_hosts,
-            limits=limits,
-            backend=self.backend,
-            exec_mode=self.exec_mode,
-            agent_python=self.agent_python,
-            ca=certs.ca,
-            identity=identity or "sshapi",
+            client_keys=(), limits=limits, ca=certs.ca, identity=identity or "sshapi", **common
         )
 
 
@@ -504,7 +516,7 @@ class Config(Strict):
                 if not any(fnmatchcase(host_name, p) for p in rule.hosts):
                     continue
                 account = rule.accounts.get(host_name)
-                key = (host.hostname, host.port, account.username if account else host.username)
+                key = (host.name_shown, host.port, account.username if account else host.username)
                 roots = next(
                     (r for p, r in rule.file_roots.items() if fnmatchcase(host_name, p)), None
                 )

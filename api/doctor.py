@@ -111,12 +111,20 @@ async def check_host(
     def add(check: str, status: Status, detail: str) -> None:
         found.append(Finding(name, check, status, detail))
 
-    where = f"{host.hostname}:{host.port}"
-    banner = await _banner(host, timeout)
-    if not banner.startswith("SSH-"):
-        add("reachable", "FAIL", f"{where}: {banner}; check hostname/port and the firewall")
-        return found
-    add("reachable", "ok", f"{where} ({banner})")
+    # Every login node of a cluster must answer; its commands below go to one of them.
+    cluster = host.target()
+    nodes = [cluster.node_target(n) for n in cluster.nodes] or [cluster]
+    where = ", ".join(f"{t.host}:{t.port}" for t in nodes)
+    for node in nodes:
+        banner = await _banner(node.host, node.port, timeout)
+        if not banner.startswith("SSH-"):
+            add(
+                "reachable",
+                "FAIL",
+                f"{node.host}:{node.port}: {banner}; check hostname/port and the firewall",
+            )
+            return found
+        add("reachable", "ok", f"{node.host}:{node.port} ({banner})")
 
     target = replace(host.target(), exec_mode="channel")
     try:
@@ -185,11 +193,11 @@ async def check_host(
     return found
 
 
-async def _banner(host: HostConfig, timeout: float) -> str:
+async def _banner(hostname: str, port: int, timeout: float) -> str:
     """The host's SSH banner, or why there is none."""
     try:
         async with asyncio.timeout(timeout):
-            reader, writer = await asyncio.open_connection(host.hostname, host.port)
+            reader, writer = await asyncio.open_connection(hostname, port)
             try:
                 line = await reader.readline()
             finally:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -137,12 +137,18 @@ def local_certificate_host_config(host: LocalSshd, ca_key: str) -> HostConfig:
 
 
 def local_host_config(
-    host: LocalSshd, *, slurm: bool = False, exec_mode: ExecMode = "channel"
+    host: LocalSshd,
+    *,
+    slurm: bool = False,
+    exec_mode: ExecMode = "channel",
+    nodes: Sequence[str] = (),
 ) -> HostConfig:
-    """The started local host as configuration (with a scheduler when Slurm runs beside it)."""
+    """The started local host as configuration (with a scheduler when Slurm runs beside it);
+    with `nodes`, a cluster of login nodes on those addresses (`host` is its first)."""
     return HostConfig(
         exec_mode=exec_mode,
-        hostname=host.address,
+        hostname="" if nodes else host.address,
+        nodes=list(nodes),
         port=host.port,
         username=host.username,
         client_keys=[host.client_key],

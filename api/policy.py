@@ -187,12 +187,15 @@ class Policy:
         return host.target(Account(username=username), identity)
 
     def pools(self, host_name: str, stats: dict[Target, dict[str, Any]]) -> list[dict[str, Any]]:
-        """The pool stats of that host's targets: its configured ones, and on a certificate
-        host every caller's account (their targets share the host's CA)."""
+        """The pool stats of that host's targets: its configured ones (on each login node of a
+        host with several), and on a certificate host every caller's account (their targets
+        share the host's CA)."""
         host = self.config.hosts.get(host_name)
         certs = host.certificates if host is not None else None
         if certs is None:
-            return [stats[t] for t in self.targets(host_name) if t in stats]
+            # A host with several login nodes: a pool per account and node.
+            pools = [t.node_target(n) for t in self.targets(host_name) for n in t.nodes]
+            return [stats[t] for t in pools or self.targets(host_name) if t in stats]
         return [s for t, s in stats.items() if t.ca is certs.ca]
 
     def admit(self, who: Principal, body: JobRequest) -> Admission:

@@ -77,6 +77,7 @@ from api.files import FileService
 from api.jobs import BatchJobs, JobService
 from api.live import make_relay
 from api.metrics import Metrics
+from api.nodes import NodeDrains
 from api.policy import Policy
 from api.problems import Problem
 from api.quota import Quota, make_quota
@@ -107,6 +108,7 @@ class Services:
     batch: BatchJobs
     revocations: Revocations
     supervisor: Supervisor
+    drains: NodeDrains
     accepting: bool = False
 
     @property
@@ -218,6 +220,8 @@ async def running(
         await revocations.refresh()
         await batch.start(settings.replica)
         jobs.start(supervisor)
+        drains = NodeDrains(config, the_store, the_pool)
+        await drains.refresh()  # a drain survives the restart before any job is taken
         tasks = [
             supervisor.spawn(task_name, loop, OnDeath.RESTART)
             for task_name, loop in {**batch.loops(), "revocations": revocations.loop}.items()
@@ -225,6 +229,8 @@ async def running(
         if nudge is not None:
             listen = functools.partial(nudge.listen, revocations.heard)
             tasks.append(supervisor.spawn("revocations-nudge", listen, OnDeath.RESTART))
+        if any(host.nodes for host in config.hosts.values()):
+            tasks.append(supervisor.spawn("node-drains", drains.loop, OnDeath.RESTART))
         for name, host in config.hosts.items():
             if host.limits.min_connections > 0:
                 prewarm = functools.partial(_prewarm, the_pool, name, host)
@@ -246,6 +252,7 @@ async def running(
             batch=batch,
             revocations=revocations,
             supervisor=supervisor,
+            drains=drains,
             accepting=True,
         )
         try:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from sshpool.certificates import Credentials, UserCA
@@ -54,6 +54,12 @@ class Limits:
     # (it takes two more, for kills), and how long its start (the login shell, python3) may take.
     agent_max_commands: int = 32
     agent_start_timeout: float = 30.0
+    # Login-node clusters (Target.nodes; sshpool.cluster): an account moves off its node for a
+    # command while that node's queue for it holds this many waiters; a node in use is probed
+    # (`true` over a pooled connection) this often, a node marked down as soon as its breaker
+    # lets a connect through.
+    spill_waiters: int = 16
+    probe_interval: float = 5.0
 
     def __post_init__(self) -> None:
         if min(self.max_connections, self.max_sessions, self.max_handshakes) < 1:
@@ -62,6 +68,8 @@ class Limits:
             raise ValueError("max_total_connections must be >= 1")
         if self.agent_max_commands < 1:
             raise ValueError("agent_max_commands must be >= 1")
+        if self.spill_waiters < 1 or self.probe_interval <= 0:
+            raise ValueError("spill_waiters must be >= 1 and probe_interval > 0")
         if not 0 <= self.min_connections <= self.max_connections:
             raise ValueError("min_connections must be between 0 and max_connections")
 
@@ -74,6 +82,10 @@ class Target:
     certificate of that CA per connection (`UserCA.mint(username, identity)`; `client_keys` is
     then empty). `identity` names on whose behalf (sshd logs it in the certificate's key id);
     it is part of the pool key, so two identities never share a connection, nor a breaker.
+
+    With `nodes`, the host is a cluster of login nodes (`host` is then its name, for messages):
+    each command goes to one node (`sshpool.cluster`), as the target `node_target(node)`. A
+    node is ``name`` or ``name:port`` (``[v6]:port``); without a port, `port` applies.
     """
 
     host: str
@@ -89,6 +101,10 @@ class Target:
     agent_python: str = "python3"
     ca: UserCA | None = None
     identity: str = ""
+    nodes: tuple[str, ...] = ()
+    # False: the nodes do not share file systems, so an account's SFTP sessions always go to
+    # the same node (its first by rendezvous over all nodes, healthy or not).
+    shared_files: bool = True
 
     def __post_init__(self) -> None:
         if self.ca is None and not self.client_keys:
@@ -100,6 +116,15 @@ class Target:
         if not self.known_hosts:
             # Fail closed: there is no "accept any host key" mode.
             raise ValueError("a target needs a known_hosts file")
+        if len(set(self.nodes)) != len(self.nodes):
+            raise ValueError("a cluster's nodes must be distinct")
+        for node in self.nodes:
+            split_node(node, self.port)  # refuse a malformed node now
+
+    def node_target(self, node: str) -> Target:
+        """The target of one node of this cluster: the same account, keys and limits."""
+        host, port = split_node(node, self.port)
+        return replace(self, host=host, port=port, nodes=())
 
     def credentials(self) -> Credentials | None:
         """A fresh key pair and certificate for one connection (None: log in with
@@ -114,3 +139,22 @@ class Target:
             x for x in (self.backend, "agent" if self.exec_mode == "agent" else "") if x
         )
         return f"{where} ({how})" if how else where
+
+
+def split_node(node: str, port: int) -> tuple[str, int]:
+    """``name``, ``name:port`` or ``[v6]:port`` -> (name, port); ValueError when malformed. A
+    bare IPv6 address (two colons or more) takes `port`."""
+    if node.startswith("["):
+        host, sep, rest = node[1:].partition("]:")
+        if not sep:
+            raise ValueError(f"node {node!r}: write [address]:port")
+    elif node.count(":") == 1:
+        host, sep, rest = node.partition(":")
+    else:
+        host, sep, rest = node, "", ""
+    if not host or any(c.isspace() for c in host) or (sep and not rest.isdigit()):
+        raise ValueError(f"node {node!r}: a host name or address, optionally :port")
+    number = int(rest) if sep else port
+    if not 1 <= number <= 65535:
+        raise ValueError(f"node {node!r}: port out of range")
+    return host, number

@@ -103,8 +103,10 @@ class Cancels:
         target = self.policy.target_of(current.host, current.target, owner_of(current))
         if target is None:  # its host or account left the configuration: nothing to reach
             return current
+        if target.nodes and current.node not in target.nodes:
+            return current  # a group id means nothing on another login node
         try:
-            await self.pool.kill(target, current.pgid)
+            await self.pool.kill(target, current.pgid, current.node)
         except SSHPoolError as exc:
             raise ssh_problem(exc, host=row.host, job_id=row.id) from exc
         except TimeoutError as exc:

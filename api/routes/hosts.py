@@ -30,17 +30,27 @@ def _info(svc: Services, who: Principal, name: str) -> HostInfo:
         health = "ok"
     else:
         health = "unknown"
+    nodes: list[dict[str, Any]] = []
+    if host.nodes:
+        nodes = [{"name": n} | s for n, s in svc.pool.nodes(host.target()).items()]
+        if any(n["state"] == "up" for n in nodes):
+            health = "ok"
+        elif any(n["state"] == "down" for n in nodes):
+            health = "down"
     if not who.is_admin:
         own = svc.policy.grant(who, name).target
-        pools = [{k: v for k, v in stats[own].items() if k != "target"}] if own in stats else []
+        mine = [own.node_target(n) for n in own.nodes] if own.nodes else [own]
+        pools = [{k: v for k, v in stats[t].items() if k != "target"} for t in mine if t in stats]
+        nodes = [{"name": n["name"], "state": n["state"]} for n in nodes]
     return HostInfo(
         name=name,
-        hostname=host.hostname,
+        hostname=host.name_shown,
         port=host.port,
         description=host.description,
         shell=svc.policy.shell_allowed(who, name),
         health=health,  # type: ignore[arg-type]
         pool=pools,
+        nodes=nodes,
     )
 
 

@@ -96,6 +96,9 @@ JOBS = Table(
     # can kill it; and why a replica other than the owner asked to cancel it.
     Column("pgid", Integer, nullable=True),
     Column("cancel_requested", Text, nullable=True),
+    # The login node a command started on, on a host with several (`[hosts.X] nodes`): its
+    # process group and live output are there.
+    Column("node", String(255), nullable=True),
     UniqueConstraint("owner_iss", "owner_sub", "idempotency_key", name="sshapi_jobs_idem"),
     Index("sshapi_jobs_owner", "owner_iss", "owner_sub", "id"),
     Index("sshapi_jobs_replica_state", "replica", "state"),
@@ -129,6 +132,19 @@ class Revocation:
     created_at: datetime
     created_by_iss: str
     created_by_sub: str
+
+
+# Login nodes an admin drained (POST /v1/admin/hosts/{host}/nodes/{node}/drain): no new work
+# goes there, on any replica (each reads them every second), until undrained.
+NODE_DRAINS = Table(
+    "sshapi_node_drains",
+    METADATA,
+    Column("host", String(64), primary_key=True),
+    Column("node", String(255), primary_key=True),
+    Column("drained_at", DateTime(timezone=True), nullable=False),
+    Column("drained_by_iss", String(512), nullable=False),
+    Column("drained_by_sub", String(512), nullable=False),
+)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -175,6 +191,7 @@ class JobRow:
     scheduler_reason: str | None = None
     pgid: int | None = None
     cancel_requested: str | None = None
+    node: str | None = None
 
 
 FIELDS = tuple(c.key for c in JOBS.columns)

@@ -49,6 +49,7 @@ from api.store.schema import (
     FIELDS,
     JOBS,
     LISTED,
+    NODE_DRAINS,
     REVOCATIONS,
     JobRow,
     Revocation,
@@ -402,6 +403,32 @@ class Store:
         if account is not None:
             query = query.where(c.target.startswith(f"{account}@", autoescape=True))
         return await self._rows(query)
+
+    # ---- drained login nodes (rare writes: outside the job writer, one statement each)
+
+    async def drain(self, host: str, node: str, by: tuple[str, str]) -> None:
+        """Record `node` of `host` as drained (again: kept as first drained)."""
+        values = {"host": host, "node": node, "drained_at": utcnow()}
+        values |= {"drained_by_iss": by[0], "drained_by_sub": by[1]}
+        query = select(NODE_DRAINS.c.host).where(
+            NODE_DRAINS.c.host == host, NODE_DRAINS.c.node == node
+        )
+        async with self._started().begin() as conn:
+            if (await conn.execute(query)).first() is None:
+                with contextlib.suppress(IntegrityError):  # another replica, just now
+                    async with conn.begin_nested():
+                        await conn.execute(insert(NODE_DRAINS).values(**values))
+
+    async def undrain(self, host: str, node: str) -> None:
+        query = delete(NODE_DRAINS).where(NODE_DRAINS.c.host == host, NODE_DRAINS.c.node == node)
+        async with self._started().begin() as conn:
+            await conn.execute(query)
+
+    async def drained(self) -> set[tuple[str, str]]:
+        """Every drained (host, node)."""
+        query = select(NODE_DRAINS.c.host, NODE_DRAINS.c.node)
+        async with self._started().connect() as conn:
+            return {(r.host, r.node) for r in await conn.execute(query)}
 
 
 def _fields(revocation: Revocation) -> dict[str, Any]:

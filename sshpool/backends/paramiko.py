@@ -142,7 +142,7 @@ def _connect_blocking(target: Target, deadline: float) -> tuple[Any, _WatchedSoc
     transport: Any = None
     try:
         try:
-            host_keys = paramiko.HostKeys(target.known_hosts)
+            host_keys = _host_keys(target.known_hosts)
         except OSError as exc:
             raise translate.unreadable_known_hosts(target, exc) from exc
         known = host_keys.lookup(name)
@@ -174,6 +174,23 @@ def _connect_blocking(target: Target, deadline: float) -> tuple[Any, _WatchedSoc
             raise
         timed_out = time.monotonic() >= deadline
         raise translate.connect_error(exc, target, _connect_table, timed_out=timed_out) from exc
+
+
+def _host_keys(path: str) -> Any:
+    """known_hosts as paramiko's HostKeys, without its marker lines (@cert-authority,
+    @revoked): paramiko's own loader fails on the whole file for one, and cannot check a
+    host certificate anyway, so such a line vouches for no key here (a host it alone covers
+    gets HostKeyMismatch)."""
+    host_keys = paramiko.HostKeys()
+    with open(path) as f:
+        for line in f:
+            if not line.strip() or line.lstrip().startswith(("#", "@")):
+                continue
+            entry = paramiko.hostkeys.HostKeyEntry.from_line(line)
+            if entry is not None and entry.key is not None:
+                for name in entry.hostnames:
+                    host_keys.add(name, entry.key.get_name(), entry.key)
+    return host_keys
 
 
 def _keys(target: Target) -> Iterator[tuple[str, Any]]:

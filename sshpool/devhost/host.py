@@ -309,8 +309,11 @@ class LocalHost:
         sshd: str | None = None,
         tuned_config: Path = TUNED_CONFIG,
         researchers: bool = False,
+        client_dir: Path | None = None,
     ) -> None:
         """``data_dir``: where the host keeps its files (``<data_dir>/hosts/<name>/``).
+        ``client_dir``: another host's client directory, to share its client key and
+        known_hosts (a cluster's login nodes: `sshpool.devhost.cluster`).
         ``sshd``: the sshd binary (default: ``sshd`` on PATH or in /usr/sbin, /sbin).
         ``tuned_config``: the sshd_config fragment of the ``tuned`` profile.
         ``researchers``: sshd runs as root and also logs in the researcher accounts."""
@@ -324,7 +327,7 @@ class LocalHost:
         self._data_dir = Path(data_dir).absolute()
         self._host_dir = self._data_dir / "hosts" / name
         self._sshd_dir = self._host_dir / "sshd"
-        self._client_dir = self._host_dir / "client"
+        self._client_dir = client_dir or self._host_dir / "client"
         self.overrides: dict[str, str] = dict(overrides or {})
         self._sshd = sshd
         self.tuned_config = tuned_config
@@ -637,6 +640,10 @@ class LocalHost:
         self._prepare()
         self._write_known_hosts()
 
+    def known_hosts_line(self) -> str:
+        """This host's known_hosts line: its pattern and host key."""
+        return f"{self.host_pattern} {self.host_public_key()}"
+
     def host_public_key(self) -> str:
         return _public_key(self.host_key_path)
 
@@ -763,7 +770,10 @@ class LocalHost:
 
     def _write_known_hosts(self) -> None:
         path = Path(self.known_hosts)
-        path.write_text(f"{self.host_pattern} {self.host_public_key()}\n")
+        # Other hosts sharing this client directory keep their lines.
+        old = path.read_text().splitlines() if path.exists() else []
+        kept = [line for line in old if line.split(" ", 1)[0] != self.host_pattern]
+        path.write_text("".join(f"{line}\n" for line in kept) + self.known_hosts_line() + "\n")
         os.chmod(path, 0o600)
 
     def _chown_sshd_files(self) -> None:
