@@ -310,8 +310,10 @@ async def test_time_to_revoke_on_two_replicas(
                 await asyncio.sleep(0.01)
             done = await posted
             figures.append(at)
-            assert done.json()["jobs_cancelled"] == 2, done.text
             assert set(at) == {"a", "b", "killed", "answer"}, at
+            # Both ended `cancelled`, whichever replica's cancel came first.
+            listed = (await a.client.get(f"{a.url}/v1/jobs", headers=admin)).json()["items"]
+            assert [j["state"] for j in listed if word in j["argv"][-1]] == ["cancelled"] * 2
             url = f"{a.url}/v1/admin/revocations/{done.json()['id']}"
             assert (await a.client.delete(url, headers=admin)).status_code == 204
             await asyncio.sleep(0.1 if redis_url else 1.2)  # b reads the lift
