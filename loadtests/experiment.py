@@ -50,7 +50,8 @@ REPORT_LINE = re.compile(r"^report: (.+report\.md)$", re.M)
 # What sshd logs when one of its limits refuses the API: a handshake dropped past MaxStartups
 # (or PerSourceMaxStartups), a channel refused past MaxSessions, a source penalized.
 SSHD_REFUSALS = {
-    "MaxStartups": re.compile(r"past MaxStartups|beginning MaxStartups throttling"),
+    # "past MaxStartups" before OpenSSH 9.8, "Maxstartups" (or "PerSourceMaxStartups") after.
+    "MaxStartups": re.compile(r"drop connection .*maxstartups|beginning maxstartups", re.I),
     "MaxSessions": re.compile(r"no more sessions|open_session.*refused", re.I),
     "penalty": re.compile(r"penalt", re.I),
 }
