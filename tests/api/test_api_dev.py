@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 from pathlib import Path
 
+import httpx
 import psutil
 from api_helpers import SSHAPI, free_port
 
@@ -41,5 +43,39 @@ def test_dev_answers_and_a_sigterm_stops_the_local_host_too(tmp_path: Path) -> N
         assert (data / "local.toml").is_file()
     finally:
         if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def test_dev_in_agent_mode_runs_a_job_through_the_executor(tmp_path: Path) -> None:
+    """`sshapi dev --exec-mode agent`: the printed token submits a job, and its parent on the
+    local host is the executor (python3 reading its source from stdin), not a shell of sshd."""
+    data = tmp_path / "data"
+    port = free_port()
+    env = {**os.environ, "SSHAPI_DATA_DIR": str(data), "SSHAPI_LOG_LEVEL": "warning"}
+    out = tmp_path / "dev.out"
+    with out.open("wb") as sink:
+        proc = subprocess.Popen(
+            [SSHAPI, "dev", "--port", str(port), "--exec-mode", "agent"], env=env, stdout=sink
+        )
+    try:
+        wait_ready(proc, f"http://127.0.0.1:{port}")
+        printed = out.read_text()
+        assert "agent mode" in printed
+        token = re.search(r"^export TOKEN=(\S+)$", printed, re.M)
+        assert token is not None, printed
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/jobs",
+            json={"host": "local", "argv": ["sh", "-c", "ps -o args= -p $PPID"]},
+            headers={"Authorization": f"Bearer {token[1]}"},
+            timeout=60,
+        )
+        assert r.status_code == 201, r.text
+        assert r.json()["exit_status"] == 0 and "sys.stdin.buffer.read" in r.json()["stdout"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)
