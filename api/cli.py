@@ -244,13 +244,27 @@ def dev(
             "executor per connection (agent)."
         ),
     ] = "channel",
+    rtt_ms: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            help="Round trip (ms) added between the API and the local host by a latency relay "
+            "(a WAN for the rig: docs/load-suite.md).",
+        ),
+    ] = 0.0,
 ) -> None:
     """Start the local HPC host (sshd, tuned profile) and the API on 127.0.0.1; print a token,
     the exports the client commands need (SSHAPI_URL, SSHAPI_TOKEN) and a curl command. Ctrl-C
     stops both."""
     # The dev rig is imported here only: `serve`, `token` and `hosts check` never load it.
     from api.workers import serve as run_server
-    from sshpool.devhost import LocalHost, LocalSlurm, install_packages
+    from sshpool.devhost import (
+        LatencyRelay,
+        LocalHost,
+        LocalSlurm,
+        RelayedHost,
+        install_packages,
+    )
 
     settings = load_settings("dev", workers, host="127.0.0.1", port=port)
     # uvicorn re-raises SIGTERM after its graceful shutdown; with the default handler the process
@@ -268,7 +282,11 @@ def dev(
         stack.callback(host.stop, kill_sessions=True)
         # Left as a plain configuration file: `sshapi serve`, `sshapi token` and `sshapi hosts
         # check` read it later without the dev rig.
-        config = default_config(local_host_config(host, slurm=slurm, exec_mode=exec_mode))
+        reached: LocalHost | RelayedHost = host
+        if rtt_ms > 0:
+            relay = stack.enter_context(LatencyRelay((host.address, host.port), rtt_ms))
+            reached = RelayedHost(host, relay)
+        config = default_config(local_host_config(reached, slurm=slurm, exec_mode=exec_mode))
         write_local_config(settings.data_dir, config)
         tok = local_token(settings, config, sub, ["jobs:read", "jobs:write"], 24 * 3600.0)
         body = '{"host": "local", "argv": ["echo", "hello from the local HPC host"]}'
@@ -279,7 +297,8 @@ def dev(
         typer.echo(
             f"\nLocal HPC host: {host.username}@{host.address}:{host.port} (sshd, tuned profile"
             + (", single-node Slurm" if slurm else "")
-            + (", agent mode)" if exec_mode == "agent" else ")")
+            + (", agent mode" if exec_mode == "agent" else "")
+            + (f", {rtt_ms:g} ms RTT through a relay on port {reached.port})" if rtt_ms else ")")
             + f"\nAPI:            {base}  (docs: {base}/docs)\n\n"
             f"Token for {sub!r} (24 h; another: .venv/bin/sshapi token --sub NAME):\n\n"
             f"export TOKEN={tok}\n"

@@ -48,20 +48,23 @@ def test_dev_answers_and_a_sigterm_stops_the_local_host_too(tmp_path: Path) -> N
 
 
 def test_dev_in_agent_mode_runs_a_job_through_the_executor(tmp_path: Path) -> None:
-    """`sshapi dev --exec-mode agent`: the printed token submits a job, and its parent on the
-    local host is the executor (python3 reading its source from stdin), not a shell of sshd."""
+    """`sshapi dev --exec-mode agent --rtt-ms 5`: the printed token submits a job, through the
+    latency relay, and its parent on the local host is the executor (python3 reading its
+    source from stdin), not a shell of sshd."""
     data = tmp_path / "data"
     port = free_port()
     env = {**os.environ, "SSHAPI_DATA_DIR": str(data), "SSHAPI_LOG_LEVEL": "warning"}
     out = tmp_path / "dev.out"
     with out.open("wb") as sink:
         proc = subprocess.Popen(
-            [SSHAPI, "dev", "--port", str(port), "--exec-mode", "agent"], env=env, stdout=sink
+            [SSHAPI, "dev", "--port", str(port), "--exec-mode", "agent", "--rtt-ms", "5"],
+            env=env,
+            stdout=sink,
         )
     try:
         wait_ready(proc, f"http://127.0.0.1:{port}")
         printed = out.read_text()
-        assert "agent mode" in printed
+        assert "agent mode, 5 ms RTT through a relay" in printed
         token = re.search(r"^export TOKEN=(\S+)$", printed, re.M)
         assert token is not None, printed
         r = httpx.post(
