@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import statistics
 import time
 from collections.abc import AsyncIterator
 
+import psutil
 import pytest
 
 from sshpool import Pool
@@ -84,3 +86,17 @@ async def test_a_pool_runs_commands_through_the_relay(stock_host: LocalHost) -> 
             elapsed = time.perf_counter() - start
     assert result.stdout == b"through the WAN\n"
     assert elapsed >= 0.020, elapsed
+
+
+async def test_relay_survives_an_upstream_that_is_down() -> None:
+    """Nothing listens upstream: the client's connection is closed at once (EOF), and the
+    relay goes on serving."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed_port = s.getsockname()[1]
+    with LatencyRelay(("127.0.0.1", closed_port), 10) as relay:
+        for _ in range(3):
+            reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+            writer.close()
+        assert relay.pid is not None and psutil.pid_exists(relay.pid)
