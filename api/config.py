@@ -83,8 +83,13 @@ class ApiConfig(Strict):
     max_body_bytes: int = Field(default=1 << 20, gt=0)
     max_stdin_bytes: int = Field(default=64 << 10, ge=0)
     max_argv_bytes: int = Field(default=128 << 10, gt=0)
-    # /metrics needs a token with the admin scope when true.
-    metrics_require_admin: bool = False
+    # /metrics needs a token with the admin scope when true (the default: its labels name the
+    # hosts, and its counters describe the site's load). False: open to anyone who reaches it,
+    # e.g. on a scrape-only listen address.
+    metrics_require_admin: bool = True
+    # A host's `hostname` and `port` in /v1/hosts for admins only when true (the default): other
+    # callers use the host by its name and need not know where it is.
+    host_details_require_admin: bool = True
     max_page: int = Field(default=200, ge=1)
     # Live followers (GET /v1/jobs/{id}/output?follow=true, /events) at once per identity.
     max_followers: int = Field(default=8, ge=1)

@@ -226,6 +226,14 @@ def mint(
     return jwt.encode(payload, secret, algorithm="HS256")
 
 
+def default_scopes(config: Config) -> list[str]:
+    """The scopes of the token `sshapi dev` and `sshapi token` print unless told otherwise:
+    every scope the local (first HS256) issuer grants but `admin`, so one token runs jobs and
+    moves files; admin is asked for by name (`--scope`)."""
+    issuer = next((i for i in config.issuers if "HS256" in i.algorithms), None)
+    return [s for s in issuer.scopes if s != "admin"] if issuer is not None else []
+
+
 def local_token(
     settings: Settings,
     config: Config,

@@ -289,9 +289,11 @@ def main(argv: list[str] | None = None) -> int:
             result = run_cell(cell, repeat, hosts[cell.sshd], args)
             if "summary" in result:
                 s = result["summary"]
+                v = s["validity"]
                 print(f"    {s['requests']} requests, {s['failed']} failed, p50 "
                       f"{_ms(s['latency_ms']['p50'])} p99 {_ms(s['latency_ms']['p99'])} ms"
-                      f"{'' if s['validity']['valid'] else ' (INVALID)'}", flush=True)  # fmt: skip
+                      f"{'' if v['valid'] else ' (INVALID)'}"
+                      f"{' (LIMITED)' if v.get('limited') else ''}", flush=True)  # fmt: skip
             else:
                 print(f"    {result['error']}", flush=True)
             results.append(result)
