@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -146,3 +147,40 @@ def test_dev_accounts_prints_a_token_that_runs_as_its_own_account(tmp_path: Path
             proc.wait(timeout=10)
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+def test_dev_in_agent_mode_runs_a_job_through_the_executor(tmp_path: Path) -> None:
+    """`sshapi dev --exec-mode agent --rtt-ms 5`: the printed token submits a job, through the
+    latency relay, and its parent on the local host is the executor (python3 reading its
+    source from stdin), not a shell of sshd."""
+    data = tmp_path / "data"
+    port = free_port()
+    env = {**os.environ, "SSHAPI_DATA_DIR": str(data), "SSHAPI_LOG_LEVEL": "warning"}
+    out = tmp_path / "dev.out"
+    with out.open("wb") as sink:
+        proc = subprocess.Popen(
+            [SSHAPI, "dev", "--port", str(port), "--exec-mode", "agent", "--rtt-ms", "5"],
+            env=env,
+            stdout=sink,
+        )
+    try:
+        wait_ready(proc, f"http://127.0.0.1:{port}")
+        printed = out.read_text()
+        assert "agent mode, 5 ms RTT through a relay" in printed
+        token = re.search(r"^export TOKEN=(\S+)$", printed, re.M)
+        assert token is not None, printed
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/jobs",
+            json={"host": "local", "argv": ["sh", "-c", "ps -o args= -p $PPID"]},
+            headers={"Authorization": f"Bearer {token[1]}"},
+            timeout=60,
+        )
+        assert r.status_code == 201, r.text
+        assert r.json()["exit_status"] == 0 and "sys.stdin.buffer.read" in r.json()["stdout"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
