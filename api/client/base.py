@@ -21,7 +21,8 @@ WAIT = 30.0  # Prefer: wait=N on submit: a short command finishes in one request
 
 @dataclass(frozen=True, slots=True)
 class Event:
-    """One Server-Sent Event of `/events`: `event` is state, output, gap, cutoff or end."""
+    """One Server-Sent Event of `/events`: `event` is state, output, gap, cutoff, revoked (the
+    last one, then the next request is 403) or end."""
 
     event: str
     data: dict[str, Any]
