@@ -4,6 +4,7 @@
     sshapi jobs list|show|cancel|logs
     sshapi batch submit SCRIPT
     sshapi files ls|get|put|mkdir|rm  files on a host (docs/files.md), progress bars for transfers
+    sshapi login|logout               sign in through the identity provider (docs/login.md)
 
 The server and token come from SSHAPI_URL / SSHAPI_TOKEN or a profile of the client
 configuration file (`--profile`; see `api.client.load_profile`). `--json` prints the API's JSON
@@ -489,7 +490,10 @@ def login(
         typer.Option(help="The client secret's file. Default: SSHAPI_CLIENT_SECRET."),
     ] = None,
 ) -> None:
-    """Sign in through the identity provider and keep the tokens, renewed as they expire."""
+    """Sign in through the identity provider (docs/login.md).
+
+    The tokens are kept in the client configuration's logins/ directory and renewed as they
+    expire."""
     import httpx
 
     from api.client import SshapiError, load_profile
@@ -529,7 +533,7 @@ def login(
 
 
 def logout(profile: Profile = None) -> None:
-    """Forget the login (the provider is asked to revoke its refresh token)."""
+    """Forget the login and revoke it at the provider."""
     from api.client import SshapiError, load_profile
     from api.client import login as oauth
 
@@ -548,9 +552,9 @@ def logout(profile: Profile = None) -> None:
 
 def register(app: typer.Typer) -> None:
     """Add the client commands to the `sshapi` app."""
+    app.command("run")(run)
     app.command("login")(login)
     app.command("logout")(logout)
-    app.command("run")(run)
     app.add_typer(jobs_app, name="jobs")
     app.add_typer(batch_app, name="batch")
     app.add_typer(files_app, name="files")
