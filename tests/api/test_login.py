@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import socket
 import stat
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -227,3 +228,15 @@ async def test_device_login_in_a_browser_follows_a_job_past_expiry_until_revoked
     code, out = await sshapi(environ, "jobs", "list")
     assert code == 255
     assert "invalid_grant: the login expired or was revoked; run `sshapi login` again" in out
+
+
+def test_a_provider_that_never_answers_fails_the_login_in_bounded_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(oauth, "TIMEOUT", 0.5)
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts, never answers
+        issuer = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        started = time.monotonic()
+        with httpx.Client() as http, pytest.raises(SshapiError, match=issuer):
+            oauth.discover(issuer, http)
+        assert time.monotonic() - started < 5
