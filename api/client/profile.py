@@ -56,6 +56,7 @@ def load_profile(name: str | None = None, path: str | None = None) -> Profile:
         [profiles.dev]
         url = "http://127.0.0.1:8000"
         token_file = "~/.config/sshapi/dev.token"   # or: token = "..."
+        # or neither: `sshapi login` with issuer = "https://..." (and client_id = "...")
 
     `url` is None when neither names a server: see `server_url`. `token_url` is the server the
     token was set up with (SSHAPI_URL beside SSHAPI_TOKEN, the profile's url beside its token):
@@ -121,7 +122,7 @@ def load_profile(name: str | None = None, path: str | None = None) -> Profile:
         url=env_url or entry.get("url"),
         token=token,
         allow_http=entry.get("allow_http", False),
-        token_url=token_url if token is not None else None,
+        token_url=token_url if token or login else None,
         token_from=token_from,
         login=login,
         issuer=entry.get("issuer"),
