@@ -375,6 +375,13 @@ def dev(
             "(a WAN for the rig: docs/load-suite.md).",
         ),
     ] = 0.0,
+    oidc: Annotated[
+        bool,
+        typer.Option(
+            help="Also run a real OpenID provider (oidc-provider, with node; installed with npm "
+            "on first use) that the API trusts: sign in with `sshapi login`."
+        ),
+    ] = False,
 ) -> None:
     """Start a local HPC host and the API, and print a token.
 
@@ -392,6 +399,7 @@ def dev(
         local_host_config,
         local_token,
         rig_dir,
+        with_oidc_issuer,
         write_local_config,
     )
 
@@ -449,6 +457,20 @@ def dev(
             reached = RelayedHost(host, relay)
         local = local_host_config(reached, slurm=slurm, exec_mode=exec_mode, nodes=addresses)
         config = default_config(local, hpc)
+        base = f"http://127.0.0.1:{settings.port}"
+        provider = None
+        if oidc:
+            import secrets
+
+            from sshpool.devhost import oidc as rig_oidc
+
+            who = names[0] if names else host.username
+            provider = rig_oidc.start(
+                rig / "oidc", f"{base}/", ci_secret=secrets.token_urlsafe(24), ci_account=who
+            )
+            stack.callback(provider.stop)
+            claim = "preferred_username"
+            config = with_oidc_issuer(config, provider.issuer, rig_oidc.AUDIENCE, claim)
         write_local_config(settings.data_dir, config)
         account = names[0] if names else None
         scopes = default_scopes(config)
@@ -459,7 +481,13 @@ def dev(
         if slurm:
             script = "#!/bin/sh\\nhostname; date\\n"
             body = f'{{"host": "local", "batch": {{"script": "{script}", "name": "hello"}}}}'
-        base = f"http://127.0.0.1:{settings.port}"
+        if provider is not None:
+            typer.echo(
+                f"\nOpenID provider: {provider.issuer} (any login and password sign in)\n"
+                f"  sshapi login --issuer {provider.issuer}\n"
+                f"  SSHAPI_CLIENT_SECRET={provider.ci_secret} sshapi login --client-credentials "
+                f"--client-id {rig_oidc.CI_CLIENT} --issuer {provider.issuer}"
+            )
         typer.echo(
             f"\nLocal HPC host: {host.username}@{','.join(addresses) or host.address}:{host.port}"
             + " (sshd, tuned profile"

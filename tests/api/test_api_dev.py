@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -184,3 +186,51 @@ def test_dev_in_agent_mode_runs_a_job_through_the_executor(tmp_path: Path) -> No
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="node missing")
+def test_dev_oidc_signs_in_a_ci_client_and_a_sigterm_stops_the_provider(tmp_path: Path) -> None:
+    """`sshapi dev --oidc` prints a client-credentials login that works against its API; the
+    provider goes with it."""
+    port = free_port()
+    env = {**os.environ, "SSHAPI_DATA_DIR": str(tmp_path / "data"), "SSHAPI_LOG_LEVEL": "warning"}
+    proc = subprocess.Popen(
+        [SSHAPI, "dev", "--oidc", "--port", str(port)], env=env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        wait_ready(proc, f"http://127.0.0.1:{port}")
+        assert proc.stdout is not None
+        while "--client-credentials" not in (line := proc.stdout.readline()):
+            assert line, "sshapi dev --oidc printed no login"
+        secret, *login = shlex.split(line)
+        client = {k: v for k, v in os.environ.items() if not k.startswith("SSHAPI_")} | {
+            "SSHAPI_URL": f"http://127.0.0.1:{port}",
+            "SSHAPI_CLIENT_CONFIG": str(tmp_path / "client" / "client.toml"),
+            secret.split("=", 1)[0]: secret.split("=", 1)[1],
+        }
+        done = subprocess.run([SSHAPI, *login[1:]], env=client, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        done = subprocess.run(
+            [SSHAPI, "run", "local", "--", "echo", "signed in"],
+            env=client, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert (done.returncode, done.stdout) == (0, "signed in\n"), done.stderr
+
+        def provider() -> list[psutil.Process]:
+            return [
+                p
+                for p in psutil.process_iter(["cmdline"])
+                if "server.mjs" in " ".join(p.info["cmdline"] or [])
+                and str(tmp_path) in " ".join(p.info["cmdline"] or [])
+            ]
+
+        assert provider(), "the OpenID provider is not running"
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+        assert not provider()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        if proc.stdout is not None:
+            proc.stdout.close()
