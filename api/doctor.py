@@ -392,6 +392,12 @@ def _sshd_limits(
             )
         )
     if not budget:
+        per_connection = f"max_sessions {lim.max_sessions}"
+        if host.exec_mode == "agent":
+            per_connection = (
+                f"1 executor + {lim.max_sessions - 1} SFTP channels (up to "
+                f"{lim.agent_max_commands} commands through the executor)"
+            )
         found.append(
             Finding(
                 name,
@@ -399,8 +405,7 @@ def _sshd_limits(
                 "ok",
                 f"{procs} x max_handshakes {lim.max_handshakes} = "
                 f"{replicas * workers * lim.max_handshakes} handshakes < MaxStartups "
-                f"{sshd.max_startups}; max_sessions {lim.max_sessions} < MaxSessions "
-                f"{sshd.max_sessions}",
+                f"{sshd.max_startups}; {per_connection} < MaxSessions {sshd.max_sessions}",
             )
         )
     return found

@@ -64,6 +64,8 @@ def test_agent_host_without_python3_warns_that_it_runs_as_channels(
     assert "/nonexistent/python3" in found["agent"].detail
     assert "agent_python" in found["agent"].detail
     assert failures(found) == []
+    # The budget counts agent mode's channels: the executor's and the SFTP sessions'.
+    assert "1 executor + 7 SFTP channels" in found["budget"].detail, found["budget"].line()
 
 
 def test_noisy_login_shell_fails_naming_what_it_prints(make_host: object) -> None:
