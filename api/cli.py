@@ -367,6 +367,21 @@ def dev(
             "configuration); with --accounts, `hpc` too, each researcher on every node.",
         ),
     ] = 1,
+    rtt_ms: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            help="Round trip (ms) added between the API and the local host by a latency relay "
+            "(a WAN for the rig: docs/load-suite.md).",
+        ),
+    ] = 0.0,
+    oidc: Annotated[
+        bool,
+        typer.Option(
+            help="Also run a real OpenID provider (oidc-provider, with node; installed with npm "
+            "on first use) that the API trusts: sign in with `sshapi login`."
+        ),
+    ] = False,
 ) -> None:
     """Start a local HPC host and the API, and print a token.
 
@@ -384,12 +399,20 @@ def dev(
         local_host_config,
         local_token,
         rig_dir,
+        with_oidc_issuer,
         write_local_config,
     )
 
     # The dev rig is imported here only: `serve`, `token` and `hosts check` never load it.
     from api.workers import serve as run_server
-    from sshpool.devhost import LocalCluster, LocalHost, LocalSlurm, install_packages
+    from sshpool.devhost import (
+        LatencyRelay,
+        LocalCluster,
+        LocalHost,
+        LocalSlurm,
+        RelayedHost,
+        install_packages,
+    )
     from sshpool.devhost.accounts import ensure_accounts
 
     given = {} if port is None else {"port": port}
@@ -407,6 +430,8 @@ def dev(
             cluster = stack.enter_context(LocalSlurm("local", data_dir=rig))
             overrides = cluster.sshd_overrides()
         names = [a.name for a in ensure_accounts(accounts, data_dir=rig)] if accounts else []
+        if nodes > 1 and rtt_ms:
+            raise typer.BadParameter("--nodes and --rtt-ms do not go together yet")
         cluster_nodes: LocalCluster | None = None
         if nodes > 1:
             # One host of several login nodes: the first node stands for them below. They
@@ -427,8 +452,26 @@ def dev(
         # Left as a plain configuration file: `sshapi serve`, `sshapi token` and `sshapi hosts
         # check` read it later without the dev rig.
         hpc = local_certificate_host_config(host, host.user_ca_key, addresses) if names else None
-        local = local_host_config(host, slurm=slurm, exec_mode=exec_mode, nodes=addresses)
+        reached: LocalHost | RelayedHost = host
+        if rtt_ms > 0:
+            relay = stack.enter_context(LatencyRelay((host.address, host.port), rtt_ms))
+            reached = RelayedHost(host, relay)
+        local = local_host_config(reached, slurm=slurm, exec_mode=exec_mode, nodes=addresses)
         config = default_config(local, hpc)
+        base = f"http://127.0.0.1:{settings.port}"
+        provider = None
+        if oidc:
+            import secrets
+
+            from sshpool.devhost import oidc as rig_oidc
+
+            who = names[0] if names else host.username
+            provider = rig_oidc.start(
+                rig / "oidc", f"{base}/", ci_secret=secrets.token_urlsafe(24), ci_account=who
+            )
+            stack.callback(provider.stop)
+            claim = "preferred_username"
+            config = with_oidc_issuer(config, provider.issuer, rig_oidc.AUDIENCE, claim)
         write_local_config(settings.data_dir, config)
         account = names[0] if names else None
         scopes = default_scopes(config)
@@ -439,12 +482,19 @@ def dev(
         if slurm:
             script = "#!/bin/sh\\nhostname; date\\n"
             body = f'{{"host": "local", "batch": {{"script": "{script}", "name": "hello"}}}}'
-        base = f"http://127.0.0.1:{settings.port}"
+        if provider is not None:
+            typer.echo(
+                f"\nOpenID provider: {provider.issuer} (any login and password sign in)\n"
+                f"  sshapi login --issuer {provider.issuer}\n"
+                f"  SSHAPI_CLIENT_SECRET={provider.ci_secret} sshapi login --client-credentials "
+                f"--client-id {rig_oidc.CI_CLIENT} --issuer {provider.issuer}"
+            )
         typer.echo(
             f"\nLocal HPC host: {host.username}@{','.join(addresses) or host.address}:{host.port}"
             + " (sshd, tuned profile"
             + (", single-node Slurm" if slurm else "")
-            + (", agent mode)" if exec_mode == "agent" else ")")
+            + (", agent mode" if exec_mode == "agent" else "")
+            + (f", {rtt_ms:g} ms RTT through a relay on port {reached.port})" if rtt_ms else ")")
             + f"\nAPI:            {base}  (docs: {base}/docs)\n\n"
             + (f"Accounts:       {names[0]} ... {names[-1]} on host `hpc`\n\n" if names else "")
             + f"Token for {sub!r}"

@@ -298,7 +298,11 @@ class HostConfig(Strict):
         connections at random); connections up to replicas x min(accounts x max_connections,
         max_total_connections), each with up to max_sessions sessions. Per connection,
         max_sessions stays below MaxSessions: the kill of a cancelled command needs a spare
-        channel, and sshd frees a slot only after the command exits."""
+        channel, and sshd frees a slot only after the command exits. In agent mode a
+        connection's channels are its executor's and up to max_sessions - 1 SFTP sessions'
+        (commands open none): the same count, and the same spare, as sshd frees an SFTP
+        session's slot only after its sftp-server exited; max_sessions 1 would leave no channel
+        for SFTP."""
         lim, sshd = self.limits, self.sshd
         found = []
         if replicas * lim.max_handshakes >= sshd.max_startups:
@@ -315,7 +319,16 @@ class HostConfig(Strict):
         if lim.max_sessions >= sshd.max_sessions:
             found.append(
                 f"max_sessions {lim.max_sessions} >= MaxSessions {sshd.max_sessions}: "
-                "no spare channel per connection"
+                + (
+                    "the executor's channel and max_sessions - 1 SFTP sessions leave "
+                    if self.exec_mode == "agent"
+                    else ""
+                )
+                + "no spare channel per connection"
+            )
+        if self.exec_mode == "agent" and lim.max_sessions < 2:
+            found.append(
+                "exec_mode agent with max_sessions 1: no channel for SFTP beside the executor"
             )
         held = min(accounts * lim.max_connections, lim.max_total_connections)
         sessions = replicas * held * lim.max_sessions

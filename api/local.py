@@ -121,6 +121,22 @@ def default_config(local: HostConfig | None = None, hpc: HostConfig | None = Non
     )
 
 
+def with_oidc_issuer(config: Config, issuer: str, audience: str, account_claim: str) -> Config:
+    """`config` also trusting the rig's OpenID provider (`sshapi dev --oidc`): its RS256 tokens
+    through its JWKS, with the same rights as the local issuer's but never admin."""
+    entry = IssuerConfig(
+        issuer=issuer,
+        audience=audience,
+        algorithms=["RS256"],
+        jwks_url=f"{issuer}/jwks",
+        account_claim=account_claim,
+    )
+    rule = config.policy[0].model_copy(update={"issuer": issuer})
+    return config.model_copy(
+        update={"issuers": [*config.issuers, entry], "policy": [*config.policy, rule]}
+    )
+
+
 def local_certificate_host_config(
     host: LocalSshd, ca_key: str, nodes: Sequence[str] = ()
 ) -> HostConfig:

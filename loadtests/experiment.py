@@ -257,7 +257,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--backends", nargs="+", default=["asyncssh"])
     p.add_argument("--sshd", nargs="+", choices=["stock", "tuned"], default=["stock", "tuned"])
-    p.add_argument("--pool-modes", nargs="+", choices=POOL_MODES, default=list(POOL_MODES))
+    p.add_argument("--pool-modes", nargs="+", choices=POOL_MODES, default=["pooled", "per-request"])
     p.add_argument("--profiles", nargs="+", choices=[*PROFILES, "burst"], default=["smoke"])
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--duration-factor", type=float, default=1.0)

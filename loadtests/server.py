@@ -4,7 +4,8 @@ the experiment, served by the API's own `create_app` in a child process.
     python -m loadtests.server spec.json    # what start_api runs
 
 The per-request-connection mode is `[hosts.*.limits] reuse = false` with one session per
-connection: the API's own configuration expresses it.
+connection: the API's own configuration expresses it. The `agent` mode is the pooled limits with
+`exec_mode = "agent"` (one executor per connection runs the commands: docs/pool.md).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from sshpool import Limits
 if TYPE_CHECKING:
     from sshpool.devhost import LocalHost
 
-POOL_MODES = ("pooled", "per-request")
+POOL_MODES = ("pooled", "per-request", "agent")
 READY_TIMEOUT = 30.0
 
 
@@ -57,7 +58,7 @@ def limits(mode: str) -> Limits:
     the old design did (stock MaxStartups 10:30:100 starts refusing them at 10)."""
     if mode == "per-request":
         return Limits(max_connections=64, max_sessions=1, max_handshakes=64, reuse=False)
-    if mode != "pooled":
+    if mode not in ("pooled", "agent"):
         raise ValueError(f"pool mode {mode!r} is not one of {POOL_MODES}")
     return LOCAL_LIMITS
 
@@ -118,6 +119,7 @@ def start_api(
         "client_keys": [local_host.client_key],
         "known_hosts": local_host.known_hosts,
         "limits": dataclasses.asdict(lim),
+        "exec_mode": "agent" if pool_mode == "agent" else "channel",
     }
     data_dir.mkdir(parents=True, exist_ok=True)
     spec = data_dir / "api-spec.json"

@@ -67,6 +67,7 @@ class AsyncClient(_Base):
         self.http = httpx.AsyncClient(
             base_url=self.url,
             headers=self.headers,
+            auth=self.auth,
             timeout=timeout,
             transport=transport,
             verify=verify_for(self.url),

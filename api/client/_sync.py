@@ -62,6 +62,7 @@ class Client(_Base):
         self.http = httpx.Client(
             base_url=self.url,
             headers=self.headers,
+            auth=self.auth,
             timeout=timeout,
             transport=transport,
             verify=verify_for(self.url),

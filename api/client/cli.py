@@ -4,6 +4,7 @@
     sshapi jobs list|show|cancel|logs
     sshapi batch submit SCRIPT
     sshapi files ls|get|put|mkdir|rm  files on a host (docs/files.md), progress bars for transfers
+    sshapi login|logout               sign in through the identity provider (docs/login.md)
 
 The server and token come from SSHAPI_URL / SSHAPI_TOKEN or a profile of the client
 configuration file (`--profile`; see `api.client.load_profile`). `--json` prints the API's JSON
@@ -24,7 +25,7 @@ import sys
 import unicodedata
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -465,9 +466,95 @@ def sides(host: str, remote: str, local: Path, hint: str = "") -> Iterator[None]
         raise SshapiError(f"{local} (local): {exc.strerror or exc}") from None
 
 
+def login(
+    profile: Profile = None,
+    issuer: Annotated[
+        str | None,
+        typer.Option(
+            help="The identity provider's issuer URL. Default: the profile's issuer.",
+            envvar="SSHAPI_ISSUER",
+        ),
+    ] = None,
+    client_id: Annotated[
+        str | None, typer.Option(help="The OAuth client id. Default: the profile's, else sshapi.")
+    ] = None,
+    client_credentials: Annotated[
+        bool,
+        typer.Option(
+            "--client-credentials",
+            help="Sign in as a client (workflows, CI) with its secret, not in a browser.",
+        ),
+    ] = False,
+    client_secret_file: Annotated[
+        str | None,
+        typer.Option(help="The client secret's file. Default: SSHAPI_CLIENT_SECRET."),
+    ] = None,
+) -> None:
+    """Sign in through the identity provider (docs/login.md).
+
+    The tokens are kept in the client configuration's logins/ directory and renewed as they
+    expire."""
+    import httpx
+
+    from api.client import SshapiError, load_profile
+    from api.client import login as oauth
+
+    try:
+        found = load_profile(profile)
+        issuer = issuer or found.issuer
+        if not issuer:
+            raise SshapiError("no issuer: give --issuer, SSHAPI_ISSUER or the profile's issuer")
+        client_id = client_id or found.client_id or "sshapi"
+        with httpx.Client() as http:
+            endpoints = oauth.discover(issuer, http)
+            if client_credentials:
+                made = oauth.client_credentials_login(
+                    endpoints, client_id, client_secret_file, http
+                )
+            else:
+                made = oauth.device_login(endpoints, client_id, http, lambda s: say(s, err=True))
+                made["client_id"] = client_id
+        assert found.file is not None
+        path = oauth.login_path(found.file, found.name)
+        oauth.save(
+            path,
+            {
+                **made,
+                "url": found.url,
+                "issuer": endpoints.issuer,
+                "token_endpoint": endpoints.token,
+                "revocation_endpoint": endpoints.revocation,
+            },
+        )
+    except SshapiError as exc:
+        say(f"sshapi: {exc}", err=True)
+        raise typer.Exit(ERROR_EXIT) from None
+    say(f"signed in with {endpoints.issuer}; the login is kept in {path}", err=True)
+
+
+def logout(profile: Profile = None) -> None:
+    """Forget the login and revoke it at the provider."""
+    from api.client import SshapiError, load_profile
+    from api.client import login as oauth
+
+    try:
+        found = load_profile(profile)
+    except SshapiError as exc:
+        say(f"sshapi: {exc}", err=True)
+        raise typer.Exit(ERROR_EXIT) from None
+    assert found.file is not None
+    path = oauth.login_path(found.file, found.name)
+    with suppress(SshapiError):  # unreadable or exposed: removed all the same
+        oauth.revoke(oauth.load(path))
+    path.unlink(missing_ok=True)
+    say(f"signed out: {path} removed", err=True)
+
+
 def register(app: typer.Typer) -> None:
     """Add the client commands to the `sshapi` app."""
     app.command("run")(run)
+    app.command("login")(login)
+    app.command("logout")(logout)
     app.add_typer(jobs_app, name="jobs")
     app.add_typer(batch_app, name="batch")
     app.add_typer(files_app, name="files")

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
+import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -142,6 +145,91 @@ def test_dev_accounts_prints_a_token_that_runs_as_its_own_account(tmp_path: Path
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def test_dev_in_agent_mode_runs_a_job_through_the_executor(tmp_path: Path) -> None:
+    """`sshapi dev --exec-mode agent --rtt-ms 5`: the printed token submits a job, through the
+    latency relay, and its parent on the local host is the executor (python3 reading its
+    source from stdin), not a shell of sshd."""
+    data = tmp_path / "data"
+    port = free_port()
+    env = {**os.environ, "SSHAPI_DATA_DIR": str(data), "SSHAPI_LOG_LEVEL": "warning"}
+    out = tmp_path / "dev.out"
+    with out.open("wb") as sink:
+        proc = subprocess.Popen(
+            [SSHAPI, "dev", "--port", str(port), "--exec-mode", "agent", "--rtt-ms", "5"],
+            env=env,
+            stdout=sink,
+        )
+    try:
+        wait_ready(proc, f"http://127.0.0.1:{port}")
+        printed = out.read_text()
+        assert "agent mode, 5 ms RTT through a relay" in printed
+        token = re.search(r"^export TOKEN=(\S+)$", printed, re.M)
+        assert token is not None, printed
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/jobs",
+            json={"host": "local", "argv": ["sh", "-c", "ps -o args= -p $PPID"]},
+            headers={"Authorization": f"Bearer {token[1]}"},
+            timeout=60,
+        )
+        assert r.status_code == 201, r.text
+        assert r.json()["exit_status"] == 0 and "sys.stdin.buffer.read" in r.json()["stdout"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="node missing")
+def test_dev_oidc_signs_in_a_ci_client_and_a_sigterm_stops_the_provider(tmp_path: Path) -> None:
+    """`sshapi dev --oidc` prints a client-credentials login that works against its API; the
+    provider goes with it."""
+    port = free_port()
+    env = {**os.environ, "SSHAPI_DATA_DIR": str(tmp_path / "data"), "SSHAPI_LOG_LEVEL": "warning"}
+    proc = subprocess.Popen(
+        [SSHAPI, "dev", "--oidc", "--port", str(port)], env=env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        wait_ready(proc, f"http://127.0.0.1:{port}")
+        assert proc.stdout is not None
+        while "--client-credentials" not in (line := proc.stdout.readline()):
+            assert line, "sshapi dev --oidc printed no login"
+        secret, *login = shlex.split(line)
+        client = {k: v for k, v in os.environ.items() if not k.startswith("SSHAPI_")} | {
+            "SSHAPI_URL": f"http://127.0.0.1:{port}",
+            "SSHAPI_CLIENT_CONFIG": str(tmp_path / "client" / "client.toml"),
+            secret.split("=", 1)[0]: secret.split("=", 1)[1],
+        }
+        done = subprocess.run([SSHAPI, *login[1:]], env=client, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        done = subprocess.run(
+            [SSHAPI, "run", "local", "--", "echo", "signed in"],
+            env=client, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert (done.returncode, done.stdout) == (0, "signed in\n"), done.stderr
+
+        def provider() -> list[psutil.Process]:
+            return [
+                p
+                for p in psutil.process_iter(["cmdline"])
+                if "server.mjs" in " ".join(p.info["cmdline"] or [])
+                and str(tmp_path) in " ".join(p.info["cmdline"] or [])
+            ]
+
+        assert provider(), "the OpenID provider is not running"
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+        assert not provider()
+    finally:
+        if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
         if proc.stdout is not None:
