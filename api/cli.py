@@ -364,7 +364,7 @@ def dev(
             max=16,
             help="Login nodes of the local host: more than 1 starts that many sshd on "
             "127.0.0.2, .3, ... sharing one port, home and Slurm (a cluster, `nodes` in its "
-            "configuration).",
+            "configuration); with --accounts, `hpc` too, each researcher on every node.",
         ),
     ] = 1,
     rtt_ms: Annotated[
@@ -430,14 +430,15 @@ def dev(
             cluster = stack.enter_context(LocalSlurm("local", data_dir=rig))
             overrides = cluster.sshd_overrides()
         names = [a.name for a in ensure_accounts(accounts, data_dir=rig)] if accounts else []
-        if nodes > 1 and names:
-            raise typer.BadParameter("--nodes and --accounts do not go together yet")
         if nodes > 1 and rtt_ms:
             raise typer.BadParameter("--nodes and --rtt-ms do not go together yet")
         cluster_nodes: LocalCluster | None = None
         if nodes > 1:
-            # One host of several login nodes: the first node stands for them below.
-            cluster_nodes = LocalCluster("local", nodes, "tuned", data_dir=rig, overrides=overrides)
+            # One host of several login nodes: the first node stands for them below. They
+            # share its client directory, so its user CA: a researcher logs in on every node.
+            cluster_nodes = LocalCluster(
+                "local", nodes, "tuned", data_dir=rig, overrides=overrides, researchers=bool(names)
+            )
             cluster_nodes.start()
             stack.callback(cluster_nodes.stop, kill_sessions=True)
             host = cluster_nodes.nodes[0]
@@ -450,7 +451,7 @@ def dev(
         addresses = cluster_nodes.addresses if cluster_nodes is not None else ()
         # Left as a plain configuration file: `sshapi serve`, `sshapi token` and `sshapi hosts
         # check` read it later without the dev rig.
-        hpc = local_certificate_host_config(host, host.user_ca_key) if names else None
+        hpc = local_certificate_host_config(host, host.user_ca_key, addresses) if names else None
         reached: LocalHost | RelayedHost = host
         if rtt_ms > 0:
             relay = stack.enter_context(LatencyRelay((host.address, host.port), rtt_ms))

@@ -137,11 +137,15 @@ def with_oidc_issuer(config: Config, issuer: str, audience: str, account_claim: 
     )
 
 
-def local_certificate_host_config(host: LocalSshd, ca_key: str) -> HostConfig:
+def local_certificate_host_config(
+    host: LocalSshd, ca_key: str, nodes: Sequence[str] = ()
+) -> HostConfig:
     """The local host again, for researchers as themselves: each caller logs in as the account
-    their token names, with a certificate of the rig's user CA (`sshapi dev --accounts`)."""
+    their token names, with a certificate of the rig's user CA (`sshapi dev --accounts`); with
+    `nodes`, on those login nodes (`host` is the first: they share its CA and home)."""
     return HostConfig(
-        hostname=host.address,
+        hostname="" if nodes else host.address,
+        nodes=list(nodes),
         port=host.port,
         username=host.username,
         known_hosts=host.known_hosts,

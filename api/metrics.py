@@ -13,13 +13,32 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2
 POOL_GAUGES = ("connections", "channels_in_use", "capacity", "waiters", "handshakes_in_flight")
 
 
+NODE_STATES = ("up", "down", "draining", "drained")
+NODE_GAUGES = ("connections", "channels_in_use", "waiters")
+NODE_COUNTERS = {
+    "routed": "Commands and file sessions sent to the login node",
+    "spilled": "Of those, sent there because the account's own node had a long queue",
+    "failovers": "Work that failed on the login node before it started and moved to another",
+    "downs": "Times the login node was found down",
+    "probes": "Health probes of the login node",
+    "probes_failed": "Health probes of the login node that failed",
+}
+
+NodeStats = Callable[[], dict[str, dict[str, dict[str, Any]]]]
+
+
 class PoolCollector(Collector):
     """Reads the pools' stats at scrape time, per configured host name: gauges and counters
-    summed over the host's accounts, the breaker open if any account's is. Labelled by host,
-    never by target: user@host:port names remote accounts, and /metrics is open by default."""
+    summed over the host's accounts, the breaker open if any account's is; on a host with
+    login nodes, open only while no node takes work (up, and no account's breaker open there:
+    one node down is the node's, `NodeCollector`). Labelled by host, never by target:
+    user@host:port names remote accounts."""
 
-    def __init__(self, stats: Callable[[], dict[str, list[dict[str, Any]]]]) -> None:
+    def __init__(
+        self, stats: Callable[[], dict[str, list[dict[str, Any]]]], nodes: NodeStats
+    ) -> None:
         self._stats = stats
+        self._nodes = nodes
 
     def collect(self) -> Iterator[Any]:
         gauges = {
@@ -32,13 +51,18 @@ class PoolCollector(Collector):
             labels=["host"],
         )
         counters: dict[str, CounterMetricFamily] = {}
+        clusters = self._nodes()
         for host, pools in self._stats().items():
             if not pools:
                 continue
             for name, family in gauges.items():
                 total = sum(float(p[name]) for p in pools if _number(p.get(name)))
                 family.add_metric([host], total)
-            open_ = any(p.get("breaker", "closed") != "closed" for p in pools)
+            if host in clusters:
+                nodes = clusters[host].values()
+                open_ = not any(n["state"] == "up" and not n["breaker_open"] for n in nodes)
+            else:
+                open_ = any(p.get("breaker", "closed") != "closed" for p in pools)
             breaker.add_metric([host], 1.0 if open_ else 0.0)
             summed: dict[str, float] = {}
             for p in pools:
@@ -53,6 +77,51 @@ class PoolCollector(Collector):
                 counters[name].add_metric([host], value)
         yield from gauges.values()
         yield breaker
+        yield from counters.values()
+
+
+class NodeCollector(Collector):
+    """Reads the login nodes of each host with several at scrape time: a node's state (one
+    series per state, 1 for the current one), its breaker (any account's), its gauges summed
+    over the accounts and its routing counters. Labelled by host and node (the node names are
+    the operator's configuration, like host names)."""
+
+    def __init__(self, nodes: NodeStats) -> None:
+        self._nodes = nodes
+
+    def collect(self) -> Iterator[Any]:
+        state = GaugeMetricFamily(
+            "sshpool_node_state",
+            "1 for the login node's state (up, down, draining, drained), 0 for the others",
+            labels=["host", "node", "state"],
+        )
+        breaker = GaugeMetricFamily(
+            "sshpool_node_breaker_open",
+            "1 while a circuit breaker (any account's) of the login node is not closed",
+            labels=["host", "node"],
+        )
+        gauges = {
+            name: GaugeMetricFamily(
+                f"sshpool_node_{name}", f"Pool {name} per login node", labels=["host", "node"]
+            )
+            for name in NODE_GAUGES
+        }
+        counters = {
+            name: CounterMetricFamily(f"sshpool_node_{name}", text, labels=["host", "node"])
+            for name, text in NODE_COUNTERS.items()
+        }
+        for host, nodes in self._nodes().items():
+            for node, stats in nodes.items():
+                for name in NODE_STATES:
+                    state.add_metric([host, node, name], float(stats["state"] == name))
+                breaker.add_metric([host, node], float(stats["breaker_open"]))
+                for name, gauge in gauges.items():
+                    gauge.add_metric([host, node], float(stats[name]))
+                for name, counter in counters.items():
+                    counter.add_metric([host, node], float(stats["counters"].get(name, 0)))
+        yield state
+        yield breaker
+        yield from gauges.values()
         yield from counters.values()
 
 
@@ -191,9 +260,13 @@ class Metrics:
             registry=self.registry,
         )
 
-    def watch_pool(self, stats: Callable[[], dict[str, list[dict[str, Any]]]]) -> None:
-        """`stats()`: host name -> the stats of that host's pools (one per account)."""
-        self.registry.register(PoolCollector(stats))
+    def watch_pool(
+        self, stats: Callable[[], dict[str, list[dict[str, Any]]]], nodes: NodeStats
+    ) -> None:
+        """`stats()`: host name -> the stats of that host's pools (one per account);
+        `nodes()`: host name (those with login nodes only) -> node name -> `Pool.nodes` stats."""
+        self.registry.register(PoolCollector(stats, nodes))
+        self.registry.register(NodeCollector(nodes))
 
     def watch_sshds(self, stats: Callable[[], dict[str, list[dict[str, Any]]]]) -> None:
         """`stats()`: host name -> the budgets of the sshds its accounts reach (usually one)."""

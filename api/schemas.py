@@ -302,7 +302,8 @@ class HostInfo(BaseModel):
         default_factory=list,
         description="A host with several login nodes: each node's `name` and `state` (`up`, "
         "`down`, `draining`: drained with commands still running, `drained`); admins also get "
-        "why it is down, its connections, channels in use and waiters over all accounts.",
+        "why it is down, its connections, channels in use and waiters over all accounts, "
+        "`breaker_open` (any account's) and its routing `counters`.",
     )
 
 

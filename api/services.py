@@ -202,7 +202,12 @@ async def running(
                 for name, pools in pools_by_host().items()
             }
 
-        metrics.watch_pool(pools_by_host)
+        def nodes_by_host() -> dict[str, dict[str, dict[str, Any]]]:
+            return {
+                n: the_pool.nodes(host.target()) for n, host in config.hosts.items() if host.nodes
+            }
+
+        metrics.watch_pool(pools_by_host, nodes_by_host)
         metrics.watch_sshds(sshds_by_host)
         metrics.watch_trackers(lambda: batch.trackers)
         nudge = RedisNudge(settings.redis_url) if settings.redis_url else None

@@ -14,7 +14,10 @@
 4. drain: another node drained (`Pool.drain`): failed and lost among the commands sent while
    it drains, and the seconds between its last command's end and its last connection closed;
 5. a fourth node: one command per account on the cluster with a fourth node: how many
-   accounts run on another node than before (the issue wants <= a quarter).
+   accounts run on another node than before (the issue wants <= a quarter), beside what
+   chance gives: each account moves with chance 1/4, so N accounts move Binomial(N, 1/4)
+   (its mean, spread and the chance of more than a quarter are printed), and the share of
+   1,000 rig account names that `sshpool.cluster.rank` moves (no run: the hash alone).
 
 Measured at the pool, without HTTP. Prints one JSON object per phase and a summary table.
 """
@@ -25,6 +28,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import math
 import random
 import time
 from collections import Counter
@@ -35,8 +39,9 @@ from typing import Any
 from loadtests import hdr
 from loadtests.server import limits
 from sshpool import NodeFailed, Pool, SSHPoolError, Target
+from sshpool.cluster import rank
 from sshpool.devhost import LocalCluster
-from sshpool.devhost.accounts import ensure_accounts
+from sshpool.devhost.accounts import account_names, ensure_accounts
 
 WARMUP = 3.0
 # Seconds into a fault's phase before the fault: the stream runs on every node by then.
@@ -104,6 +109,27 @@ def latency(items: list[Sent]) -> dict[str, float | int | None]:
         hdr.histogram((s.end - s.send) * 1000.0 for s in items if s.status == "ok" and s.end)
     )
     return {"p50_ms": p["p50"], "p99_ms": p["p99"]}
+
+
+def binomial(n: int, p: float) -> dict[str, float | str]:
+    """Binomial(n, p): mean, standard deviation, the central range holding >= 95 % of it, and
+    the chance of more than the mean (the chance a run of n accounts misses "<= n p")."""
+    pmf = [math.comb(n, k) * p**k * (1 - p) ** (n - k) for k in range(n + 1)]
+    cdf = [sum(pmf[: k + 1]) for k in range(n + 1)]
+    low = max((k + 1 for k in range(n + 1) if cdf[k] <= 0.025), default=0)
+    high = min(k for k in range(n + 1) if cdf[k] >= 0.975)
+    mean = n * p
+    return {
+        "expected": mean,
+        "sd": round(math.sqrt(n * p * (1 - p)), 2),
+        "range_95": f"{low}-{high}",
+        "p_more": round(1 - cdf[math.floor(mean)], 3),
+    }
+
+
+def moved_share(three: tuple[str, ...], four: tuple[str, ...], names: list[str]) -> float:
+    """The share of `names` whose first node in `four` is not their first in `three`."""
+    return sum(rank(list(three), a)[0] != rank(list(four), a)[0] for a in names) / len(names)
 
 
 def statuses(items: list[Sent]) -> dict[str, int]:
@@ -276,6 +302,16 @@ async def measure(
             "moved": sum(moved.values()),
             "moved_to_the_new_node": moved[new],
         }
+        | binomial(known, 0.25)
+    )
+    names = account_names(1000)
+    rows.append(
+        {
+            "phase": "fourth_names",
+            "accounts": len(names),
+            "moved_share": round(moved_share(three, cluster.addresses, names), 3),
+        }
+        | binomial(len(names), 0.25)
     )
     return rows
 

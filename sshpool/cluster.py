@@ -95,6 +95,10 @@ class Node:
     probe_target: Target | None = None
     last_probe: float = 0.0
     probe: asyncio.Future[bool] | None = None
+    # routed (work sent here), spilled (of it, from a longer queue at the account's home),
+    # failovers (work that failed here before it started and moved on), downs, probes,
+    # probes_failed: what an operator reads per node (api/metrics.py).
+    counters: Counter[str] = field(default_factory=Counter)
 
 
 class Cluster:
@@ -102,6 +106,7 @@ class Cluster:
 
     def __init__(self, nodes: tuple[str, ...]) -> None:
         self.nodes = {name: Node(name) for name in nodes}
+        # no_node: work refused because no node was up and not drained.
         self.counters: Counter[str] = Counter()
 
     def candidates(self) -> list[str]:
@@ -119,27 +124,26 @@ class Cluster:
             return None
         home = order[0]
         waiting = queue(home)
-        if waiting < spill:
-            return home
-        best = min(order, key=queue)
+        best = min(order, key=queue) if waiting >= spill else home
         if queue(best) < waiting:
-            self.counters["spilled"] += 1
-            return best
-        return home
+            self.nodes[best].counters["spilled"] += 1
+        else:
+            best = home
+        self.nodes[best].counters["routed"] += 1
+        return best
 
     def mark_down(self, name: str, target: Target, why: str) -> None:
         node = self.nodes[name]
         node.probe_target = target
         if not node.down:
             node.down, node.why_down = True, why
-            self.counters["nodes_down"] += 1
+            node.counters["downs"] += 1
             log.warning("login node %s is down (%s): its new work goes to the others", name, why)
 
     def mark_up(self, name: str) -> None:
         node = self.nodes[name]
         if node.down:
             node.down, node.why_down = False, ""
-            self.counters["nodes_up"] += 1
             log.warning("login node %s is up again", name)
 
     def state(self, name: str, live: bool) -> NodeState:
@@ -197,6 +201,8 @@ class Router:
             if pinned:
                 first = rank(list(cluster.nodes), account)[0]
                 node: str | None = None if first in tried or cluster.nodes[first].drained else first
+                if node is not None:
+                    cluster.nodes[node].counters["routed"] += 1
             else:
                 node = cluster.pick(account, tried, queue, spill)
             if node is None:
@@ -219,7 +225,7 @@ class Router:
             except (HostUnavailable, PoolFull) as exc:
                 failed = exc  # this account's breaker or queue there: the node may be fine
             tried.add(node)
-            cluster.counters["failovers"] += 1
+            cluster.nodes[node].counters["failovers"] += 1
             if deadline is not None and loop.time() >= deadline:
                 raise failed
 
@@ -297,7 +303,7 @@ class Router:
             target = node.probe_target or next(iter(node.members), None)
         if target is None:
             return not node.down
-        cluster.counters["probes"] += 1
+        node.counters["probes"] += 1
         try:
             async with asyncio.timeout(PROBE_TIMEOUT):
                 await self.pool.run(target, ["true"], timeout=PROBE_TIMEOUT, tenant=PROBE_TENANT)
@@ -306,7 +312,7 @@ class Router:
         except (AuthenticationFailed, HostKeyMismatch):
             return not node.down
         except (ConnectError, ConnectTimeout, ConnectionLost, CommandTimeout, TimeoutError) as exc:
-            cluster.counters["probes_failed"] += 1
+            node.counters["probes_failed"] += 1
             cluster.mark_down(name, target, f"probe: {type(exc).__name__}: {exc}")
             return False
         cluster.mark_up(name)
@@ -347,7 +353,8 @@ class Router:
 
     def nodes(self, target: Target) -> dict[str, dict[str, Any]]:
         """Per node of `target`'s cluster: its state (up, down, draining, drained), why it is
-        down, and its connections, channels in use and waiters over every account."""
+        down, its connections, channels in use and waiters over every account, whether any
+        account's breaker there is not closed, and the node's counters (`Node.counters`)."""
         cluster = self.cluster(target)
         stats = self.pool.stats()
         out: dict[str, dict[str, Any]] = {}
@@ -361,6 +368,8 @@ class Router:
                 "connections": connections,
                 "channels_in_use": sum(p["channels_in_use"] for p in pools),
                 "waiters": sum(p["waiters"] for p in pools),
+                "breaker_open": any(p["breaker"] != "closed" for p in pools),
+                "counters": dict(node.counters),
             }
         return out
 

@@ -234,3 +234,48 @@ def test_dev_oidc_signs_in_a_ci_client_and_a_sigterm_stops_the_provider(tmp_path
             proc.wait(timeout=10)
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+def test_dev_nodes_and_accounts_log_each_researcher_in_on_every_node(tmp_path: Path) -> None:
+    """`sshapi dev --nodes 3 --accounts 2`: host `hpc` has the three login nodes, and a
+    researcher runs as their own account on each (an admin drains their node, twice)."""
+    data = tmp_path / "data"
+    port = free_port()
+    env = {**os.environ, "SSHAPI_DATA_DIR": str(data), "SSHAPI_LOG_LEVEL": "warning"}
+    proc = subprocess.Popen(
+        [SSHAPI, "dev", "--port", str(port), "--nodes", "3", "--accounts", "2"],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(proc, url)
+        token = subprocess.run(
+            [SSHAPI, "token", "--sub", "root", "--account", "sshapi-r0002",
+             "--scope", "jobs:read jobs:write admin"],
+            env=env, capture_output=True, text=True, check=True,
+        ).stdout.strip()  # fmt: skip
+        auth = {"Authorization": f"Bearer {token}"}
+        seen = []
+        for _ in range(3):
+            r = httpx.post(
+                f"{url}/v1/jobs",
+                json={"host": "hpc", "argv": ["id", "-un"]},
+                headers={**auth, "Prefer": "wait=20"},
+                timeout=30,
+            )
+            assert r.json()["stdout"].strip() == "sshapi-r0002", r.text
+            seen.append(r.json()["node"])
+            drain = f"{url}/v1/admin/hosts/hpc/nodes/{seen[-1]}/drain"
+            assert httpx.post(drain, headers=auth, timeout=10).status_code == 200
+        assert sorted(seen) == ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+        if proc.stdout is not None:
+            proc.stdout.close()

@@ -96,6 +96,17 @@ async def test_a_node_killed_under_a_job_ends_it_lost_and_the_key_runs_it_again(
     lost = await api.until_final(str(first["id"]), sub="anyhost")
     assert lost["state"] == "lost" and lost["error_kind"] == "node-failed"
     assert job["node"] in lost["error"]
+    # /metrics names the node that is down, its breaker open once a probe failed to connect;
+    # the host's is closed: it takes work through the others.
+    node_open = f'sshpool_node_breaker_open{{host="{NAME}",node="{job["node"]}"}} 1.0'
+    async with asyncio.timeout(5):
+        while node_open not in (text := (await api.client.get(f"{api.url}/metrics")).text):  # noqa: ASYNC110 (a scrape)
+            await asyncio.sleep(0.1)
+    for n in nodes.addresses:
+        state = "down" if n == job["node"] else "up"
+        assert f'sshpool_node_state{{host="{NAME}",node="{n}",state="{state}"}} 1.0' in text
+    assert f'sshpool_breaker_open{{host="{NAME}"}} 0.0' in text
+    assert f'sshpool_node_routed_total{{host="{NAME}",node="{job["node"]}"}} 1.0' in text
     again = await run(api, ["sleep", "30"], key="k1")
     assert again["id"] != first["id"]
     running = await api.wait_state(str(again["id"]), ("running",), sub="anyhost")

@@ -52,6 +52,13 @@ def test_a_long_queue_at_home_spills_to_the_next_node_with_a_shorter_one() -> No
     cluster.nodes[order[0]].drained = True
     assert cluster.pick("alice", set(), queues.__getitem__, spill=16) == order[1]
     assert cluster.pick("alice", {order[1], order[2]}, queues.__getitem__, spill=16) is None
+    # What an operator reads per node (/metrics): work sent there, of it spilled there.
+    counts = {n: dict(node.counters) for n, node in cluster.nodes.items()}
+    assert counts == {
+        order[0]: {"routed": 1},
+        order[1]: {"routed": 1},
+        order[2]: {"routed": 1, "spilled": 1},
+    }
 
 
 def test_a_node_with_a_malformed_port_is_refused(cluster: LocalCluster) -> None:
