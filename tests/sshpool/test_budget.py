@@ -9,9 +9,10 @@ import time
 
 import pytest
 
+import sshpool.pool as pool_module
 from sshpool import Limits, Pool, PoolTimeout, Target
 from sshpool.devhost import FakeBackend
-from sshpool.errors import ConnectError
+from sshpool.errors import AuthenticationFailed, ConnectError
 
 
 def account(i: int, host: str = "fake", **limits: object) -> Target:
@@ -27,6 +28,25 @@ async def test_handshake_gate_is_shared_by_every_account_of_an_sshd() -> None:
         stats = pool.sshd_stats()
     assert backend.max_in_flight == 3
     assert list(stats) == ["fake:22"] and stats["fake:22"]["accounts"] == 30
+
+
+async def test_a_storm_of_dropped_handshakes_logs_a_line_not_one_per_drop(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Per-account limits in a storm: 60 accounts' connects dropped twice each (so they fail)
+    log one line, not 60; an auth failure is still logged."""
+    monkeypatch.setattr(pool_module, "_drop_log", pool_module._Throttle(60.0))
+    backend = FakeBackend()
+    backend.connect_failures = [ConnectError("dropped", retryable=True) for _ in range(120)]
+    targets = [account(i, per_sshd=False) for i in range(60)]
+    async with Pool(backend) as pool:
+        await asyncio.gather(*(pool.run(t, ["true"]) for t in targets), return_exceptions=True)
+        backend.connect_failures = [AuthenticationFailed("denied")]
+        with pytest.raises(AuthenticationFailed):
+            await pool.run(account(99), ["true"])
+    lines = [r.getMessage() for r in caplog.records if "connect to" in r.getMessage()]
+    assert len(lines) == 2, lines
+    assert "dropped" in lines[0] and "denied" in lines[1]
 
 
 async def test_per_account_limits_open_a_gate_per_account() -> None:
