@@ -21,6 +21,9 @@ Per sshd profile:
 5. cpu: a steady 100/s (profile `cpu`) on a fresh API: where the CPU went per job (the API's
    processes, the generator, sshd and its shells, the rest of the machine; loadtests/cpu.py).
    Every other Locust run reports the same split in its `cpu` row.
+6. accounts (stock sshd, as root): --accounts-size researcher accounts, one policy rule and key
+   each, one job per account at once through a fresh API, the per-sshd budget and then
+   per-account limits (`loadtests/accounts.py`, which runs the full-size comparison).
 `--parts` picks some of these (`--parts cpu`: the CPU row alone, about 40 s per sshd).
 Every Locust run goes through `experiment.run_cell`, so each keeps its own report under
 `<out>/<time>-bench/runs/`. The figures, ratios and target verdicts go to `bench.json` there
@@ -39,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtests import hdr
+from loadtests.accounts import cell as accounts_cell
 from loadtests.backend_bench import BACKENDS, closed_loop
 from loadtests.experiment import Cell, run_cell
 from loadtests.report import run_dir, versions
@@ -47,11 +51,12 @@ from loadtests.server import limits
 from loadtests.timer import DeadlineTimer
 from sshpool import Pool, Target
 from sshpool.devhost import LocalHost, sshd_version
+from sshpool.devhost.accounts import ensure_accounts
 
 KNEE_P99_MS = 100.0
 PAPER_RATES = (50.0, 90.0)
 LOW_RATE = 10.0
-PARTS = ("raw", "cpu", "api", "per-request", "burst")
+PARTS = ("raw", "cpu", "api", "per-request", "burst", "accounts")
 COMMAND = ("hostname",)  # what loadtests/sustained.py runs by default (--remote-command)
 
 
@@ -77,11 +82,16 @@ async def paced(
 
 
 async def raw_ceiling(
-    host: LocalHost, backend: str, concurrency: int, duration: float, low_duration: float
+    host: LocalHost,
+    backend: str,
+    concurrency: int,
+    duration: float,
+    low_duration: float,
+    pool_mode: str = "pooled",
 ) -> dict[str, Any]:
     """sshpool alone with the API's limits for this sshd: low-load p50 (back to back, and paced
     at the API's low rate), and saturation."""
-    target = host.target(**dataclasses.asdict(limits("pooled")))
+    target = host.target(**dataclasses.asdict(limits(pool_mode)))
     async with Pool(backend=backend) as pool:
         await pool.prewarm(target)
         await closed_loop(
@@ -202,6 +212,21 @@ TARGETS: list[tuple[str, tuple[str, ...], str, float, str | None]] = [
     ("burst failures (stock)", ("burst", "failed"), "<=", 0.0, None),
     ("burst makespan ms (stock)", ("burst", "makespan_max_ms"), "<=", 1500.0, None),
     ("burst p50 / makespan (stock)", ("burst", "p50_over_makespan_max"), "<=", 0.6, None),
+    ("accounts burst failures (budget)", ("accounts", "budget", "failed"), "<=", 0.0, None),
+    (
+        "accounts burst drop lines (budget)",
+        ("accounts", "budget", "sshd_drop_lines"),
+        "<=",
+        0.0,
+        None,
+    ),
+    (
+        "accounts burst connections (budget)",
+        ("accounts", "budget", "connections_max"),
+        "<=",
+        64.0,
+        None,
+    ),
 ]
 
 
@@ -279,6 +304,16 @@ def table(figures: list[dict[str, Any]]) -> str:
                 f"| | | | | p99 <= {KNEE_P99_MS:g} ms in a valid stage"
                 f"{'' if d['valid'] else '; run INVALID (see its stages)'} |"
             )
+        many = f.get("accounts") or {}
+        for mode in ("budget", "per_account") if many else ():
+            a = many[mode]
+            lines.append(
+                f"| {f['sshd']} | {a['accounts']} accounts, {mode.replace('_', '-')} | | "
+                f"{_fmt(a['p50_ms'])} | {_fmt(a['p90_ms'])} | {_fmt(a['p99_ms'])} | "
+                f"{a['failed']} | makespan {_fmt(a['makespan_s'])} s; sshd drop lines "
+                f"{a['sshd_drop_lines']}; connections at most {a['connections_max']}; "
+                f"{a['handshakes']} handshakes |"
+            )
         b = f.get("burst")
         if b:
             lines.append(
@@ -354,30 +389,60 @@ def _run(cell: Cell, host: LocalHost, args: argparse.Namespace, repeat: int = 0)
 def bench_profile(host: LocalHost, args: argparse.Namespace) -> dict[str, Any]:
     sshd = host.profile
     fig: dict[str, Any] = {"sshd": sshd, "backend": args.backend, "workers": args.workers}
+    pooled = fig["pool_mode"] = args.pool_mode
     parts = set(args.parts)
     if "raw" in parts:
         print(f"sshd {sshd}: raw ceiling ({args.raw_duration:g} s per level)", flush=True)
         low_duration = PROFILES["bench"][1].duration * args.duration_factor  # the API's 10/s
         fig["raw"] = asyncio.run(
-            raw_ceiling(host, args.backend, args.raw_concurrency, args.raw_duration, low_duration)
+            raw_ceiling(
+                host,
+                args.backend,
+                args.raw_concurrency,
+                args.raw_duration,
+                low_duration,
+                args.pool_mode,
+            )
         )
     if "cpu" in parts:
-        fig["cpu_run"] = sustained(_run(Cell(args.backend, sshd, "pooled", "cpu"), host, args))
+        fig["cpu_run"] = sustained(_run(Cell(args.backend, sshd, pooled, "cpu"), host, args))
         fig["cpu"] = fig["cpu_run"]["cpu"]
     if "api" in parts:
-        fig["api"] = sustained(_run(Cell(args.backend, sshd, "pooled", "bench"), host, args))
+        fig["api"] = sustained(_run(Cell(args.backend, sshd, pooled, "bench"), host, args))
     if "per-request" in parts:
         fig["per_request"] = sustained(
             _run(Cell(args.backend, sshd, "per-request", "bench-per-request"), host, args)
         )
     if "burst" in parts and (sshd == "stock" or args.burst_all):
-        cell = Cell(args.backend, sshd, "pooled", "burst")
+        cell = Cell(args.backend, sshd, pooled, "burst")
         fig["burst"] = burst([_run(cell, host, args, r) for r in range(args.burst_repeats)])
         fractions = fig["burst"]["p50_over_makespan"]
         fig["burst"]["p50_over_makespan_max"] = max(fractions, default=None)
+    if "accounts" in parts and sshd == "stock":
+        fig["accounts"] = many_accounts(args)
     fig["ratios"] = ratios(fig)
     fig["targets"] = verdicts(fig)
     return fig
+
+
+def many_accounts(args: argparse.Namespace) -> dict[str, Any] | None:
+    """One job per account at once through the API, budget then per-account limits, on a stock
+    sshd of its own that logs in the researcher accounts (None when not root: it creates them)."""
+    if os.geteuid() != 0:
+        print("accounts: skipped (creating accounts needs root)", flush=True)
+        return None
+    size = args.accounts_size
+    print(f"accounts: {size} at once, budget then per-account", flush=True)
+    data_dir = args.out / "hosts"
+    chosen = ensure_accounts(size, data_dir=data_dir)
+    options = argparse.Namespace(via="api", deadline=30.0, rate=0.0, duration=0.0)
+    out: dict[str, Any] = {"size": size}
+    with LocalHost("bench-accounts", "stock", data_dir=data_dir, researchers=True) as host:
+        for mode, pool_mode in (("budget", "pooled"), ("per_account", "per-account")):
+            out[mode] = asyncio.run(
+                accounts_cell(host, chosen, limits(pool_mode), "burst", options)
+            )
+    return out
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -390,9 +455,17 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--burst-size", type=int, default=400)
     p.add_argument("--burst-repeats", type=int, default=3)
     p.add_argument("--burst-all", action="store_true", help="Burst the tuned sshd too.")
+    p.add_argument("--accounts-size", type=int, default=50, help="Accounts of the accounts part.")
     p.add_argument("--run-timeout", type=float, default=900.0, help="Seconds per Locust run.")
     p.add_argument("--workers", type=int, default=1, help="API worker processes (SSHAPI_WORKERS).")
     p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="What to run.")
+    p.add_argument(
+        "--pool-mode",
+        choices=("pooled", "per-account"),
+        default="pooled",
+        help="The pool limits of every part but per-request: `per-account` is the pool before "
+        "its per-sshd budget (a gate and a count per account), for an A/B of one account.",
+    )
     p.add_argument(
         "--database-url",
         help="The API's job store (SSHAPI_DATABASE_URL), e.g. "

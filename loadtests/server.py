@@ -30,7 +30,7 @@ from sshpool import Limits
 if TYPE_CHECKING:
     from sshpool.devhost import LocalHost
 
-POOL_MODES = ("pooled", "per-request")
+POOL_MODES = ("pooled", "per-request", "per-account")
 READY_TIMEOUT = 30.0
 
 
@@ -54,9 +54,13 @@ def limits(mode: str) -> Limits:
     api/sshapi.example.toml deploys a host (without it, a burst on a fresh API waited 0.4-0.7 s
     for its first handshakes before any command ran: docs/benchmarks.md); so `stock` and `tuned`
     differ by sshd alone. `per-request` opens up to 64 connections at once, one command each, as
-    the old design did (stock MaxStartups 10:30:100 starts refusing them at 10)."""
+    the old design did (stock MaxStartups 10:30:100 starts refusing them at 10). `per-account`
+    is `pooled` as the pool was before its per-sshd budget: a gate of 4 and a connection count
+    per account (`per_sshd=False`), for A/B comparisons."""
     if mode == "per-request":
         return Limits(max_connections=64, max_sessions=1, max_handshakes=64, reuse=False)
+    if mode == "per-account":
+        return dataclasses.replace(LOCAL_LIMITS, max_handshakes=4, per_sshd=False)
     if mode != "pooled":
         raise ValueError(f"pool mode {mode!r} is not one of {POOL_MODES}")
     return LOCAL_LIMITS
@@ -119,9 +123,25 @@ def start_api(
         "known_hosts": local_host.known_hosts,
         "limits": dataclasses.asdict(lim),
     }
+    return serve_config(
+        config_data(host), backend=backend, data_dir=data_dir, port=port, log=log, env=env
+    )
+
+
+def serve_config(
+    config: dict[str, Any],
+    *,
+    backend: str,
+    data_dir: Path,
+    port: int | None = None,
+    log: Path | None = None,
+    env: dict[str, str] | None = None,
+) -> tuple[subprocess.Popen[bytes], str]:
+    """`start_api` with a configuration of the caller's (`config_data`'s shape, its own hosts
+    and policy)."""
     data_dir.mkdir(parents=True, exist_ok=True)
     spec = data_dir / "api-spec.json"
-    spec.write_text(json.dumps({"config": config_data(host), "pool_mode": pool_mode}))
+    spec.write_text(json.dumps({"config": config}))
     port = port or free_port()
     child = {
         **os.environ,
