@@ -22,8 +22,9 @@ Invariants of a host pool:
 - len(conns) + connecting <= limits.max_connections;
 - a connection is opened only when the sshd grants it (`start_connect`): the handshake gate
   (max_handshakes; stock MaxStartups drops from 10) and max_total_connections are the sshd's;
-- a connection to keep min_connections open is asked for only while the sshd has room
-  without closing another account's; waiters' connections may make room;
+- a connection to keep min_connections open is asked for only while the sshd has spare room
+  (no other account's closed for it, none queued needing it); waiters' connections may make
+  room;
 - waiters take turns by tenant (`Pool.run(..., tenant=...)`, `Pool.sftp(..., tenant=...)`):
   each tenant's waiters are served in FIFO order, and tenants with waiters are served round
   robin, one slot each per turn (a command or an SFTP session alike), so one tenant's backlog
@@ -209,7 +210,7 @@ class _HostPool:
             return False
         if self.connecting * lim.max_sessions < len(self.waiters):
             return True
-        return opened < lim.min_connections and (self.prewarming or self.sshd.has_room())
+        return opened < lim.min_connections and (self.prewarming or self.sshd.has_spare_room(self))
 
     def start_connect(self) -> None:
         """The sshd granted a handshake."""

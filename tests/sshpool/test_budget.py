@@ -5,6 +5,7 @@ handshake sshd dropped. The same on a real sshd with real accounts: test_budget_
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 
 import pytest
@@ -143,3 +144,28 @@ async def test_two_host_names_of_one_address_share_the_budget() -> None:
         await pool.run(account(1, "127.0.0.1"), ["true"])
         await pool.run(account(2, "localhost"), ["true"])
         assert list(pool.sshd_stats()) == ["127.0.0.1:22"]
+
+
+async def test_min_connections_never_take_the_room_of_accounts_waiting_for_a_turn() -> None:
+    """A full sshd shared by 300 accounts that keep one connection each (min_connections 1):
+    an open stream of commands from random accounts makes no more handshakes than with
+    min_connections 0. Before, a top-up took room an account queued for and was closed again
+    for the next (9 % more handshakes here, 37 % on the real sshd through the API)."""
+
+    async def handshakes(min_connections: int) -> int:
+        backend = FakeBackend(connect_time=0.05, exec_time=0.01)
+        lim = {"min_connections": min_connections, "max_total_connections": 16}
+        targets = [account(i, **lim) for i in range(300)]
+        pick = random.Random(29)
+        async with Pool(backend) as pool:
+            start = time.perf_counter()
+            runs = []
+            for n in range(300):
+                await asyncio.sleep(max(0.0, start + n / 200 - time.perf_counter()))
+                t = pick.choice(targets)
+                runs.append(asyncio.create_task(pool.run(t, ["true"], acquire_timeout=10)))
+            await asyncio.gather(*runs)
+        return len(backend.conns)
+
+    without, kept = await handshakes(0), await handshakes(1)
+    assert kept <= without * 1.03 + 2, (kept, without)
