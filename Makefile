@@ -32,8 +32,12 @@ PG_BIN_DIR ?=
 REDIS_SERVER_BIN ?= /usr/bin/redis-server
 PG_ETC ?= /etc/postgresql
 SERVICES_DIR ?= /tmp/sshapi-services-$(shell id -u)
+# Where `make openssh10` unpacks OpenSSH 10.0's sshd (tests/conftest.py looks there too), and the
+# apt-get it downloads with.
+OPENSSH10_DIR ?= /tmp/sshapi-openssh10-$(shell id -u)
+OPENSSH10_APT ?= apt-get
 
-.PHONY: run test lint unasync python-venv sshd slurm services deploy-tools shells browser
+.PHONY: run test lint unasync python-venv sshd slurm services deploy-tools shells browser openssh10
 
 # Create or refresh .venv whenever pyproject.toml changes. An existing .venv keeps the interpreter
 # it was made with: remove it to move to another one.
@@ -98,6 +102,13 @@ services: $(STAMP)
 	  echo "(tests against another PostgreSQL: SSHAPI_TEST_PG=postgresql+asyncpg://USER:PASSWORD@HOST:PORT/DB make test)"; \
 	  exit 1; }
 
+# OpenSSH 10.0's sshd beside the system's (Debian 12: 9.2), for the tests of PerSourcePenalties:
+# downloaded from bookworm-backports with apt-get's own lists under OPENSSH10_DIR and unpacked
+# there, never installed, so it needs neither root nor sudo (sshpool/devhost/openssh.py). Without
+# apt-get or a network it says why and exits 0: those tests then skip, saying the same.
+openssh10: $(STAMP)
+	@$(VENV)/bin/python -m sshpool.devhost.openssh fetch --dir $(OPENSSH10_DIR) --apt $(OPENSSH10_APT)
+
 # Start the local HPC host (sshd on loopback, `tuned` profile) and the API on 127.0.0.1:8000.
 run: $(STAMP) sshd
 	$(VENV)/bin/sshapi dev
@@ -115,5 +126,5 @@ unasync: $(STAMP)
 # The whole suite: lint, then every test (SSH, API, fault and slow ones included). Each run gets
 # its own temp dir: pytest prunes /tmp/pytest-of-$USER to 3 runs, which would delete the sshd
 # files of a run still going.
-test: $(STAMP) sshd shells slurm services deploy-tools browser lint
+test: $(STAMP) sshd shells slurm services deploy-tools browser openssh10 lint
 	$(VENV)/bin/pytest --basetemp="$$(mktemp -d /tmp/sshapi-tests.XXXXXX)"

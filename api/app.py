@@ -17,10 +17,12 @@ from api.gate import TokenGate
 from api.local import resolve_config
 from api.metrics import Metrics
 from api.middleware import RequestContext
+from api.routes.admin import router as admin_router
 from api.routes.files import router as files_router
 from api.routes.hosts import router as hosts_router
 from api.routes.jobs import router as jobs_router
 from api.routes.live import router as live_router
+from api.routes.nodes import router as nodes_router
 from api.routes.ops import router as ops_router
 from api.services import running
 from api.settings import Settings
@@ -65,7 +67,15 @@ def create_app(
     )
     docs.install(app)
     problems.install(app)
-    routers = (jobs_router, live_router, hosts_router, files_router, ops_router)
+    routers = (
+        jobs_router,
+        live_router,
+        hosts_router,
+        nodes_router,
+        files_router,
+        admin_router,
+        ops_router,
+    )
     for router in routers:
         app.include_router(router)
     # Added first, so it runs inside RequestContext (request id, metrics, body cap) and before

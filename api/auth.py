@@ -60,11 +60,14 @@ KEY_TYPES: dict[str, tuple[type, ...]] = {
 
 @dataclass(frozen=True, slots=True)
 class Principal:
-    """A verified caller. Identity is (issuer, subject): `key`."""
+    """A verified caller. Identity is (issuer, subject): `key`. `account`: the Unix account its
+    issuer's `account_claim` names, unchecked (api/policy.py checks it against the host): None
+    when the issuer has no such claim or the token lacks it, "" when it is not a string."""
 
     issuer: str
     subject: str
     scopes: frozenset[str]
+    account: str | None = None
 
     @property
     def key(self) -> tuple[str, str]:
@@ -264,7 +267,11 @@ class Authenticator:
             raise unauthorized(f"invalid subject (printable, at most {MAX_SUBJECT} characters)")
         # An issuer grants only the scopes its entry lists: another IdP cannot mint admins.
         scopes = scopes_of(claims) & frozenset(issuer.scopes)
-        principal = Principal(issuer=issuer.issuer, subject=sub, scopes=scopes)
+        account = None
+        if issuer.account_claim is not None and issuer.account_claim in claims:
+            value = claims[issuer.account_claim]
+            account = value if isinstance(value, str) else ""
+        principal = Principal(issuer=issuer.issuer, subject=sub, scopes=scopes, account=account)
         exp = claims.get("exp")
         if isinstance(exp, int | float) and not isinstance(exp, bool):
             # Until `exp` itself, not `exp + leeway`: the leeway is for clock skew at

@@ -18,6 +18,7 @@ from api.client.cli import register as register_client_commands
 from api.config import Config
 from api.local import (
     default_config,
+    local_certificate_host_config,
     local_config_path,
     local_host_config,
     local_token,
@@ -151,12 +152,16 @@ def token(
     sub: Annotated[str, typer.Option(help="The subject (user name) of the token.")],
     scope: Annotated[str, typer.Option(help="Space-separated scopes.")] = "jobs:read jobs:write",
     ttl: Annotated[float, typer.Option(help="Lifetime in seconds, at most 30 days.")] = 3600.0,
+    account: Annotated[
+        str | None,
+        typer.Option(help="The Unix account the token names (the issuer's account_claim)."),
+    ] = None,
 ) -> None:
     """Mint an HS256 token the local server accepts (same data dir secret and configuration)."""
     settings = load_settings("token")
     config = load_config("token", settings)
     try:
-        typer.echo(local_token(settings, config, sub, scope.split(), ttl))
+        typer.echo(local_token(settings, config, sub, scope.split(), ttl, account))
     except OSError as exc:  # the data dir's secret cannot be made or read
         fail("token", f"{exc.filename}: {exc.strerror}" if exc.strerror else str(exc))
     except ValueError as exc:  # NoLocalIssuer, an empty --sub, a --ttl out of range
@@ -237,6 +242,16 @@ def dev(
         ),
     ] = False,
     workers: Workers = None,
+    accounts: Annotated[
+        int,
+        typer.Option(
+            help="Also create this many researcher accounts (root only: sshapi-r0001...) and "
+            "the host `hpc`, where each caller runs as the account their token names, logged "
+            "in with a certificate; the printed token names the first.",
+            min=0,
+            max=9999,
+        ),
+    ] = 0,
     exec_mode: Annotated[
         ExecMode,
         typer.Option(
@@ -244,13 +259,24 @@ def dev(
             "executor per connection (agent)."
         ),
     ] = "channel",
+    nodes: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            max=16,
+            help="Login nodes of the local host: more than 1 starts that many sshd on "
+            "127.0.0.2, .3, ... sharing one port, home and Slurm (a cluster, `nodes` in its "
+            "configuration).",
+        ),
+    ] = 1,
 ) -> None:
     """Start the local HPC host (sshd, tuned profile) and the API on 127.0.0.1; print a token,
     the exports the client commands need (SSHAPI_URL, SSHAPI_TOKEN) and a curl command. Ctrl-C
     stops both."""
     # The dev rig is imported here only: `serve`, `token` and `hosts check` never load it.
     from api.workers import serve as run_server
-    from sshpool.devhost import LocalHost, LocalSlurm, install_packages
+    from sshpool.devhost import LocalCluster, LocalHost, LocalSlurm, install_packages
+    from sshpool.devhost.accounts import ensure_accounts
 
     settings = load_settings("dev", workers, host="127.0.0.1", port=port)
     # uvicorn re-raises SIGTERM after its graceful shutdown; with the default handler the process
@@ -258,30 +284,56 @@ def dev(
     signal.signal(signal.SIGTERM, _exit_on_signal)
     with contextlib.ExitStack() as stack:
         overrides: dict[str, str] = {}
+        # Beside the data dir: the host's account must reach its files; the data dir is 0700.
+        rig = rig_dir(settings.data_dir)
         if slurm:
             install_packages()
-            cluster = stack.enter_context(LocalSlurm("local", data_dir=rig_dir(settings.data_dir)))
+            cluster = stack.enter_context(LocalSlurm("local", data_dir=rig))
             overrides = cluster.sshd_overrides()
-        # Beside the data dir: the host's account must reach its files; the data dir is 0700.
-        host = LocalHost("local", "tuned", data_dir=rig_dir(settings.data_dir), overrides=overrides)
-        host.start()
-        stack.callback(host.stop, kill_sessions=True)
+        names = [a.name for a in ensure_accounts(accounts, data_dir=rig)] if accounts else []
+        if nodes > 1 and names:
+            raise typer.BadParameter("--nodes and --accounts do not go together yet")
+        cluster_nodes: LocalCluster | None = None
+        if nodes > 1:
+            # One host of several login nodes: the first node stands for them below.
+            cluster_nodes = LocalCluster("local", nodes, "tuned", data_dir=rig, overrides=overrides)
+            cluster_nodes.start()
+            stack.callback(cluster_nodes.stop, kill_sessions=True)
+            host = cluster_nodes.nodes[0]
+        else:
+            host = LocalHost(
+                "local", "tuned", data_dir=rig, overrides=overrides, researchers=bool(names)
+            )
+            host.start()
+            stack.callback(host.stop, kill_sessions=True)
+        addresses = cluster_nodes.addresses if cluster_nodes is not None else ()
         # Left as a plain configuration file: `sshapi serve`, `sshapi token` and `sshapi hosts
         # check` read it later without the dev rig.
-        config = default_config(local_host_config(host, slurm=slurm, exec_mode=exec_mode))
+        hpc = local_certificate_host_config(host, host.user_ca_key) if names else None
+        local = local_host_config(host, slurm=slurm, exec_mode=exec_mode, nodes=addresses)
+        config = default_config(local, hpc)
         write_local_config(settings.data_dir, config)
-        tok = local_token(settings, config, sub, ["jobs:read", "jobs:write"], 24 * 3600.0)
+        account = names[0] if names else None
+        tok = local_token(settings, config, sub, ["jobs:read", "jobs:write"], 24 * 3600.0, account)
         body = '{"host": "local", "argv": ["echo", "hello from the local HPC host"]}'
+        if names:
+            body = '{"host": "hpc", "argv": ["id", "-un"]}'
         if slurm:
             script = "#!/bin/sh\\nhostname; date\\n"
             body = f'{{"host": "local", "batch": {{"script": "{script}", "name": "hello"}}}}'
         base = f"http://127.0.0.1:{port}"
         typer.echo(
-            f"\nLocal HPC host: {host.username}@{host.address}:{host.port} (sshd, tuned profile"
+            f"\nLocal HPC host: {host.username}@{','.join(addresses) or host.address}:{host.port}"
+            + " (sshd, tuned profile"
             + (", single-node Slurm" if slurm else "")
             + (", agent mode)" if exec_mode == "agent" else ")")
             + f"\nAPI:            {base}  (docs: {base}/docs)\n\n"
-            f"Token for {sub!r} (24 h; another: .venv/bin/sshapi token --sub NAME):\n\n"
+            + (f"Accounts:       {names[0]} ... {names[-1]} on host `hpc`\n\n" if names else "")
+            + f"Token for {sub!r}"
+            + (f" as {account}" if account else "")
+            + " (24 h; another: .venv/bin/sshapi token --sub NAME"
+            + (" --account ACCOUNT" if account else "")
+            + "):\n\n"
             f"export TOKEN={tok}\n"
             # The client commands send a token only to a server named to them (docs/client.md).
             f"export SSHAPI_URL={base} SSHAPI_TOKEN=$TOKEN  # for .venv/bin/sshapi\n\n"

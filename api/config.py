@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import re
 import tomllib
+from dataclasses import replace
 from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from api.credentials import CertificateCredentials, Credentials, KeyCredentials
 from api.settings import read_secret_file
 from sshpool import Limits, Target
 
@@ -124,6 +126,10 @@ class IssuerConfig(Strict):
     scopes: list[str] = Field(
         default_factory=lambda: ["jobs:read", "jobs:write", "files:read", "files:write"]
     )
+    # The claim naming the caller's own Unix account (e.g. "preferred_username"): on a host
+    # whose credentials are certificates, the caller runs as that account unless their policy
+    # rule maps a fixed one. Unset: no account from tokens of this issuer.
+    account_claim: str | None = Field(default=None, min_length=1, max_length=64)
 
     @field_validator("scopes")
     @classmethod
@@ -167,10 +173,11 @@ class IssuerConfig(Strict):
 
 
 class Account(Strict):
-    """The remote account a policy maps an identity to on one host."""
+    """The remote account a policy maps an identity to on one host. On a host whose
+    credentials are keys, with its key files; on a certificate host, the name alone."""
 
     username: str
-    client_keys: list[str] = Field(min_length=1)
+    client_keys: list[str] = Field(default_factory=list)
 
 
 class SchedulerConfig(Strict):
@@ -200,11 +207,20 @@ class SshdLimits(Strict):
 
 
 class HostConfig(Strict):
-    hostname: str
+    # One login node: its name or address. Several: `nodes` instead (not both).
+    hostname: str = ""
+    # A cluster's login nodes (`name` or `name:port`): each account's work goes to one node
+    # that is up, moving when it fails or is drained (docs/operations.md, "Login nodes").
+    nodes: list[str] = Field(default_factory=list, max_length=64)
+    # False when the nodes do not share the home file systems: an account's file requests
+    # then always go to the same node (its first by rendezvous, up or not).
+    shared_files: bool = True
     port: int = Field(default=22, ge=1, le=65535)
-    # The account used when the policy names none for this host.
+    # The account used when the policy names none for this host (on a certificate host: the
+    # API's own, for health probes and the scheduler's tracker; callers run as theirs).
     username: str
-    client_keys: list[str] = Field(min_length=1)
+    client_keys: list[str] = Field(default_factory=list)
+    credentials: Credentials = Field(default_factory=KeyCredentials)
     known_hosts: str
     # Mapping anyone to root is refused unless the operator says so here.
     allow_root: bool = False
@@ -226,6 +242,34 @@ class HostConfig(Strict):
     # whatever the file roots (403 protected-path; docs/files.md). Setting it replaces the
     # default list: copy PROTECTED_PATHS and add to it.
     protected_paths: list[str] = Field(default_factory=lambda: list(PROTECTED_PATHS))
+
+    @model_validator(mode="after")
+    def _keys_for_key_logins(self) -> HostConfig:
+        certificate = isinstance(self.credentials, CertificateCredentials)
+        if not certificate and not self.client_keys:
+            raise ValueError("client_keys: at least one key file (or credentials.kind = ...)")
+        if certificate and self.client_keys:
+            raise ValueError("a certificate host logs in with certificates: drop client_keys")
+        return self
+
+    @model_validator(mode="after")
+    def _hostname_or_nodes(self) -> HostConfig:
+        if bool(self.hostname) == bool(self.nodes):
+            raise ValueError("a host has either `hostname` (one node) or `nodes` (several)")
+        if self.nodes:
+            self.target()  # a malformed or repeated node fails the start
+        return self
+
+    @property
+    def name_shown(self) -> str:
+        """The host name for people: `hostname`, or the nodes joined."""
+        return self.hostname or ",".join(self.nodes)
+
+    @property
+    def certificates(self) -> CertificateCredentials | None:
+        """The certificate settings when this host's accounts log in with certificates."""
+        creds = self.credentials
+        return creds if isinstance(creds, CertificateCredentials) else None
 
     @field_validator("protected_paths")
     @classmethod
@@ -292,19 +336,30 @@ class HostConfig(Strict):
             )
         return found
 
-    def target(self, account: Account | None = None) -> Target:
+    def target(self, account: Account | None = None, identity: str = "") -> Target:
+        """The Target of `account` (None: the host's own `username`). On a certificate host it
+        logs in with a certificate naming `identity` (sshapi's own: "sshapi"), with the short
+        per-account idle timeout and no connections kept open. A host with `nodes` is a
+        cluster of login nodes (sshpool routes each command to one)."""
         username = account.username if account else self.username
-        keys = account.client_keys if account else self.client_keys
+        common: dict[str, Any] = {
+            "host": self.hostname or "cluster",
+            "port": self.port,
+            "username": username,
+            "known_hosts": self.known_hosts,
+            "backend": self.backend,
+            "exec_mode": self.exec_mode,
+            "agent_python": self.agent_python,
+            "nodes": tuple(self.nodes),
+            "shared_files": self.shared_files,
+        }
+        certs = self.certificates
+        if certs is None:
+            keys = account.client_keys if account else self.client_keys
+            return Target(client_keys=tuple(keys), limits=self.limits, **common)
+        limits = replace(self.limits, idle_timeout=certs.idle_timeout, min_connections=0)
         return Target(
-            host=self.hostname,
-            port=self.port,
-            username=username,
-            client_keys=tuple(keys),
-            known_hosts=self.known_hosts,
-            limits=self.limits,
-            backend=self.backend,
-            exec_mode=self.exec_mode,
-            agent_python=self.agent_python,
+            client_keys=(), limits=limits, ca=certs.ca, identity=identity or "sshapi", **common
         )
 
 
@@ -438,6 +493,11 @@ class Config(Strict):
                     )
                 if account.username == "root" and not mapped.allow_root:
                     raise ValueError(f"policy rule {n} maps to root on {host_name!r}: allow_root")
+                if mapped.certificates is None and not account.client_keys:
+                    raise ValueError(
+                        f"policy rule {n} maps account {account.username!r} on {host_name!r} "
+                        "without client_keys (a certificate host needs none; this one has keys)"
+                    )
         self._writes_beside_restricted()
         return self
 
@@ -467,7 +527,7 @@ class Config(Strict):
                 if not any(fnmatchcase(host_name, p) for p in rule.hosts):
                     continue
                 account = rule.accounts.get(host_name)
-                key = (host.hostname, host.port, account.username if account else host.username)
+                key = (host.name_shown, host.port, account.username if account else host.username)
                 roots = next(
                     (r for p, r in rule.file_roots.items() if fnmatchcase(host_name, p)), None
                 )

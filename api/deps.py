@@ -46,7 +46,11 @@ async def authenticate(
             headers={"WWW-Authenticate": 'Bearer realm="sshapi"'},
         )
     with stage("auth"):
-        return await svc.auth.authenticate(credentials.credentials)
+        who = await svc.auth.authenticate(credentials.credentials)
+    if svc.revocations.refused(who) is not None:
+        # Not 401: the token is valid; its holder has been cut off (api/revocations.py).
+        raise Problem(403, "identity-revoked", "Revoked", "an administrator revoked your access")
+    return who
 
 
 async def get_principal(

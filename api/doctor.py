@@ -76,6 +76,26 @@ async def diagnose(config: Config, settings: Settings, timeout: float = 10.0) ->
     return found
 
 
+def _auth_advice(name: str, host: HostConfig) -> str:
+    """What to check when sshd refused the login, in the order it most often is."""
+    certs = host.certificates
+    if certs is None:
+        return (
+            f"install the public key of {', '.join(host.client_keys)} in "
+            f"~{host.username}/.ssh/authorized_keys on the host, or fix [hosts.{name}] username"
+        )
+    return (
+        f"sshd refused a fresh certificate for {host.username!r} (sshd's log says which of "
+        f"these): the CA is not trusted (TrustedUserCAKeys must hold the public key of "
+        f"{certs.ca_key}, fingerprint {certs.ca.fingerprint}); the principal is refused (the "
+        f"account {host.username!r} must exist and AuthorizedPrincipalsFile, if set, must list "
+        f"it); the clocks differ by more than 60 s (certificates are back-dated 60 s and valid "
+        f"{certs.cert_ttl:g} s: run NTP on both); source-address {certs.source_address or 'any'}"
+        " does not include this machine; or the API's address is penalised after failed logins "
+        "(OpenSSH >= 9.8 PerSourcePenalties: exempt it with PerSourcePenaltyExemptList)"
+    )
+
+
 async def check_host(
     pool: Pool,
     name: str,
@@ -91,12 +111,20 @@ async def check_host(
     def add(check: str, status: Status, detail: str) -> None:
         found.append(Finding(name, check, status, detail))
 
-    where = f"{host.hostname}:{host.port}"
-    banner = await _banner(host, timeout)
-    if not banner.startswith("SSH-"):
-        add("reachable", "FAIL", f"{where}: {banner}; check hostname/port and the firewall")
-        return found
-    add("reachable", "ok", f"{where} ({banner})")
+    # Every login node of a cluster must answer; its commands below go to one of them.
+    cluster = host.target()
+    nodes = [cluster.node_target(n) for n in cluster.nodes] or [cluster]
+    where = ", ".join(f"{t.host}:{t.port}" for t in nodes)
+    for node in nodes:
+        banner = await _banner(node.host, node.port, timeout)
+        if not banner.startswith("SSH-"):
+            add(
+                "reachable",
+                "FAIL",
+                f"{node.host}:{node.port}: {banner}; check hostname/port and the firewall",
+            )
+            return found
+        add("reachable", "ok", f"{node.host}:{node.port} ({banner})")
 
     target = replace(host.target(), exec_mode="channel")
     try:
@@ -111,18 +139,15 @@ async def check_host(
         return found
     except AuthenticationFailed as exc:
         add("host key", "ok", f"known ({host.known_hosts})")
-        add(
-            "auth",
-            "FAIL",
-            f"{exc}: install the public key of {', '.join(host.client_keys)} in "
-            f"~{host.username}/.ssh/authorized_keys on the host, or fix [hosts.{name}] username",
-        )
+        add("auth", "FAIL", f"{exc}: {_auth_advice(name, host)}")
         return found
     except (ConnectTimeout, SSHPoolError) as exc:
         add("connect", "FAIL", f"{type(exc).__name__}: {exc}")
         return found
     add("host key", "ok", f"known ({host.known_hosts})")
-    add("auth", "ok", f"{host.username} with {', '.join(host.client_keys)}")
+    certs = host.certificates
+    how = f"a certificate of CA {certs.ca.fingerprint}" if certs else ", ".join(host.client_keys)
+    add("auth", "ok", f"{host.username} with {how}")
 
     runs: list[CommandResult] = []
     times: list[float] = []
@@ -168,11 +193,11 @@ async def check_host(
     return found
 
 
-async def _banner(host: HostConfig, timeout: float) -> str:
+async def _banner(hostname: str, port: int, timeout: float) -> str:
     """The host's SSH banner, or why there is none."""
     try:
         async with asyncio.timeout(timeout):
-            reader, writer = await asyncio.open_connection(host.hostname, host.port)
+            reader, writer = await asyncio.open_connection(hostname, port)
             try:
                 line = await reader.readline()
             finally:

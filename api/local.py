@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -34,10 +34,13 @@ from api.config import (
     SshdLimits,
     load_config,
 )
+from api.credentials import CertificateCredentials
 from api.settings import Settings, read_secret_file
 from sshpool import ExecMode, Limits
 
 LOCAL_AUDIENCE = "sshapi"
+# The claim naming the caller's account in local tokens (as Keycloak's and most IdPs' tokens).
+ACCOUNT_CLAIM = "preferred_username"
 # A local token lives at most this long: it cannot be revoked (rotate the secret instead).
 MAX_TOKEN_TTL = 30 * 86400.0
 LOCAL_CONFIG_NAME = "local.toml"
@@ -86,10 +89,14 @@ def local_config_path(data_dir: Path) -> Path:
     return data_dir / LOCAL_CONFIG_NAME
 
 
-def default_config(local: HostConfig | None = None) -> Config:
+def default_config(local: HostConfig | None = None, hpc: HostConfig | None = None) -> Config:
     """The local configuration: the local HS256 issuer, the local host as `local` (when there is
-    one), and a policy letting any authenticated subject use it with argv and raw shell lines,
-    and its files under the account's home (file roots are opt-in: written here)."""
+    one) and as `hpc` (each caller as their own account: `sshapi dev --accounts`), and a policy
+    letting any authenticated subject use it with argv and raw shell lines, and its files under
+    the account's home (file roots are opt-in: written here)."""
+    hosts = {"local": local} if local else {}
+    if hpc is not None:
+        hosts["hpc"] = hpc
     return Config(
         issuers=[
             IssuerConfig(
@@ -98,9 +105,10 @@ def default_config(local: HostConfig | None = None) -> Config:
                 algorithms=["HS256"],
                 # Whoever can read the data dir's secret runs this instance: it may grant admin.
                 scopes=["jobs:read", "jobs:write", "files:read", "files:write", "admin"],
+                account_claim=ACCOUNT_CLAIM if hpc is not None else None,
             )
         ],
-        hosts={"local": local} if local else {},
+        hosts=hosts,
         policy=[
             PolicyRule(
                 issuer=LOCAL_ISSUER,
@@ -113,13 +121,34 @@ def default_config(local: HostConfig | None = None) -> Config:
     )
 
 
+def local_certificate_host_config(host: LocalSshd, ca_key: str) -> HostConfig:
+    """The local host again, for researchers as themselves: each caller logs in as the account
+    their token names, with a certificate of the rig's user CA (`sshapi dev --accounts`)."""
+    return HostConfig(
+        hostname=host.address,
+        port=host.port,
+        username=host.username,
+        known_hosts=host.known_hosts,
+        credentials=CertificateCredentials(kind="certificate", ca_key=Path(ca_key)),
+        description="The local HPC host, each researcher as their own account (certificates)",
+        limits=LOCAL_LIMITS,
+        sshd=SshdLimits(max_startups=30, per_source_max_startups=16, max_sessions=16),
+    )
+
+
 def local_host_config(
-    host: LocalSshd, *, slurm: bool = False, exec_mode: ExecMode = "channel"
+    host: LocalSshd,
+    *,
+    slurm: bool = False,
+    exec_mode: ExecMode = "channel",
+    nodes: Sequence[str] = (),
 ) -> HostConfig:
-    """The started local host as configuration (with a scheduler when Slurm runs beside it)."""
+    """The started local host as configuration (with a scheduler when Slurm runs beside it);
+    with `nodes`, a cluster of login nodes on those addresses (`host` is its first)."""
     return HostConfig(
         exec_mode=exec_mode,
-        hostname=host.address,
+        hostname="" if nodes else host.address,
+        nodes=list(nodes),
         port=host.port,
         username=host.username,
         client_keys=[host.client_key],
@@ -175,15 +204,18 @@ def mint(
     subject: str,
     scopes: Iterable[str],
     ttl: float = 3600.0,
+    claims: dict[str, str] | None = None,
 ) -> str:
-    """An HS256 token for the local issuer (what `sshapi token` and `sshapi dev` print).
+    """An HS256 token for the local issuer (what `sshapi token` and `sshapi dev` print), with
+    `claims` added (the account claim of `sshapi dev --accounts`).
     ValueError for an empty subject or a lifetime that is not in (0, MAX_TOKEN_TTL]."""
     if not subject.strip():
         raise ValueError("--sub: the subject cannot be empty")
     if not (math.isfinite(ttl) and 0 < ttl <= MAX_TOKEN_TTL):
         raise ValueError(f"--ttl: seconds, more than 0 and at most {MAX_TOKEN_TTL:g} (30 days)")
     now = int(time.time())
-    claims = {
+    payload = {
+        **(claims or {}),
         "iss": issuer,
         "aud": audience,
         "sub": subject,
@@ -191,19 +223,33 @@ def mint(
         "iat": now,
         "exp": now + int(ttl),
     }
-    return jwt.encode(claims, secret, algorithm="HS256")
+    return jwt.encode(payload, secret, algorithm="HS256")
 
 
 def local_token(
-    settings: Settings, config: Config, sub: str, scopes: list[str], ttl: float = 3600.0
+    settings: Settings,
+    config: Config,
+    sub: str,
+    scopes: list[str],
+    ttl: float = 3600.0,
+    account: str | None = None,
 ) -> str:
     """A token the server with `config` accepts, signed with the first HS256 issuer's secret
-    (its `secret_file`, else SSHAPI_JWT_SECRET or the data dir's secret). NoLocalIssuer when the
-    configuration has none."""
+    (its `secret_file`, else SSHAPI_JWT_SECRET or the data dir's secret), naming `account` in
+    that issuer's account claim when given. NoLocalIssuer when the configuration has none."""
     issuer = next((i for i in config.issuers if "HS256" in i.algorithms), None)
     if issuer is None:
         raise NoLocalIssuer("no HS256 issuer in the configuration: tokens come from your IdP")
+    if account is not None and issuer.account_claim is None:
+        raise ValueError(f"--account: issuer {issuer.issuer!r} has no account_claim")
+    claims = {issuer.account_claim: account} if account and issuer.account_claim else None
     secret = read_secret_file(issuer.secret_file) if issuer.secret_file else settings.hs256_secret()
     return mint(
-        secret, issuer=issuer.issuer, audience=issuer.audience, subject=sub, scopes=scopes, ttl=ttl
+        secret,
+        issuer=issuer.issuer,
+        audience=issuer.audience,
+        subject=sub,
+        scopes=scopes,
+        ttl=ttl,
+        claims=claims,
     )

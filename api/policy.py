@@ -10,14 +10,24 @@ by replicas) is applied by `JobService.submit` (api/jobs/service.py, api/quota.p
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any
+from urllib.parse import quote
 
 from api.auth import Principal
-from api.config import PLACEHOLDER, Config, HostConfig, ParamSpec, PolicyRule, TemplateConfig
+from api.config import (
+    PLACEHOLDER,
+    Account,
+    Config,
+    HostConfig,
+    ParamSpec,
+    PolicyRule,
+    TemplateConfig,
+)
 from api.problems import Problem
 from api.schemas import JobRequest
 from sshpool import Target
@@ -25,6 +35,25 @@ from sshpool import Target
 
 def _listed(name: str, patterns: list[str]) -> bool:
     return any(fnmatchcase(name, p) for p in patterns)
+
+
+# The identity part of a certificate's key id: at most this long (sshd logs the key id).
+MAX_KEY_ID_IDENTITY = 160
+
+
+def key_id_identity(issuer: str, subject: str) -> str:
+    """The caller's identity as a certificate's key id names it: `subject@issuer`,
+    percent-encoded to printable ASCII without spaces or '/' (the key id is one token in sshd's
+    log); a longer one keeps its head and a hash of the whole, so it still names one identity."""
+    text = quote(f"{subject}@{issuer}", safe="@:.-_~+=,")
+    if len(text) > MAX_KEY_ID_IDENTITY:
+        digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+        text = f"{text[: MAX_KEY_ID_IDENTITY - 17]}~{digest}"
+    return text
+
+
+def _account_refused(detail: str) -> Problem:
+    return Problem(403, "account-refused", "No account for you on this host", detail)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +118,24 @@ class Policy:
             raise Problem(
                 403, "host-forbidden", "Host not allowed", f"you may not use {host_name!r}"
             )
-        return Grant(host_name, host, rule, host.target(rule.accounts.get(host_name)))
+        account = rule.accounts.get(host_name)
+        certs = host.certificates
+        if certs is None:
+            return Grant(host_name, host, rule, host.target(account))
+        # A certificate host: the caller's own account (their token's claim) unless their
+        # rule maps a fixed one, checked here, before any SSH work.
+        if account is None:
+            if who.account is None:
+                raise _account_refused(
+                    f"host {host_name!r} runs each caller as their own account, and your token "
+                    "names none (your identity provider's account claim is missing)"
+                )
+            problem = certs.account_problem(who.account)
+            if problem is not None:
+                raise _account_refused(f"the account your token names: {problem}")
+            account = Account(username=who.account)
+        identity = key_id_identity(who.issuer, who.subject)
+        return Grant(host_name, host, rule, host.target(account, identity))
 
     def targets(self, host_name: str) -> list[Target]:
         """Every target configured on that host: its default account's, then each account a
@@ -115,10 +161,36 @@ class Policy:
         names = [n for n, h in self.config.hosts.items() if (h.hostname, h.port) == where]
         return list(dict.fromkeys(t for n in names for t in self.targets(n)))
 
-    def target_of(self, host_name: str, name: str) -> Target | None:
+    def target_of(
+        self, host_name: str, name: str, owner: tuple[str, str] | None = None
+    ) -> Target | None:
         """The configured target whose `str()` is `name` (what a job records) on that host: to
-        act for a job later as the account that started it, whoever asks."""
-        return next((t for t in self.targets(host_name) if str(t) == name), None)
+        act for a job later as the account that started it, whoever asks. On a certificate
+        host, that account (still an account allowed there) with a certificate naming the
+        job's `owner` (issuer, subject)."""
+        host = self.config.hosts.get(host_name)
+        certs = host.certificates if host is not None else None
+        if host is None or certs is None:
+            return next((t for t in self.targets(host_name) if str(t) == name), None)
+        username = name.partition("@")[0]
+        target = host.target(Account(username=username))
+        mapped = {t.username for t in self.targets(host_name)}
+        if str(target) != name or (username not in mapped and certs.account_problem(username)):
+            return None
+        identity = key_id_identity(*owner) if owner is not None else ""
+        return host.target(Account(username=username), identity)
+
+    def pools(self, host_name: str, stats: dict[Target, dict[str, Any]]) -> list[dict[str, Any]]:
+        """The pool stats of that host's targets: its configured ones (on each login node of a
+        host with several), and on a certificate host every caller's account (their targets
+        share the host's CA)."""
+        host = self.config.hosts.get(host_name)
+        certs = host.certificates if host is not None else None
+        if certs is None:
+            # A host with several login nodes: a pool per account and node.
+            pools = [t.node_target(n) for t in self.targets(host_name) for n in t.nodes]
+            return [stats[t] for t in pools or self.targets(host_name) if t in stats]
+        return [s for t, s in stats.items() if t.ca is certs.ca]
 
     def admit(self, who: Principal, body: JobRequest) -> Admission:
         """Admit `body` for `who` or raise the Problem that says why not (module docstring)."""

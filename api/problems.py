@@ -25,6 +25,7 @@ from sshpool import (
     ConnectTimeout,
     HostKeyMismatch,
     HostUnavailable,
+    NodeFailed,
     PoolFull,
     PoolTimeout,
     RemoteFileFailure,
@@ -140,6 +141,7 @@ SSH_ERRORS: dict[type[SSHPoolError], tuple[int, str, str]] = {
     AuthenticationFailed: (502, "ssh-auth-failed", "The host refused the SSH credentials"),
     HostKeyMismatch: (502, "host-key-mismatch", "The host key does not match known_hosts"),
     ConnectError: (502, "connect-failed", "Could not connect to the host"),
+    NodeFailed: (502, "node-failed", "The login node failed while the command ran there"),
     ConnectionLost: (502, "connection-lost", "The SSH connection dropped before the command ran"),
     SSHPoolError: (502, "ssh-error", "SSH failed"),
     # Files (api/files/): the host answered an SFTP request with an error.

@@ -164,6 +164,16 @@ class JobSummary(BaseModel):
     timeout: float | None = Field(description="Seconds the command may run (null: batch job).")
     state: State
     error: str | None = Field(default=None, description="Why the job is in `error` or `lost`.")
+    error_kind: str | None = Field(
+        default=None,
+        description="The kind of `error`, for programs: `node-failed` (`lost`: its login node "
+        "failed; the same Idempotency-Key runs it again), the problem type of an `error`...",
+    )
+    node: str | None = Field(
+        default=None,
+        description="The login node the command started on, on a host with several (`lost` "
+        "with a login node's failure: that node).",
+    )
     exit_status: int | None = None
     exit_signal: str | None = None
     stdout_bytes: int = 0
@@ -212,6 +222,8 @@ class JobSummary(BaseModel):
             started_at=aware(row.started_at),
             finished_at=aware(row.finished_at),
             timings=row.timings or {},
+            error_kind=row.error_kind,
+            node=row.node,
         )
 
 
@@ -282,4 +294,22 @@ class HostInfo(BaseModel):
         default_factory=list,
         description="Pool statistics: admins get one per remote account, with its `target`; "
         "others get only the pool of their own account, without it.",
+    )
+    nodes: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="A host with several login nodes: each node's `name` and `state` (`up`, "
+        "`down`, `draining`: drained with commands still running, `drained`); admins also get "
+        "why it is down, its connections, channels in use and waiters over all accounts.",
+    )
+
+
+class NodeInfo(BaseModel):
+    """A login node after a drain or undrain."""
+
+    host: str
+    node: str
+    drained: bool
+    state: Literal["up", "down", "draining", "drained"] = Field(
+        description="`draining`: drained, commands still running there; `drained`: no "
+        "connection left."
     )

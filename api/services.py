@@ -65,17 +65,20 @@ from typing import Any
 
 import httpx
 
-from api.auth import Authenticator
+from api.auth import Authenticator, Principal
 from api.client import tls_context
 from api.config import Config, HostConfig
 from api.files import FileService
 from api.jobs import BatchJobs, JobService
 from api.live import make_relay
 from api.metrics import Metrics
+from api.nodes import NodeDrains
 from api.policy import Policy
+from api.problems import Problem
 from api.quota import Quota, make_quota
+from api.revocations import Revocations
 from api.settings import Settings
-from api.store import Store
+from api.store import JobRow, Store
 from api.tasks import OnDeath, Supervisor
 from sshpool import Pool, SSHPoolError
 
@@ -98,13 +101,28 @@ class Services:
     files: FileService
     quota: Quota
     batch: BatchJobs
+    revocations: Revocations
     supervisor: Supervisor
+    drains: NodeDrains
     accepting: bool = False
 
     @property
     def ready(self) -> bool:
         """Started, not stopping, and no background task took the process down."""
         return self.accepting and self.supervisor.healthy
+
+
+# Who cancels the jobs of a revoked identity (their `error` says so).
+REVOKER = Principal(issuer="sshapi", subject="revocation", scopes=frozenset({"admin"}))
+
+
+async def _cancel_revoked(jobs: JobService, row: JobRow) -> bool:
+    """Cancel one active job of a revoked identity, here or on its replica."""
+    try:
+        await jobs.cancels.cancel(REVOKER, row)
+    except Problem:  # finished meanwhile, or its replica could not be reached
+        return False
+    return True
 
 
 async def _prewarm(pool: Pool, name: str, host: HostConfig) -> None:
@@ -168,7 +186,7 @@ async def running(
 
         def pools_by_host() -> dict[str, list[dict[str, Any]]]:
             stats = the_pool.stats()
-            return {n: [stats[t] for t in policy.targets(n) if t in stats] for n in config.hosts}
+            return {n: policy.pools(n, stats) for n in config.hosts}
 
         def sshds_by_host() -> dict[str, list[dict[str, Any]]]:
             sshds = the_pool.sshd_stats()
@@ -180,12 +198,20 @@ async def running(
         metrics.watch_pool(pools_by_host)
         metrics.watch_sshds(sshds_by_host)
         metrics.watch_trackers(lambda: batch.trackers)
+        revocations = Revocations(
+            the_store, the_pool, policy, functools.partial(_cancel_revoked, jobs)
+        )
+        await revocations.refresh()
         await batch.start(settings.replica)
         jobs.start(supervisor)
+        drains = NodeDrains(config, the_store, the_pool)
+        await drains.refresh()  # a drain survives the restart before any job is taken
         tasks = [
             supervisor.spawn(task_name, loop, OnDeath.RESTART)
-            for task_name, loop in batch.loops().items()
+            for task_name, loop in {**batch.loops(), "revocations": revocations.loop}.items()
         ]
+        if any(host.nodes for host in config.hosts.values()):
+            tasks.append(supervisor.spawn("node-drains", drains.loop, OnDeath.RESTART))
         for name, host in config.hosts.items():
             if host.limits.min_connections > 0:
                 prewarm = functools.partial(_prewarm, the_pool, name, host)
@@ -205,7 +231,9 @@ async def running(
             files=files,
             quota=quota,
             batch=batch,
+            revocations=revocations,
             supervisor=supervisor,
+            drains=drains,
             accepting=True,
         )
         try:

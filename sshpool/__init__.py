@@ -1,12 +1,14 @@
 """sshpool: SSH connections kept open and shared, commands multiplexed as channels.
 
-Usable on its own: `from sshpool import Pool, Target`. Every type the pool hands to its callers
-is exported here, so callers import nothing of the submodules: the errors, the command result,
-and the SFTP session `Pool.sftp` yields with the files and attributes it returns (its interface
-lives with the backends', in `sshpool.backends.base`).
+Usable on its own: `from sshpool import Pool, Target` (`UserCA` for certificate logins). Every
+type the pool hands to its callers is exported here, so callers import nothing of the
+submodules: the errors, the command result, the certificate credentials, and the SFTP session
+`Pool.sftp` yields with the files and attributes it returns (its interface lives with the
+backends', in `sshpool.backends.base`).
 """
 
 from sshpool.backends.base import DirEntry, FileAttrs, FileType, RemoteFile, SFTPSession
+from sshpool.certificates import Credentials, UserCA
 from sshpool.command import CommandResult, OutputStream
 from sshpool.errors import (
     AuthenticationFailed,
@@ -17,6 +19,7 @@ from sshpool.errors import (
     ConnectTimeout,
     HostKeyMismatch,
     HostUnavailable,
+    NodeFailed,
     PoolFull,
     PoolTimeout,
     RemoteFileError,
@@ -38,6 +41,7 @@ __all__ = [
     "ConnectError",
     "ConnectTimeout",
     "ConnectionLost",
+    "Credentials",
     "DirEntry",
     "ExecMode",
     "FileAttrs",
@@ -45,6 +49,7 @@ __all__ = [
     "HostKeyMismatch",
     "HostUnavailable",
     "Limits",
+    "NodeFailed",
     "OutputStream",
     "Pool",
     "PoolFull",
@@ -59,4 +64,5 @@ __all__ = [
     "SFTPSession",
     "SSHPoolError",
     "Target",
+    "UserCA",
 ]

@@ -1,8 +1,14 @@
-"""A per-host circuit breaker for connect attempts.
+"""A per-target circuit breaker for connect attempts, and a model of one sshd's penalties.
 
 The API is one source address for every user, and sshd (OpenSSH >= 9.8 PerSourcePenalties)
 penalises a source that keeps failing; so after `threshold` consecutive connect failures we stop
-trying for a jittered back-off that doubles up to a cap, then let a single trial through.
+trying for a jittered back-off that doubles up to a cap, then let a single trial through. A
+refused login (`auth_failure`) opens the breaker at once, with a longer back-off of its own:
+trying again soon will fail again, and each failure costs the whole address penalty time.
+
+A target is one account (and, with certificates, one identity), so an account sshd refuses
+opens its own breaker, not the host's. `Penalties` is shared by every target of one sshd: it
+keeps the refused logins of all accounts together under sshd's threshold (see there).
 """
 
 from __future__ import annotations
@@ -14,10 +20,20 @@ State = Literal["closed", "open", "half_open"]
 
 
 class Breaker:
-    def __init__(self, threshold: int, backoff: float, backoff_max: float) -> None:
+    def __init__(
+        self,
+        threshold: int,
+        backoff: float,
+        backoff_max: float,
+        auth_backoff: float | None = None,
+        auth_backoff_max: float | None = None,
+    ) -> None:
         self.threshold = threshold
         self.base = backoff
         self.backoff_max = backoff_max
+        self.auth_base = auth_backoff if auth_backoff is not None else backoff
+        self.auth_backoff_max = auth_backoff_max if auth_backoff_max is not None else backoff_max
+        self._auth_backoff = self.auth_base
         self.state: State = "closed"
         self.failures = 0
         self._backoff = backoff
@@ -54,7 +70,16 @@ class Breaker:
         self.state = "closed"
         self.failures = 0
         self._backoff = self.base
+        self._auth_backoff = self.auth_base
         self._trial_in_flight = False
+
+    def auth_failure(self, now: float) -> None:
+        """sshd refused the login: open at once for the auth back-off, doubling to its cap."""
+        self.failures += 1
+        self._trial_in_flight = False
+        self.state = "open"
+        self._open_until = now + self._auth_backoff * random.uniform(0.5, 1.0)
+        self._auth_backoff = min(self._auth_backoff * 2, self.auth_backoff_max)
 
     def failure(self, now: float) -> None:
         self.failures += 1
@@ -64,3 +89,33 @@ class Breaker:
             # Full jitter in [backoff/2, backoff] so several replicas don't retry in step.
             self._open_until = now + self._backoff * random.uniform(0.5, 1.0)
             self._backoff = min(self._backoff * 2, self.backoff_max)
+
+
+class Penalties:
+    """Refused logins to one sshd, as its PerSourcePenalties counts them (OpenSSH >= 9.8, on by
+    default): each adds `per_failure` seconds (`authfail`, default 5) to the source's penalty,
+    which drains in real time, and once it reaches `threshold` (`min`, default 15) sshd refuses
+    the whole address, every account, for that long. A login that may be refused (an account
+    not known good) starts only while one more refusal stays under the threshold; accounts
+    that logged in before are never held. At most threshold / per_failure refusals at once,
+    then one per per_failure seconds, whatever the number of bad accounts."""
+
+    def __init__(self, per_failure: float = 5.0, threshold: float = 15.0) -> None:
+        self.per_failure = per_failure
+        self.threshold = threshold
+        self._score = 0.0
+        self._at = 0.0
+        self.refused = 0
+
+    def score(self, now: float) -> float:
+        """The penalty seconds sshd holds against us now."""
+        return max(0.0, self._score - (now - self._at))
+
+    def failure(self, now: float) -> None:
+        self._score = self.score(now) + self.per_failure
+        self._at = now
+        self.refused += 1
+
+    def allows(self, now: float) -> bool:
+        """May a login that might be refused start now?"""
+        return self.score(now) + self.per_failure < self.threshold

@@ -33,6 +33,8 @@ import time
 from collections import Counter, deque
 from typing import Any, Protocol
 
+from sshpool.breaker import Penalties
+
 
 class Member(Protocol):
     """What the budget needs of a host pool (`sshpool.pool._HostPool`)."""
@@ -78,6 +80,9 @@ class Sshd:
         self.max_held = 0
         # Set when the pool closes: no grant any more.
         self.stopped = False
+        # The refused logins of all its accounts, kept under its PerSourcePenalties threshold
+        # (the pool sets the figures from the first account's Limits).
+        self.penalties = Penalties()
 
     def join(self, member: Member, max_handshakes: int, max_total_connections: float) -> None:
         """A new account reaches this sshd: the strictest limits of all its accounts apply."""

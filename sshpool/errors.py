@@ -12,6 +12,7 @@ SSHPoolError
 │   └── HostKeyMismatch        the host key is not the one in known_hosts (nothing was sent)
 ├── ChannelRefused     sshd refused a channel (MaxSessions); the pool retries, callers never see it
 ├── ConnectionLost     the connection dropped; `started` says whether the command may have run
+│   └── NodeFailed     a cluster's login node failed while the command ran there (started)
 ├── AgentUnavailable   agent mode: the host has no usable python3 (the pool falls back to channels)
 └── RemoteFileError    an SFTP operation failed on the host; the connection is fine
     ├── RemoteNotFound          no such file or directory
@@ -103,6 +104,16 @@ class ConnectionLost(SSHPoolError):
         super().__init__(message)
         self.started = started
         self.remote_pgid: int | None = None
+
+
+class NodeFailed(ConnectionLost):
+    """A login node of a cluster (`Target.nodes`) failed while the command ran on it: its
+    connection dropped and the node did not answer a probe. The outcome is unknown and the
+    command was not run elsewhere; `node` names the node."""
+
+    def __init__(self, message: str, node: str) -> None:
+        super().__init__(message, started=True)
+        self.node = node
 
 
 class AgentUnavailable(SSHPoolError):

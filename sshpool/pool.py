@@ -58,13 +58,14 @@ from collections.abc import (
     Hashable,
     Sequence,
 )
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from sshpool.agent import start_agent
 from sshpool.backends import Backend, Connection, load_backend
 from sshpool.backends.base import SFTPSession
-from sshpool.breaker import Breaker
+from sshpool.breaker import Breaker, Penalties
 from sshpool.budget import Sshd
+from sshpool.cluster import Router
 from sshpool.command import (
     Capture,
     CommandResult,
@@ -162,13 +163,21 @@ class _HostPool:
             self.limits.breaker_threshold,
             self.limits.breaker_backoff,
             self.limits.breaker_backoff_max,
+            self.limits.auth_backoff,
+            self.limits.auth_backoff_max,
         )
+        # Refused logins of every account of this sshd; this account may add one only while
+        # it is not known good (it never logged in, or sshd refused it since).
+        self.penalties = sshd.penalties
+        self.trusted = False
         self.counters: Counter[str] = Counter()
         self.tasks: set[asyncio.Task[Any]] = set()
         self.loop = asyncio.get_running_loop()
         # Agent mode until a connection finds no usable python3 (then channels, for good).
         self.agent = target.exec_mode == "agent"
         self.agent_error: str | None = None
+        # A drained login node (sshpool.cluster): no new lease, no new connection.
+        self.retired = False
 
     # ---- state changes: synchronous, no awaits ----
 
@@ -206,7 +215,12 @@ class _HostPool:
         min_connections open while the sshd has room. Asked by the sshd before each grant."""
         lim = self.limits
         opened = len(self.conns) + self.connecting
-        if opened >= lim.max_connections or not self.breaker.may_try(self.loop.time()):
+        now = self.loop.time()
+        if self.retired or opened >= lim.max_connections or not self.breaker.may_try(now):
+            return False
+        if not self.trusted and (self.connecting or not self.penalties.allows(now)):
+            # An account not known good may be refused: one login at a time, and only while
+            # one more refusal stays under the sshd's penalty threshold (`Penalties`).
             return False
         if self.connecting * lim.max_sessions < len(self.waiters):
             return True
@@ -231,6 +245,17 @@ class _HostPool:
     def holds(self) -> tuple[int, int]:
         busy = sum(1 for c in self.conns if c.in_use)
         return busy, len(self.conns) - busy
+
+    def retire(self, retired: bool) -> None:
+        """A drained node (`retired`): its connections take no new lease and close once their
+        channels end, its waiters are refused (a cluster moves them to another node); or back
+        in service."""
+        self.retired = retired
+        if retired:
+            for c in self.conns:
+                c.expired = True
+            self._fail_waiters(HostUnavailable(f"{self.target}: node drained", 1.0))
+        self._dispatch()
 
     def _prune(self) -> None:
         """Drop dead and drained-expired connections (closing them in the background)."""
@@ -346,7 +371,12 @@ class _HostPool:
             self.connecting -= 1
             self.sshd.connected(False)
             self.counters["connects_failed"] += 1
-            self.breaker.failure(self.loop.time())
+            if isinstance(exc, AuthenticationFailed):
+                self.trusted = False
+                self.penalties.failure(self.loop.time())
+                self.breaker.auth_failure(self.loop.time())
+            else:
+                self.breaker.failure(self.loop.time())
             self._log_connect_failure(exc)
             live = any(c.conn.is_alive() and not c.expired for c in self.conns)
             if isinstance(exc, (AuthenticationFailed, HostKeyMismatch)) or (
@@ -365,6 +395,7 @@ class _HostPool:
         self.sshd.connected(True)
         self.counters["connects"] += 1
         self.breaker.success()
+        self.trusted = True
         self.conns.append(PooledConn(conn, slots, now, time.perf_counter() - start))
         self._connected(None)
         return None
@@ -419,6 +450,8 @@ class _HostPool:
         return agent, n
 
     async def acquire(self, deadline: float | None, tenant: Hashable = None) -> PooledConn:
+        if self.retired:
+            raise HostUnavailable(f"{self.target}: node drained", 1.0)
         if not self.waiters:
             c = self._pick()
             if c is not None:
@@ -608,6 +641,19 @@ class _HostPool:
         conns, self.conns = self.conns, []
         await asyncio.gather(*(c.conn.close() for c in conns), return_exceptions=True)
 
+    async def discard(self) -> int:
+        """Close every connection now (see `Pool.discard`), through the sshd's budget like any
+        close; the account stays a member of its sshd, with its breaker."""
+        self._fail_waiters(PoolTimeout(f"{self.target}: its connections were closed"))
+        if self.tasks:
+            await asyncio.wait(list(self.tasks), timeout=KILL_TIMEOUT)
+        conns, self.conns = self.conns, []
+        for c in conns:
+            c.expired = True
+        await asyncio.gather(*(self._close(c) for c in conns), return_exceptions=True)
+        self.counters["discarded"] += len(conns)
+        return len(conns)
+
     def maintain(self) -> None:
         """Expire old connections, close idle ones beyond min_connections, top up the minimum."""
         now = self.loop.time()
@@ -638,6 +684,7 @@ class _HostPool:
             "handshakes_in_flight": self.connecting,
             "sshd": self.sshd.key,
             "breaker": self.breaker.state,
+            "breaker_retry_after": round(self.breaker.retry_after(self.loop.time()), 3),
             "counters": dict(self.counters),
         }
 
@@ -658,8 +705,13 @@ class Pool:
         # (address, port) -> its budget; host name and port -> the address it resolved to.
         self._sshds: dict[tuple[str, int], Sshd] = {}
         self._addresses: dict[tuple[str, int], asyncio.Future[str]] = {}
+        # Callers entering per (host name, port), and the FIFO lock they enter through (`_host`).
+        self._entering: Counter[tuple[str, int]] = Counter()
+        self._entries: dict[tuple[str, int], asyncio.Lock] = {}
         self._maintenance: asyncio.Task[None] | None = None
         self._closed = False
+        # Targets with `nodes` (login-node clusters) are routed to one node's target each.
+        self._router = Router(self)
 
     async def __aenter__(self) -> Pool:
         return self
@@ -670,19 +722,33 @@ class Pool:
     async def _host(self, target: Target) -> _HostPool:
         if self._closed:
             raise RuntimeError("pool is closed")
+        name = (target.host, target.port)
         host = self._hosts.get(target)
-        if host is None:
-            sshd = await self._sshd(target)
-            host = self._hosts.get(target)  # made by another caller meanwhile?
-            if host is None:
-                name = target.backend or self.backend.name
-                if name not in self._backends:
-                    self._backends[name] = load_backend(name)
-                host = self._hosts[target] = _HostPool(target, self._backends[name], sshd)
-                lim = target.limits
-                sshd.join(host, lim.max_handshakes, lim.max_total_connections)
+        if host is None or self._entering[name]:
+            # Callers enter in arrival order (where the waiters' FIFO starts): the first awaits
+            # the name's lookup, the others queue behind it on a FIFO lock, and none overtakes
+            # them through a host pool made meanwhile (an `await` of a done future does not
+            # yield, so a latecomer would otherwise run before the woken ones).
+            self._entering[name] += 1
+            try:
+                async with self._entries.setdefault(name, asyncio.Lock()):
+                    host = self._hosts.get(target) or await self._new_host(target)
+            finally:
+                self._entering[name] -= 1
+                if not self._entering[name]:
+                    del self._entering[name]
         if self._maintenance is None:
             self._maintenance = asyncio.create_task(self._maintain())
+        return host
+
+    async def _new_host(self, target: Target) -> _HostPool:
+        sshd = await self._sshd(target)
+        name = target.backend or self.backend.name
+        if name not in self._backends:
+            self._backends[name] = load_backend(name)
+        host = self._hosts[target] = _HostPool(target, self._backends[name], sshd)
+        lim = target.limits
+        sshd.join(host, lim.max_handshakes, lim.max_total_connections)
         return host
 
     async def _sshd(self, target: Target) -> Sshd:
@@ -690,11 +756,13 @@ class Pool:
         (once per pool) and its port; a target with per_sshd=False has one of its own."""
         lim = target.limits
         if not lim.per_sshd:
-            return Sshd(str(target), lim.max_handshakes, math.inf)
+            own = Sshd(str(target), lim.max_handshakes, math.inf)
+            own.penalties = Penalties(lim.penalty_per_failure, lim.penalty_threshold)
+            return own
         name = (target.host, target.port)
         resolved = self._addresses.get(name)
         if resolved is None:
-            # One lookup per name, awaited by every caller in arrival order (FIFO kept).
+            # One lookup per name (its callers enter one by one: `_host`).
             resolved = self._addresses[name] = asyncio.ensure_future(_resolve(*name))
         address = await resolved
         key = (address, target.port)
@@ -702,6 +770,7 @@ class Pool:
         if sshd is None:
             where = f"[{address}]:{target.port}" if ":" in address else f"{address}:{target.port}"
             sshd = self._sshds[key] = Sshd(where, lim.max_handshakes, lim.max_total_connections)
+            sshd.penalties = Penalties(lim.penalty_per_failure, lim.penalty_threshold)
         return sshd
 
     async def _maintain(self) -> None:
@@ -712,7 +781,11 @@ class Pool:
 
     async def prewarm(self, target: Target) -> None:
         """Open target.limits.min_connections now, through the handshake gate; raises the
-        connect error if one failed."""
+        connect error if one failed. A cluster's: on every node up."""
+        if target.nodes:
+            for node in self._router.cluster(target).candidates():
+                await self.prewarm(target.node_target(node))
+            return
         await (await self._host(target)).prewarm()
 
     async def run(
@@ -727,6 +800,7 @@ class Pool:
         on_started: Callable[[int], None] | None = None,
         on_output: Callable[[OutputStream, bytes], None] | None = None,
         tenant: Hashable = None,
+        on_node: Callable[[str], None] | None = None,
     ) -> CommandResult:
         """Run `command` (argv, quoted for the remote shell, or a raw shell line) on `target`.
 
@@ -745,9 +819,30 @@ class Pool:
         on the event loop inside the backend's drain, so it must be cheap and never block (see
         `Capture`). The command's own output comes after the start (the wrapper's marker line),
         so the pool's one retry of a connection lost before the start repeats none of it.
+
+        On a cluster (`target.nodes`) the command runs on one node (`sshpool.cluster`), moving
+        to another while it has not started there; `on_node(node)` is called as it starts,
+        before `on_started`. NodeFailed (a ConnectionLost, started) when that node failed
+        under it.
         """
         if not isinstance(command, str):
             command_line(command)  # refuse an empty argv or a NUL before taking a slot
+        if target.nodes:
+            return cast(
+                CommandResult,
+                await self._router.run(
+                    target,
+                    acquire_timeout,
+                    command=command,
+                    stdin=stdin,
+                    timeout=timeout,
+                    max_output=max_output,
+                    on_started=on_started,
+                    on_output=on_output,
+                    tenant=tenant,
+                    on_node=on_node,
+                ),
+            )
         host = await self._host(target)
         # Stage timings use perf_counter: uvloop's loop.time() only ticks in milliseconds.
         t0 = time.perf_counter()
@@ -791,6 +886,10 @@ class Pool:
         (`SFTPSession.intact`): ssh2's; asyncssh's and paramiko's keep it. When the body ends
         (whatever way) the session's channel is closed and its slot released.
         """
+        if target.nodes:
+            async with self._router.sftp(target, acquire_timeout, tenant) as session:
+                yield session
+            return
         host = await self._host(target)
         t0 = time.perf_counter()
         deadline = None if acquire_timeout is None else host.loop.time() + acquire_timeout
@@ -819,11 +918,63 @@ class Pool:
             healthy = healthy and session.intact()
             await asyncio.shield(host.close_sftp(c, session, healthy))
 
-    async def kill(self, target: Target, pgid: int) -> None:
+    async def kill(self, target: Target, pgid: int, node: str | None = None) -> None:
         """Kill a process group on `target` that was started elsewhere (by another process
         sharing the account, e.g. another API replica): TERM, then KILL after a grace period.
+        On a cluster, `node` says where it runs (a group id means nothing on another node).
         Raises PoolTimeout, PoolFull, HostUnavailable, ConnectError or TimeoutError."""
+        if target.nodes:
+            if node not in target.nodes:
+                raise ValueError(f"{target}: kill on a cluster needs one of its nodes")
+            target = target.node_target(node)
         await (await self._host(target)).kill(pgid)
+
+    async def discard(self, target: Target) -> int:
+        """Close `target`'s connections now, with whatever still runs on them (the API revokes
+        an identity this way, after killing its commands): its waiters fail with PoolTimeout
+        and its next call starts afresh, with a new login. Kills already under way get up to
+        KILL_TIMEOUT to finish first. Returns how many connections it closed. A cluster's:
+        on every node."""
+        if target.nodes:
+            closed = [await self.discard(target.node_target(n)) for n in target.nodes]
+            return sum(closed)
+        host = self._hosts.get(target)
+        if host is None:
+            return 0
+        return await asyncio.shield(host.discard())
+
+    # ---- login-node clusters (sshpool.cluster)
+
+    def drain(self, target: Target, node: str, drained: bool = True) -> None:
+        """Stop new work on `node` of `target`'s cluster (its running commands finish, then
+        its connections close), or with drained=False take it back. KeyError: no such node."""
+        self._router.drain(target, node, drained)
+
+    def nodes(self, target: Target) -> dict[str, dict[str, Any]]:
+        """Per node of `target`'s cluster: state ("up", "down", "draining", "drained"), why it
+        is down, accounts, connections, channels in use and waiters."""
+        return self._router.nodes(target)
+
+    def waiting(self, target: Target) -> int:
+        """Callers waiting for a slot of `target` (a single node's)."""
+        host = self._hosts.get(target)
+        return 0 if host is None else len(host.waiters)
+
+    def live(self, target: Target) -> bool:
+        """Does `target` (a single node's) hold a live connection?"""
+        host = self._hosts.get(target)
+        return host is not None and any(c.conn.is_alive() for c in host.conns)
+
+    def may_connect(self, target: Target) -> bool:
+        """Would `target`'s breaker let a connect through now?"""
+        host = self._hosts.get(target)
+        return host is None or host.breaker.may_try(host.loop.time())
+
+    def retire(self, target: Target, retired: bool) -> None:
+        """A drained node's pool of one account (`_HostPool.retire`)."""
+        host = self._hosts.get(target)
+        if host is not None:
+            host.retire(retired)
 
     def stats(self) -> dict[Target, dict[str, Any]]:
         """Per target: connections, channels in use, waiters, handshakes in flight, counters.
@@ -858,6 +1009,7 @@ class Pool:
         self._closed = True
         for host in self._hosts.values():
             host.sshd.stopped = True
+        await self._router.close()
         if self._maintenance is not None:
             self._maintenance.cancel()
             with contextlib.suppress(asyncio.CancelledError):

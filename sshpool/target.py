@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
+
+from sshpool.certificates import Credentials, UserCA
 
 # How commands reach the host: a session channel each ("channel"), or one resident executor
 # per connection that runs them all ("agent", sshpool.agent; docs/pool.md).
@@ -37,6 +39,14 @@ class Limits:
     breaker_threshold: int = 3
     breaker_backoff: float = 1.0
     breaker_backoff_max: float = 30.0
+    # A refused login (an account sshd does not let in) opens the breaker at once for this
+    # back-off, doubling to the cap: retrying soon fails again and costs sshd penalty time.
+    auth_backoff: float = 10.0
+    auth_backoff_max: float = 300.0
+    # sshd's PerSourcePenalties as the pool assumes it (OpenSSH's defaults authfail:5, min:15):
+    # logins that may be refused are spaced so that refusals never reach the threshold.
+    penalty_per_failure: float = 5.0
+    penalty_threshold: float = 15.0
     # False reproduces the connection-per-request design (one command per connection, then
     # close) for comparisons; pair it with max_sessions=1 and a wide handshake gate.
     reuse: bool = True
@@ -47,6 +57,12 @@ class Limits:
     # (it takes two more, for kills), and how long its start (the login shell, python3) may take.
     agent_max_commands: int = 32
     agent_start_timeout: float = 30.0
+    # Login-node clusters (Target.nodes; sshpool.cluster): an account moves off its node for a
+    # command while that node's queue for it holds this many waiters; a node in use is probed
+    # (`true` over a pooled connection) this often, a node marked down as soon as its breaker
+    # lets a connect through.
+    spill_waiters: int = 16
+    probe_interval: float = 5.0
 
     def __post_init__(self) -> None:
         if min(self.max_connections, self.max_sessions, self.max_handshakes) < 1:
@@ -55,13 +71,25 @@ class Limits:
             raise ValueError("max_total_connections must be >= 1")
         if self.agent_max_commands < 1:
             raise ValueError("agent_max_commands must be >= 1")
+        if self.spill_waiters < 1 or self.probe_interval <= 0:
+            raise ValueError("spill_waiters must be >= 1 and probe_interval > 0")
         if not 0 <= self.min_connections <= self.max_connections:
             raise ValueError("min_connections must be between 0 and max_connections")
 
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    """One account on one SSH host. Equal targets share pooled connections."""
+    """One account on one SSH host. Equal targets share pooled connections.
+
+    It logs in with its `client_keys` (private key files), or, with `ca` set, with a fresh
+    certificate of that CA per connection (`UserCA.mint(username, identity)`; `client_keys` is
+    then empty). `identity` names on whose behalf (sshd logs it in the certificate's key id);
+    it is part of the pool key, so two identities never share a connection, nor a breaker.
+
+    With `nodes`, the host is a cluster of login nodes (`host` is then its name, for messages):
+    each command goes to one node (`sshpool.cluster`), as the target `node_target(node)`. A
+    node is ``name`` or ``name:port`` (``[v6]:port``); without a port, `port` applies.
+    """
 
     host: str
     username: str
@@ -74,13 +102,39 @@ class Target:
     exec_mode: ExecMode = "channel"
     # The interpreter agent mode starts on the host (looked up in the login shell's PATH).
     agent_python: str = "python3"
+    ca: UserCA | None = None
+    identity: str = ""
+    nodes: tuple[str, ...] = ()
+    # False: the nodes do not share file systems, so an account's SFTP sessions always go to
+    # the same node (its first by rendezvous over all nodes, healthy or not).
+    shared_files: bool = True
 
     def __post_init__(self) -> None:
-        if not self.client_keys:
-            raise ValueError("a target needs at least one client key")
+        if self.ca is None and not self.client_keys:
+            raise ValueError("a target needs at least one client key, or a CA")
+        if self.ca is not None and self.client_keys:
+            raise ValueError("a target logs in with client keys or a CA, not both")
+        if self.ca is not None:
+            self.ca.check_identity(self.identity or self.username)
         if not self.known_hosts:
             # Fail closed: there is no "accept any host key" mode.
             raise ValueError("a target needs a known_hosts file")
+        if len(set(self.nodes)) != len(self.nodes):
+            raise ValueError("a cluster's nodes must be distinct")
+        for node in self.nodes:
+            split_node(node, self.port)  # refuse a malformed node now
+
+    def node_target(self, node: str) -> Target:
+        """The target of one node of this cluster: the same account, keys and limits."""
+        host, port = split_node(node, self.port)
+        return replace(self, host=host, port=port, nodes=())
+
+    def credentials(self) -> Credentials | None:
+        """A fresh key pair and certificate for one connection (None: log in with
+        client_keys). Called by the backends at each connect, never kept."""
+        if self.ca is None:
+            return None
+        return self.ca.mint(self.username, self.identity or self.username)
 
     def __str__(self) -> str:
         where = f"{self.username}@{self.host}:{self.port}"
@@ -88,3 +142,22 @@ class Target:
             x for x in (self.backend, "agent" if self.exec_mode == "agent" else "") if x
         )
         return f"{where} ({how})" if how else where
+
+
+def split_node(node: str, port: int) -> tuple[str, int]:
+    """``name``, ``name:port`` or ``[v6]:port`` -> (name, port); ValueError when malformed. A
+    bare IPv6 address (two colons or more) takes `port`."""
+    if node.startswith("["):
+        host, sep, rest = node[1:].partition("]:")
+        if not sep:
+            raise ValueError(f"node {node!r}: write [address]:port")
+    elif node.count(":") == 1:
+        host, sep, rest = node.partition(":")
+    else:
+        host, sep, rest = node, "", ""
+    if not host or any(c.isspace() for c in host) or (sep and not rest.isdigit()):
+        raise ValueError(f"node {node!r}: a host name or address, optionally :port")
+    number = int(rest) if sep else port
+    if not 1 <= number <= 65535:
+        raise ValueError(f"node {node!r}: port out of range")
+    return host, number

@@ -4,6 +4,8 @@
   restart them or change their keys: use ``make_host`` for that.
 * ``slurm`` / ``slurm_host`` / ``workdir``: one single-node Slurm (``SLURM_CPUS`` CPUs), a login
   host whose sessions use it, and a directory the job account owns for output files.
+* ``openssh10_sshd``: the path of OpenSSH 10.0's sshd (``make openssh10``; fetched here when
+  missing), for ``make_host(sshd=...)``; skips, saying why, only when it cannot be had.
 * ``make_host(profile="stock", **kwargs)``: a fresh, started LocalHost of its own (own name, data
   dir, port and keys), stopped after the test. kwargs go to LocalHost (address, overrides...).
 """
@@ -25,11 +27,14 @@ from sshpool.devhost import (
     LocalSlurmError,
     Profile,
     install_packages,
+    openssh,
     sshd_binary,
 )
 
 MakeHost = Callable[..., LocalHost]
 SLURM_CPUS = 16
+# The Makefile's OPENSSH10_DIR.
+OPENSSH10_DIR = Path(os.environ.get("OPENSSH10_DIR", f"/tmp/sshapi-openssh10-{os.getuid()}"))
 
 
 def _require_sshd() -> None:
@@ -69,6 +74,15 @@ def stock_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalHost]:
 def tuned_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalHost]:
     """A running sshd with sshd_config.tuned applied."""
     yield from _session_host(tmp_path_factory, "tuned")
+
+
+@pytest.fixture(scope="session")
+def openssh10_sshd() -> str:
+    """OpenSSH 10.0's sshd, unpacked beside the system's (PerSourcePenalties on by default)."""
+    try:
+        return str(openssh.fetch(OPENSSH10_DIR))
+    except openssh.OpenSSHUnavailable as exc:
+        pytest.skip(f"OpenSSH 10.0 cannot be fetched here ({exc}); `make openssh10` says more")
 
 
 _host_numbers = itertools.count(1)

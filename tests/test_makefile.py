@@ -352,3 +352,54 @@ def test_services_leaves_postgresql_to_sshapi_test_pg(fakes: Path) -> None:
     assert "PostgreSQL: the tests use another server" in done.stdout, done.stdout
     assert calls(fakes) == []
     assert not (fakes / "services").exists()
+
+
+FAKE_APT_DOWNLOAD = """\
+#!{python}
+import json, os, shutil, sys
+with open({log!r}, "a") as f:
+    f.write(json.dumps({{"argv": sys.argv[1:], "sudo": os.environ.get("SUDO_COMMAND")}}) + "\\n")
+if sys.argv[-2] == "download":
+    shutil.copy({deb!r}, "openssh-server_1%3a10.0p1-7~bpo12+1_amd64.deb")
+"""
+
+
+@pytest.mark.parametrize("sudo", ["", "sudo"], ids=["as-root", "through-sudo"])
+def test_openssh10_unpacks_beside_the_system_sshd(sudo: str, fakes: Path) -> None:
+    """`make openssh10` runs apt-get with its own sources list, lists and cache only (the
+    system's apt state untouched, no sudo even when SUDO=sudo), unpacks the package into
+    OPENSSH10_DIR, and a second run downloads nothing."""
+    tree = fakes / "pkg"
+    (tree / "usr" / "sbin").mkdir(parents=True)
+    (tree / "usr" / "sbin" / "sshd").write_text("#!/bin/sh\n")
+    (tree / "DEBIAN").mkdir()
+    control = "Package: openssh-server\nVersion: 1:10.0p1\nArchitecture: all\nMaintainer: x\n"
+    (tree / "DEBIAN" / "control").write_text(control + "Description: test\n")
+    deb = fakes / "openssh-server.deb"
+    subprocess.run(["dpkg-deb", "-b", str(tree), str(deb)], check=True, capture_output=True)
+    apt = fakes / "bin" / "apt-download"
+    log = fakes / "apt-download.log"
+    apt.write_text(FAKE_APT_DOWNLOAD.format(python=sys.executable, log=str(log), deb=str(deb)))
+    apt.chmod(0o755)
+    target = fakes / "openssh10"
+    extra = {"OPENSSH10_DIR": str(target), "OPENSSH10_APT": str(apt)}
+    for _ in range(2):
+        done = make("openssh10", fakes, sudo, env_extra=extra)
+        assert done.returncode == 0, done.stdout + done.stderr
+    assert (target / "root" / "usr" / "sbin" / "sshd").exists()
+    recorded = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [c["argv"][-1] for c in recorded] == ["update", "openssh-server/bookworm-backports"]
+    for call in recorded:
+        options = " ".join(call["argv"])
+        assert f"Dir::Etc::sourcelist={target}/sources.list" in options
+        assert "Dir::Etc::sourceparts=-" in options
+        assert f"Dir::State::Lists={target}/lists" in options
+        assert call["sudo"] is None  # nothing to install: never through sudo
+    assert "bookworm-backports main" in (target / "sources.list").read_text()
+
+
+def test_openssh10_without_apt_get_says_why_and_succeeds(fakes: Path) -> None:
+    extra = {"OPENSSH10_DIR": str(fakes / "o10"), "OPENSSH10_APT": str(fakes / "absent")}
+    done = make("openssh10", fakes, "", env_extra=extra)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "not found" in done.stderr and not (fakes / "o10" / "root").exists()

@@ -286,7 +286,7 @@ class BatchJobs:
     # ---- cancel and output
 
     def target_of(self, row: JobRow) -> Target:
-        target = self.policy.target_of(row.host, row.target)
+        target = self.policy.target_of(row.host, row.target, owner_of(row))
         if target is None:
             raise Problem(
                 409,

@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 
 from api.auth import Principal
-from api.jobs.batch import BatchJobs
+from api.jobs.batch import BatchJobs, owner_of
 from api.jobs.runner import CANCEL_WAIT, Runner
 from api.policy import Policy
 from api.problems import Problem, ssh_problem
@@ -100,11 +100,13 @@ class Cancels:
             raise already_finished(current or row)
         if current.pgid is None:
             return current
-        target = self.policy.target_of(current.host, current.target)
+        target = self.policy.target_of(current.host, current.target, owner_of(current))
         if target is None:  # its host or account left the configuration: nothing to reach
             return current
+        if target.nodes and current.node not in target.nodes:
+            return current  # a group id means nothing on another login node
         try:
-            await self.pool.kill(target, current.pgid)
+            await self.pool.kill(target, current.pgid, current.node)
         except SSHPoolError as exc:
             raise ssh_problem(exc, host=row.host, job_id=row.id) from exc
         except TimeoutError as exc:

@@ -35,7 +35,15 @@ from api.quota import Identity, Quota
 from api.states import FINAL
 from api.store import JobRow, Store, utcnow
 from api.tasks import TaskSet
-from sshpool import CommandResult, CommandTimeout, ConnectionLost, Pool, SSHPoolError, Target
+from sshpool import (
+    CommandResult,
+    CommandTimeout,
+    ConnectionLost,
+    NodeFailed,
+    Pool,
+    SSHPoolError,
+    Target,
+)
 
 log = logging.getLogger("sshapi.jobs")
 
@@ -52,6 +60,8 @@ class Running:
     # Set by the pool once the remote command runs (its wrapper's marker line arrived).
     started: asyncio.Event = field(default_factory=asyncio.Event)
     pgid: int | None = None
+    # The login node it started on, on a host with several.
+    node: str | None = None
     runner: asyncio.Task[None] | None = None
     command: asyncio.Task[CommandResult] | None = None
     cancel_reason: str | None = None
@@ -61,6 +71,9 @@ class Running:
     def on_started(self, pgid: int) -> None:
         self.pgid = pgid
         self.started.set()
+
+    def on_node(self, node: str) -> None:
+        self.node = node
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +143,7 @@ class Runner:
                 acquire_timeout=launch.acquire_timeout,
                 max_output=launch.max_output,
                 on_started=job.on_started,
+                on_node=job.on_node,
                 on_output=job.feed.append,
                 # A saturated host serves identities in turns: one caller's backlog never
                 # holds another's single command behind it (sshpool/pool.py `_Waiters`).
@@ -172,7 +186,7 @@ class Runner:
 
         async def mark_running() -> None:
             await started.wait()
-            row.state, row.started_at, row.pgid = "running", utcnow(), job.pgid
+            row.state, row.started_at, row.pgid, row.node = "running", utcnow(), job.pgid, job.node
             if job.feed is not None:
                 job.feed.update(row)
             # Written at once, not deferred: other replicas need the pgid to cancel the job
@@ -184,6 +198,7 @@ class Runner:
                 state="running",
                 started_at=row.started_at,
                 pgid=job.pgid,
+                node=job.node,
             ):
                 # Another replica asked to cancel it before it started (api/jobs/cancel.py).
                 await self._apply_cancel_request(job)
@@ -309,6 +324,17 @@ def _result_values(result: CommandResult, state: str) -> dict[str, Any]:
 
 
 def _lost_or_error(exc: ConnectionLost, row: JobRow) -> dict[str, Any]:
+    if isinstance(exc, NodeFailed):
+        # The node is gone, the outcome unknown: never re-run here, but the same Idempotency-Key
+        # may run it again (on a node that is up) once the client decides to.
+        log_ssh_failure(exc, row.host, row.id)
+        error = f"login node {exc.node} of host {row.host!r} failed while the command ran there"
+        return {
+            "state": "lost",
+            "error": error,
+            "error_kind": "node-failed",
+            "idempotency_key": None,
+        }
     if exc.started:
         log_ssh_failure(exc, row.host, row.id)
         error = f"the connection to host {row.host!r} was lost after the command started"

@@ -22,7 +22,7 @@ def _info(svc: Services, who: Principal, name: str) -> HostInfo:
     # By Target, not by address: two hosts on one user@host:port (other keys, limits or
     # backend) have pools of their own, and each host shows only its own.
     stats = svc.pool.stats()
-    pools: list[dict[str, Any]] = [stats[t] for t in svc.policy.targets(name) if t in stats]
+    pools: list[dict[str, Any]] = svc.policy.pools(name, stats)
     # Health is the host's (any account's pool): it names no account.
     if any(p.get("breaker") == "open" for p in pools):
         health = "down"
@@ -30,17 +30,27 @@ def _info(svc: Services, who: Principal, name: str) -> HostInfo:
         health = "ok"
     else:
         health = "unknown"
+    nodes: list[dict[str, Any]] = []
+    if host.nodes:
+        nodes = [{"name": n} | s for n, s in svc.pool.nodes(host.target()).items()]
+        if any(n["state"] == "up" for n in nodes):
+            health = "ok"
+        elif any(n["state"] == "down" for n in nodes):
+            health = "down"
     if not who.is_admin:
         own = svc.policy.grant(who, name).target
-        pools = [{k: v for k, v in stats[own].items() if k != "target"}] if own in stats else []
+        mine = [own.node_target(n) for n in own.nodes] if own.nodes else [own]
+        pools = [{k: v for k, v in stats[t].items() if k != "target"} for t in mine if t in stats]
+        nodes = [{"name": n["name"], "state": n["state"]} for n in nodes]
     return HostInfo(
         name=name,
-        hostname=host.hostname,
+        hostname=host.name_shown,
         port=host.port,
         description=host.description,
         shell=svc.policy.shell_allowed(who, name),
         health=health,  # type: ignore[arg-type]
         pool=pools,
+        nodes=nodes,
     )
 
 

@@ -10,7 +10,7 @@ Modules: `schema` (the table and the record), `store` (reads, the write queue), 
 """
 
 from api.store import migrate
-from api.store.schema import JOBS, JobRow, aware, new_id, utcnow
+from api.store.schema import JOBS, JobRow, Revocation, aware, new_id, utcnow
 from api.store.store import Store
 
-__all__ = ["JOBS", "JobRow", "Store", "aware", "migrate", "new_id", "utcnow"]
+__all__ = ["JOBS", "JobRow", "Revocation", "Store", "aware", "migrate", "new_id", "utcnow"]

@@ -96,9 +96,54 @@ JOBS = Table(
     # can kill it; and why a replica other than the owner asked to cancel it.
     Column("pgid", Integer, nullable=True),
     Column("cancel_requested", Text, nullable=True),
+    # The login node a command started on, on a host with several (`[hosts.X] nodes`): its
+    # process group and live output are there.
+    Column("node", String(255), nullable=True),
     UniqueConstraint("owner_iss", "owner_sub", "idempotency_key", name="sshapi_jobs_idem"),
     Index("sshapi_jobs_owner", "owner_iss", "owner_sub", "id"),
     Index("sshapi_jobs_replica_state", "replica", "state"),
+)
+
+# Identities (issuer and subject) or accounts whose requests are refused at once, on every
+# replica (api/revocations.py); deleting the row lifts it. A few rows: every replica reads them
+# all each second.
+REVOCATIONS = Table(
+    "sshapi_revocations",
+    METADATA,
+    Column("id", String(36), primary_key=True),
+    Column("issuer", String(512), nullable=True),
+    Column("subject", String(512), nullable=True),
+    Column("account", String(64), nullable=True),
+    Column("created_at", DateTime(timezone=True), nullable=False),
+    # Who revoked: the admin's issuer and subject.
+    Column("created_by_iss", String(512), nullable=False),
+    Column("created_by_sub", String(512), nullable=False),
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Revocation:
+    """One row of REVOCATIONS: an identity (issuer and subject) or an account."""
+
+    id: str
+    issuer: str | None
+    subject: str | None
+    account: str | None
+    created_at: datetime
+    created_by_iss: str
+    created_by_sub: str
+
+
+# Login nodes an admin drained (POST /v1/admin/hosts/{host}/nodes/{node}/drain): no new work
+# goes there, on any replica (each reads them every second), until undrained.
+NODE_DRAINS = Table(
+    "sshapi_node_drains",
+    METADATA,
+    Column("host", String(64), primary_key=True),
+    Column("node", String(255), primary_key=True),
+    Column("drained_at", DateTime(timezone=True), nullable=False),
+    Column("drained_by_iss", String(512), nullable=False),
+    Column("drained_by_sub", String(512), nullable=False),
 )
 
 
@@ -146,6 +191,7 @@ class JobRow:
     scheduler_reason: str | None = None
     pgid: int | None = None
     cancel_requested: str | None = None
+    node: str | None = None
 
 
 FIELDS = tuple(c.key for c in JOBS.columns)

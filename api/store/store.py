@@ -29,6 +29,7 @@ from sqlalchemy import (
     Connection,
     Select,
     case,
+    delete,
     event,
     insert,
     or_,
@@ -44,7 +45,19 @@ from sqlalchemy.sql.expression import ClauseElement
 from api.states import ACTIVE
 from api.store import migrate
 from api.store.postgres import PgWriter, output_bytes
-from api.store.schema import FIELDS, JOBS, LISTED, JobRow, Write, job_row, utcnow
+from api.store.schema import (
+    FIELDS,
+    JOBS,
+    LISTED,
+    NODE_DRAINS,
+    REVOCATIONS,
+    JobRow,
+    Revocation,
+    Write,
+    aware,
+    job_row,
+    utcnow,
+)
 from api.store.sqlite import Sql, SqliteWriter, sqlite_pragmas
 from api.tasks import Child, OnDeath, Supervisor
 
@@ -103,7 +116,8 @@ class Store:
 
     async def close(self) -> None:
         if self._writer is not None and self._tasks is not None:
-            if self._tasks.healthy:  # else the writer is gone with the others: nothing commits
+            task = self._writer.task
+            if task is not None and not task.done():  # else nothing would ever commit them
                 await self._writes.join()  # every accepted write is committed (or failed) first
             await self._tasks.stop(self._writer)
             self._writer = None
@@ -358,3 +372,64 @@ class Store:
         return await self._rows(
             select(JOBS).where(c.replica == replica, c.kind == "batch", c.state.in_(ACTIVE))
         )
+
+    # ---- revocations (rare writes: outside the job writer, one statement each)
+
+    async def revoke(self, revocation: Revocation) -> None:
+        async with self._started().begin() as conn:
+            await conn.execute(insert(REVOCATIONS).values(**_fields(revocation)))
+
+    async def revocations(self) -> list[Revocation]:
+        """Every revocation, oldest first."""
+        query = select(REVOCATIONS).order_by(REVOCATIONS.c.id)
+        async with self._started().connect() as conn:
+            rows = [dict(r._mapping) for r in await conn.execute(query)]
+        for row in rows:
+            row["created_at"] = aware(row["created_at"])
+        return [Revocation(**row) for row in rows]
+
+    async def lift(self, revocation_id: str) -> bool:
+        """Delete a revocation; False when there is none of that id."""
+        query = delete(REVOCATIONS).where(REVOCATIONS.c.id == revocation_id)
+        async with self._started().begin() as conn:
+            return bool((await conn.execute(query)).rowcount)
+
+    async def active_of(self, owner: tuple[str, str] | None, account: str | None) -> list[JobRow]:
+        """Active jobs of an identity, or run as an account (their target is `account@...`)."""
+        c = JOBS.c
+        query = select(*LISTED).where(c.state.in_(ACTIVE))
+        if owner is not None:
+            query = query.where(c.owner_iss == owner[0], c.owner_sub == owner[1])
+        if account is not None:
+            query = query.where(c.target.startswith(f"{account}@", autoescape=True))
+        return await self._rows(query)
+
+    # ---- drained login nodes (rare writes: outside the job writer, one statement each)
+
+    async def drain(self, host: str, node: str, by: tuple[str, str]) -> None:
+        """Record `node` of `host` as drained (again: kept as first drained)."""
+        values = {"host": host, "node": node, "drained_at": utcnow()}
+        values |= {"drained_by_iss": by[0], "drained_by_sub": by[1]}
+        query = select(NODE_DRAINS.c.host).where(
+            NODE_DRAINS.c.host == host, NODE_DRAINS.c.node == node
+        )
+        async with self._started().begin() as conn:
+            if (await conn.execute(query)).first() is None:
+                with contextlib.suppress(IntegrityError):  # another replica, just now
+                    async with conn.begin_nested():
+                        await conn.execute(insert(NODE_DRAINS).values(**values))
+
+    async def undrain(self, host: str, node: str) -> None:
+        query = delete(NODE_DRAINS).where(NODE_DRAINS.c.host == host, NODE_DRAINS.c.node == node)
+        async with self._started().begin() as conn:
+            await conn.execute(query)
+
+    async def drained(self) -> set[tuple[str, str]]:
+        """Every drained (host, node)."""
+        query = select(NODE_DRAINS.c.host, NODE_DRAINS.c.node)
+        async with self._started().connect() as conn:
+            return {(r.host, r.node) for r in await conn.execute(query)}
+
+
+def _fields(revocation: Revocation) -> dict[str, Any]:
+    return {name: getattr(revocation, name) for name in REVOCATIONS.c.keys()}  # noqa: SIM118

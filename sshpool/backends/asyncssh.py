@@ -431,9 +431,15 @@ class AsyncsshBackend:
     async def connect(self, target: Target) -> AsyncsshConnection:
         limits = target.limits
         client = _Client()
+        creds = target.credentials()
+        client_keys: list[Any] = list(target.client_keys)
+        if creds is not None:
+            # The fresh key and its certificate, from memory: nothing touches the disk.
+            key = asyncssh.import_private_key(creds.private_key)
+            client_keys = [(key, asyncssh.import_certificate(creds.certificate))]
         options: dict[str, Any] = {
             "username": target.username,
-            "client_keys": list(target.client_keys),
+            "client_keys": client_keys,
             "known_hosts": target.known_hosts,
             "keepalive_interval": limits.keepalive_interval,
             "keepalive_count_max": limits.keepalive_count_max,

@@ -30,12 +30,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import io
 import os
 import select
 import socket
 import threading
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, TypeVar
 
@@ -141,7 +142,7 @@ def _connect_blocking(target: Target, deadline: float) -> tuple[Any, _WatchedSoc
     transport: Any = None
     try:
         try:
-            host_keys = paramiko.HostKeys(target.known_hosts)
+            host_keys = _host_keys(target.known_hosts)
         except OSError as exc:
             raise translate.unreadable_known_hosts(target, exc) from exc
         known = host_keys.lookup(name)
@@ -175,13 +176,44 @@ def _connect_blocking(target: Target, deadline: float) -> tuple[Any, _WatchedSoc
         raise translate.connect_error(exc, target, _connect_table, timed_out=timed_out) from exc
 
 
-def _authenticate(transport: Any, target: Target, deadline: float) -> None:
-    refused: list[str] = []
+def _host_keys(path: str) -> Any:
+    """known_hosts as paramiko's HostKeys, without its marker lines (@cert-authority,
+    @revoked): paramiko's own loader fails on the whole file for one, and cannot check a
+    host certificate anyway, so such a line vouches for no key here (a host it alone covers
+    gets HostKeyMismatch)."""
+    host_keys = paramiko.HostKeys()
+    with open(path) as f:
+        for line in f:
+            if not line.strip() or line.lstrip().startswith(("#", "@")):
+                continue
+            entry = paramiko.hostkeys.HostKeyEntry.from_line(line)
+            if entry is not None and entry.key is not None:
+                for name in entry.hostnames:
+                    host_keys.add(name, entry.key.get_name(), entry.key)
+    return host_keys
+
+
+def _keys(target: Target) -> Iterator[tuple[str, Any]]:
+    """(name, paramiko key) of each key to offer, in order; a key file that cannot be loaded is
+    (name, the reason). A certificate login is its one fresh key, loaded from memory."""
+    creds = target.credentials()
+    if creds is not None:
+        key = paramiko.Ed25519Key.from_private_key(io.StringIO(creds.private_key.decode()))
+        key.load_certificate(creds.certificate.decode())
+        yield f"certificate {creds.key_id}", key
+        return
     for path in target.client_keys:
         try:
-            key = paramiko.PKey.from_path(path)
+            yield path, paramiko.PKey.from_path(path)
         except (OSError, paramiko.SSHException, ValueError) as exc:
-            refused.append(f"{path}: cannot load: {exc}")
+            yield path, f"cannot load: {exc}"
+
+
+def _authenticate(transport: Any, target: Target, deadline: float) -> None:
+    refused: list[str] = []
+    for path, key in _keys(target):
+        if isinstance(key, str):
+            refused.append(f"{path}: {key}")
             continue
         transport.auth_timeout = max(0.001, deadline - time.monotonic())
         try:

@@ -38,6 +38,7 @@ import asyncio
 import base64
 import contextlib
 import ctypes
+import functools
 import hashlib
 import hmac
 import os
@@ -46,7 +47,7 @@ import select
 import socket
 import time
 import weakref
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Iterator
 from typing import Any, NamedTuple, TypeVar
 
 from sshpool.backends import translate
@@ -916,11 +917,30 @@ async def _handshake(conn: Ssh2Connection, session: Any, target: Target, lines: 
         ) from exc
 
 
+def _logins(target: Target, session: Any) -> Iterator[tuple[str, Callable[[], Any]]]:
+    """(name, one authentication call) per key to offer, in order. A certificate login passes
+    its fresh key and certificate from memory (libssh2 >= 1.11 takes the certificate as the
+    public key)."""
+    creds = target.credentials()
+    if creds is not None:
+        login = functools.partial(
+            session.userauth_publickey_frommemory,
+            target.username,
+            creds.private_key,
+            "",
+            creds.certificate,
+        )
+        yield f"certificate {creds.key_id}", login
+        return
+    for path in target.client_keys:
+        yield path, functools.partial(session.userauth_publickey_fromfile, target.username, path)
+
+
 async def _authenticate(conn: Ssh2Connection, session: Any, target: Target) -> None:
     refused: list[str] = []
-    for path in target.client_keys:
+    for path, login in _logins(target, session):
         try:
-            await conn._call(session.userauth_publickey_fromfile, target.username, path)
+            await conn._call(login)
         except ConnectionLost as exc:
             raise ConnectError(f"{target}: connection lost during authentication") from exc
         except _KEY_ERRORS as exc:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from sshpool.devhost.accounts import AccountError, ensure_accounts, remove_accounts
+    from sshpool.devhost.cluster import LocalCluster
     from sshpool.devhost.fake import FakeBackend, FakeConnection
     from sshpool.devhost.host import (
         TUNED_CONFIG,
@@ -42,6 +43,7 @@ _MODULES = {
     "AccountError": "sshpool.devhost.accounts",
     "ensure_accounts": "sshpool.devhost.accounts",
     "remove_accounts": "sshpool.devhost.accounts",
+    "LocalCluster": "sshpool.devhost.cluster",
     "FakeBackend": "sshpool.devhost.fake",
     "FakeConnection": "sshpool.devhost.fake",
     "TUNED_CONFIG": "sshpool.devhost.host",
@@ -69,6 +71,7 @@ __all__ = [
     "AccountError",
     "FakeBackend",
     "FakeConnection",
+    "LocalCluster",
     "LocalHost",
     "LocalHostError",
     "LocalSlurm",

@@ -11,9 +11,13 @@ Everything lives under ``<data_dir>/hosts/<name>/``; the caller chooses ``data_d
 passes its own data dir, the tests a temporary one):
 
 * ``sshd/``: sshd's own files, owned by the host account: ``sshd_config``, the ed25519 host key,
-  ``authorized_keys`` (the client public key), ``sshd.pid``, ``sshd.log``.
+  ``authorized_keys`` (the client public key), ``trusted_user_ca_keys`` (the user CA's public
+  key: sshd accepts any certificate it signed whose principals name the account), ``sshd.pid``,
+  ``sshd.log``.
 * ``client/``: what the API needs, owned by the API's user: ``id_ed25519`` (mode 600, no
-  passphrase) and ``known_hosts`` with one ``[address]:port`` entry for the host key.
+  passphrase), ``user_ca`` (the user CA's private key, mode 600: ``host.certificate_target()``
+  logs in with a fresh certificate of it per connection) and ``known_hosts`` with one
+  ``[address]:port`` entry for the host key.
 
 Keys are made once and reused across restarts and runs.
 
@@ -59,6 +63,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Literal, Self
 
+from sshpool.certificates import UserCA
 from sshpool.devhost import procs
 from sshpool.target import Limits, Target
 
@@ -86,6 +91,9 @@ KEYWORD_MIN_VERSION: dict[str, tuple[int, int]] = {
     "persourcepenalties": (9, 8),
     "persourcepenaltyexemptlist": (9, 8),
 }
+
+# The per-connection programs of newer sshd: keyword, program, first version.
+SSHD_HELPERS = (("SshdSessionPath", "sshd-session", (9, 8)), ("SshdAuthPath", "sshd-auth", (10, 0)))
 
 
 class LocalHostError(RuntimeError):
@@ -301,8 +309,11 @@ class LocalHost:
         sshd: str | None = None,
         tuned_config: Path = TUNED_CONFIG,
         researchers: bool = False,
+        client_dir: Path | None = None,
     ) -> None:
         """``data_dir``: where the host keeps its files (``<data_dir>/hosts/<name>/``).
+        ``client_dir``: another host's client directory, to share its client key and
+        known_hosts (a cluster's login nodes: `sshpool.devhost.cluster`).
         ``sshd``: the sshd binary (default: ``sshd`` on PATH or in /usr/sbin, /sbin).
         ``tuned_config``: the sshd_config fragment of the ``tuned`` profile.
         ``researchers``: sshd runs as root and also logs in the researcher accounts."""
@@ -316,7 +327,7 @@ class LocalHost:
         self._data_dir = Path(data_dir).absolute()
         self._host_dir = self._data_dir / "hosts" / name
         self._sshd_dir = self._host_dir / "sshd"
-        self._client_dir = self._host_dir / "client"
+        self._client_dir = client_dir or self._host_dir / "client"
         self.overrides: dict[str, str] = dict(overrides or {})
         self._sshd = sshd
         self.tuned_config = tuned_config
@@ -326,6 +337,7 @@ class LocalHost:
         self.researchers = researchers
         self._port = port if port is not None else self._pick_port()
         self._proc: subprocess.Popen[bytes] | None = None
+        self._ca: UserCA | None = None
         #: Keywords of sshd_config.tuned left out because the installed sshd is too old.
         self.skipped_settings: list[str] = []
 
@@ -385,6 +397,11 @@ class LocalHost:
         return str(self._client_dir / "known_hosts")
 
     @property
+    def user_ca_key(self) -> str:
+        """The user CA's private key, which this host's sshd trusts (TrustedUserCAKeys)."""
+        return str(self._client_dir / "user_ca")
+
+    @property
     def host_pattern(self) -> str:
         """How known_hosts names this host: ``[address]:port`` unless the port is 22."""
         return self._address if self._port == 22 else f"[{self._address}]:{self._port}"
@@ -416,6 +433,25 @@ class LocalHost:
             known_hosts=self.known_hosts,
             port=self._port,
             limits=Limits(**limits),  # type: ignore[arg-type]
+        )
+
+    def certificate_target(
+        self, identity: str = "tester", *, username: str | None = None, **limits: object
+    ) -> Target:
+        """A Target logging in with a fresh certificate of this host's user CA per connection,
+        as ``username`` (default: the host's account), on behalf of ``identity``. Targets of
+        one host share one ``UserCA`` (one serial counter); the host must have started once."""
+        if self._ca is None:
+            self._ca = UserCA(self.user_ca_key, replica=f"devhost-{self.name}")
+        return Target(
+            host=self._address,
+            username=username or self.username,
+            client_keys=(),
+            known_hosts=self.known_hosts,
+            port=self._port,
+            limits=Limits(**limits),  # type: ignore[arg-type]
+            ca=self._ca,
+            identity=identity,
         )
 
     def ssh_argv(self, *remote: str, options: Sequence[str] = ()) -> list[str]:
@@ -457,6 +493,8 @@ class LocalHost:
         else:
             put("AuthorizedKeysFile", str(sshd / "authorized_keys"))
             put("AllowUsers", self.username)
+        # Certificates of the rig's user CA, principals = the account (no principals file).
+        put("TrustedUserCAKeys", str(sshd / "trusted_user_ca_keys"))
         put("PubkeyAuthentication", "yes")
         put("PasswordAuthentication", "no")
         put("KbdInteractiveAuthentication", "no")
@@ -472,6 +510,14 @@ class LocalHost:
         put("X11Forwarding", "no")
         put("Subsystem", "sftp internal-sftp")
         put("LogLevel", "VERBOSE")
+        # sshd >= 9.8 runs each connection in sshd-session (>= 10.0: and sshd-auth), at a path
+        # compiled in; one unpacked elsewhere (sshpool.devhost.openssh) uses its own.
+        binary = Path(self.sshd_binary)
+        version = sshd_version(str(binary))
+        for keyword, helper, since in SSHD_HELPERS:
+            path = binary.parents[1] / "lib" / "openssh" / helper
+            if version >= since and path.exists():
+                put(keyword, str(path))
         if self.profile == "tuned":
             kept, self.skipped_settings = tuned_settings(
                 sshd_version(self.sshd_binary), self.tuned_config
@@ -594,6 +640,10 @@ class LocalHost:
         self._prepare()
         self._write_known_hosts()
 
+    def known_hosts_line(self) -> str:
+        """This host's known_hosts line: its pattern and host key."""
+        return f"{self.host_pattern} {self.host_public_key()}"
+
     def host_public_key(self) -> str:
         return _public_key(self.host_key_path)
 
@@ -694,8 +744,13 @@ class LocalHost:
         if not client_key.exists():
             _keygen(client_key, f"sshapi-client-{self.name}")
         os.chmod(client_key, 0o600)
+        user_ca = Path(self.user_ca_key)
+        if not user_ca.exists():
+            _keygen(user_ca, f"sshapi-user-ca-{self.name}")
+        os.chmod(user_ca, 0o600)
 
         (self._sshd_dir / "authorized_keys").write_text(_public_key(client_key) + "\n")
+        (self._sshd_dir / "trusted_user_ca_keys").write_text(_public_key(user_ca) + "\n")
         if not self._known_hosts_has_entry():
             self._write_known_hosts()
         self.config_path.write_text(self.render_config())
@@ -715,7 +770,10 @@ class LocalHost:
 
     def _write_known_hosts(self) -> None:
         path = Path(self.known_hosts)
-        path.write_text(f"{self.host_pattern} {self.host_public_key()}\n")
+        # Other hosts sharing this client directory keep their lines.
+        old = path.read_text().splitlines() if path.exists() else []
+        kept = [line for line in old if line.split(" ", 1)[0] != self.host_pattern]
+        path.write_text("".join(f"{line}\n" for line in kept) + self.known_hosts_line() + "\n")
         os.chmod(path, 0o600)
 
     def _chown_sshd_files(self) -> None:

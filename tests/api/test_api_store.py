@@ -172,3 +172,34 @@ async def test_sqlite_wal_stays_bounded_and_large_outputs_round_trip(
             assert back is not None and (back.stdout, back.stderr) == (row.stdout, row.stderr)
     finally:
         await store.close()
+
+
+async def test_a_writer_that_dies_is_restarted_and_no_accepted_write_is_lost(
+    tmp_path: Path, tasks: Supervisor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store's writer is a task of the supervisor's (api/services.py): when its loop dies
+    (here: its checkpoint step raises once, a bug), it is logged and started again, and the writes
+    queued meanwhile commit; the process stays healthy."""
+    store = Store(f"sqlite+aiosqlite:///{tmp_path / 'jobs.sqlite3'}")
+    await store.start(tasks)
+    try:
+        assert store._sqlite is not None
+        real = store._sqlite.checkpoint_if_due
+        failures = iter([RuntimeError("a bug in the writer loop")])
+
+        async def flaky() -> None:
+            failure = next(failures, None)
+            if failure is not None:
+                raise failure
+            await real()
+
+        monkeypatch.setattr(store._sqlite, "checkpoint_if_due", flaky)
+        first = await store.insert(job())  # committed; then the loop dies after it
+        rest = await asyncio.wait_for(
+            asyncio.gather(*(store.insert(job()) for _ in range(5))), timeout=10
+        )
+        for row in [first, *rest]:
+            assert await store.get(row.id) is not None
+        assert tasks.healthy
+    finally:
+        await store.close()

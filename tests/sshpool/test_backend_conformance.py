@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
+import asyncssh
 import psutil
 import pytest
 
@@ -40,6 +41,7 @@ from sshpool import (
 from sshpool.agent import start_agent
 from sshpool.backends import BACKENDS as REGISTRY
 from sshpool.backends import Backend, Connection, Exit, load_backend
+from sshpool.certificates import Credentials, UserCA
 from sshpool.command import Capture, new_marker, wrap
 from sshpool.devhost import LocalHost
 
@@ -53,10 +55,15 @@ def backend(request: pytest.FixtureRequest) -> Backend:
     return load_backend(request.param)
 
 
-@pytest.fixture
-async def conn(backend: Backend, stock_host: LocalHost) -> AsyncIterator[Connection]:
-    """A connection to the stock host, closed after the test."""
-    connection = await backend.connect(stock_host.target())
+@pytest.fixture(params=["keys", "certificate"])
+async def conn(
+    backend: Backend, stock_host: LocalHost, request: pytest.FixtureRequest
+) -> AsyncIterator[Connection]:
+    """A connection to the stock host, closed after the test: logged in with the host's key
+    file, or with a fresh certificate of its user CA."""
+    certificate = request.param == "certificate"
+    target = stock_host.certificate_target() if certificate else stock_host.target()
+    connection = await backend.connect(target)
     yield connection
     await connection.close()
 
@@ -403,6 +410,58 @@ async def test_second_client_key_is_tried(
     finally:
         await conn.close()
     assert (end, out.getvalue()) == (Exit(status=0), b"in\n")
+
+
+# ---- certificate logins
+
+
+async def test_certificate_login_names_the_identity_in_sshd_log(
+    backend: Backend, stock_host: LocalHost
+) -> None:
+    """A certificate login runs as the account, and sshd logs the key id naming the identity."""
+    identity = marker()
+    conn = await backend.connect(stock_host.certificate_target(identity))
+    try:
+        _, out, _ = await run(conn, "id -un")
+    finally:
+        await conn.close()
+    assert out.getvalue().decode().strip() == stock_host.username
+    assert re.search(rf"ED25519-CERT \S+ ID {identity}/devhost-\S+/\d+ ", stock_host.log_tail(400))
+
+
+async def test_certificate_of_an_untrusted_ca_is_authentication_failed(
+    backend: Backend, stock_host: LocalHost
+) -> None:
+    """A certificate signed by a CA sshd does not trust gives AuthenticationFailed."""
+    other = UserCA(asyncssh.generate_private_key("ssh-ed25519").export_private_key())
+    with pytest.raises(AuthenticationFailed):
+        await backend.connect(replace(stock_host.certificate_target(), ca=other))
+
+
+class _PastCA(UserCA):
+    """Mints as if an hour ago: its certificates expired before they are used (a replay)."""
+
+    def mint(self, account: str, identity: str, *, now: float | None = None) -> Credentials:
+        return super().mint(account, identity, now=time.time() - 3600)
+
+
+async def test_expired_certificate_is_authentication_failed(
+    backend: Backend, stock_host: LocalHost
+) -> None:
+    """A certificate past its validity (ttl 300 s, minted an hour ago) is refused."""
+    past = _PastCA(stock_host.user_ca_key)
+    with pytest.raises(AuthenticationFailed):
+        await backend.connect(replace(stock_host.certificate_target(), ca=past))
+    assert "Certificate invalid: expired" in stock_host.log_tail(40)
+
+
+async def test_certificate_from_another_source_address_is_refused(
+    backend: Backend, stock_host: LocalHost
+) -> None:
+    """A certificate limited to another source address does not log in from loopback."""
+    elsewhere = UserCA(stock_host.user_ca_key, source_address=["192.0.2.1/32"])
+    with pytest.raises(AuthenticationFailed):
+        await backend.connect(replace(stock_host.certificate_target(), ca=elsewhere))
 
 
 async def test_refused_port_is_a_connect_error(backend: Backend, make_host: MakeHost) -> None:

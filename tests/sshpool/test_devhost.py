@@ -18,6 +18,7 @@ from sshpool.devhost.host import (
     LocalHost,
     LocalHostError,
     parse_sshd_config,
+    sshd_binary,
     sshd_version,
     tuned_settings,
 )
@@ -57,6 +58,36 @@ def test_real_ssh_client_logs_in_as_the_unprivileged_account(stock_host: LocalHo
     assert name == stock_host.username
     assert name != "root" and int(uid) != 0
     assert shell == "sh"  # the account's shell is /bin/sh: no heavy rc files per command
+
+
+def test_openssh_client_logs_in_with_a_certificate_of_the_rig_ca(
+    stock_host: LocalHost, tmp_path: Path
+) -> None:
+    """OpenSSH's own client, given a certificate the rig's CA minted, logs in as the account."""
+    creds = stock_host.certificate_target("ssh-client").credentials()
+    assert creds is not None
+    key = tmp_path / "id"
+    key.write_bytes(creds.private_key)
+    key.chmod(0o600)
+    (tmp_path / "id-cert.pub").write_bytes(creds.certificate)
+    argv = [str(key) if a == stock_host.client_key else a for a in stock_host.ssh_argv("id -un")]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == stock_host.username
+    assert f"ID {creds.key_id} " in stock_host.log_tail(30)
+
+
+def test_openssh10_runs_beside_the_system_sshd(make_host: MakeHost, openssh10_sshd: str) -> None:
+    """The unpacked OpenSSH 10.0 runs the rig (its own sshd-session and sshd-auth, penalties
+    on by default) while the system's sshd keeps its version."""
+    host = make_host("stock", sshd=openssh10_sshd)
+    assert sshd_version(openssh10_sshd) == (10, 0)
+    assert sshd_version() < (10, 0) or sshd_binary() != openssh10_sshd
+    config = host.effective_config()
+    assert config["sshdsessionpath"].startswith(str(Path(openssh10_sshd).parents[1]))
+    assert "authfail:" in config["persourcepenalties"]
+    done = subprocess.run(host.ssh_argv("id -un"), capture_output=True, text=True, timeout=30)
+    assert done.stdout.strip() == host.username, done.stderr
 
 
 def test_files_layout_and_modes(stock_host: LocalHost) -> None:

@@ -1,0 +1,92 @@
+"""How a host's accounts log in, in the configuration (`[hosts.X.credentials]`): key files
+(`kind = "keys"`, the default) or a short-lived certificate per connection (`kind =
+"certificate"`: docs/operations.md, "Researchers as themselves"). Split from api/config.py,
+which imports it."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
+
+from sshpool import UserCA
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# A POSIX-portable user name (useradd's default rule, 32 characters at most).
+ACCOUNT_PATTERN = r"^[a-z_][a-z0-9_-]{0,31}$"
+# Accounts a token never names, whatever the pattern: Debian's and RHEL's system accounts.
+DENY_ACCOUNTS = (
+    "root", "daemon", "bin", "sys", "sync", "games", "man", "lp", "mail", "news", "uucp",
+    "proxy", "www-data", "backup", "list", "irc", "gnats", "nobody", "systemd-network",
+    "systemd-resolve", "systemd-timesync", "messagebus", "sshd", "_apt", "adm", "halt",
+    "shutdown", "operator", "ftp", "postgres", "redis", "slurm", "munge", "nginx", "polkitd",
+)  # fmt: skip
+
+
+class KeyCredentials(Strict):
+    """The host's accounts log in with key files (`client_keys`): the default."""
+
+    kind: Literal["keys"] = "keys"
+
+
+class CertificateCredentials(Strict):
+    """The host's accounts log in with a fresh short-lived certificate per connection, signed
+    by `ca_key` (docs/operations.md, "Researchers as themselves"): no user key anywhere."""
+
+    kind: Literal["certificate"]
+    # The CA's private key: mode 0600 (anyone who reads it can log in as any account).
+    ca_key: Path
+    cert_ttl: float = Field(default=300.0, gt=0, le=86400)
+    # The API's egress addresses: sshd accepts the certificates only from there. Empty: any.
+    source_address: list[str] = Field(default_factory=list)
+    permit_user_rc: bool = False
+    # Which account names a token may name (full match), and which never.
+    account_pattern: str = ACCOUNT_PATTERN
+    deny_accounts: list[str] = Field(default_factory=lambda: list(DENY_ACCOUNTS))
+    # A researcher's connection closes when idle this long (each account has its own).
+    idle_timeout: float = Field(default=30.0, gt=0)
+    _ca: UserCA | None = PrivateAttr(default=None)
+
+    @field_validator("account_pattern")
+    @classmethod
+    def _compiles(cls, value: str) -> str:
+        re.compile(value)
+        return value
+
+    def model_post_init(self, context: Any, /) -> None:
+        mode = self.ca_key.stat().st_mode if self.ca_key.exists() else 0
+        if mode & 0o077:
+            raise ValueError(
+                f"CA key {self.ca_key} is readable by others (mode {mode & 0o777:o}): chmod 600 "
+                "it (whoever reads it can log in as any account)"
+            )
+        # The replica part of key ids is left to the minting process (host name and pid): the
+        # configuration is loaded before worker processes fork.
+        self._ca = UserCA(
+            self.ca_key,
+            ttl=self.cert_ttl,
+            source_address=self.source_address,
+            permit_user_rc=self.permit_user_rc,
+        )
+
+    @property
+    def ca(self) -> UserCA:
+        assert self._ca is not None
+        return self._ca
+
+    def account_problem(self, name: str) -> str | None:
+        """Why `name` may not be logged in as here, or None when it may."""
+        if not re.fullmatch(self.account_pattern, name):
+            return f"not an account name here (must match {self.account_pattern})"
+        if name == "root" or name in self.deny_accounts:
+            return "a system account"
+        return None
+
+
+Credentials = Annotated[KeyCredentials | CertificateCredentials, Field(discriminator="kind")]

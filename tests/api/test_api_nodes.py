@@ -1,0 +1,210 @@
+"""A host with several login nodes through the API (three real sshd, 127.0.0.2-4): a job says
+its node; a node killed under a running job ends it `lost` with `node-failed`, and the same
+Idempotency-Key runs it again on a node that is up; drain and undrain (admin only, 404s, the
+state in /v1/hosts) hold across a restart."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from api.config import HostConfig
+from sshpool.devhost import LocalCluster, LocalHost, LocalSlurm
+from tests.api.api_helpers import (
+    Api,
+    Keys,
+    config_toml,
+    make_settings,
+    replicas,
+    running_api,
+)
+
+NAME = "hpc"
+
+
+@pytest.fixture
+def nodes(tmp_path: Path) -> Iterator[LocalCluster]:
+    with LocalCluster("api", 3, "stock", data_dir=tmp_path / "rig") as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def cluster_config(
+    nodes: LocalCluster, tuned_host: LocalHost, secret_file: Path, keys: Keys, tmp_path: Path
+) -> Path:
+    path = tmp_path / "sshapi.toml"
+    path.write_text(config_toml(tuned_host, secret_file, keys, cluster_toml(nodes)))
+    return path
+
+
+def cluster_toml(nodes: LocalCluster) -> str:
+    return f"""
+[hosts.{NAME}]
+nodes = {list(nodes.addresses)!r}
+port = {nodes.port}
+username = "{nodes.username}"
+client_keys = ["{nodes.client_key}"]
+known_hosts = "{nodes.known_hosts}"
+[hosts.{NAME}.limits]
+breaker_backoff = 0.5
+""".replace("'", '"')
+
+
+@pytest.fixture
+async def api(cluster_config: Path, secret: str, keys: Keys, tmp_path: Path) -> AsyncIterator[Api]:
+    settings = make_settings(tmp_path, cluster_config, "sqlite", None)
+    async with running_api(settings, keys, secret) as running:
+        yield running
+
+
+ADMIN = "jobs:read jobs:write admin"
+
+
+def admin(api: Api) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api.token('root', ADMIN)}"}
+
+
+async def run(api: Api, argv: list[str], key: str | None = None) -> dict[str, object]:
+    r = await api.submit({"host": NAME, "argv": argv}, sub="anyhost", wait=10, key=key)
+    assert r.status_code in (200, 201, 202), r.text
+    return r.json()  # type: ignore[no-any-return]
+
+
+async def test_a_job_says_its_node_and_hosts_show_each_node(api: Api) -> None:
+    job = await run(api, ["sh", "-c", "echo $SSH_CONNECTION"])
+    assert job["state"] == "succeeded"
+    assert str(job["stdout"]).split()[2] == job["node"]
+    r = await api.client.get(f"{api.url}/v1/hosts/{NAME}", headers=api.auth("anyhost"))
+    nodes = r.json()["nodes"]
+    assert [n["state"] for n in nodes] == ["up"] * 3
+    assert set(nodes[0]) == {"name", "state"}  # the connection figures are the admin's
+
+
+async def test_a_node_killed_under_a_job_ends_it_lost_and_the_key_runs_it_again(
+    api: Api, nodes: LocalCluster
+) -> None:
+    first = await run(api, ["sleep", "30"], key="k1")
+    job = await api.wait_state(str(first["id"]), ("running",), sub="anyhost")
+    node = next(n for n in nodes.nodes if n.address == job["node"])
+    node.stop(kill_sessions=True)
+    lost = await api.until_final(str(first["id"]), sub="anyhost")
+    assert lost["state"] == "lost" and lost["error_kind"] == "node-failed"
+    assert job["node"] in lost["error"]
+    again = await run(api, ["sleep", "30"], key="k1")
+    assert again["id"] != first["id"]
+    running = await api.wait_state(str(again["id"]), ("running",), sub="anyhost")
+    assert running["node"] != job["node"]
+    await api.client.delete(f"{api.url}/v1/jobs/{again['id']}", headers=api.auth("anyhost"))
+
+
+async def test_drain_is_admin_only_and_survives_a_restart(
+    api: Api, cluster_config: Path, secret: str, keys: Keys, tmp_path: Path
+) -> None:
+    job = await run(api, ["true"])
+    home = str(job["node"])
+    url = f"{api.url}/v1/admin/hosts/{NAME}/nodes/{home}/drain"
+    assert (await api.client.post(url, headers=api.auth("anyhost"))).status_code == 403
+    bad_host = f"{api.url}/v1/admin/hosts/nope/nodes/{home}/drain"
+    bad_node = f"{api.url}/v1/admin/hosts/{NAME}/nodes/10.9.9.9/drain"
+    long_node = f"{api.url}/v1/admin/hosts/{NAME}/nodes/{'x' * 300}/drain"
+    for wrong, kind in ((bad_host, "host-not-found"), (bad_node, "node-not-found")):
+        r = await api.client.post(wrong, headers=admin(api))
+        assert r.status_code == 404 and r.json()["type"].endswith(kind)
+    assert (await api.client.post(long_node, headers=admin(api))).status_code == 422
+    r = await api.client.post(url, headers=admin(api))
+    assert r.status_code == 200 and r.json()["state"] == "drained"
+    assert (await run(api, ["true"]))["node"] != home
+    # A new process on the same store: still drained before its first job.
+    settings = make_settings(tmp_path, cluster_config, "sqlite", None)
+    async with running_api(settings, keys, secret) as again:
+        hosts = await again.client.get(f"{again.url}/v1/hosts/{NAME}", headers=admin(again))
+        states = {n["name"]: n["state"] for n in hosts.json()["nodes"]}
+        assert states[home] == "drained"
+        assert (await run(again, ["true"]))["node"] != home
+        undrain = url.replace(api.url, again.url).replace("/drain", "/undrain")
+        r = await again.client.post(undrain, headers=admin(again))
+        assert r.status_code == 200 and r.json()["state"] == "up"
+        assert (await run(again, ["true"]))["node"] == home
+
+
+async def test_a_drain_holds_on_every_replica(
+    cluster_config: Path, secret: str, keys: Keys, tmp_path: Path
+) -> None:
+    """Drained on replica a (twice: a no-op), drained on b within its poll; undrained on b,
+    back on a."""
+    async with replicas(tmp_path, cluster_config, keys, secret) as (a, b):
+        home = str((await run(a, ["true"]))["node"])
+        path = f"/v1/admin/hosts/{NAME}/nodes/{home}"
+        for _ in range(2):
+            r = await a.client.post(f"{a.url}{path}/drain", headers=admin(a))
+            assert r.status_code == 200, r.text
+
+        async def state(api: Api) -> str:
+            r = await api.client.get(f"{api.url}/v1/hosts/{NAME}", headers=admin(api))
+            return str({n["name"]: n["state"] for n in r.json()["nodes"]}[home])
+
+        async def until(api: Api, wanted: str) -> None:
+            async with asyncio.timeout(5):
+                while await state(api) != wanted:  # noqa: ASYNC110 (another replica's poll)
+                    await asyncio.sleep(0.1)
+
+        await until(b, "drained")
+        assert (await run(b, ["true"]))["node"] != home
+        assert (await b.client.post(f"{b.url}{path}/undrain", headers=admin(b))).status_code == 200
+
+        await until(a, "up")
+
+
+async def test_batch_jobs_are_cluster_wide(
+    slurm: LocalSlurm,
+    workdir: str,
+    tuned_host: LocalHost,
+    secret_file: Path,
+    secret: str,
+    keys: Keys,
+    tmp_path: Path,
+) -> None:
+    """A batch job submitted through one node is tracked, and its output read, through another
+    once the first is drained: one Slurm behind every node."""
+    overrides = slurm.sshd_overrides()
+    with LocalCluster("slurm", 3, "stock", data_dir=tmp_path / "rig", overrides=overrides) as c:
+        scheduler = f"[hosts.{NAME}.scheduler]\npoll_interval = 0.3\nsettle = 1.0\n"
+        path = tmp_path / "sshapi.toml"
+        path.write_text(config_toml(tuned_host, secret_file, keys, cluster_toml(c) + scheduler))
+        settings = make_settings(tmp_path, path, "sqlite", None)
+        async with running_api(settings, keys, secret) as api:
+            home = str((await run(api, ["true"]))["node"])
+            script = "#!/bin/sh\nsleep 2; echo from-slurm\n"
+            body = {"host": NAME, "batch": {"script": script, "workdir": workdir}}
+            r = await api.submit(body, sub="anyhost")
+            assert r.status_code in (201, 202), r.text
+            job_id = r.json()["id"]
+            drain = f"{api.url}/v1/admin/hosts/{NAME}/nodes/{home}/drain"
+            assert (await api.client.post(drain, headers=admin(api))).status_code == 200
+            job = await api.until_final(job_id, sub="anyhost", timeout=60)
+            assert job["state"] == "succeeded", job
+            out = await api.client.get(
+                f"{api.url}/v1/jobs/{job_id}/output", headers=api.auth("anyhost")
+            )
+            assert out.status_code == 200 and b"from-slurm" in out.content
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"hostname": "a", "nodes": ["b", "c"]}, "either `hostname`"),
+        ({}, "either `hostname`"),
+        ({"nodes": ["b", "b"]}, "distinct"),
+        ({"nodes": ["b:port"]}, "optionally :port"),
+    ],
+)
+def test_a_host_has_a_hostname_or_well_formed_nodes(
+    fields: dict[str, object], message: str
+) -> None:
+    base = {"username": "u", "client_keys": ["k"], "known_hosts": "kh"}
+    with pytest.raises(ValidationError, match=message):
+        HostConfig.model_validate(base | fields)
