@@ -312,7 +312,7 @@ async def run_cells(
         "per-account": limits("per-account"),
     }
     rows = []
-    parts = ["burst"] + (["rate"] if args.rate > 0 else [])
+    parts = [p for p in args.parts if p == "burst" or args.rate > 0]
     for round_ in range(args.rounds):
         # Interleaved, the order flipped every round: neither mode always runs first.
         modes = args.modes if round_ % 2 == 0 else args.modes[::-1]
@@ -354,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deadline", type=float, default=30.0, help="acquire timeout, s")
     parser.add_argument("--pause", type=float, default=5.0, help="seconds between cells")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--parts", nargs="+", choices=("burst", "rate"), default=["burst", "rate"])
     parser.add_argument(
         "--max-handshakes", type=int, default=Limits().max_handshakes, help="the budget's gate"
     )
