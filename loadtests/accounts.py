@@ -80,7 +80,8 @@ def drops(host: LocalHost, offset: int) -> int:
 
 def connections(port: int) -> int:
     """TCP connections to `port` established now, as the kernel's socket table has them (the
-    sshd's side of each: whoever opened them, handshakes included)."""
+    sshd's side of each: whoever opened them, handshakes included). The table is read in pages
+    while it changes: a socket may be counted twice (a few % over at a thousand)."""
     local = f":{port:04X} "
     count = 0
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
