@@ -44,7 +44,7 @@ OPENSSH10_APT ?= apt-get
 $(STAMP): pyproject.toml | python-venv
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q -e '.[dev,paramiko,ssh2,loadtests]'
+	$(VENV)/bin/python -m pip install -q -e '.[server,dev,paramiko,ssh2,loadtests]'
 	touch $(STAMP)
 
 # Creating .venv with Debian's python3 needs its ensurepip (a separate package there); an existing
@@ -109,9 +109,11 @@ services: $(STAMP)
 openssh10: $(STAMP)
 	@$(VENV)/bin/python -m sshpool.devhost.openssh fetch --dir $(OPENSSH10_DIR) --apt $(OPENSSH10_APT)
 
-# Start the local HPC host (sshd on loopback, `tuned` profile) and the API on 127.0.0.1:8000.
+# Start the local HPC host (sshd on loopback, `tuned` profile) and the API on 127.0.0.1:PORT
+# (`make run PORT=8125`; else SSHAPI_PORT, else 8000). Only a PORT given on make's command line
+# counts: a PORT some other tool exported must not move the API.
 run: $(STAMP) sshd
-	$(VENV)/bin/sshapi dev
+	$(VENV)/bin/sshapi dev$(if $(filter command line,$(origin PORT)), --port $(PORT))
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

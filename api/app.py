@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from importlib.metadata import version
 
 from fastapi import FastAPI
 
@@ -59,7 +60,7 @@ def create_app(
 
     app = FastAPI(
         title="sshapi",
-        version="1.0.0",
+        version=version("sshapi"),  # the /docs badge: the installed package's, not a constant
         description=DESCRIPTION,
         lifespan=lifespan,
         docs_url=None,  # api/docs.py serves /docs and /redoc offline

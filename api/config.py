@@ -83,8 +83,13 @@ class ApiConfig(Strict):
     max_body_bytes: int = Field(default=1 << 20, gt=0)
     max_stdin_bytes: int = Field(default=64 << 10, ge=0)
     max_argv_bytes: int = Field(default=128 << 10, gt=0)
-    # /metrics needs a token with the admin scope when true.
-    metrics_require_admin: bool = False
+    # /metrics needs a token with the admin scope when true (the default: its labels name the
+    # hosts, and its counters describe the site's load). False: open to anyone who reaches it,
+    # e.g. on a scrape-only listen address.
+    metrics_require_admin: bool = True
+    # A host's `hostname` and `port` in /v1/hosts for admins only when true (the default): other
+    # callers use the host by its name and need not know where it is.
+    host_details_require_admin: bool = True
     max_page: int = Field(default=200, ge=1)
     # Live followers (GET /v1/jobs/{id}/output?follow=true, /events) at once per identity.
     max_followers: int = Field(default=8, ge=1)
@@ -303,7 +308,11 @@ class HostConfig(Strict):
         min(accounts x max_connections, max_total_connections), each with up to max_sessions
         sessions. Per connection,
         max_sessions stays below MaxSessions: the kill of a cancelled command needs a spare
-        channel, and sshd frees a slot only after the command exits."""
+        channel, and sshd frees a slot only after the command exits. In agent mode a
+        connection's channels are its executor's and up to max_sessions - 1 SFTP sessions'
+        (commands open none): the same count, and the same spare, as sshd frees an SFTP
+        session's slot only after its sftp-server exited; max_sessions 1 would leave no channel
+        for SFTP."""
         lim, sshd = self.limits, self.sshd
         found = []
         handshakes, gate = self.handshakes(accounts)
@@ -321,7 +330,16 @@ class HostConfig(Strict):
         if lim.max_sessions >= sshd.max_sessions:
             found.append(
                 f"max_sessions {lim.max_sessions} >= MaxSessions {sshd.max_sessions}: "
-                "no spare channel per connection"
+                + (
+                    "the executor's channel and max_sessions - 1 SFTP sessions leave "
+                    if self.exec_mode == "agent"
+                    else ""
+                )
+                + "no spare channel per connection"
+            )
+        if self.exec_mode == "agent" and lim.max_sessions < 2:
+            found.append(
+                "exec_mode agent with max_sessions 1: no channel for SFTP beside the executor"
             )
         held = min(accounts * lim.max_connections, lim.max_total_connections)
         sessions = replicas * held * lim.max_sessions

@@ -17,6 +17,12 @@ Checks, in order (a failed connection step skips the rest for that host):
 - agent: whether the host's python3 (`agent_python`) can run agent mode's executor, and the
   fastest `true` through it; a host in agent mode without one runs its commands as channels
   (WARN), a host in channel mode is told what agent mode would give it (ok);
+- clock (certificate hosts): the host's `date +%s` against ours; certificates are back-dated
+  60 s, so a host more than CLOCK_WARN_S behind or ahead is a WARN (run NTP on both);
+- penalties: OpenSSH >= 9.8's PerSourcePenalties from `sshd -T` when readable, and whether this
+  machine's address (the host's `$SSH_CLIENT`) is in PerSourcePenaltyExemptList: not exempt, a
+  few failed logins of any account lock every caller out for a while (WARN); `sshd -T` not
+  readable: the banner's OpenSSH version says whether penalties may be on (WARN: unknown);
 - slurm (hosts with a scheduler): `sbatch --version` and `squeue` answer over SSH.
 
 The login shell and shell start checks run as channels whatever the host's exec_mode: that is
@@ -26,6 +32,8 @@ where the login's noise and cost show (agent mode pays them once per connection)
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import re
 import time
 from dataclasses import dataclass, replace
 from typing import Literal
@@ -47,6 +55,11 @@ SHELL_START_WARN_MS = 20.0
 SHELL_START_RUNS = 5
 # sshd -T needs sshd's path, often outside a user's PATH; /bin/sh whatever the login shell.
 SSHD_T = ["/bin/sh", "-c", "PATH=$PATH:/usr/sbin:/sbin exec sshd -T 2>&1"]
+# The host's clock and this machine's address as the host sees it (the first of SSH_CLIENT).
+WHERE_WHEN = ["/bin/sh", "-c", "date +%s; echo $SSH_CLIENT"]
+# Half the 60 s certificates are back-dated: a host further apart refuses them soon.
+CLOCK_WARN_S = 30.0
+PENALTIES_SINCE = (9, 8)  # OpenSSH's PerSourcePenalties, on by default
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,8 +128,10 @@ async def check_host(
     cluster = host.target()
     nodes = [cluster.node_target(n) for n in cluster.nodes] or [cluster]
     where = ", ".join(f"{t.host}:{t.port}" for t in nodes)
+    banners = []
     for node in nodes:
         banner = await _banner(node.host, node.port, timeout)
+        banners.append(banner)
         if not banner.startswith("SSH-"):
             add(
                 "reachable",
@@ -187,7 +202,13 @@ async def check_host(
         add("shell start", "ok", f"{fastest:.1f} ms for `true` (fastest of {SHELL_START_RUNS})")
     found.append(await _agent(pool, name, host, timeout))
 
-    found += await _sshd_limits(pool, name, host, settings, timeout, accounts)
+    sshd_t = await _run_text(pool, host, SSHD_T, timeout)
+    where_when = await _run_text(pool, host, WHERE_WHEN, timeout, timed=True)
+    remote, _, client = where_when.partition("\n")
+    if certs is not None:
+        found.append(clock_finding(name, remote.split(maxsplit=1)[:1]))
+    found += _sshd_limits(name, host, settings, accounts, sshd_t)
+    found.append(penalties_finding(name, sshd_t, banners[0], client.split(maxsplit=1)[:1]))
     if host.scheduler is not None:
         found += await _slurm(pool, name, host, timeout)
     return found
@@ -225,15 +246,105 @@ def parse_sshd_t(text: str, configured: SshdLimits) -> SshdLimits | None:
     )
 
 
-async def _sshd_limits(
-    pool: Pool, name: str, host: HostConfig, settings: Settings, timeout: float, accounts: int
+async def _run_text(
+    pool: Pool, host: HostConfig, argv: list[str], timeout: float, timed: bool = False
+) -> str:
+    """What `argv` prints on the host (its error's name when it cannot run). `timed`: the
+    first line becomes the host's time minus ours (seconds, ours taken mid-call)."""
+    start = time.time()
+    try:
+        result = await pool.run(host.target(), argv, timeout=timeout, acquire_timeout=timeout)
+    except SSHPoolError as exc:
+        return type(exc).__name__
+    text = result.stdout.decode(errors="replace")
+    if not timed:
+        return text
+    first, _, rest = text.partition("\n")
+    ours = (start + time.time()) / 2
+    skew = f"{int(first) - ours:.1f}" if first.strip().isdigit() else "?"
+    return f"{skew}\n{rest}"
+
+
+def clock_finding(name: str, skew: list[str]) -> Finding:
+    """The host's clock minus ours (`skew`: ["<seconds>"], or [] / ["?"] when unread)."""
+    try:
+        seconds = float(skew[0])
+    except (IndexError, ValueError):
+        return Finding(name, "clock", "WARN", "could not read the host's `date +%s`")
+    way = "ahead of" if seconds > 0 else "behind"
+    detail = f"the host's clock is {abs(seconds):.0f} s {way} this machine's"
+    if abs(seconds) > CLOCK_WARN_S:
+        return Finding(
+            name,
+            "clock",
+            "WARN",
+            f"{detail}: certificates are back-dated 60 s, so past that the host refuses them "
+            "as not yet valid (or expired); run NTP on both",
+        )
+    return Finding(name, "clock", "ok", f"{detail} (certificates are back-dated 60 s)")
+
+
+def _listed(address: str, exempt: str) -> bool:
+    """Whether `address` is in an sshd address list ("10.0.0.0/8,192.0.2.7")."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    for item in exempt.split(","):
+        try:
+            if ip in ipaddress.ip_network(item.strip(), strict=False):
+                return True
+        except ValueError:
+            continue
+    return False
+
+
+def penalties_finding(name: str, sshd_t: str, banner: str, client: list[str]) -> Finding:
+    """PerSourcePenalties as `sshd -T` printed them, or as the banner's version suggests, and
+    whether this machine (`client`: its address as the host saw it) is exempt."""
+    ours = client[0] if client else "this machine"
+    fix = (
+        f"add the API's addresses ({ours}) to PerSourcePenaltyExemptList in the host's "
+        "sshd_config (docs/operations.md, certificates)"
+    )
+    values = dict(line.split(" ", 1) for line in sshd_t.splitlines() if " " in line)
+    if "maxsessions" in values:  # sshd -T printed the configuration
+        penalties = values.get("persourcepenalties")
+        if penalties is None:
+            return Finding(name, "penalties", "ok", "none: this sshd predates PerSourcePenalties")
+        if penalties.strip() == "no":
+            return Finding(name, "penalties", "ok", "PerSourcePenalties no")
+        exempt = values.get("persourcepenaltyexemptlist", "none").strip()
+        if _listed(ours, exempt):
+            return Finding(
+                name, "penalties", "ok", f"on, and {ours} is in PerSourcePenaltyExemptList"
+            )
+        return Finding(
+            name,
+            "penalties",
+            "WARN",
+            f"PerSourcePenalties on ({penalties.split(' ', 1)[0]} ...) and {ours} is not "
+            f"exempt (PerSourcePenaltyExemptList {exempt}): a few failed logins, of any "
+            f"account, shut every caller out for a while; {fix}",
+        )
+    version = re.search(r"OpenSSH_(\d+)\.(\d+)", banner)
+    if version and (int(version[1]), int(version[2])) < PENALTIES_SINCE:
+        return Finding(
+            name, "penalties", "ok", f"none: {version[0]} predates PerSourcePenalties (9.8)"
+        )
+    return Finding(
+        name,
+        "penalties",
+        "WARN",
+        f"unknown: sshd -T is not allowed here and the banner says {banner[:40]!r}; since "
+        f"OpenSSH 9.8 PerSourcePenalties is on by default: {fix}",
+    )
+
+
+def _sshd_limits(
+    name: str, host: HostConfig, settings: Settings, accounts: int, text: str
 ) -> list[Finding]:
     found: list[Finding] = []
-    try:
-        result = await pool.run(host.target(), SSHD_T, timeout=timeout, acquire_timeout=timeout)
-        text = result.stdout.decode(errors="replace")
-    except SSHPoolError as exc:
-        text = f"{type(exc).__name__}"
     read = parse_sshd_t(text, host.sshd)
     if read is None:
         reason = (text.strip().splitlines() or ["no output"])[-1][:80]
@@ -282,6 +393,12 @@ async def _sshd_limits(
             )
         )
     if not budget:
+        per_connection = f"max_sessions {lim.max_sessions}"
+        if host.exec_mode == "agent":
+            per_connection = (
+                f"1 executor + {lim.max_sessions - 1} SFTP channels (up to "
+                f"{lim.agent_max_commands} commands through the executor)"
+            )
         found.append(
             Finding(
                 name,
@@ -289,8 +406,7 @@ async def _sshd_limits(
                 "ok",
                 f"{procs}; {replicas * workers} pool(s) x {gate} = "
                 f"{replicas * workers * handshakes} handshakes < MaxStartups "
-                f"{sshd.max_startups}; max_sessions {lim.max_sessions} < MaxSessions "
-                f"{sshd.max_sessions}",
+                f"{sshd.max_startups}; {per_connection} < MaxSessions {sshd.max_sessions}",
             )
         )
     return found

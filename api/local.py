@@ -121,6 +121,22 @@ def default_config(local: HostConfig | None = None, hpc: HostConfig | None = Non
     )
 
 
+def with_oidc_issuer(config: Config, issuer: str, audience: str, account_claim: str) -> Config:
+    """`config` also trusting the rig's OpenID provider (`sshapi dev --oidc`): its RS256 tokens
+    through its JWKS, with the same rights as the local issuer's but never admin."""
+    entry = IssuerConfig(
+        issuer=issuer,
+        audience=audience,
+        algorithms=["RS256"],
+        jwks_url=f"{issuer}/jwks",
+        account_claim=account_claim,
+    )
+    rule = config.policy[0].model_copy(update={"issuer": issuer})
+    return config.model_copy(
+        update={"issuers": [*config.issuers, entry], "policy": [*config.policy, rule]}
+    )
+
+
 def local_certificate_host_config(host: LocalSshd, ca_key: str) -> HostConfig:
     """The local host again, for researchers as themselves: each caller logs in as the account
     their token names, with a certificate of the rig's user CA (`sshapi dev --accounts`)."""
@@ -224,6 +240,14 @@ def mint(
         "exp": now + int(ttl),
     }
     return jwt.encode(payload, secret, algorithm="HS256")
+
+
+def default_scopes(config: Config) -> list[str]:
+    """The scopes of the token `sshapi dev` and `sshapi token` print unless told otherwise:
+    every scope the local (first HS256) issuer grants but `admin`, so one token runs jobs and
+    moves files; admin is asked for by name (`--scope`)."""
+    issuer = next((i for i in config.issuers if "HS256" in i.algorithms), None)
+    return [s for s in issuer.scopes if s != "admin"] if issuer is not None else []
 
 
 def local_token(

@@ -137,6 +137,24 @@ class Policy:
         identity = key_id_identity(who.issuer, who.subject)
         return Grant(host_name, host, rule, host.target(account, identity))
 
+    def accounts_of(self, who: Principal) -> set[str]:
+        """Every account `who` would run as on some host: the one their token's claim names (a
+        certificate host's default), each one their rule maps, and the own account of each key
+        host their rule allows without mapping one. What a revocation by account refuses."""
+        names = {who.account} if who.account else set()
+        rule = self.rule_for(who)
+        if rule is None:
+            return names
+        for name, host in self.config.hosts.items():
+            if not _listed(name, rule.hosts):
+                continue
+            mapped = rule.accounts.get(name)
+            if mapped is not None:
+                names.add(mapped.username)
+            elif host.certificates is None:
+                names.add(host.username)
+        return names
+
     def targets(self, host_name: str) -> list[Target]:
         """Every target configured on that host: its default account's, then each account a
         policy rule maps to it (duplicates removed). What the host's pools and health are."""

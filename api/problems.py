@@ -42,8 +42,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("sshapi")
 
 MEDIA_TYPE = "application/problem+json"
-# A URN rather than a URL: stable identifiers that point at no server we do not run. Listed in the
-# README.
+# A URN rather than a URL: stable identifiers that point at no server we do not run. Listed in
+# docs/http-api.md (tests/docs/test_docs.py checks the list against every kind answered here).
 TYPE_BASE = "urn:sshapi:problem:"
 
 
@@ -153,6 +153,11 @@ SSH_ERRORS: dict[type[SSHPoolError], tuple[int, str, str]] = {
 }
 
 
+# Starlette's own errors (no route, wrong method, a body over the cap) by status; others are
+# `http-error`.
+HTTP_KINDS = {404: "not-found", 405: "method-not-allowed", 413: "too-large"}
+
+
 def _ssh_row(exc: SSHPoolError) -> tuple[int, str, str]:
     return next(SSH_ERRORS[c] for c in type(exc).__mro__ if c in SSH_ERRORS)
 
@@ -224,12 +229,11 @@ def install(app: FastAPI) -> None:
 
     async def on_http(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
-        kinds = {404: "not-found", 405: "method-not-allowed", 413: "too-large"}
         code = exc.status_code
         title = HTTPStatus(code).phrase if code in HTTPStatus._value2member_map_ else "HTTP error"
         detail = str(exc.detail) if exc.detail and exc.detail != title else None
         problem = Problem(
-            code, kinds.get(code, "http-error"), title, detail, headers=dict(exc.headers or {})
+            code, HTTP_KINDS.get(code, "http-error"), title, detail, headers=dict(exc.headers or {})
         )
         return problem.response(request.url.path)
 

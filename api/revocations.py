@@ -3,9 +3,14 @@
 
 `POST /v1/admin/revocations` (api/routes/admin.py) writes a row to the store, then here
 `Revocations.apply` kills that identity's running commands, wherever they run (the store knows
-them all), and closes this replica's pooled connections of it; every other replica reads the
-revocations once per POLL_INTERVAL (`loop`) and closes its own. Until a revocation is lifted,
-`refused` answers yes for every request of that identity, or of a token naming that account.
+them all), and closes this replica's pooled connections of it. Every other replica reads the
+revocations once per POLL_INTERVAL (`loop`), or at once when Redis (SSHAPI_REDIS_URL) carries
+the nudge the POST sends (`RedisNudge`: pub/sub, best effort; the poll remains), then kills its
+own commands of the identity and closes its connections, in that order: closing a connection
+whose command runs would leave that command running on the host. Until a revocation is lifted,
+`refused` answers yes for every request of that identity, or of anyone who would run as that
+account on some host (their token names it, or a policy rule maps them to it); their live
+output streams end then too (`stops`: the replica wakes its followers).
 sshd cannot revoke an open connection: its certificate was checked at login. Closing the
 connections is what makes a revocation reach the host.
 """
@@ -13,20 +18,25 @@ connections is what makes a revocation reach the host.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from api.auth import Principal
 from api.policy import Policy, key_id_identity
+from api.quota import PREFIX, REDIS_TIMEOUT
 from api.store import JobRow, Revocation, Store
 from sshpool import Pool, Target
 
 log = logging.getLogger("sshapi.revocations")
 
 # How often every replica reads the revocations: the most another replica takes to refuse a
-# revoked identity and close its connections (the replica that took the POST does it at once).
+# revoked identity and close its connections without Redis (the replica that took the POST
+# does it at once; with Redis, every replica does).
 POLL_INTERVAL = 1.0
+CHANNEL = f"{PREFIX}revocations"
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,10 +47,74 @@ class Effect:
     connections_closed: int
 
 
-def matches(revocation: Revocation, who: Principal) -> bool:
-    if revocation.account is not None:
-        return who.account == revocation.account
-    return (who.issuer, who.subject) == (revocation.issuer, revocation.subject)
+def refusing(
+    revocations: Iterable[Revocation], who: Principal, policy: Policy
+) -> Revocation | None:
+    """The first of `revocations` that refuses `who`: one of their identity, or of an account
+    they would run as on some host (their token's or one a policy rule maps them to)."""
+    accounts: set[str] | None = None  # computed once, and only when an account is revoked
+    for revocation in revocations:
+        if revocation.account is None:
+            if who.key == (revocation.issuer, revocation.subject):
+                return revocation
+            continue
+        if accounts is None:
+            accounts = policy.accounts_of(who)
+        if revocation.account in accounts:
+            return revocation
+    return None
+
+
+class RedisNudge:
+    """Tells every replica at once that the revocations changed (Redis pub/sub), so that they
+    read them now rather than at their next poll. Best effort: a nudge lost (Redis down, a
+    replica resubscribing) leaves the poll, and a resubscribed replica reads them again."""
+
+    def __init__(self, url: str) -> None:
+        import redis.asyncio as aioredis
+
+        self._redis: Any = aioredis.from_url(
+            url, socket_timeout=1.0, socket_connect_timeout=REDIS_TIMEOUT
+        )
+        self._sub: Any = aioredis.from_url(
+            url, socket_connect_timeout=REDIS_TIMEOUT, health_check_interval=30
+        )
+        self._failing = False
+
+    def _failed(self, what: str, exc: Exception) -> None:
+        if not self._failing:
+            self._failing = True
+            log.warning("revocations: Redis %s failed (%s): replicas poll", what, exc)
+
+    async def send(self) -> None:
+        try:
+            await self._redis.publish(CHANNEL, b"1")
+        except Exception as exc:
+            self._failed("publish", exc)
+
+    async def listen(self, heard: Callable[[], None]) -> None:
+        """Call `heard()` on every nudge (and on each (re)subscription), until cancelled; a
+        failure of Redis's is retried here, paced (doubling to 10 s)."""
+        delay = 0.25
+        while True:
+            try:
+                async with self._sub.pubsub() as pubsub:
+                    await pubsub.subscribe(CHANNEL)
+                    self._failing, delay = False, 0.25
+                    heard()
+                    async for message in pubsub.listen():
+                        if message.get("type") == "message":
+                            heard()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._failed("subscribe", exc)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 10.0)
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+        await self._sub.aclose()
 
 
 class Revocations:
@@ -52,17 +126,44 @@ class Revocations:
         pool: Pool,
         policy: Policy,
         cancel: Callable[[JobRow], Awaitable[bool]],
+        wake: Callable[[], None],
+        replica: str,
+        nudge: RedisNudge | None = None,
     ) -> None:
-        """`cancel(row)`: cancel one active job (here or on its replica); True when it was."""
+        """`cancel(row)`: cancel one active job (here or on its replica); True when it ended
+        cancelled. `wake()`: make every live follower of this process ask its `stops` again."""
         self.store = store
         self.pool = pool
         self.policy = policy
         self.cancel = cancel
+        self.wake = wake
+        self.replica = replica
+        self.nudge = nudge
+        self._heard = asyncio.Event()
         self.known: dict[str, Revocation] = {}
+        self.generation = 0  # counts the revocations that came: `stops` asks again after one
 
     def refused(self, who: Principal) -> Revocation | None:
         """The revocation that refuses `who`, if any."""
-        return next((r for r in self.known.values() if matches(r, who)), None)
+        return refusing(self.known.values(), who, self.policy)
+
+    def stops(self, who: Principal) -> Callable[[], bool]:
+        """For a live follower of `who`: true once a revocation refuses them. It asks again only
+        after a revocation came, so that a follower's every step costs no scan."""
+        seen, answer = -1, False
+
+        def revoked() -> bool:
+            nonlocal seen, answer
+            if seen != self.generation:
+                seen, answer = self.generation, self.refused(who) is not None
+            return answer
+
+        return revoked
+
+    def _came(self) -> None:
+        """A revocation came: followers ask again (and the refused ones end at once)."""
+        self.generation += 1
+        self.wake()
 
     def _targets(self, revocation: Revocation) -> list[Target]:
         """This replica's pooled targets the revocation covers: an account's on any host, or
@@ -80,33 +181,66 @@ class Revocations:
             closed += await self.pool.discard(target)
         return closed
 
-    async def apply(self, revocation: Revocation) -> Effect:
-        """Refuse at once here, kill the identity's active jobs (all replicas'), then close
-        this replica's connections of it."""
-        self.known[revocation.id] = revocation
+    async def _cancel_jobs(self, revocation: Revocation, everywhere: bool) -> int:
+        """Cancel the active jobs the revocation covers: all replicas', or this one's."""
         owner = None
         if revocation.issuer is not None and revocation.subject is not None:
             owner = (revocation.issuer, revocation.subject)
         rows = await self.store.active_of(owner, revocation.account)
-        outcomes = await asyncio.gather(*(self.cancel(row) for row in rows))
-        closed = await self.close_connections(revocation)
-        return Effect(sum(outcomes), closed)
+        if not everywhere:
+            rows = [row for row in rows if row.replica == self.replica]
+        return sum(await asyncio.gather(*(self.cancel(row) for row in rows)))
+
+    async def apply(self, revocation: Revocation) -> Effect:
+        """Refuse at once here and nudge the other replicas, kill the identity's active jobs
+        (all replicas': one may be down or not nudged), then close this replica's connections
+        of it."""
+        self.known[revocation.id] = revocation
+        self._came()
+        if self.nudge is not None:
+            await self.nudge.send()
+        cancelled = await self._cancel_jobs(revocation, everywhere=True)
+        return Effect(cancelled, await self.close_connections(revocation))
+
+    async def lifted(self, revocation_id: str) -> None:
+        self.known.pop(revocation_id, None)
+        if self.nudge is not None:
+            await self.nudge.send()
 
     async def refresh(self) -> None:
-        """Read the revocations; close this replica's connections of any new one."""
+        """Read the revocations; for any new one, kill this replica's commands of it, then
+        close its connections of it."""
+        before = set(self.known)
         current = {r.id: r for r in await self.store.revocations()}
         new = [r for r in current.values() if r.id not in self.known]
-        self.known = current
+        # One `apply` made during the read stays (the read may predate its row).
+        self.known = {**{k: r for k, r in self.known.items() if k not in before}, **current}
+        if new:
+            self._came()
         for revocation in new:
+            cancelled = await self._cancel_jobs(revocation, everywhere=False)
             closed = await self.close_connections(revocation)
-            if closed:
-                log.info("revocation %s: closed %d connection(s)", revocation.id, closed)
+            if cancelled or closed:
+                log.info(
+                    "revocation %s: cancelled %d job(s), closed %d connection(s)",
+                    revocation.id,
+                    cancelled,
+                    closed,
+                )
+
+    def heard(self) -> None:
+        """A nudge came (RedisNudge.listen): read the revocations now."""
+        self._heard.set()
 
     async def loop(self) -> None:
-        """Every POLL_INTERVAL, for the supervisor: a failed read keeps what was known."""
+        """Every POLL_INTERVAL, or at once when nudged, for the supervisor: a failed read keeps
+        what was known."""
         while True:
+            self._heard.clear()
             try:
                 await self.refresh()
             except Exception as exc:
                 log.warning("reading the revocations failed: %s", type(exc).__name__)
-            await asyncio.sleep(POLL_INTERVAL)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(POLL_INTERVAL):
+                    await self._heard.wait()

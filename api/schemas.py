@@ -282,8 +282,11 @@ class JobList(BaseModel):
 
 class HostInfo(BaseModel):
     name: str
-    hostname: str
-    port: int
+    hostname: str | None = Field(
+        default=None,
+        description="For admins only, unless `api.host_details_require_admin` is false.",
+    )
+    port: int | None = Field(default=None, description="As `hostname`.")
     description: str = ""
     shell: bool = Field(description="Whether the caller may send raw shell lines here.")
     health: Literal["ok", "down", "unknown"] = Field(

@@ -25,6 +25,11 @@ cancellation; every one is logged with its traceback):
 |                     |                                    |         | reach a final state here  |
 | `renew-batch-holds` | renews batch jobs' active-job      | restart | lost, the entries lapse   |
 |                     | entries (api/quota.py)             |         | and the cap undercounts   |
+| `revocations`       | reads the revocations each second  | restart | lost, revocations made on |
+|                     | or when nudged; enforces new ones  |         | other replicas do not     |
+|                     | (api/revocations.py)               |         | reach this one            |
+| `revocations-nudge` | with Redis: the nudge of a new     | restart | lost, the poll remains    |
+|                     | revocation or lift                 |         |                           |
 | `prewarm-<host>`    | opens the host's `min_connections` | once    | best effort: jobs connect |
 |                     | at start                           |         | on demand anyway          |
 
@@ -76,7 +81,7 @@ from api.nodes import NodeDrains
 from api.policy import Policy
 from api.problems import Problem
 from api.quota import Quota, make_quota
-from api.revocations import Revocations
+from api.revocations import RedisNudge, Revocations
 from api.settings import Settings
 from api.store import JobRow, Store
 from api.tasks import OnDeath, Supervisor
@@ -116,12 +121,14 @@ class Services:
 REVOKER = Principal(issuer="sshapi", subject="revocation", scopes=frozenset({"admin"}))
 
 
-async def _cancel_revoked(jobs: JobService, row: JobRow) -> bool:
-    """Cancel one active job of a revoked identity, here or on its replica."""
+async def _cancel_revoked(jobs: JobService, store: Store, row: JobRow) -> bool:
+    """Cancel one active job of a revoked identity, here or on its replica: True when it ended
+    cancelled (by this cancel, or by its own replica's, which learnt of the revocation too)."""
     try:
         await jobs.cancels.cancel(REVOKER, row)
     except Problem:  # finished meanwhile, or its replica could not be reached
-        return False
+        current = await store.get(row.id)
+        return current is not None and current.state == "cancelled"
     return True
 
 
@@ -198,8 +205,17 @@ async def running(
         metrics.watch_pool(pools_by_host)
         metrics.watch_sshds(sshds_by_host)
         metrics.watch_trackers(lambda: batch.trackers)
+        nudge = RedisNudge(settings.redis_url) if settings.redis_url else None
+        if nudge is not None:
+            stack.push_async_callback(nudge.close)
         revocations = Revocations(
-            the_store, the_pool, policy, functools.partial(_cancel_revoked, jobs)
+            the_store,
+            the_pool,
+            policy,
+            functools.partial(_cancel_revoked, jobs, the_store),
+            jobs.live.wake_all,
+            settings.replica,
+            nudge,
         )
         await revocations.refresh()
         await batch.start(settings.replica)
@@ -210,6 +226,9 @@ async def running(
             supervisor.spawn(task_name, loop, OnDeath.RESTART)
             for task_name, loop in {**batch.loops(), "revocations": revocations.loop}.items()
         ]
+        if nudge is not None:
+            listen = functools.partial(nudge.listen, revocations.heard)
+            tasks.append(supervisor.spawn("revocations-nudge", listen, OnDeath.RESTART))
         if any(host.nodes for host in config.hosts.values()):
             tasks.append(supervisor.spawn("node-drains", drains.loop, OnDeath.RESTART))
         for name, host in config.hosts.items():

@@ -21,10 +21,15 @@ Per sshd profile:
 5. cpu: a steady 100/s (profile `cpu`) on a fresh API: where the CPU went per job (the API's
    processes, the generator, sshd and its shells, the rest of the machine; loadtests/cpu.py).
    Every other Locust run reports the same split in its `cpu` row.
-6. accounts (stock sshd, as root): --accounts-size researcher accounts, one policy rule and key
+6. floor, bashrc, wan: agent mode's figures (`loadtests/agent_bench.py`): sshd's CPU per command
+   against the posix_spawn floor, an account with a 0.3 s ~/.bashrc, and p50 through the WAN
+   relay (`--rtt-ms`, which every part then goes through) per mode and per request.
+7. accounts (stock sshd, as root): --accounts-size researcher accounts, one policy rule and key
    each, one job per account at once through a fresh API, the per-sshd budget and then
    per-account limits (`loadtests/accounts.py`, which runs the full-size comparison).
 `--parts` picks some of these (`--parts cpu`: the CPU row alone, about 40 s per sshd).
+`--exec-modes channel agent` runs each part in both modes, one after the other (interleaved),
+with agent mode's targets against channel mode's of the same run (issue 34).
 Every Locust run goes through `experiment.run_cell`, so each keeps its own report under
 `<out>/<time>-bench/runs/`. The figures, ratios and target verdicts go to `bench.json` there
 and print as a table. Latency is in ms from the intended send time (open model).
@@ -41,7 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loadtests import hdr
+from loadtests import agent_bench, hdr
 from loadtests.accounts import cell as accounts_cell
 from loadtests.backend_bench import BACKENDS, closed_loop
 from loadtests.experiment import Cell, run_cell
@@ -50,13 +55,15 @@ from loadtests.schedule import PROFILES
 from loadtests.server import limits
 from loadtests.timer import DeadlineTimer
 from sshpool import Pool, Target
-from sshpool.devhost import LocalHost, sshd_version
+from sshpool.devhost import LatencyRelay, LocalHost, RelayedHost, sshd_version
 from sshpool.devhost.accounts import ensure_accounts
 
 KNEE_P99_MS = 100.0
 PAPER_RATES = (50.0, 90.0)
 LOW_RATE = 10.0
-PARTS = ("raw", "cpu", "api", "per-request", "burst", "accounts")
+PARTS = ("raw", "cpu", "api", "per-request", "burst", "floor", "bashrc", "wan", "accounts")
+# The API's pool mode (loadtests/server.py) per exec mode.
+POOL_MODE = {"channel": "pooled", "agent": "agent"}
 COMMAND = ("hostname",)  # what loadtests/sustained.py runs by default (--remote-command)
 
 
@@ -82,16 +89,20 @@ async def paced(
 
 
 async def raw_ceiling(
-    host: LocalHost,
+    host: LocalHost | RelayedHost,
     backend: str,
     concurrency: int,
     duration: float,
     low_duration: float,
+    exec_mode: str = "channel",
     pool_mode: str = "pooled",
 ) -> dict[str, Any]:
     """sshpool alone with the API's limits for this sshd: low-load p50 (back to back, and paced
-    at the API's low rate), and saturation."""
-    target = host.target(**dataclasses.asdict(limits(pool_mode)))
+    at the API's low rate), and saturation. `pool_mode` per-account: the channel mode's limits
+    as before the per-sshd budget."""
+    target = agent_bench.target_for(host, exec_mode, backend)
+    if pool_mode == "per-account" and exec_mode == "channel":
+        target = dataclasses.replace(target, limits=limits("per-account"))
     async with Pool(backend=backend) as pool:
         await pool.prewarm(target)
         await closed_loop(
@@ -202,29 +213,25 @@ TARGETS: list[tuple[str, tuple[str, ...], str, float, str | None]] = [
     ("knee jobs/s", ("api", "knee_per_s"), ">=", 300.0, None),
     ("90/s p99 ms", ("api", "stages", "90", "p99_ms"), "<=", 15.0, "90"),
     ("50/s p90 ms", ("api", "stages", "50", "p90_ms"), "<=", 10.0, "50"),
+    # Over the raw pool paced at the same rate: back-to-back raw figures on this VM are 1.3-1.8
+    # ms faster than any paced run (every process on the path wakes from idle per command).
     (
-        "API overhead at 10/s ms",
-        ("ratios", "api_overhead_low_load_ms"),
+        "API overhead at 10/s over raw paced ms",
+        ("ratios", "api_overhead_at_same_rate_ms"),
         "<=",
-        3.0,
+        2.5,
         f"{LOW_RATE:g}",
     ),
     ("burst failures (stock)", ("burst", "failed"), "<=", 0.0, None),
     ("burst makespan ms (stock)", ("burst", "makespan_max_ms"), "<=", 1500.0, None),
     ("burst p50 / makespan (stock)", ("burst", "p50_over_makespan_max"), "<=", 0.6, None),
     ("accounts burst failures (budget)", ("accounts", "budget", "failed"), "<=", 0.0, None),
-    (
-        "accounts burst drop lines (budget)",
-        ("accounts", "budget", "sshd_drop_lines"),
-        "<=",
-        0.0,
-        None,
-    ),
+    ("accounts burst drops (budget)", ("accounts", "budget", "sshd_drop_lines"), "<=", 0.0, None),
     (
         "accounts burst connections (budget)",
         ("accounts", "budget", "connections_max"),
         "<=",
-        64.0,
+        64,
         None,
     ),
 ]
@@ -272,6 +279,61 @@ def cpu_rows(fig: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     return rows
 
 
+def _label(f: dict[str, Any]) -> str:
+    return f"{f['sshd']} agent" if f.get("exec_mode") == "agent" else str(f["sshd"])
+
+
+def agent_table(f: dict[str, Any]) -> list[str]:
+    """Agent mode against channel mode of the same run, and issue 34's targets."""
+    a = f.get("agent_vs_channel")
+    if not a:
+        return []
+    lines = ["", f"Agent mode against channel mode ({f['sshd']} sshd, same run, interleaved):", ""]
+    lines += ["| figure | channel | agent | other |", "|---|---|---|---|"]
+    floor = a.get("floor")
+    if floor:
+        lines.append(
+            f"| sshd + remote CPU per command, ms (median of {floor['rounds']} rounds of "
+            f"{floor['commands']}) | {_fmt((floor.get('channel') or {}).get('sshd_cpu_ms_median'))}"
+            f" | {_fmt((floor.get('agent') or {}).get('sshd_cpu_ms_median'))} | posix_spawn "
+            f"floor {_fmt(floor['floor_cpu_ms_median'])} |"
+        )
+        lines.append(
+            "| sequential p50 per round, ms | "
+            + " | ".join(
+                ", ".join(_fmt(x) for x in (floor.get(m) or {}).get("p50_ms", []))
+                for m in ("channel", "agent")
+            )
+            + " | |"
+        )
+    knees = a.get("knees", {})
+    if knees:
+        lines.append(
+            f"| API knee, jobs/s | {_fmt(knees.get('channel'))} | {_fmt(knees.get('agent'))} | |"
+        )
+    rc = a.get("bashrc")
+    if rc:
+        lines.append(
+            f"| 0.3 s ~/.bashrc account, sequential p50 ms | "
+            f"{_fmt((rc.get('channel') or {}).get('p50_ms'))} | "
+            f"{_fmt((rc.get('agent') or {}).get('p50_ms'))} | |"
+        )
+    wan = a.get("wan")
+    if wan:
+        lines.append(
+            f"| {a['rtt_ms']:g} ms RTT, sequential p50 ms | "
+            f"{_fmt((wan.get('channel') or {}).get('p50_ms'))} | "
+            f"{_fmt((wan.get('agent') or {}).get('p50_ms'))} | connection per request "
+            f"{_fmt(wan['per-request']['p50_ms'])} |"
+        )
+    lines += ["", "| target | goal | value | met |", "|---|---|---|---|"]
+    lines += [
+        f"| {t['target']} | {t['goal']} | {_fmt(t['value'])} | {'yes' if t['met'] else 'NO'} |"
+        for t in a["targets"]
+    ]
+    return lines
+
+
 def table(figures: list[dict[str, Any]]) -> str:
     lines = [
         "| sshd | design | rate | p50 | p90 | p99 | failed | notes |",
@@ -281,7 +343,7 @@ def table(figures: list[dict[str, Any]]) -> str:
         raw = f.get("raw")
         if raw:
             lines.append(
-                f"| {f['sshd']} | raw sshpool | {_fmt(raw['commands_per_s'])}/s at "
+                f"| {_label(f)} | raw sshpool | {_fmt(raw['commands_per_s'])}/s at "
                 f"{raw['concurrency']} callers | {_fmt(raw['p50_ms'])} | - "
                 f"| {_fmt(raw['p99_ms'])} | {raw['errors']} | 1 caller p50 "
                 f"{_fmt(raw['low_load_p50_ms'])}; paced {LOW_RATE:g}/s p50 "
@@ -293,14 +355,14 @@ def table(figures: list[dict[str, Any]]) -> str:
                 continue
             for rate, st in d["stages"].items():
                 lines.append(
-                    f"| {f['sshd']} | {design.replace('_', '-')} | {rate}/s | {_fmt(st['p50_ms'])} "
+                    f"| {_label(f)} | {design.replace('_', '-')} | {rate}/s | {_fmt(st['p50_ms'])} "
                     f"| {_fmt(st['p90_ms'])} | {_fmt(st['p99_ms'])} | {st['failed']} | "
                     f"achieved {_fmt(st['achieved_per_s'])}/s; sent "
                     f"{_fmt(st['lateness_p50_ms'])} ms late (p50)"
                     f"{'' if st['valid'] else '; stage INVALID'} |"
                 )
             lines.append(
-                f"| {f['sshd']} | {design.replace('_', '-')} | knee {_fmt(d['knee_per_s'])}/s "
+                f"| {_label(f)} | {design.replace('_', '-')} | knee {_fmt(d['knee_per_s'])}/s "
                 f"| | | | | p99 <= {KNEE_P99_MS:g} ms in a valid stage"
                 f"{'' if d['valid'] else '; run INVALID (see its stages)'} |"
             )
@@ -317,7 +379,7 @@ def table(figures: list[dict[str, Any]]) -> str:
         b = f.get("burst")
         if b:
             lines.append(
-                f"| {f['sshd']} | burst {b['size']} x {b['repeats']} | | | | | {b['failed']} | "
+                f"| {_label(f)} | burst {b['size']} x {b['repeats']} | | | | | {b['failed']} | "
                 f"makespan ms {', '.join(_fmt(m) for m in b['makespan_ms'])}; p50/makespan "
                 f"{', '.join(_fmt(x) for x in b['p50_over_makespan'])} |"
             )
@@ -336,7 +398,7 @@ def table(figures: list[dict[str, Any]]) -> str:
             server = low["server_p50_ms"]
             ssh = sum(server.get(k) or 0.0 for k in ("open", "exec")) if server else None
             lines.append(
-                f"| {f['sshd']} | {_fmt(low['p50_ms'])} | {_fmt(ssh)} | "
+                f"| {_label(f)} | {_fmt(low['p50_ms'])} | {_fmt(ssh)} | "
                 f"{_fmt(server.get('store'))} | {_fmt(server.get('auth'))} | "
                 f"{_fmt(low['untimed_p50_ms'])} | {_fmt(low['lateness_p50_ms'])} | "
                 f"{_fmt((f.get('raw') or {}).get('low_rate_p50_ms'))} |"
@@ -352,24 +414,28 @@ def table(figures: list[dict[str, Any]]) -> str:
     for f in figures:
         for run, cpu in cpu_rows(f):
             lines.append(
-                f"| {f['sshd']} | {run} | {cpu['jobs']} | {_fmt(cpu['api_ms_per_job'])} | "
+                f"| {_label(f)} | {run} | {cpu['jobs']} | {_fmt(cpu['api_ms_per_job'])} | "
                 f"{_fmt(cpu['generator_ms_per_job'])} | {_fmt(cpu['sshd_ms_per_job'])} | "
                 f"{_fmt(cpu['rest_ms_per_job'])} | {_fmt(cpu['load_average_1m'])} |"
             )
     lines += ["", "| sshd | ratio | value |", "|---|---|---|"]
     for f in figures:
-        lines += [f"| {f['sshd']} | {k} | {_fmt(v)} |" for k, v in f["ratios"].items()]
+        lines += [f"| {_label(f)} | {k} | {_fmt(v)} |" for k, v in f["ratios"].items()]
     lines += ["", "| sshd | target | goal | value | met |", "|---|---|---|---|---|"]
     for f in figures:
         lines += [
-            f"| {f['sshd']} | {t['target']} | {t['goal']} | {_fmt(t['value'])} | "
+            f"| {_label(f)} | {t['target']} | {t['goal']} | {_fmt(t['value'])} | "
             f"{'yes' if t['met'] else 'NO' if t['stage_valid'] else 'NO (stage INVALID)'} |"
             for t in f["targets"]
         ]
+    for f in figures:
+        lines += agent_table(f)
     return "\n".join(lines)
 
 
-def _run(cell: Cell, host: LocalHost, args: argparse.Namespace, repeat: int = 0) -> dict[str, Any]:
+def _run(
+    cell: Cell, host: LocalHost | RelayedHost, args: argparse.Namespace, repeat: int = 0
+) -> dict[str, Any]:
     print(f"  {cell.label}", flush=True)
     result = run_cell(cell, repeat, host, args)
     if "summary" not in result:
@@ -386,43 +452,84 @@ def _run(cell: Cell, host: LocalHost, args: argparse.Namespace, repeat: int = 0)
     return summary
 
 
-def bench_profile(host: LocalHost, args: argparse.Namespace) -> dict[str, Any]:
+def bench_profile(host: LocalHost | RelayedHost, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One figure per exec mode; each part runs for every mode before the next part starts."""
     sshd = host.profile
-    fig: dict[str, Any] = {"sshd": sshd, "backend": args.backend, "workers": args.workers}
-    pooled = fig["pool_mode"] = args.pool_mode
+    modes: list[str] = args.exec_modes
+    # The API's pool mode (loadtests/server.py) per exec mode: --pool-mode for channels.
+    pool_modes = {**POOL_MODE, "channel": args.pool_mode}
+    figs = {
+        m: {"sshd": sshd, "exec_mode": m, "backend": args.backend, "workers": args.workers}
+        for m in modes
+    }
     parts = set(args.parts)
     if "raw" in parts:
-        print(f"sshd {sshd}: raw ceiling ({args.raw_duration:g} s per level)", flush=True)
         low_duration = PROFILES["bench"][1].duration * args.duration_factor  # the API's 10/s
-        fig["raw"] = asyncio.run(
-            raw_ceiling(
-                host,
-                args.backend,
-                args.raw_concurrency,
-                args.raw_duration,
-                low_duration,
-                args.pool_mode,
+        for m in modes:
+            print(f"sshd {sshd} {m}: raw ceiling ({args.raw_duration:g} s per level)", flush=True)
+            figs[m]["raw"] = asyncio.run(
+                raw_ceiling(
+                    host,
+                    args.backend,
+                    args.raw_concurrency,
+                    args.raw_duration,
+                    low_duration,
+                    m,
+                    args.pool_mode,
+                )
             )
-        )
     if "cpu" in parts:
-        fig["cpu_run"] = sustained(_run(Cell(args.backend, sshd, pooled, "cpu"), host, args))
-        fig["cpu"] = fig["cpu_run"]["cpu"]
+        for m in modes:
+            cell = Cell(args.backend, sshd, pool_modes[m], "cpu")
+            figs[m]["cpu_run"] = sustained(_run(cell, host, args))
+            figs[m]["cpu"] = figs[m]["cpu_run"]["cpu"]
     if "api" in parts:
-        fig["api"] = sustained(_run(Cell(args.backend, sshd, pooled, "bench"), host, args))
+        for m in modes:
+            figs[m]["api"] = sustained(
+                _run(Cell(args.backend, sshd, pool_modes[m], "bench"), host, args)
+            )
     if "per-request" in parts:
-        fig["per_request"] = sustained(
+        figs[modes[0]]["per_request"] = sustained(
             _run(Cell(args.backend, sshd, "per-request", "bench-per-request"), host, args)
         )
     if "burst" in parts and (sshd == "stock" or args.burst_all):
-        cell = Cell(args.backend, sshd, pooled, "burst")
-        fig["burst"] = burst([_run(cell, host, args, r) for r in range(args.burst_repeats)])
-        fractions = fig["burst"]["p50_over_makespan"]
-        fig["burst"]["p50_over_makespan_max"] = max(fractions, default=None)
+        runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+        for r in range(args.burst_repeats):
+            for m in modes:
+                cell = Cell(args.backend, sshd, pool_modes[m], "burst")
+                runs[m].append(_run(cell, host, args, r))
+        for m in modes:
+            figs[m]["burst"] = burst(runs[m])
+            fractions = figs[m]["burst"]["p50_over_makespan"]
+            figs[m]["burst"]["p50_over_makespan_max"] = max(fractions, default=None)
     if "accounts" in parts and sshd == "stock":
-        fig["accounts"] = many_accounts(args)
-    fig["ratios"] = ratios(fig)
-    fig["targets"] = verdicts(fig)
-    return fig
+        figs[modes[0]]["accounts"] = many_accounts(args)
+    extra: dict[str, Any] = {"rtt_ms": args.rtt_ms}
+    if "floor" in parts:
+        print(f"sshd {sshd}: CPU per command against the posix_spawn floor", flush=True)
+        extra["floor"] = asyncio.run(
+            agent_bench.floor_part(host, modes, args.backend, args.floor_commands, 3)
+        )
+    if "bashrc" in parts and os.geteuid() == 0:
+        print("an account whose ~/.bashrc sleeps 0.3 s", flush=True)
+        extra["bashrc"] = asyncio.run(
+            agent_bench.bashrc_part(args.out / "hosts", modes, args.backend)
+        )
+    if "wan" in parts and args.rtt_ms > 0:
+        print(f"sshd {sshd}: {args.rtt_ms:g} ms RTT, sequential", flush=True)
+        extra["wan"] = asyncio.run(
+            agent_bench.wan_part(host, modes, args.backend, args.wan_commands)
+        )
+    extra["knees"] = {m: f["api"]["knee_per_s"] for m, f in figs.items() if f.get("api")}
+    if (figs.get("agent") or {}).get("burst"):
+        extra["agent_burst"] = figs["agent"]["burst"]
+    for f in figs.values():
+        f["ratios"] = ratios(f)
+        f["targets"] = verdicts(f)
+    if "agent" in figs:
+        extra["targets"] = agent_bench.verdicts(extra, args.rtt_ms)
+        figs["agent"]["agent_vs_channel"] = extra
+    return list(figs.values())
 
 
 def many_accounts(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -456,22 +563,37 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--burst-repeats", type=int, default=3)
     p.add_argument("--burst-all", action="store_true", help="Burst the tuned sshd too.")
     p.add_argument("--accounts-size", type=int, default=50, help="Accounts of the accounts part.")
-    p.add_argument("--run-timeout", type=float, default=900.0, help="Seconds per Locust run.")
-    p.add_argument("--workers", type=int, default=1, help="API worker processes (SSHAPI_WORKERS).")
-    p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="What to run.")
     p.add_argument(
         "--pool-mode",
         choices=("pooled", "per-account"),
         default="pooled",
-        help="The pool limits of every part but per-request: `per-account` is the pool before "
-        "its per-sshd budget (a gate and a count per account), for an A/B of one account.",
+        help="The channel mode's pool limits: `per-account` is the pool before its per-sshd "
+        "budget (a gate and a count per account), for an A/B of one account.",
     )
+    p.add_argument("--run-timeout", type=float, default=900.0, help="Seconds per Locust run.")
+    p.add_argument("--workers", type=int, default=1, help="API worker processes (SSHAPI_WORKERS).")
+    p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="What to run.")
     p.add_argument(
         "--database-url",
         help="The API's job store (SSHAPI_DATABASE_URL), e.g. "
         "postgresql+asyncpg://postgres@127.0.0.1:5432/test: each run gets a fresh schema, "
         "dropped after. Default: SQLite in each run's directory.",
     )
+    p.add_argument(
+        "--exec-modes",
+        nargs="+",
+        choices=list(POOL_MODE),
+        default=["channel"],
+        help="How commands reach the host: channel, agent, or both (interleaved).",
+    )
+    p.add_argument(
+        "--rtt-ms",
+        type=float,
+        default=0.0,
+        help="Every part through the rig's latency relay adding this round trip (a WAN).",
+    )
+    p.add_argument("--floor-commands", type=int, default=300, help="Commands per floor round.")
+    p.add_argument("--wan-commands", type=int, default=50, help="Commands per WAN round.")
     p.add_argument("--out", type=Path, default=Path("reports"))
     args = p.parse_args(argv)
     # What experiment.run_cell reads besides the above.
@@ -488,9 +610,16 @@ def main(argv: list[str] | None = None) -> int:
     figures = []
     for profile in args.sshd:
         host = LocalHost(f"bench-{profile}", profile, data_dir=args.out / "hosts").start()
+        relay = None
         try:
-            figures.append(bench_profile(host, args))
+            reached: LocalHost | RelayedHost = host
+            if args.rtt_ms > 0:
+                relay = LatencyRelay((host.address, host.port), args.rtt_ms).start()
+                reached = RelayedHost(host, relay)
+            figures += bench_profile(reached, args)
         finally:
+            if relay is not None:
+                relay.stop()
             host.stop(kill_sessions=True)
     meta = {
         "args": {k: str(v) for k, v in vars(args).items()},

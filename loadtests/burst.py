@@ -21,7 +21,7 @@ from locust import LoadTestShape, User, events, task
 from locust.runners import MasterRunner
 
 from loadtests.client import JobClient
-from loadtests.harness import Harness, add_common_arguments
+from loadtests.harness import Harness, add_common_arguments, ui_option
 from loadtests.schedule import Burst, burst_plan, split
 
 HARNESS = Harness("burst")
@@ -31,9 +31,12 @@ GIVE_UP_AFTER = 30 * 60.0  # seconds: the run ends even if a generator never rep
 def _arguments(parser: Any) -> None:
     add_common_arguments(parser)
     group = parser.add_argument_group("burst")
-    group.add_argument("--burst-sizes", type=int, nargs="+", default=[10, 50, 100, 200, 400])
-    group.add_argument("--repeats", type=int, default=3, help="Times each size is fired.")
-    group.add_argument("--cooldown", type=float, default=2.0, help="Seconds between bursts.")
+    ui_option(
+        group, "--burst-sizes", type=int, nargs="+", default=[10, 50, 100, 200, 400],
+        help="Burst sizes (simultaneous requests), interleaved across repeats.",
+    )  # fmt: skip
+    ui_option(group, "--repeats", type=int, default=3, help="Times each size is fired.")
+    ui_option(group, "--cooldown", type=float, default=2.0, help="Seconds between bursts.")
 
 
 # Registered by a call, not as a decorator: locust's hooks are untyped.

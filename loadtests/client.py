@@ -4,7 +4,6 @@ connection is made until the last byte of the answer is read. Imported by locust
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -23,12 +22,10 @@ MAX_IDLE = 2.0
 
 
 def tokens(subjects: int, ttl: float = 24 * 3600.0) -> list[str]:
-    """SSHAPI_TOKEN when set (one identity), else `subjects` tokens minted from the local secret
-    and configuration with the API's own minting, one per subject: the default policy limits
-    each identity's rate and concurrency, and a portal's load comes from many users."""
-    given = os.environ.get("SSHAPI_TOKEN")
-    if given:
-        return [given]
+    """`subjects` tokens minted from the local secret and configuration with the API's own
+    minting, one per subject: the default policy limits each identity's rate and concurrency,
+    and a portal's load comes from many users. SSHAPI_TOKEN (which docs/client.md has
+    researchers export) is not used: it would silently make the run one identity."""
     # The light seam: neither FastAPI nor SQLAlchemy in a Locust worker.
     from api.local import local_token, resolve_config
     from api.settings import Settings

@@ -1,8 +1,9 @@
 """The experiment runner: one command runs a matrix of backend x sshd profile x pool mode x load
-profile with interleaved repeats, and writes one comparison report.
+profile with interleaved repeats, and writes one comparison report, verdicts first.
 
-    python -m loadtests.experiment                                   # asyncssh, stock+tuned,
-                                                                     # pooled+per-request, smoke
+    python -m loadtests.experiment                      # --profile limits: where sshd's limits bite
+    python -m loadtests.experiment --profile matrix     # light steady load, pooled+per-request
+    python -m loadtests.experiment --sshd-binary /tmp/sshapi-openssh10-0/root/usr/sbin/sshd
     python -m loadtests.experiment --backends asyncssh paramiko --profiles smoke paper \\
         --repeats 3 --duration-factor 0.5
 
@@ -46,6 +47,14 @@ from loadtests.verdict import verdicts
 REPO = Path(__file__).resolve().parent.parent
 LOCUST = Path(sys.executable).parent / "locust"
 REPORT_LINE = re.compile(r"^report: (.+report\.md)$", re.M)
+# What sshd logs when one of its limits refuses the API: a handshake dropped past MaxStartups
+# (or PerSourceMaxStartups), a channel refused past MaxSessions, a source penalized.
+SSHD_REFUSALS = {
+    # "past MaxStartups" before OpenSSH 9.8, "Maxstartups" (or "PerSourceMaxStartups") after.
+    "MaxStartups": re.compile(r"drop connection .*maxstartups|beginning maxstartups", re.I),
+    "MaxSessions": re.compile(r"no more sessions|open_session.*refused", re.I),
+    "penalty": re.compile(r"penalt", re.I),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +121,7 @@ def run_cell(cell: Cell, repeat: int, host: Any, args: argparse.Namespace) -> di
         env = {**os.environ, "SSHAPI_DATA_DIR": str(work)}
         env.pop("SSHAPI_TOKEN", None)
         env.pop("SSHAPI_CONFIG", None)
+        log_start = host.log_path.stat().st_size if host.log_path.exists() else 0
         meter = CpuMeter(proc.pid, host.pid).start()
         done = subprocess.run(
             locust_argv(cell, url, args, meta), env=env, capture_output=True, text=True,
@@ -130,9 +140,14 @@ def run_cell(cell: Cell, repeat: int, host: Any, args: argparse.Namespace) -> di
         if database_url:
             asyncio.run(drop_schema(database_url, api_env["SSHAPI_DATABASE_SCHEMA"]))
     (work / "locust.log").write_text(done.stdout + done.stderr)
+    with open(host.log_path, "rb") as log:
+        log.seek(log_start)
+        sshd_log = log.read().decode(errors="replace")
+    refusals = {k: len(pattern.findall(sshd_log)) for k, pattern in SSHD_REFUSALS.items()}
     if not found or summary is None:
         return {"cell": asdict(cell), "repeat": repeat, "error": f"no report ({work}/locust.log)"}
     summary["cpu"] = cpu
+    summary["sshd_refusals"] = refusals
     return {"cell": asdict(cell), "repeat": repeat, "exit": done.returncode,
             "report": found.group(1), "summary": summary}  # fmt: skip
 
@@ -151,6 +166,10 @@ def compare(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for kind, n in s["errors"].items():
                 errors[kind] += n
         p99s = [s["latency_ms"]["p99"] for s in ok if s["latency_ms"]["p99"] is not None]
+        refused: dict[str, int] = defaultdict(int)
+        for s in ok:
+            for kind, n in s.get("sshd_refusals", {}).items():
+                refused[kind] += n
         rows.append(
             {
                 "cell": label,
@@ -160,6 +179,7 @@ def compare(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "requests": sum(s["requests"] for s in ok),
                 "failed": sum(s["failed"] for s in ok),
                 "errors": dict(errors),
+                "sshd_refusals": dict(refused),
                 "latency_ms": merged,
                 "p99_per_repeat": p99s,
                 "stages": [s.get("stages", s.get("bursts", [])) for s in ok],
@@ -179,11 +199,14 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any], images: list[str]) 
         "",
         "Open-model latency (ms) from the intended send time, successes only, warm-up left out; "
         "each cell's percentiles merge the HdrHistograms of its repeats. A cell with fewer valid "
-        "runs than runs had a generator problem (see each run's report).",
+        "runs than runs had a generator problem (see each run's report). The last column counts "
+        "sshd's log lines of limits refusing the API over the cell's runs (MaxStartups: "
+        "throttling begun or a handshake dropped; MaxSessions: a channel refused; penalty: "
+        "PerSourcePenalties).",
         "",
         "| backend | sshd | pool mode | profile | runs (valid) | requests | failed | p50 | p90 "
-        "| p99 | p99.9 | max | p99 per repeat | errors |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| p99 | p99.9 | max | p99 per repeat | errors | sshd log: refused |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in sorted(rows, key=lambda r: r["cell"]):
         p = r["latency_ms"]
@@ -193,6 +216,8 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any], images: list[str]) 
             + " | ".join(_ms(p[k]) for k in ("p50", "p90", "p99", "p99.9", "max"))
             + f" | {', '.join(_ms(v) for v in r['p99_per_repeat'])} | "
             + (", ".join(f"{k} {n}" for k, n in r["errors"].items()) or "-")
+            + " | "
+            + (", ".join(f"{k} {n}" for k, n in r["sshd_refusals"].items() if n) or "-")
             + " |"
         )
     lines += ["", *[f"![{name}]({name})" for name in images], "", "## Runs", ""]
@@ -253,20 +278,57 @@ def _json(value: Any) -> Any:
     raise TypeError(f"not JSON serializable: {type(value).__name__}")
 
 
+# What each --profile runs unless told otherwise. `limits` drives sshd where its limits bite:
+# per-request connections released 100 at once (stock MaxStartups 10:30:100 drops some of
+# the handshakes beyond 10 unauthenticated connections) and 16 channels on one connection
+# (stock MaxSessions is 10). `matrix` is the general comparison at a steady, light load.
+PRESETS: dict[str, dict[str, Any]] = {
+    "limits": {
+        "pool_modes": ["per-request", "channels"],
+        "profiles": ["burst"],
+        "repeats": 3,
+        "burst_sizes": [100],
+    },
+    "matrix": {
+        "pool_modes": ["pooled", "per-request"],
+        "profiles": ["smoke"],
+        "repeats": 2,
+        "burst_sizes": [10, 50, 100],
+    },
+}
+
+
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module's docstring as written, and every option's default."""
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--backends", nargs="+", default=["asyncssh"])
-    p.add_argument("--sshd", nargs="+", choices=["stock", "tuned"], default=["stock", "tuned"])
-    p.add_argument("--pool-modes", nargs="+", choices=POOL_MODES, default=list(POOL_MODES))
-    p.add_argument("--profiles", nargs="+", choices=[*PROFILES, "burst"], default=["smoke"])
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--duration-factor", type=float, default=1.0)
-    p.add_argument("--burst-sizes", type=int, nargs="+", default=[10, 50, 100])
-    p.add_argument("--connection", choices=["keep-alive", "new"], default="keep-alive")
-    p.add_argument("--seed", type=int, default=1)
+    # The preset is read first so that --help shows the defaults it gives.
+    first = argparse.ArgumentParser(add_help=False)
+    first.add_argument("--profile", choices=list(PRESETS), default="limits")
+    preset = first.parse_known_args(argv)[0].profile
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
+    p.add_argument("--profile", choices=list(PRESETS), default="limits",
+                   help="Preset of the options below (the defaults shown are its).")  # fmt: skip
+    p.add_argument("--backends", nargs="+", default=["asyncssh"], help="SSH backends.")
+    p.add_argument("--sshd", nargs="+", choices=["stock", "tuned"], default=["stock", "tuned"],
+                   help="sshd profiles (verdicts need both).")  # fmt: skip
+    p.add_argument("--sshd-binary", default=None,
+                   help="sshd to run (None: the system's); OpenSSH 10.0 from `make openssh10` "
+                   "brings PerSourcePenalties.")  # fmt: skip
+    p.add_argument("--pool-modes", nargs="+", choices=POOL_MODES, help="Pool modes.")
+    p.add_argument("--profiles", nargs="+", choices=[*PROFILES, "burst"], help="Load profiles.")
+    p.add_argument("--repeats", type=int, help="Runs per cell, interleaved.")
+    p.add_argument("--duration-factor", type=float, default=1.0,
+                   help="Scales open-model profiles' stage durations.")  # fmt: skip
+    p.add_argument("--burst-sizes", type=int, nargs="+", help="Burst sizes (profile burst).")
+    p.add_argument("--connection", choices=["keep-alive", "new"], default="keep-alive",
+                   help="HTTP connections of the generator.")  # fmt: skip
+    p.add_argument("--seed", type=int, default=1, help="Seed of the interleaving.")
     p.add_argument("--workers", type=int, default=1, help="API worker processes per cell.")
     p.add_argument("--run-timeout", type=float, default=3600.0, help="Seconds per Locust run.")
-    p.add_argument("--out", type=Path, default=Path("reports"))
+    p.add_argument("--out", type=Path, default=Path("reports"), help="Where reports go.")
+    p.set_defaults(**PRESETS[preset])
     return p.parse_args(argv)
 
 
@@ -278,7 +340,10 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "api").mkdir()
     cells = matrix(args.backends, args.sshd, args.pool_modes, args.profiles)
     order = rounds(cells, args.repeats, args.seed)
-    hosts = {p: LocalHost(f"exp-{p}", p, data_dir=args.out / "hosts") for p in args.sshd}
+    hosts = {
+        p: LocalHost(f"exp-{p}", p, data_dir=args.out / "hosts", sshd=args.sshd_binary)
+        for p in args.sshd
+    }
     for host in hosts.values():
         host.start()
     results = []
@@ -289,9 +354,11 @@ def main(argv: list[str] | None = None) -> int:
             result = run_cell(cell, repeat, hosts[cell.sshd], args)
             if "summary" in result:
                 s = result["summary"]
+                v = s["validity"]
                 print(f"    {s['requests']} requests, {s['failed']} failed, p50 "
                       f"{_ms(s['latency_ms']['p50'])} p99 {_ms(s['latency_ms']['p99'])} ms"
-                      f"{'' if s['validity']['valid'] else ' (INVALID)'}", flush=True)  # fmt: skip
+                      f"{'' if v['valid'] else ' (INVALID)'}"
+                      f"{' (LIMITED)' if v.get('limited') else ''}", flush=True)  # fmt: skip
             else:
                 print(f"    {result['error']}", flush=True)
             results.append(result)
@@ -307,13 +374,12 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "comparison.json").write_text(
         json.dumps({"rows": rows, "verdicts": judged, "meta": meta}, indent=2, default=_json)
     )
-    verdict_text = render_verdicts(judged) if judged else ""
-    (args.out / "comparison.md").write_text(
-        render(rows, meta, plot(rows, args.out)) + "\n" + verdict_text + "\n"
-    )
-    if verdict_text:
-        print(verdict_text)
-    print(f"comparison: {args.out / 'comparison.md'}")
+    # Verdicts first, then the detail, in the file and on the terminal.
+    verdict_text = render_verdicts(judged) + "\n\n" if judged else ""
+    detail = render(rows, meta, plot(rows, args.out))
+    (args.out / "comparison.md").write_text(verdict_text + detail)
+    print(verdict_text + detail.split("\n## Runs")[0].strip())
+    print(f"\ncomparison: {args.out / 'comparison.md'}")
     return 0 if all("summary" in r for r in results) else 1
 
 

@@ -35,6 +35,11 @@ def add_common_arguments(parser: Any) -> None:
         "--subjects", type=int, default=64, help="Token subjects to spread requests over."
     )
     group.add_argument(
+        "--use-env-token", action="store_true", default=False,
+        help="Send every request with SSHAPI_TOKEN (one identity: it meets the per-identity "
+        "limits) instead of minting --subjects tokens from the local secret.",
+    )  # fmt: skip
+    group.add_argument(
         "--connection", choices=["keep-alive", "new"], default="keep-alive",
         help="Reuse HTTP connections, or a new connection per request.",
     )  # fmt: skip
@@ -50,6 +55,17 @@ def add_common_arguments(parser: Any) -> None:
     group.add_argument(
         "--run-meta", default="{}", help="JSON merged into the report's metadata (server side)."
     )
+    # The web UI starts runs and shows the API's URL to whoever reaches it, unauthenticated:
+    # this machine only, unless --web-host says otherwise (Locust's default is every address).
+    parser.set_defaults(web_host="127.0.0.1")
+
+
+def ui_option(group: Any, *names: str, **kwargs: Any) -> None:
+    """An option of the shape that the web UI shows and lets Start change: Locust marks only
+    what its parser's own `add_argument` adds, not an argument group's."""
+    action = group.add_argument(*names, **kwargs)
+    action.include_in_web_ui = True
+    action.is_secret = action.is_required = action.is_multiple = False
 
 
 def generator_cpu(used: dict[str, dict[str, float]]) -> dict[str, float | None]:
@@ -84,6 +100,7 @@ class Harness:
         self.t0 = time.time()
         self.meta: dict[str, Any] = {}
         self.exit_code = 0
+        self.running = False  # between this run's test_start and its test_stop
         self._sampler: gevent.Greenlet | None = None
         self.describe: Callable[[], dict[str, Any]] = dict
         events.test_start.add_listener(self._on_test_start)
@@ -193,6 +210,10 @@ class Harness:
         runner = environment.runner
         if isinstance(runner, MasterRunner):
             runner.register_message("sshapi_done", self._on_done_message)
+        o = environment.parsed_options
+        local = not isinstance(runner, WorkerRunner)
+        if local and o is not None and o.use_env_token and not os.environ.get("SSHAPI_TOKEN"):
+            raise SystemExit("sshapi load suite: --use-env-token, but SSHAPI_TOKEN is not set")
 
     def _on_done_message(self, msg: Any, **_: Any) -> None:
         self.records.extend(from_wire(msg.data["records"]))
@@ -201,6 +222,7 @@ class Harness:
         self.done += 1
 
     def _on_test_start(self, environment: Environment, **_: Any) -> None:
+        self.running = True
         self.records = []
         self.cpu = {}
         self.cpu_used = {}
@@ -212,7 +234,7 @@ class Harness:
         if not isinstance(runner, WorkerRunner):
             # Set here, on the master, these travel to the workers with the spawn message.
             o = self.options
-            o.sshapi_tokens = tokens(o.subjects)
+            o.sshapi_tokens = self._tokens()
             o.sshapi_generators = runner.worker_count if isinstance(runner, MasterRunner) else 1
             self.meta = self._meta_before()
         if not isinstance(runner, MasterRunner):
@@ -233,7 +255,16 @@ class Harness:
         runner = environment.runner
         if isinstance(runner, WorkerRunner):
             return  # its records went to the master with generator_done
-        if not self.records:
+        started, self.running = self.running, False
+        # A web UI's next Start begins from nothing: the shape ends a run once `done` counts
+        # every generator, so a count left from this run would end the next before its first
+        # request, and its report would repeat this one's records.
+        records, self.records, self.done = self.records, [], 0
+        if not started:
+            print("sshapi load suite: the run stopped before it started: no report written")
+            self.exit_code = 1
+            return
+        if not records:
             print("sshapi load suite: no requests were recorded, no report written")
             self.exit_code = 1
             return
@@ -242,8 +273,8 @@ class Harness:
         meta = {**self.meta, **self._meta_after(), "duration_s": round(time.time() - self.t0, 1)}
         meta["generator_cpu"] = generator_cpu(self.cpu_used)
         out = report.run_dir(Path(self.options.report_dir), self.name)
-        summary = report.write_run(out, self.records, meta, self.cpu)
-        failed = sum(1 for r in self.records if not r.ok)
+        summary = report.write_run(out, records, meta, self.cpu)
+        failed = sum(1 for r in records if not r.ok)
         self.exit_code = 1 if failed else 0
         v = summary["validity"]
         lat = summary["latency_ms"]
@@ -252,7 +283,9 @@ class Harness:
             f"failed ({summary['errors'] or 'no errors'}); latency ms p50 {lat['p50']} "
             f"p90 {lat['p90']} p99 {lat['p99']} p99.9 {lat['p99.9']} max {lat['max']}\n"
             f"generator CPU {_ms(meta['generator_cpu']['ms_per_request'])} ms per request\n"
-            f"run {'VALID' if v['valid'] else 'INVALID: ' + '; '.join(v['reasons'])}\n"
+            f"run {'VALID' if v['valid'] else 'INVALID: ' + '; '.join(v['reasons'])}"
+            + "".join(f"; LIMITED: {reason}" for reason in v["limited"])
+            + "\n"
             f"report: {out / 'report.md'}\n",
             flush=True,
         )
@@ -260,6 +293,19 @@ class Harness:
     def _on_quitting(self, environment: Environment, **_: Any) -> None:
         if isinstance(environment.runner, LocalRunner | MasterRunner) and self.exit_code:
             environment.process_exit_code = self.exit_code
+
+    def _tokens(self) -> list[str]:
+        o = self.options
+        if not o.use_env_token:
+            return tokens(o.subjects)
+        given = os.environ["SSHAPI_TOKEN"]  # checked at init
+        print(
+            "sshapi load suite: warning: every request uses SSHAPI_TOKEN, one identity: it meets "
+            "the per-identity limits (the local policy: 5 jobs/s, 8 at once), so failures "
+            "measure them (drop --use-env-token to spread over --subjects identities)",
+            flush=True,
+        )
+        return [given]
 
     # -- metadata
     def _hosts_info(self) -> Any:

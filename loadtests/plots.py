@@ -3,6 +3,7 @@ its file name, or None when the run has nothing to show in it."""
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import defaultdict
 from collections.abc import Sequence
@@ -13,6 +14,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from matplotlib.ticker import MaxNLocator
 
 from loadtests import hdr
 from loadtests.records import Record
@@ -43,6 +45,13 @@ def vs_offered_load(stages: Sequence[dict[str, Any]], out: Path) -> str | None:
 
 
 def over_time(records: Sequence[Record], out: Path, window: float = 1.0) -> str | None:
+    fig = over_time_figure(records, window)
+    return None if fig is None else _save(fig, out, "percentiles_over_time.png")
+
+
+def over_time_figure(records: Sequence[Record], window: float = 1.0) -> Any:
+    """Percentiles per window, failures as bars. A window without successes breaks the lines
+    (a NaN point): a cool-down between bursts or stages is not drawn as a slope across it."""
     if not records:
         return None
     t0 = min(r.t for r in records)
@@ -57,13 +66,18 @@ def over_time(records: Sequence[Record], out: Path, window: float = 1.0) -> str 
     slots = sorted(set(ok) | set(failed))
     fig, ax = plt.subplots(figsize=(9, 4))
     for key, color in LINES[:3]:
-        # A slot with successes has every percentile (None only for an empty histogram).
-        points = [
-            (s * window, value)
-            for s in slots
-            if ok[s] and (value := hdr.percentiles(hdr.histogram(ok[s]))[key]) is not None
-        ]
-        ax.plot([p[0] for p in points], [p[1] for p in points], color=color, label=key)
+        xs: list[float] = []
+        ys: list[float] = []
+        for s in sorted(ok):
+            if xs and s * window - xs[-1] > window:
+                xs.append(xs[-1] + window)
+                ys.append(math.nan)
+            # A slot with successes has every percentile (None only for an empty histogram).
+            value = hdr.percentiles(hdr.histogram(ok[s]))[key]
+            xs.append(s * window)
+            ys.append(math.nan if value is None else value)
+        # Markers: a burst is one window, so a run of bursts is points, not lines.
+        ax.plot(xs, ys, ".-", color=color, label=key)
     ax.set(xlabel="seconds since start (intended send time)", ylabel="latency (ms, log)")
     ax.set_yscale("log")
     ax.grid(True, which="both", alpha=0.3)
@@ -72,12 +86,15 @@ def over_time(records: Sequence[Record], out: Path, window: float = 1.0) -> str 
         [s * window for s in slots], [failed[s] for s in slots], width=window, color="tab:red",
         alpha=0.35, label="failed/dropped",
     )  # fmt: skip
+    # Counts from 0; with no failure at all matplotlib would centre the axis on 0 (-0.04..0.04).
+    errors.set_ylim(0, max(1, *failed.values()) * 1.1 if failed else 1)
+    errors.yaxis.set_major_locator(MaxNLocator(integer=True))
     errors.set_ylabel("failed or dropped per window")
     lines, labels = ax.get_legend_handles_labels()
     bars, bar_labels = errors.get_legend_handles_labels()
     ax.legend(lines + bars, labels + bar_labels, loc="upper left")
     ax.set_title(f"Latency percentiles per {window:g} s window, with failures")
-    return _save(fig, out, "percentiles_over_time.png")
+    return fig
 
 
 def distribution(records: Sequence[Record], out: Path) -> str | None:

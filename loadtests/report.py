@@ -67,6 +67,9 @@ def render(summary: dict[str, Any], images: dict[str, str | None]) -> str:
     else:
         lines.append("**INVALID RUN**: the generator, not the server, limited it:")
         lines += [f"- {reason}" for reason in v["reasons"]]
+    if v.get("limited"):
+        lines += ["", "**LIMITED**: not a plain measurement of the service:"]
+        lines += [f"- {reason}" for reason in v["limited"]]
     lines += [
         "",
         f"Model: **{meta.get('model')}** ({meta.get('latency_from')}). Connection: "
@@ -142,7 +145,8 @@ def render(summary: dict[str, Any], images: dict[str, str | None]) -> str:
 
 def _stage_verdict(v: dict[str, Any]) -> str:
     """A stage's own validity: `valid`, or INVALID and why (the same reasons as the run's)."""
-    return "valid" if v["valid"] else "INVALID: " + "; ".join(v["reasons"])
+    verdict = "valid" if v["valid"] else "INVALID: " + "; ".join(v["reasons"])
+    return verdict + "".join(f"; LIMITED: {reason}" for reason in v.get("limited", []))
 
 
 def write_run(

@@ -4,7 +4,8 @@ the experiment, served by the API's own `create_app` in a child process.
     python -m loadtests.server spec.json    # what start_api runs
 
 The per-request-connection mode is `[hosts.*.limits] reuse = false` with one session per
-connection: the API's own configuration expresses it.
+connection: the API's own configuration expresses it. The `agent` mode is the pooled limits with
+`exec_mode = "agent"` (one executor per connection runs the commands: docs/pool.md).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from sshpool import Limits
 if TYPE_CHECKING:
     from sshpool.devhost import LocalHost
 
-POOL_MODES = ("pooled", "per-request", "per-account")
+POOL_MODES = ("pooled", "per-request", "agent", "channels", "per-account")
 READY_TIMEOUT = 30.0
 
 
@@ -54,14 +55,18 @@ def limits(mode: str) -> Limits:
     api/sshapi.example.toml deploys a host (without it, a burst on a fresh API waited 0.4-0.7 s
     for its first handshakes before any command ran: docs/benchmarks.md); so `stock` and `tuned`
     differ by sshd alone. `per-request` opens up to 64 connections at once, one command each, as
-    the old design did (stock MaxStartups 10:30:100 starts refusing them at 10). `per-account`
-    is `pooled` as the pool was before its per-sshd budget: a gate of 4 and a connection count
-    per account (`per_sshd=False`), for A/B comparisons."""
+    the old design did (stock MaxStartups 10:30:100 starts refusing them at 10). `channels`
+    keeps one connection and opens up to 16 channels on it: past stock MaxSessions 10, within
+    sshd_config.tuned's 16. `per-account` is `pooled` as the pool was before its per-sshd
+    budget: a gate of 4 and a connection count per account (`per_sshd=False`), for A/B
+    comparisons."""
     if mode == "per-request":
         return Limits(max_connections=64, max_sessions=1, max_handshakes=64, reuse=False)
+    if mode == "channels":
+        return Limits(min_connections=1, max_connections=1, max_sessions=16)
     if mode == "per-account":
         return dataclasses.replace(LOCAL_LIMITS, max_handshakes=4, per_sshd=False)
-    if mode != "pooled":
+    if mode not in ("pooled", "agent"):
         raise ValueError(f"pool mode {mode!r} is not one of {POOL_MODES}")
     return LOCAL_LIMITS
 
@@ -122,6 +127,7 @@ def start_api(
         "client_keys": [local_host.client_key],
         "known_hosts": local_host.known_hosts,
         "limits": dataclasses.asdict(lim),
+        "exec_mode": "agent" if pool_mode == "agent" else "channel",
     }
     return serve_config(
         config_data(host), backend=backend, data_dir=data_dir, port=port, log=log, env=env

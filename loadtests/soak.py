@@ -146,6 +146,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-growth", type=float, default=10.0, help="Memory growth limit, %%.")
     p.add_argument("--backend", default="asyncssh", choices=["asyncssh", "paramiko", "ssh2"])
     p.add_argument("--remote-command", default="hostname")
+    p.add_argument(
+        "--pool-mode", default="pooled", choices=["pooled", "agent"], help="agent: exec_mode agent."
+    )
     p.add_argument("--out", type=Path, default=Path("reports"))
     return p.parse_args(argv)
 
@@ -159,7 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     api_dir = out / "api"
     try:
         proc, url = start_api(
-            host, backend=args.backend, pool_mode="pooled", data_dir=api_dir, log=out / "api.log"
+            host,
+            backend=args.backend,
+            pool_mode=args.pool_mode,
+            data_dir=api_dir,
+            log=out / "api.log",
         )
         assert host.pid is not None
         sampler = Sampler(proc.pid, host.pid, url, admin_token(api_dir), args.interval)

@@ -19,6 +19,11 @@ from loadtests.records import DROPPED, Record
 LATE_MS = 10.0
 LATE_FRACTION = 0.01
 CPU_LIMIT = 80.0  # percent of one core, 90th percentile of the generator's samples
+# The API's own refusals: rate limits and per-identity caps (429), admission and saturation
+# (503). A run whose failures are mostly these, at more than LIMITED_FRACTION of its requests,
+# measured the limits rather than the service, and says so beside its validity.
+REFUSALS = (429, 503)
+LIMITED_FRACTION = 0.01
 # The generator samples its own CPU this often: each sample is (Unix time, percent of one core)
 # over the interval that ends at its time, so a stage is judged by the samples of its own time.
 CPU_INTERVAL = 1.0
@@ -68,12 +73,31 @@ def validity(measured: Sequence[Record], cpu: CpuSamples) -> dict[str, Any]:
     return {
         "valid": not reasons,
         "reasons": reasons,
+        "limited": limited(sent),
         "late": late,
         "late_threshold_ms": LATE_MS,
         "lateness_ms": _pcts([max(0.0, r.lateness_ms) for r in sent]) if sent else None,
         "dropped": dropped,
         "generator_cpu_p90": cpu_p90,
     }
+
+
+def limited(sent: Sequence[Record]) -> list[str]:
+    """Why a run (valid or not) is not a plain measurement of the service: most of its requests
+    failed, or its failures are mostly the API's own refusals. Empty when neither."""
+    failed = [r for r in sent if not r.ok]
+    refused = Counter(f"http {r.status}" for r in failed if r.status in REFUSALS)
+    found = []
+    if sent and 2 * len(failed) > len(sent):
+        found.append(f"most requests failed ({len(failed)} of {len(sent)})")
+    total = sum(refused.values())
+    if 2 * total > len(failed) and total > LIMITED_FRACTION * len(sent):
+        kinds = ", ".join(f"{k}: {n}" for k, n in sorted(refused.items()))
+        found.append(
+            f"{total} of {len(failed)} failures were the API's own limits refusing ({kinds}): "
+            "the run measured its rate limits, caps or admission, not the service"
+        )
+    return found
 
 
 def _group(records: Sequence[Record]) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from locust import LoadTestShape, User, events, task
 from locust.runners import MasterRunner
 
 from loadtests.client import JobClient
-from loadtests.harness import Harness, add_common_arguments
+from loadtests.harness import Harness, add_common_arguments, ui_option
 from loadtests.schedule import PROFILES, Stage, arrivals, scaled, share, stage_at, total_duration
 from loadtests.timer import DeadlineTimer, Timers
 
@@ -44,13 +44,19 @@ LEAD_GAP = 0.008
 def _arguments(parser: Any) -> None:
     add_common_arguments(parser)
     group = parser.add_argument_group("sustained")
-    group.add_argument("--load-profile", choices=sorted(PROFILES), default="smoke")
-    group.add_argument("--model", choices=["open", "closed"], default="open")
-    group.add_argument(
-        "--duration-factor", type=float, default=1.0, help="Scale every stage's duration."
+    ui_option(
+        group, "--load-profile", choices=sorted(PROFILES), default="smoke",
+        help="The stages (docs/load-suite.md).",
+    )  # fmt: skip
+    ui_option(
+        group, "--model", choices=["open", "closed"], default="open",
+        help="open: intended send times; closed: the paper's set-up.",
+    )  # fmt: skip
+    ui_option(
+        group, "--duration-factor", type=float, default=1.0, help="Scale every stage's duration."
     )
-    group.add_argument("--rate-factor", type=float, default=1.0, help="Scale every stage's rate.")
-    group.add_argument("--closed-users", type=int, default=20, help="Users of the closed model.")
+    ui_option(group, "--rate-factor", type=float, default=1.0, help="Scale every stage's rate.")
+    ui_option(group, "--closed-users", type=int, default=20, help="Users of the closed model.")
 
 
 # Registered by a call, not as a decorator: locust's hooks are untyped.

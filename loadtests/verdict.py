@@ -7,7 +7,11 @@ hierarchical bootstrap estimates the difference B - A of
 - p99 latency (successes, from the intended send time): resample the repeats of each cell with
   replacement, then the requests within each chosen repeat, and take the p99 of the pooled
   sample;
-- throughput (successes per second of the stage): resample the repeats, mean of the chosen.
+- throughput (successes per second of the stage; of a burst, per second of its makespan):
+  resample the repeats, mean of the chosen;
+- failure rate (failed share of the stage's or burst's requests), as throughput.
+
+A burst profile's "load" is its burst size (all repeats of that size, as one stage).
 
 Only repeats whose stage kept its own validity verdict count: a repeat in which the generator
 fell behind at that load measured the generator (its throughput and latency understated), so it
@@ -23,13 +27,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from loadtests.records import read_jsonl
+from loadtests.records import Record, read_jsonl
 
 RESAMPLES = 2000
 CONFIDENCE = 0.95
@@ -100,34 +104,43 @@ class Runs:
     throughput: list[float]
     failed: int
     invalid: int = 0
+    failure_rate: list[float] = field(default_factory=list)
 
 
-def stage_runs(results: list[dict[str, Any]]) -> dict[tuple[str, str], dict[float, Runs]]:
-    """(cell label without the compared dimension, compared value) -> offered rate -> Runs,
-    from the experiment's results (each run's records.jsonl next to its report)."""
-    out: dict[tuple[str, str], dict[float, Runs]] = defaultdict(dict)
+def stage_runs(results: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Runs]]:
+    """(cell label without the compared dimension, compared value) -> load -> Runs, from the
+    experiment's results (each run's records.jsonl next to its report). A load is "N/s" for a
+    stage of an open-model profile, "burst N" for the bursts of size N."""
+    out: dict[tuple[str, str], dict[str, Runs]] = defaultdict(dict)
     for r in results:
-        if "summary" not in r or "stages" not in r["summary"]:
+        if "summary" not in r:
             continue
         cell = r["cell"]
         key = (f"{cell['backend']}/{cell['pool_mode']}/{cell['profile']}", cell["sshd"])
-        by_stage: dict[int, list[float]] = defaultdict(list)
-        failed: dict[int, int] = defaultdict(int)
+        by_stage: dict[str, list[Record]] = defaultdict(list)
         for rec in read_jsonl(Path(r["report"]).parent / "records.jsonl"):
-            if rec.warmup:
-                continue
-            if rec.ok:
-                by_stage[rec.stage].append(rec.latency_ms)
-            else:
-                failed[rec.stage] += 1
-        for st in r["summary"]["stages"]:
-            runs = out[key].setdefault(st["offered_rate"], Runs([], [], 0))
-            if not st["validity"]["valid"]:
+            if not rec.warmup:
+                load = f"burst {rec.burst_size}" if rec.kind == "burst" else f"{rec.rate:g}/s"
+                by_stage[load].append(rec)
+        valid = {f"{st['offered_rate']:g}/s": st["validity"]["valid"]
+                 for st in r["summary"].get("stages", [])}  # fmt: skip
+        for load, recs in by_stage.items():
+            runs = out[key].setdefault(load, Runs([], [], 0))
+            if not valid.get(load, True):
                 runs.invalid += 1
                 continue
-            runs.latencies.append(by_stage.get(st["stage"], []))
-            runs.throughput.append(st["throughput"] or 0.0)
-            runs.failed += failed.get(st["stage"], 0)
+            ok = [x.latency_ms for x in recs if x.ok]
+            if recs[0].kind == "burst":
+                # Bursts of one size in one run are taken together: successes per second of
+                # the time from the first release to the last answer.
+                span = max(x.t + x.latency_ms / 1000 for x in recs) - min(x.t for x in recs)
+                runs.throughput.append(len(ok) / span if span > 0 else 0.0)
+            else:
+                st = next(s for s in r["summary"]["stages"] if f"{s['offered_rate']:g}/s" == load)
+                runs.throughput.append(st["throughput"] or 0.0)
+            runs.latencies.append(ok)
+            runs.failed += len(recs) - len(ok)
+            runs.failure_rate.append((len(recs) - len(ok)) / len(recs))
     return out
 
 
@@ -142,17 +155,18 @@ def verdicts(
         if value != candidate or (label, baseline) not in runs:
             continue
         base = runs[(label, baseline)]
-        for rate, cand in sorted(stages.items()):
-            if rate not in base:
+        for load, cand in sorted(stages.items()):
+            if load not in base:
                 continue
-            ref = base[rate]
+            ref = base[load]
             p99 = p99_difference(ref.latencies, cand.latencies)
             thr = mean_difference(ref.throughput, cand.throughput)
+            fail = mean_difference(ref.failure_rate, cand.failure_rate)
             missing = "no data" if ref.throughput and cand.throughput else "no valid run"
             rows.append(
                 {
                     "cells": label,
-                    "offered_rate": rate,
+                    "load": load,
                     "repeats": (len(ref.throughput), len(cand.throughput)),
                     "invalid": (ref.invalid, cand.invalid),
                     "failed": (ref.failed, cand.failed),
@@ -160,6 +174,8 @@ def verdicts(
                     "p99_verdict": p99.verdict(True, candidate) if p99 else missing,
                     "throughput_diff": thr,
                     "throughput_verdict": thr.verdict(False, candidate) if thr else missing,
+                    "failure_rate_diff": fail,
+                    "failure_rate_verdict": fail.verdict(True, candidate) if fail else missing,
                 }
             )
     return rows
@@ -176,15 +192,20 @@ def render(rows: list[dict[str, Any]], baseline: str = "stock", candidate: str =
         f"intervals over the valid repeats ({RESAMPLES} resamples; a repeat whose stage was "
         "INVALID is left out); failures are not in the p99.",
         "",
-        "| cells | offered/s | valid repeats | INVALID | failed | p99 diff ms | p99 "
-        "| throughput diff /s | throughput |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| cells | load | valid repeats | INVALID | failed | p99 diff ms | p99 "
+        "| throughput diff /s | throughput | failure rate diff | failure rate |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        fail = r["failure_rate_diff"]
+        fail_iv = (
+            "-" if fail is None else (f"{fail.point:+.1%} [{fail.low:+.1%}, {fail.high:+.1%}]")
+        )
         lines.append(
-            f"| {r['cells']} | {r['offered_rate']:g} | {r['repeats'][0]}, {r['repeats'][1]} | "
+            f"| {r['cells']} | {r['load']} | {r['repeats'][0]}, {r['repeats'][1]} | "
             f"{r['invalid'][0]}, {r['invalid'][1]} | "
             f"{r['failed'][0]}, {r['failed'][1]} | {iv(r['p99_diff_ms'])} | {r['p99_verdict']} | "
-            f"{iv(r['throughput_diff'])} | {r['throughput_verdict']} |"
+            f"{iv(r['throughput_diff'])} | {r['throughput_verdict']} | "
+            f"{fail_iv} | {r['failure_rate_verdict']} |"
         )
     return "\n".join(lines)

@@ -43,13 +43,28 @@ class PooledConn:
         "in_use",
         "leases",
         "noisy_login",
+        "sftp",
+        "sftp_capacity",
+        "sftp_ceiling",
     )
 
-    def __init__(self, conn: Connection, capacity: int, now: float, connect_time: float) -> None:
+    def __init__(
+        self,
+        conn: Connection,
+        capacity: int,
+        now: float,
+        connect_time: float,
+        sftp_capacity: int | None = None,
+    ) -> None:
         self.conn = conn
         self.capacity = capacity
         # What capacity grows back to: max_sessions, or agent_max_commands on an executor.
         self.ceiling = capacity
+        # On an executor's connection (agent mode) commands open no channel, SFTP sessions do:
+        # they are counted apart, within the channels the executor leaves (None: a channel
+        # connection, where a session's channel is its command slot).
+        self.sftp = 0
+        self.sftp_capacity = self.sftp_ceiling = sftp_capacity
         self.in_use = 0
         self.created = now
         self.idle_since = now
@@ -62,7 +77,9 @@ class PooledConn:
         # Something printed before our marker line (warned once per connection).
         self.noisy_login = False
 
-    def has_room(self) -> bool:
+    def has_room(self, sftp: bool = False) -> bool:
+        if sftp and self.sftp_capacity is not None and self.sftp >= self.sftp_capacity:
+            return False
         return not self.expired and self.in_use < self.capacity and self.conn.is_alive()
 
 

@@ -5,7 +5,9 @@ methods (`_dispatch`, `_maybe_grow`, `_release`, ...), so no two coroutines inte
 state change. I/O (connect, exec, close) happens outside them.
 
 A command holds a lease (`async with host.lease(deadline)`), one channel slot on one
-connection (an SFTP session holds one the same way while open: `Pool.sftp`); the lease
+connection (an SFTP session holds one the same way while open: `Pool.sftp`; on an executor's
+connection, agent mode, a slot is one of the executor's commands, and an SFTP session holds one
+of the connection's own channels besides: `PooledConn.sftp`); the lease
 decides what becomes of the slot when the command ends: released after a
 clean exec, shrunk when sshd refused the channel, discarded when the connection failed, and after
 a timeout or cancellation released only once the remote process group was killed. The
@@ -18,7 +20,10 @@ in turns, within its gate and its connection budget, closing other accounts' idl
 for room.
 
 Invariants of a host pool:
-- 0 <= conn.in_use <= conn.capacity <= limits.max_sessions for every pooled connection;
+- 0 <= conn.in_use <= conn.capacity <= limits.max_sessions for every pooled connection
+  (limits.agent_max_commands on an executor's);
+- on an executor's connection, 0 <= conn.sftp <= conn.sftp_capacity <= limits.max_sessions - 1:
+  with the executor's own channel, at most max_sessions channels, however many commands run;
 - len(conns) + connecting <= limits.max_connections;
 - a connection is opened only when the sshd grants it (`start_connect`): the handshake gate
   (max_handshakes; stock MaxStartups drops from 10) and max_total_connections are the sshd's;
@@ -60,7 +65,7 @@ from collections.abc import (
 )
 from typing import Any, TypeVar, cast
 
-from sshpool.agent import start_agent
+from sshpool.agent import AgentConnection, start_agent
 from sshpool.backends import Backend, Connection, load_backend
 from sshpool.backends.base import SFTPSession
 from sshpool.breaker import Breaker, Penalties
@@ -155,6 +160,8 @@ class _HostPool:
         self.sshd = sshd
         self.conns: list[PooledConn] = []
         self.waiters = Waiters()
+        # The waiters for an SFTP session (they need a connection with a channel to spare).
+        self.sftp_waiters: set[asyncio.Future[PooledConn]] = set()
         self.connecting = 0
         # Set while prewarm() waits: min_connections is then a need, not a wish.
         self.prewarming = False
@@ -181,10 +188,10 @@ class _HostPool:
 
     # ---- state changes: synchronous, no awaits ----
 
-    def _pick(self) -> PooledConn | None:
+    def _pick(self, sftp: bool = False) -> PooledConn | None:
         best: PooledConn | None = None
         for c in self.conns:
-            if c.has_room() and (best is None or c.in_use < best.in_use):
+            if c.has_room(sftp) and (best is None or c.in_use < best.in_use):
                 best = c
         return best
 
@@ -197,11 +204,13 @@ class _HostPool:
             if fut.done():
                 self.waiters.popleft()
                 continue
-            c = self._pick()
+            sftp = fut in self.sftp_waiters
+            c = self._pick(sftp)
             if c is None:
                 break
             self.waiters.popleft()
-            self._lease(c)
+            self.sftp_waiters.discard(fut)
+            self._lease(c, sftp)
             fut.set_result(c)
         self._maybe_grow()
 
@@ -267,8 +276,10 @@ class _HostPool:
                 keep.append(c)
         self.conns = keep
 
-    def _lease(self, c: PooledConn) -> None:
+    def _lease(self, c: PooledConn, sftp: bool = False) -> None:
         c.in_use += 1
+        if sftp and c.sftp_capacity is not None:
+            c.sftp += 1
         if not self.limits.reuse:
             c.expired = True  # one command per connection: closed when this lease ends
 
@@ -299,11 +310,25 @@ class _HostPool:
         self.counters["channel_refused"] += 1
         self._dispatch()
 
-    def _failed(self, c: PooledConn, exc: BaseException) -> None:
+    def _end_sftp(self, c: PooledConn) -> None:
+        """An SFTP session's channel on `c` is closed (its command slot is released apart)."""
+        if c.sftp_capacity is not None:
+            c.sftp -= 1
+
+    def _failed(self, c: PooledConn, exc: BaseException, sftp: bool = False) -> None:
         """A channel on `c` failed with `exc` (its open, or what ran on it): refused, the
-        connection shrinks to what it holds now; lost or anything else, it is discarded."""
+        connection shrinks to what it holds now (an SFTP channel beside an executor: its SFTP
+        channels do, its commands keep their room); lost or anything else, it is discarded."""
+        if sftp:
+            self._end_sftp(c)
         if isinstance(exc, ChannelRefused):
-            self._shrink(c)
+            if sftp and c.sftp_capacity is not None:
+                c.sftp_capacity = max(1, c.sftp)
+                c.clean_opens = 0
+                self.counters["channel_refused"] += 1
+                self._release(c)
+            else:
+                self._shrink(c)
             return
         if isinstance(exc, ConnectionLost):
             self.counters["connections_lost"] += 1
@@ -312,11 +337,16 @@ class _HostPool:
     def _regrow(self, c: PooledConn) -> None:
         """A clean channel open: after REGROW_AFTER of them a shrunk connection grows by one."""
         c.clean_opens += 1
-        if c.capacity < c.ceiling and c.clean_opens >= REGROW_AFTER:
-            c.capacity += 1
-            c.clean_opens = 0
+        if c.clean_opens >= REGROW_AFTER:
+            if c.capacity < c.ceiling:
+                c.capacity += 1
+                c.clean_opens = 0
+            if c.sftp_capacity is not None and c.sftp_capacity < (c.sftp_ceiling or 0):
+                c.sftp_capacity += 1
+                c.clean_opens = 0
 
     def _fail_waiters(self, exc: SSHPoolError) -> None:
+        self.sftp_waiters.clear()
         while self.waiters:
             fut = self.waiters.popleft()
             if not fut.done():
@@ -396,7 +426,9 @@ class _HostPool:
         self.counters["connects"] += 1
         self.breaker.success()
         self.trusted = True
-        self.conns.append(PooledConn(conn, slots, now, time.perf_counter() - start))
+        # Beside an executor's channel, the SFTP sessions' (at least one: see ssh_budget).
+        sftp = max(1, self.limits.max_sessions - 1) if isinstance(conn, AgentConnection) else None
+        self.conns.append(PooledConn(conn, slots, now, time.perf_counter() - start, sftp))
         self._connected(None)
         return None
 
@@ -449,13 +481,16 @@ class _HostPool:
         self.counters["agents_started"] += 1
         return agent, n
 
-    async def acquire(self, deadline: float | None, tenant: Hashable = None) -> PooledConn:
+    async def acquire(
+        self, deadline: float | None, tenant: Hashable = None, sftp: bool = False
+    ) -> PooledConn:
+        """A slot (`sftp`: for an SFTP session, which needs a channel too), in `tenant`'s turn."""
         if self.retired:
             raise HostUnavailable(f"{self.target}: node drained", 1.0)
         if not self.waiters:
-            c = self._pick()
+            c = self._pick(sftp)
             if c is not None:
-                self._lease(c)
+                self._lease(c, sftp)
                 return c
         now = self.loop.time()
         if self.breaker.is_open(now) and not any(c.conn.is_alive() for c in self.conns):
@@ -467,18 +502,23 @@ class _HostPool:
             raise PoolFull(f"{self.target}: {len(self.waiters)} callers already waiting")
         fut: asyncio.Future[PooledConn] = self.loop.create_future()
         self.waiters.append(tenant, fut)
+        if sftp:
+            self.sftp_waiters.add(fut)
         self._maybe_grow()
         try:
             async with asyncio.timeout_at(deadline):
                 # Shielded: on timeout or cancel we decide what happens to the waiter below.
                 return await asyncio.shield(fut)
         except BaseException as exc:
+            self.sftp_waiters.discard(fut)
             if not fut.done():
                 fut.cancel()
                 with contextlib.suppress(ValueError):
                     self.waiters.remove(tenant, fut)
             elif not fut.cancelled() and fut.exception() is None:
                 # Served at the same moment we gave up: give the slot back.
+                if sftp:
+                    self._end_sftp(fut.result())
                 self._release(fut.result())
             if isinstance(exc, TimeoutError):
                 self.counters["timeouts_queue"] += 1
@@ -585,14 +625,15 @@ class _HostPool:
     ) -> tuple[PooledConn, SFTPSession]:
         """One try of `open_sftp`: the slot goes as a command's does when its channel fails
         (`_failed`)."""
-        c = await self.acquire(deadline, tenant)
+        c = await self.acquire(deadline, tenant, sftp=True)
         try:
             session = await c.conn.sftp()
         except RemoteFileError:
+            self._end_sftp(c)
             self._release(c)  # no sftp subsystem: the connection itself is fine
             raise
         except BaseException as exc:
-            self._failed(c, exc)
+            self._failed(c, exc, sftp=True)
             raise
         self._regrow(c)
         self.counters["sftp_sessions"] += 1
@@ -607,6 +648,7 @@ class _HostPool:
                 await session.close()
         except TimeoutError:
             healthy = False
+        self._end_sftp(c)
         if healthy and c.conn.is_alive():
             self._release(c)
         else:

@@ -7,8 +7,8 @@ In a notebook:
     print(client.run("local", ["hostname"]).stdout)
 
 `AsyncClient` has the same methods as coroutines (and async iterators for `follow`/`events`).
-Files (docs/files.md): `list_files`, `stat`, `download` (resumed by Range), `upload` (streamed),
-`delete_file`.
+Files (docs/files.md): `list_files`, `stat`, `download` (resumed by Range), `upload` (streamed,
+`parents=True` as `mkdir -p`), `mkdir`, `delete_file`.
 
 What the client does for you: an `Idempotency-Key` on every POST, so that a retry (after a 429,
 a 503 or a dropped connection) replays the job instead of running the command twice; retries of
@@ -53,45 +53,86 @@ the client, never the reverse, so that a notebook loads the client alone.
 
 from __future__ import annotations
 
-from api.client._async import AsyncClient
-from api.client._sync import Client
-from api.client.base import RETRY_STATUS, WAIT, Event, SSEParser, job_body
-from api.client.errors import (
-    BY_STATUS,
-    Conflict,
-    Forbidden,
-    InsecureHTTPWarning,
-    InvalidRequest,
-    JobFailed,
-    NotFound,
-    ProblemError,
-    RateLimited,
-    SshapiError,
-    SSHFailed,
-    TransportError,
-    Unauthorized,
-    Unavailable,
-    raise_for_problem,
-)
-from api.client.files import (
-    CHUNK,
-    SETTLED,
-    Partial,
-    Progress,
-    files_path,
-    resumable,
-    settled,
-)
-from api.client.models import FINAL, BatchOptions, Job, SchedulerInfo, State, Stream, exit_code
-from api.client.profile import (
-    DEFAULT_URL,
-    PROFILE_KEYS,
-    Profile,
-    load_profile,
-    paired,
-    server_url,
-)
-from api.client.tls import tls_context
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from api.client._async import AsyncClient
+    from api.client._sync import Client
+    from api.client.base import RETRY_STATUS, WAIT, Event, SSEParser, job_body
+    from api.client.errors import (
+        BY_STATUS,
+        Conflict,
+        Forbidden,
+        InsecureHTTPWarning,
+        InvalidRequest,
+        JobFailed,
+        NotFound,
+        ProblemError,
+        RateLimited,
+        SshapiError,
+        SSHFailed,
+        TransportError,
+        Unauthorized,
+        Unavailable,
+        raise_for_problem,
+    )
+    from api.client.files import (
+        CHUNK,
+        SETTLED,
+        Partial,
+        Progress,
+        files_path,
+        resumable,
+        settled,
+    )
+    from api.client.models import (
+        FINAL,
+        BatchOptions,
+        Job,
+        SchedulerInfo,
+        State,
+        Stream,
+        exit_code,
+    )
+    from api.client.profile import (
+        DEFAULT_URL,
+        PROFILE_KEYS,
+        Profile,
+        load_profile,
+        paired,
+        server_url,
+    )
+    from api.client.tls import tls_context
+
+# Each public name and the module it lives in, loaded on first use (PEP 562): `sshapi` imports
+# `api.client.cli`, and so this package, on every call, while httpx and pydantic are needed only
+# by the commands that talk to a server (api/cli.py: start-up time).
+_MODULES = {
+    "_async": ["AsyncClient"],
+    "_sync": ["Client"],
+    "base": ["RETRY_STATUS", "WAIT", "Event", "SSEParser", "job_body"],
+    "errors": [
+        "BY_STATUS", "Conflict", "Forbidden", "InsecureHTTPWarning", "InvalidRequest",
+        "JobFailed", "NotFound", "ProblemError", "RateLimited", "SshapiError", "SSHFailed",
+        "TransportError", "Unauthorized", "Unavailable", "raise_for_problem",
+    ],
+    "files": ["CHUNK", "SETTLED", "Partial", "Progress", "files_path", "resumable", "settled"],
+    "models": ["FINAL", "BatchOptions", "Job", "SchedulerInfo", "State", "Stream", "exit_code"],
+    "profile": ["DEFAULT_URL", "PROFILE_KEYS", "Profile", "load_profile", "paired", "server_url"],
+    "tls": ["tls_context"],
+}  # fmt: skip
+_WHERE = {name: module for module, names in _MODULES.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # the next lookup is a plain one
+    return value
+
 
 __all__ = [
     "BY_STATUS",

@@ -16,11 +16,27 @@ from typing import Any
 import httpx
 
 from api.client.base import WAIT, Event, SSEParser, _Base, _fresh, job_body
-from api.client.errors import InvalidRequest, JobFailed, TransportError, _raise, raise_for_problem
-from api.client.files import CHUNK, Partial, Progress, _upload_headers, files_path, resumable
+from api.client.errors import (
+    Conflict,
+    InvalidRequest,
+    JobFailed,
+    NotFound,
+    TransportError,
+    _raise,
+    raise_for_problem,
+)
+from api.client.files import (
+    CHUNK,
+    Partial,
+    Progress,
+    _parent,
+    _upload_headers,
+    files_path,
+    resumable,
+)
 from api.client.localfile import AsyncFile
 from api.client.models import FINAL, Job, Stream
-from api.client.tls import tls_context
+from api.client.tls import verify_for
 
 
 class AsyncClient(_Base):
@@ -51,9 +67,10 @@ class AsyncClient(_Base):
         self.http = httpx.AsyncClient(
             base_url=self.url,
             headers=self.headers,
+            auth=self.auth,
             timeout=timeout,
             transport=transport,
-            verify=tls_context(),
+            verify=verify_for(self.url),
             trust_env=self.trust_env,
         )
 
@@ -75,7 +92,7 @@ class AsyncClient(_Base):
             except httpx.TransportError as exc:
                 delay = self._delay(attempt, None)
                 if delay is None:
-                    raise TransportError(f"{method} {path}: {exc}") from exc
+                    raise TransportError(f"{method} {self.url}{path}: {exc}") from exc
             else:
                 delay = self._delay(attempt, response)
                 if delay is None:
@@ -292,7 +309,7 @@ class AsyncClient(_Base):
             except httpx.TransportError as exc:
                 delay = self._delay(attempt, None)
                 if delay is None:
-                    raise TransportError(f"GET {path}: {exc}") from exc
+                    raise TransportError(f"GET {path} from {self.url}: {exc}") from exc
             await sleep(delay)
             attempt += 1
 
@@ -303,12 +320,13 @@ class AsyncClient(_Base):
         path: str,
         *,
         create_only: bool = False,
+        parents: bool = False,
         progress: Progress | None = None,
     ) -> dict[str, Any]:
         """Upload a local file to `path`, streamed (never held whole); the server renames it
-        into place only when complete. `create_only`: 412 if `path` exists. A retry sends the
-        file again from its start (the same bytes: replacing is harmless). Answers `path`,
-        `size`, `sha256`."""
+        into place only when complete. `create_only`: 412 if `path` exists; `parents`: create
+        its missing directories first (as `mkdir -p`). A retry sends the file again from its
+        start (the same bytes: replacing is harmless). Answers `path`, `size`, `sha256`."""
         size = await AsyncFile.size(source)
 
         async def chunks() -> AsyncIterator[bytes]:
@@ -323,14 +341,43 @@ class AsyncClient(_Base):
             finally:
                 local.close()
 
-        response = await self.request(
-            "PUT",
-            files_path(host, "/content"),
-            params={"path": path},
-            content=chunks,
-            headers=_upload_headers(size, create_only),
-            timeout=httpx.Timeout(60, write=300),
-        )
+        put: dict[str, Any] = {
+            "params": {"path": path},
+            "content": chunks,
+            "headers": _upload_headers(size, create_only),
+            "timeout": httpx.Timeout(60, write=300),
+        }
+        try:
+            response = await self.request("PUT", files_path(host, "/content"), **put)
+        except NotFound:
+            # Its directory is missing: make it and send the file again, as asked.
+            parent = _parent(path)
+            if not parents or parent is None:
+                raise
+            await self.mkdir(host, parent, parents=True)
+            response = await self.request("PUT", files_path(host, "/content"), **put)
+        result: dict[str, Any] = response.json()
+        return result
+
+    async def mkdir(self, host: str, path: str, *, parents: bool = False) -> dict[str, Any]:
+        """Create a directory (409 Conflict if it exists, 404 NotFound if its parent does not).
+        `parents`: as `mkdir -p`, create the missing parents too, and an existing directory
+        is no error. Answers its entry (`path`, `type`, `mode`...)."""
+        try:
+            response = await self.request("POST", files_path(host, "/mkdir"), json={"path": path})
+        except NotFound:
+            parent = _parent(path)
+            if not parents or parent is None:
+                raise
+            await self.mkdir(host, parent, parents=True)
+            response = await self.request("POST", files_path(host, "/mkdir"), json={"path": path})
+        except Conflict:
+            if not parents:
+                raise
+            entry = await self.stat(host, path)
+            if entry.get("type") != "dir":
+                raise
+            return {**entry, "path": path}
         result: dict[str, Any] = response.json()
         return result
 

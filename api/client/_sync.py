@@ -11,11 +11,27 @@ from typing import Any
 import httpx
 
 from api.client.base import WAIT, Event, SSEParser, _Base, _fresh, job_body
-from api.client.errors import InvalidRequest, JobFailed, TransportError, _raise, raise_for_problem
-from api.client.files import CHUNK, Partial, Progress, _upload_headers, files_path, resumable
+from api.client.errors import (
+    Conflict,
+    InvalidRequest,
+    JobFailed,
+    NotFound,
+    TransportError,
+    _raise,
+    raise_for_problem,
+)
+from api.client.files import (
+    CHUNK,
+    Partial,
+    Progress,
+    _parent,
+    _upload_headers,
+    files_path,
+    resumable,
+)
 from api.client.localfile import SyncFile
 from api.client.models import FINAL, Job, Stream
-from api.client.tls import tls_context
+from api.client.tls import verify_for
 
 
 class Client(_Base):
@@ -46,9 +62,10 @@ class Client(_Base):
         self.http = httpx.Client(
             base_url=self.url,
             headers=self.headers,
+            auth=self.auth,
             timeout=timeout,
             transport=transport,
-            verify=tls_context(),
+            verify=verify_for(self.url),
             trust_env=self.trust_env,
         )
 
@@ -70,7 +87,7 @@ class Client(_Base):
             except httpx.TransportError as exc:
                 delay = self._delay(attempt, None)
                 if delay is None:
-                    raise TransportError(f"{method} {path}: {exc}") from exc
+                    raise TransportError(f"{method} {self.url}{path}: {exc}") from exc
             else:
                 delay = self._delay(attempt, response)
                 if delay is None:
@@ -285,7 +302,7 @@ class Client(_Base):
             except httpx.TransportError as exc:
                 delay = self._delay(attempt, None)
                 if delay is None:
-                    raise TransportError(f"GET {path}: {exc}") from exc
+                    raise TransportError(f"GET {path} from {self.url}: {exc}") from exc
             sleep(delay)
             attempt += 1
 
@@ -296,12 +313,13 @@ class Client(_Base):
         path: str,
         *,
         create_only: bool = False,
+        parents: bool = False,
         progress: Progress | None = None,
     ) -> dict[str, Any]:
         """Upload a local file to `path`, streamed (never held whole); the server renames it
-        into place only when complete. `create_only`: 412 if `path` exists. A retry sends the
-        file again from its start (the same bytes: replacing is harmless). Answers `path`,
-        `size`, `sha256`."""
+        into place only when complete. `create_only`: 412 if `path` exists; `parents`: create
+        its missing directories first (as `mkdir -p`). A retry sends the file again from its
+        start (the same bytes: replacing is harmless). Answers `path`, `size`, `sha256`."""
         size = SyncFile.size(source)
 
         def chunks() -> Iterator[bytes]:
@@ -316,14 +334,43 @@ class Client(_Base):
             finally:
                 local.close()
 
-        response = self.request(
-            "PUT",
-            files_path(host, "/content"),
-            params={"path": path},
-            content=chunks,
-            headers=_upload_headers(size, create_only),
-            timeout=httpx.Timeout(60, write=300),
-        )
+        put: dict[str, Any] = {
+            "params": {"path": path},
+            "content": chunks,
+            "headers": _upload_headers(size, create_only),
+            "timeout": httpx.Timeout(60, write=300),
+        }
+        try:
+            response = self.request("PUT", files_path(host, "/content"), **put)
+        except NotFound:
+            # Its directory is missing: make it and send the file again, as asked.
+            parent = _parent(path)
+            if not parents or parent is None:
+                raise
+            self.mkdir(host, parent, parents=True)
+            response = self.request("PUT", files_path(host, "/content"), **put)
+        result: dict[str, Any] = response.json()
+        return result
+
+    def mkdir(self, host: str, path: str, *, parents: bool = False) -> dict[str, Any]:
+        """Create a directory (409 Conflict if it exists, 404 NotFound if its parent does not).
+        `parents`: as `mkdir -p`, create the missing parents too, and an existing directory
+        is no error. Answers its entry (`path`, `type`, `mode`...)."""
+        try:
+            response = self.request("POST", files_path(host, "/mkdir"), json={"path": path})
+        except NotFound:
+            parent = _parent(path)
+            if not parents or parent is None:
+                raise
+            self.mkdir(host, parent, parents=True)
+            response = self.request("POST", files_path(host, "/mkdir"), json={"path": path})
+        except Conflict:
+            if not parents:
+                raise
+            entry = self.stat(host, path)
+            if entry.get("type") != "dir":
+                raise
+            return {**entry, "path": path}
         result: dict[str, Any] = response.json()
         return result
 

@@ -21,7 +21,8 @@ WAIT = 30.0  # Prefer: wait=N on submit: a short command finishes in one request
 
 @dataclass(frozen=True, slots=True)
 class Event:
-    """One Server-Sent Event of `/events`: `event` is state, output, gap, cutoff or end."""
+    """One Server-Sent Event of `/events`: `event` is state, output, gap, cutoff, revoked (the
+    last one, then the next request is 403) or end."""
 
     event: str
     data: dict[str, Any]
@@ -94,12 +95,19 @@ class _Base:
         allow_http: bool,
     ) -> None:
         allow_http = allow_http or _env_flag("SSHAPI_ALLOW_HTTP")
+        # A login (`sshapi login`) renews its token itself, request by request.
+        self.auth: httpx.Auth | None = None
         if url is None or token is None:
             found = load_profile(profile)
             url = url or found.url
             token = token or paired(found, url)
             allow_http = allow_http or found.allow_http
-        self.url = server_url(url, token, allow_http).rstrip("/")
+            if not token and found.login is not None:
+                from api.client.login import LoginAuth
+
+                self.auth = LoginAuth(found.login)
+        secret = token or ("login" if self.auth else None)  # what server_url keeps safe
+        self.url = server_url(url, secret, allow_http).rstrip("/")
         # A proxy from the environment (HTTP_PROXY, common on login nodes) would carry a request
         # for this machine's loopback, token in clear, to another machine, and on to the proxy's
         # own loopback. Only for other servers does the environment pick a proxy.

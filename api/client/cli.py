@@ -3,11 +3,14 @@
     sshapi run HOST -- ARGV...        live stdout/stderr, exits with the remote exit status
     sshapi jobs list|show|cancel|logs
     sshapi batch submit SCRIPT
-    sshapi files ls|get|put|rm        files on a host (docs/files.md), progress bars for transfers
+    sshapi files ls|get|put|mkdir|rm  files on a host (docs/files.md), progress bars for transfers
+    sshapi login|logout               sign in through the identity provider (docs/login.md)
 
 The server and token come from SSHAPI_URL / SSHAPI_TOKEN or a profile of the client
 configuration file (`--profile`; see `api.client.load_profile`). `--json` prints the API's JSON
-for scripts. An error the client raises exits 255 (as ssh does for its own failures).
+for scripts. An error the client raises exits 255 (as ssh does for its own failures); a file
+error names its side and path (`HOST:PATH (remote)`, `PATH (local)`); `rm` and `mkdir` of
+several paths go on past one that fails, report each and exit 1.
 
 What the server hands back (file names, symlink targets, problem details, a job's command line
 and error) is printed through `printable`: a name is anyone's choice, and raw it could drive
@@ -21,28 +24,30 @@ import json
 import sys
 import unicodedata
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console
-from rich.markup import escape
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
+
+# The client (httpx, pydantic) and rich load when a command runs, not when `sshapi` starts:
+# `sshapi --help` and the server's commands never need them (api/cli.py).
+if TYPE_CHECKING:
+    from api.client import Client, Job, Stream
+    from api.client import Progress as OnProgress
+
+jobs_app = typer.Typer(
+    help="Your jobs on the server (SSHAPI_URL).", no_args_is_help=True, rich_markup_mode=None
 )
-
-from api.client import FINAL, Client, Job, SshapiError, Stream, exit_code
-from api.client import Progress as OnProgress
-
-jobs_app = typer.Typer(help="Your jobs on the server (SSHAPI_URL).", no_args_is_help=True)
-batch_app = typer.Typer(help="Batch jobs for a host's scheduler.", no_args_is_help=True)
-files_app = typer.Typer(help="Files on a host (over SFTP, through the API).", no_args_is_help=True)
+batch_app = typer.Typer(
+    help="Batch jobs for a host's scheduler.", no_args_is_help=True, rich_markup_mode=None
+)
+files_app = typer.Typer(
+    help="Files on a host (over SFTP, through the API).",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
 
 Profile = Annotated[
     str | None,
@@ -50,6 +55,12 @@ Profile = Annotated[
 ]
 AsJson = Annotated[bool, typer.Option("--json", help="Print the API's JSON.")]
 ERROR_EXIT = 255
+# Said when the server cannot be reached: where its URL comes from.
+WHERE_FROM = (
+    "the server's URL comes from SSHAPI_URL, else the url of a profile of the client "
+    "configuration file (--profile, SSHAPI_PROFILE, its `default`; docs/client.md); "
+    "`sshapi dev` prints the export line for its server"
+)
 # Characters a terminal acts on or that reorder what follows, besides the control characters
 # (C0, DEL, C1): the bidi marks, embeddings, overrides and isolates, and the line and paragraph
 # separators. Other format characters stay (the zero-width joiner is part of emoji).
@@ -84,6 +95,8 @@ def say(text: str, err: bool = False) -> None:
 @contextmanager
 def client(profile: str | None) -> Iterator[Client]:
     """A Client; its errors end the command with a message on stderr and exit 255."""
+    from api.client import Client, SshapiError, TransportError
+
     try:
         with warnings.catch_warnings(record=True) as warned:
             warnings.simplefilter("always")
@@ -92,6 +105,10 @@ def client(profile: str | None) -> Iterator[Client]:
             say(f"sshapi: warning: {warning.message}", err=True)
         with made as c:
             yield c
+    except TransportError as exc:
+        say(f"sshapi: {exc}", err=True)
+        say(f"sshapi: {WHERE_FROM}", err=True)
+        raise typer.Exit(ERROR_EXIT) from None
     except SshapiError as exc:
         say(f"sshapi: {exc}", err=True)
         raise typer.Exit(ERROR_EXIT) from None
@@ -122,8 +139,12 @@ def run(
     profile: Profile = None,
     as_json: AsJson = False,
 ) -> None:
-    """Run a command on HOST, print its stdout and stderr as they arrive, and exit with its
-    exit status (a signal as 128+n, a timeout as 124). Ctrl-C cancels the remote command."""
+    """Run a command on HOST and print its output as it arrives.
+
+    Prints its stdout and stderr as they arrive and exits with its exit status (a signal as
+    128+n, a timeout as 124). Ctrl-C cancels the remote command."""
+    from api.client import SshapiError, exit_code
+
     with client(profile) as c:
         job = c.submit(host, argv, timeout=timeout)
         try:
@@ -218,12 +239,18 @@ def batch_submit(
     profile: Profile = None,
     as_json: AsJson = False,
 ) -> None:
-    """Submit a batch script; with --wait, wait for it to end (a spinner on stderr) and exit
-    with its exit status."""
+    """Submit a batch script.
+
+    With --wait, wait for it to end (a spinner on stderr), print its stdout and stderr, and
+    exit with its exit status."""
     options: dict[str, Any] = {"script": script.read_text()}
     for key, value in (("name", name), ("partition", partition), ("time_limit", time_limit)):
         if value is not None:
             options[key] = value
+    from rich.console import Console
+
+    from api.client import FINAL, exit_code
+
     with client(profile) as c:
         job = c.submit(host, batch=options, wait=0)
         if wait:
@@ -232,9 +259,28 @@ def batch_submit(
                 while job.state not in FINAL:
                     job = c.wait(job, timeout=5)
                     status.update(f"job {job.id}: {job.state}")
-    show(job, as_json)
+            if not as_json:
+                print_output(c, job)
+    if wait and not as_json:
+        typer.echo(f"sshapi: batch job {job.id} {job.state}", err=True)
+    else:
+        show(job, as_json)
     if wait:
         raise typer.Exit(exit_code(job))
+
+
+def print_output(c: Client, job: Job) -> None:
+    """A final job's stdout and stderr, to ours, as the command's own bytes (`sshapi run`)."""
+    from api.client import NotFound
+
+    for stream, out in (("stdout", sys.stdout), ("stderr", sys.stderr)):
+        which: Stream = "stdout" if stream == "stdout" else "stderr"
+        try:
+            for chunk in c.follow(job.id, which):
+                out.buffer.write(chunk)
+        except NotFound:  # the script wrote nothing there (no output file)
+            continue
+        out.flush()
 
 
 Host = Annotated[str, typer.Argument(help="A configured host name.")]
@@ -244,6 +290,16 @@ Host = Annotated[str, typer.Argument(help="A configured host name.")]
 def transfer(label: str, quiet: bool) -> Iterator[OnProgress]:
     """A progress bar on stderr (bytes, speed, time left) while a transfer runs; none when
     stderr is not a terminal or with --json."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
     console = Console(stderr=True)
     with Progress(
         "[progress.description]{task.description}",
@@ -265,7 +321,9 @@ def files_ls(
     profile: Profile = None,
     as_json: AsJson = False,
 ) -> None:
-    """List a directory (type, mode, size, modification time, name), or show one entry."""
+    """List a directory, or show one entry.
+
+    Each entry's type, mode, size, modification time and name."""
     with client(profile) as c:
         if as_json:
             typer.echo(json.dumps(c.list_files(host, path), indent=2))
@@ -294,7 +352,11 @@ def files_get(
     target = dest if dest is not None else Path(path.rstrip("/").rsplit("/", 1)[-1])
     if target.is_dir():
         target = target / path.rstrip("/").rsplit("/", 1)[-1]
-    with client(profile) as c, transfer(f"get {path}", as_json) as progress:
+    with (
+        client(profile) as c,
+        sides(host, path, target),
+        transfer(f"get {path}", as_json) as progress,
+    ):
         size = c.download(host, path, target, progress=progress)
     if as_json:
         typer.echo(json.dumps({"path": path, "dest": str(target), "size": size}))
@@ -310,13 +372,25 @@ def files_put(
     create_only: Annotated[
         bool, typer.Option(help="Refuse to replace an existing file (412).")
     ] = False,
+    parents: Annotated[
+        bool, typer.Option("--parents", "-p", help="Create the missing directories of PATH.")
+    ] = False,
     profile: Profile = None,
     as_json: AsJson = False,
 ) -> None:
-    """Upload a file (streamed; it appears on the host only once complete)."""
+    """Upload a file.
+
+    Streamed; it appears on the host only once complete."""
     remote = path or source.name
-    with client(profile) as c, transfer(f"put {source.name}", as_json) as progress:
-        answer = c.upload(host, source, remote, create_only=create_only, progress=progress)
+    hint = "" if parents else " (--parents creates its directories)"
+    with (
+        client(profile) as c,
+        sides(host, remote, source, hint),
+        transfer(f"put {source.name}", as_json) as progress,
+    ):
+        answer = c.upload(
+            host, source, remote, create_only=create_only, parents=parents, progress=progress
+        )
     if as_json:
         typer.echo(json.dumps(answer))
     else:
@@ -329,15 +403,158 @@ def files_rm(
     paths: Annotated[list[str], typer.Argument(help="Files, symlinks or empty directories.")],
     profile: Profile = None,
 ) -> None:
-    """Delete files, symlinks (not their targets) or empty directories."""
+    """Delete files, symlinks (not their targets) or empty directories. One that fails is
+    reported and the others are still deleted; the exit status is 1 if any failed."""
     with client(profile) as c:
-        for path in paths:
-            c.delete_file(host, path)
+        failed = each(host, paths, lambda path: c.delete_file(host, path))
+    if failed:
+        raise typer.Exit(1)
+
+
+@files_app.command("mkdir")
+def files_mkdir(
+    host: Host,
+    paths: Annotated[list[str], typer.Argument(help="Directories to create.")],
+    parents: Annotated[
+        bool,
+        typer.Option(
+            "--parents", "-p", help="Create missing parents too; an existing directory is fine."
+        ),
+    ] = False,
+    profile: Profile = None,
+) -> None:
+    """Create directories. One that fails is reported and the others are still made; the exit
+    status is 1 if any failed."""
+    with client(profile) as c:
+        failed = each(host, paths, lambda path: c.mkdir(host, path, parents=parents))
+    if failed:
+        raise typer.Exit(1)
+
+
+def each(host: str, paths: list[str], act: Callable[[str], object]) -> int:
+    """`act` on every path, going on past a path the server refuses (reported on stderr,
+    naming it); how many failed. A refused token, like the server being unreachable, ends the
+    command: every other path would fail the same way."""
+    from api.client import ProblemError, Unauthorized
+
+    failed = 0
+    for path in paths:
+        try:
+            act(path)
+        except Unauthorized:
+            raise
+        except ProblemError as exc:
+            failed += 1
+            say(f"sshapi: {host}:{path} (remote): {exc}", err=True)
+    return failed
+
+
+@contextmanager
+def sides(host: str, remote: str, local: Path, hint: str = "") -> Iterator[None]:
+    """A transfer's error names its side and path: the server's problem with the remote path
+    (`hint` added to a 404), or the local file's OSError."""
+    from api.client import ProblemError, SshapiError, Unauthorized
+
+    try:
+        yield
+    except Unauthorized:
+        raise
+    except ProblemError as exc:
+        extra = hint if exc.status == 404 else ""
+        raise SshapiError(f"{host}:{remote} (remote): {exc}{extra}") from None
+    except OSError as exc:
+        raise SshapiError(f"{local} (local): {exc.strerror or exc}") from None
+
+
+def login(
+    profile: Profile = None,
+    issuer: Annotated[
+        str | None,
+        typer.Option(
+            help="The identity provider's issuer URL. Default: the profile's issuer.",
+            envvar="SSHAPI_ISSUER",
+        ),
+    ] = None,
+    client_id: Annotated[
+        str | None, typer.Option(help="The OAuth client id. Default: the profile's, else sshapi.")
+    ] = None,
+    client_credentials: Annotated[
+        bool,
+        typer.Option(
+            "--client-credentials",
+            help="Sign in as a client (workflows, CI) with its secret, not in a browser.",
+        ),
+    ] = False,
+    client_secret_file: Annotated[
+        str | None,
+        typer.Option(help="The client secret's file. Default: SSHAPI_CLIENT_SECRET."),
+    ] = None,
+) -> None:
+    """Sign in through the identity provider (docs/login.md).
+
+    The tokens are kept in the client configuration's logins/ directory and renewed as they
+    expire."""
+    import httpx
+
+    from api.client import SshapiError, load_profile
+    from api.client import login as oauth
+
+    try:
+        found = load_profile(profile)
+        issuer = issuer or found.issuer
+        if not issuer:
+            raise SshapiError("no issuer: give --issuer, SSHAPI_ISSUER or the profile's issuer")
+        client_id = client_id or found.client_id or "sshapi"
+        with httpx.Client() as http:
+            endpoints = oauth.discover(issuer, http)
+            if client_credentials:
+                made = oauth.client_credentials_login(
+                    endpoints, client_id, client_secret_file, http
+                )
+            else:
+                made = oauth.device_login(endpoints, client_id, http, lambda s: say(s, err=True))
+                made["client_id"] = client_id
+        assert found.file is not None
+        path = oauth.login_path(found.file, found.name)
+        oauth.save(
+            path,
+            {
+                **made,
+                "url": found.url,
+                "issuer": endpoints.issuer,
+                "token_endpoint": endpoints.token,
+                "revocation_endpoint": endpoints.revocation,
+            },
+        )
+    except SshapiError as exc:
+        say(f"sshapi: {exc}", err=True)
+        raise typer.Exit(ERROR_EXIT) from None
+    say(f"signed in with {endpoints.issuer}; the login is kept in {path}", err=True)
+
+
+def logout(profile: Profile = None) -> None:
+    """Forget the login and revoke it at the provider."""
+    from api.client import SshapiError, load_profile
+    from api.client import login as oauth
+
+    try:
+        found = load_profile(profile)
+    except SshapiError as exc:
+        say(f"sshapi: {exc}", err=True)
+        raise typer.Exit(ERROR_EXIT) from None
+    assert found.file is not None
+    path = oauth.login_path(found.file, found.name)
+    with suppress(SshapiError):  # unreadable or exposed: removed all the same
+        oauth.revoke(oauth.load(path))
+    path.unlink(missing_ok=True)
+    say(f"signed out: {path} removed", err=True)
 
 
 def register(app: typer.Typer) -> None:
     """Add the client commands to the `sshapi` app."""
     app.command("run")(run)
+    app.command("login")(login)
+    app.command("logout")(logout)
     app.add_typer(jobs_app, name="jobs")
     app.add_typer(batch_app, name="batch")
     app.add_typer(files_app, name="files")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import posixpath
 import time
 from collections.abc import Callable, Mapping
 from email.utils import parsedate_to_datetime
@@ -26,6 +27,13 @@ def _upload_headers(size: int, create_only: bool) -> dict[str, str]:
     if create_only:
         headers["If-None-Match"] = "*"
     return headers
+
+
+def _parent(path: str) -> str | None:
+    """The directory holding `path` on the host, or None when there is none to create (a
+    name in the home directory, `/`, `~`)."""
+    parent = posixpath.dirname(path.rstrip("/"))
+    return parent if parent not in ("", "/", "~", path.rstrip("/")) else None
 
 
 def files_path(host: str, suffix: str = "") -> str:

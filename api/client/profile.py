@@ -7,6 +7,7 @@ import ipaddress
 import os
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -27,10 +28,23 @@ class Profile:
     # beside its token), and where it came from; None: set without a server.
     token_url: str | None = None
     token_from: str = ""
+    # `sshapi login`'s file for this profile (api/client/login.py), when there is no token
+    login: Path | None = None
+    issuer: str | None = None  # the OpenID provider `sshapi login` signs in with
+    client_id: str | None = None
+    name: str | None = None  # the profile chosen, None: none
+    file: Path | None = None  # the client configuration file
 
 
 # The keys a profile of the client configuration file may have, and the type of each.
-PROFILE_KEYS: dict[str, type] = {"url": str, "token": str, "token_file": str, "allow_http": bool}
+PROFILE_KEYS: dict[str, type] = {
+    "url": str,
+    "token": str,
+    "token_file": str,
+    "allow_http": bool,
+    "issuer": str,
+    "client_id": str,
+}
 
 
 def load_profile(name: str | None = None, path: str | None = None) -> Profile:
@@ -42,13 +56,15 @@ def load_profile(name: str | None = None, path: str | None = None) -> Profile:
         [profiles.dev]
         url = "http://127.0.0.1:8000"
         token_file = "~/.config/sshapi/dev.token"   # or: token = "..."
+        # or neither: `sshapi login` with issuer = "https://..." (and client_id = "...")
 
     `url` is None when neither names a server: see `server_url`. `token_url` is the server the
     token was set up with (SSHAPI_URL beside SSHAPI_TOKEN, the profile's url beside its token):
     see `paired`.
     """
     import tomllib
-    from pathlib import Path
+
+    from api.client.login import kept_url, login_path
 
     file = Path(
         path
@@ -92,16 +108,27 @@ def load_profile(name: str | None = None, path: str | None = None) -> Profile:
             reason = exc.strerror if isinstance(exc, OSError) else exc
             raise SshapiError(f"token_file {token_file}: {reason}") from None
     env_url = os.environ.get("SSHAPI_URL") or None
+    login: Path | None = None
     if env_token := os.environ.get("SSHAPI_TOKEN"):
         token, token_url, token_from = env_token, env_url, "SSHAPI_TOKEN"
     else:
         token_url, token_from = entry.get("url"), f"profile {wanted!r} of {file}"
+        if token is None and (kept := login_path(file, wanted)).exists():
+            # A login is for the server it was made for, as a profile's token is.
+            login, token, token_url = kept, "", kept_url(kept)
+            token_from = f"the login {kept}"
+            env_url = env_url or entry.get("url") or token_url
     return Profile(
         url=env_url or entry.get("url"),
         token=token,
         allow_http=entry.get("allow_http", False),
-        token_url=token_url if token else None,
+        token_url=token_url if token or login else None,
         token_from=token_from,
+        login=login,
+        issuer=entry.get("issuer"),
+        client_id=entry.get("client_id"),
+        name=wanted,
+        file=file,
     )
 
 

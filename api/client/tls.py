@@ -18,3 +18,13 @@ def tls_context() -> ssl.SSLContext:
     `Client`. One
     context serves them all (httpx's advice for many clients); it is only read once built."""
     return httpx.create_ssl_context()
+
+
+def verify_for(url: str) -> ssl.SSLContext:
+    """The context for a client of `url`: `tls_context()` for https; for plain http (this
+    machine's `sshapi dev`, the common case of a CLI call) a context that trusts no CA, made
+    without reading the bundle (docs/benchmarks.md: CLI start-up). No TLS is made then; should
+    one be, it fails verification: closed, never open."""
+    if url.startswith("https:"):
+        return tls_context()
+    return ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)

@@ -1,10 +1,11 @@
 """Followers: one client's cursor moving through a feed (`follow`), what it yields (output,
-state changes, gaps, a cut-off, keep-alives), and the offsets of `/events` (`Last-Event-ID`)."""
+state changes, gaps, a cut-off, keep-alives, a stop), and the offsets of `/events`
+(`Last-Event-ID`)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from api.live.feeds import Cursor, Feed, OutputGone, Spend, free
@@ -49,7 +50,17 @@ class KeepAlive:
     pass
 
 
-Item = Output | StateChange | Gap | Cutoff | KeepAlive
+@dataclass(frozen=True, slots=True)
+class Stopped:
+    """`stop` said so (the follower's identity was revoked): the last item."""
+
+
+Item = Output | StateChange | Gap | Cutoff | KeepAlive | Stopped
+
+
+def never() -> bool:
+    """The `stop` of a follower nothing stops but the job's end (tests, tools)."""
+    return False
 
 
 async def follow(
@@ -60,17 +71,20 @@ async def follow(
     gaps: bool = True,
     keepalive: float = KEEPALIVE,
     spend: Spend = free,
+    stop: Callable[[], bool] = never,
 ) -> AsyncIterator[Item]:
     """Follow `feed` from `offsets` (one entry per stream followed) until the job is final and
     every byte kept has been yielded. Yields output, state changes (with `states`), a Gap for
     bytes not kept at a resumed offset (without `gaps`: raises OutputGone instead), KeepAlive
     after `keepalive` seconds of silence, and a final Cutoff when this follower lagged out of
-    the window. `spend` pays for the SSH reads made for this follower (a batch job's)."""
+    the window. `spend` pays for the SSH reads made for this follower (a batch job's). `stop`
+    is asked before every step and whenever the feed wakes (`LiveHub.wake_all` wakes every
+    feed): once true, a final Stopped."""
     cursor = Cursor(offsets, spend)
     feed.cursors.add(cursor)
     feed.advanced()
     try:
-        async for item in _follow(feed, cursor, states, gaps, keepalive):
+        async for item in _follow(feed, cursor, states, gaps, keepalive, stop):
             yield item
     finally:
         feed.cursors.discard(cursor)
@@ -78,13 +92,21 @@ async def follow(
 
 
 async def _follow(
-    feed: Feed, cursor: Cursor, states: bool, gaps: bool, keepalive: float
+    feed: Feed,
+    cursor: Cursor,
+    states: bool,
+    gaps: bool,
+    keepalive: float,
+    stop: Callable[[], bool],
 ) -> AsyncIterator[Item]:
     offsets = cursor.offsets
     sent_state: str | None = None
     live: set[Stream] = set()  # streams whose cursor reached the window (not only the head)
     while True:
         waiter = feed.waiter()
+        if stop():
+            yield Stopped()
+            return
         # Read before the bytes: a complete stream gets no more of them.
         final = all(feed.streams[s].complete for s in offsets)
         progressed = False

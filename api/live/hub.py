@@ -106,6 +106,11 @@ class LiveHub:
         self._publishers[job_id] = task
         task.add_done_callback(lambda _: self._publishers.pop(job_id, None))
 
+    def wake_all(self) -> None:
+        """Wake every follower of this process, to ask its `stop` again (a revocation came)."""
+        for feed in list(self.feeds.values()):
+            feed.wake()
+
     # ---- following
 
     @contextlib.asynccontextmanager

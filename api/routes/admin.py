@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from api.auth import MAX_SUBJECT, Principal
 from api.deps import Svc, require
 from api.problems import Problem
+from api.revocations import refusing
 from api.store import Revocation, new_id, utcnow
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"])
@@ -85,6 +86,14 @@ async def revoke(body: RevocationRequest, svc: Svc, who: Admin) -> RevocationDon
         created_by_iss=who.issuer,
         created_by_sub=who.subject,
     )
+    if refusing([revocation], who, svc.policy) is not None:
+        # Else the last admin who may lift it could lock themselves out.
+        raise Problem(
+            409,
+            "revokes-yourself",
+            "That would revoke you",
+            "this revocation would refuse you too; another admin may make it",
+        )
     await svc.store.revoke(revocation)
     effect = await svc.revocations.apply(revocation)
     return RevocationDone(
@@ -107,5 +116,5 @@ async def lift(revocation_id: str, svc: Svc, who: Admin) -> Response:
         raise Problem(404, "not-found", "No such revocation", "no such revocation id") from None
     if not await svc.store.lift(revocation_id):
         raise Problem(404, "not-found", "No such revocation", "no such revocation id")
-    svc.revocations.known.pop(revocation_id, None)
+    await svc.revocations.lifted(revocation_id)
     return Response(status_code=204)

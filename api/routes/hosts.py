@@ -42,10 +42,13 @@ def _info(svc: Services, who: Principal, name: str) -> HostInfo:
         mine = [own.node_target(n) for n in own.nodes] if own.nodes else [own]
         pools = [{k: v for k, v in stats[t].items() if k != "target"} for t in mine if t in stats]
         nodes = [{"name": n["name"], "state": n["state"]} for n in nodes]
+    details = who.is_admin or not svc.config.api.host_details_require_admin
+    if not details:  # a node's name is a host name too
+        nodes = [{"state": n["state"]} for n in nodes]
     return HostInfo(
         name=name,
-        hostname=host.name_shown,
-        port=host.port,
+        hostname=host.name_shown if details else None,
+        port=host.port if details else None,
         description=host.description,
         shell=svc.policy.shell_allowed(who, name),
         health=health,  # type: ignore[arg-type]

@@ -22,6 +22,7 @@ from api.live import (
     Output,
     OutputGone,
     StateChange,
+    Stopped,
     event_id,
     follow,
     parse_event_id,
@@ -89,9 +90,12 @@ async def follow_output(svc: Svc, who: Reader, job_id: str, stream: Stream, offs
         raise
 
     async def body() -> AsyncIterator[bytes]:
-        with contextlib.suppress(OutputGone):  # trimmed since the check: end, let it resume
-            spend = svc.jobs.read_spend(who)
-            async for item in follow(feed, {stream: offset}, states=False, gaps=False, spend=spend):
+        # Trimmed since the check, or revoked (Stopped): the body ends; resuming from the
+        # offset reached says which (a 416, a 403 identity-revoked).
+        with contextlib.suppress(OutputGone):
+            spend, stop = svc.jobs.read_spend(who), svc.revocations.stops(who)
+            items = follow(feed, {stream: offset}, states=False, gaps=False, spend=spend, stop=stop)
+            async for item in items:
                 if isinstance(item, Output):
                     yield item.data
 
@@ -121,7 +125,8 @@ def job_summary(row: JobRow) -> dict[str, Any]:
 EVENTS_DOC = """Server-Sent Events: `state` (the job without its output, at the start and on
 every change), `output` (`{"stream", "offset", "bytes", "text"}`: UTF-8, invalid bytes replaced,
 a character never split across events), `gap` (`{"stream", "offset", "next_offset"}`: bytes not
-kept), `cutoff` (this follower fell behind the live window; reconnect to resume) and `end` (the
+kept), `cutoff` (this follower fell behind the live window; reconnect to resume), `revoked`
+(`{"detail"}`: an administrator revoked the caller's access; the last event) and `end` (the
 job is final and every kept byte was sent). Every event's `id` is `<stdout offset>-<stderr
 offset>` after it: reconnecting with `Last-Event-ID` resumes without loss or duplicates."""
 
@@ -177,7 +182,8 @@ async def job_events(
             payload = {"stream": stream, "offset": start, "bytes": cut, "text": text}
             return sse("output", payload, sent)
 
-        async for item in follow(feed, dict(offsets), spend=svc.jobs.read_spend(who)):
+        spend, stop = svc.jobs.read_spend(who), svc.revocations.stops(who)
+        async for item in follow(feed, dict(offsets), spend=spend, stop=stop):
             if isinstance(item, Output):
                 if chunk := output(item.stream, item.data, flush=False):
                     yield chunk
@@ -196,6 +202,10 @@ async def job_events(
                 return
             elif isinstance(item, KeepAlive):
                 yield b": keep-alive\n\n"
+            elif isinstance(item, Stopped):
+                detail = "an administrator revoked your access"  # as a request's 403 says
+                yield sse("revoked", {"detail": detail}, sent)
+                return
         for stream in STREAMS:
             if chunk := output(stream, b"", flush=True):
                 yield chunk

@@ -2,8 +2,9 @@
 
 Exports `Store` (the one face the service uses), the row record `JobRow`, the table `JOBS`
 (for the few Core expressions callers pass to `Store.update`) and the value helpers `new_id`,
-`utcnow` and `aware`, and `migrate` (what `sshapi db upgrade` runs). May import `api.states`
-and `api.tasks` (the supervisor its writer runs under) and nothing else of `api`.
+`utcnow` and `aware`, `migrate` (what `sshapi db upgrade` runs) and `prune` (`sshapi db
+prune`). May import `api.states` and `api.tasks` (the supervisor its writer runs under) and
+nothing else of `api`.
 
 Modules: `schema` (the table and the record), `store` (reads, the write queue), `sqlite` and
 `postgres` (each dialect's writer), `migrate` (the schema's Alembic migrations).
@@ -11,6 +12,16 @@ Modules: `schema` (the table and the record), `store` (reads, the write queue), 
 
 from api.store import migrate
 from api.store.schema import JOBS, JobRow, Revocation, aware, new_id, utcnow
-from api.store.store import Store
+from api.store.store import Store, prune
 
-__all__ = ["JOBS", "JobRow", "Revocation", "Store", "aware", "migrate", "new_id", "utcnow"]
+__all__ = [
+    "JOBS",
+    "JobRow",
+    "Revocation",
+    "Store",
+    "aware",
+    "migrate",
+    "new_id",
+    "prune",
+    "utcnow",
+]

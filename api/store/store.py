@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import sqlite3
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.sql.expression import ClauseElement
 
-from api.states import ACTIVE
+from api.states import ACTIVE, FINAL
 from api.store import migrate
 from api.store.postgres import PgWriter, output_bytes
 from api.store.schema import (
@@ -433,3 +434,21 @@ class Store:
 
 def _fields(revocation: Revocation) -> dict[str, Any]:
     return {name: getattr(revocation, name) for name in REVOCATIONS.c.keys()}  # noqa: SIM118
+
+
+async def prune(url: str, schema: str | None, ended_before: datetime) -> int:
+    """Delete the jobs that ended before `ended_before`; returns how many. Final jobs only: an
+    active job stays whatever its age. A job row keeps up to the policy's max_output of each
+    stream, so without this the table only grows (`sshapi db prune`, docs/deploy.md). Safe
+    while replicas run: they never write a final row again."""
+    kwargs: dict[str, Any] = {}
+    if schema and not url.startswith("sqlite"):
+        kwargs["connect_args"] = {"server_settings": {"search_path": schema}}
+    engine = create_async_engine(url, **kwargs)
+    try:
+        c = JOBS.c
+        query = delete(JOBS).where(c.state.in_(FINAL), c.finished_at < ended_before)
+        async with engine.begin() as conn:
+            return int((await conn.execute(query)).rowcount)
+    finally:
+        await engine.dispose()

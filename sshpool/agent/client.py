@@ -12,8 +12,10 @@ their own on the backend connection.
 Invariants:
 - every frame the executor sends is bounded (MAX_FRAME); a longer one, or one that does not
   parse, ends the agent (the connection is then dead to the pool, as a lost one);
-- a job's output is acknowledged as soon as its captures took it, so the executor's window
-  (its own bound on unacknowledged output) is the only buffer between a command and the pool;
+- a job's output is acknowledged once its captures took half the executor's window of it (the
+  executor stops reading a command past a whole window unacknowledged, so it never waits for
+  an ACK it would need): the window is the only buffer between a command and the pool, and a
+  command with little output costs no ACK frame at all;
 - when the executor's channel ends, every running job fails with ConnectionLost(started=True)
   and the connection reports itself dead: the next command gets a fresh connection and executor;
 - a cancelled job is killed (KILL frame: TERM, KILL after a grace period) and forgotten.
@@ -57,7 +59,7 @@ def launch_line(python: str, max_jobs: int) -> str:
 
 
 class _Job:
-    __slots__ = ("done", "err", "on_pgid", "out", "received")
+    __slots__ = ("done", "err", "on_pgid", "out", "received", "unacked")
 
     def __init__(
         self, out: Capture, err: Capture, on_pgid: Callable[[int | None], None] | None
@@ -66,6 +68,7 @@ class _Job:
         self.err = err
         self.on_pgid = on_pgid
         self.received = {OUT: 0, ERR: 0}
+        self.unacked = 0
         self.done: asyncio.Future[Exit] = asyncio.get_running_loop().create_future()
 
 
@@ -76,6 +79,8 @@ class AgentConnection:
         self.inner = inner
         self.max_jobs = max_jobs
         self.hello: dict[str, Any] = {}
+        # Output taken before an ACK is sent: half the executor's window (from its HELLO).
+        self._ack_every = 1
         self._feed = Feed()
         self._buf = bytearray()
         self._jobs: dict[int, _Job] = {}
@@ -103,6 +108,7 @@ class AgentConnection:
         try:
             async with asyncio.timeout(timeout):
                 self.hello = await asyncio.shield(self._greeted)
+                self._ack_every = max(1, int(self.hello.get("window", 2)) // 2)
         except (TimeoutError, SSHPoolError) as exc:
             await self.stop()
             stderr = self._err.getvalue().decode(errors="replace").strip()[-300:]
@@ -147,7 +153,10 @@ class AgentConnection:
         if kind in (OUT, ERR):
             job.received[kind] += len(payload)
             (job.out if kind == OUT else job.err).feed(payload)
-            self._send(ACK, rid, struct.pack(">I", len(payload)))
+            job.unacked += len(payload)
+            if job.unacked >= self._ack_every:
+                self._send(ACK, rid, struct.pack(">I", job.unacked))
+                job.unacked = 0
         elif kind == STARTED:
             if job.on_pgid is not None:
                 job.on_pgid(json.loads(payload)["pgid"])

@@ -9,6 +9,9 @@ the benchmarks.
   (`python -m sshpool.devhost.services install`, what `make services` runs).
 * `accounts.py`: researcher accounts (``sshapi-r0001``...), real Unix accounts with their keys,
   for one sshd with many accounts (a ``LocalHost(..., researchers=True)``).
+* `relay.py`: `LatencyRelay`, a TCP relay adding a fixed delay per direction (a WAN for the
+  rig: `sshapi dev --rtt-ms`, `loadtests.bench --rtt-ms`), and `RelayedHost`, a LocalHost
+  reached through one.
 * `procs.py`: the processes, ports and at-exit clean-up both share.
 * `fake.py`: `FakeBackend`, a backend without SSH for pool-logic tests.
 
@@ -35,6 +38,7 @@ if TYPE_CHECKING:
         sshd_version,
         tuned_settings,
     )
+    from sshpool.devhost.relay import LatencyRelay, RelayedHost
     from sshpool.devhost.slurm import LocalSlurm, LocalSlurmError, install_packages
 
 # Public name -> its module, imported on first use: `python -m sshpool.devhost.slurm` must not
@@ -53,6 +57,8 @@ _MODULES = {
     "sshd_binary": "sshpool.devhost.host",
     "sshd_version": "sshpool.devhost.host",
     "tuned_settings": "sshpool.devhost.host",
+    "LatencyRelay": "sshpool.devhost.relay",
+    "RelayedHost": "sshpool.devhost.relay",
     "LocalSlurm": "sshpool.devhost.slurm",
     "LocalSlurmError": "sshpool.devhost.slurm",
     "install_packages": "sshpool.devhost.slurm",
@@ -71,12 +77,14 @@ __all__ = [
     "AccountError",
     "FakeBackend",
     "FakeConnection",
+    "LatencyRelay",
     "LocalCluster",
     "LocalHost",
     "LocalHostError",
     "LocalSlurm",
     "LocalSlurmError",
     "Profile",
+    "RelayedHost",
     "ensure_accounts",
     "install_packages",
     "remove_accounts",

@@ -19,7 +19,15 @@ from typing import Any
 import httpx
 import psutil
 import pytest
-from api_helpers import Api, Keys, eventually, make_settings, server_process, write_batch_config
+from api_helpers import (
+    SSHAPI,
+    Api,
+    Keys,
+    eventually,
+    make_settings,
+    server_process,
+    write_batch_config,
+)
 from faults import figure
 
 from api.batchspec import BatchOptions
@@ -105,6 +113,22 @@ async def test_batch_job_completes_and_its_output_reads_back_in_ranges(
     assert beyond.status_code == 200 and beyond.content == b""
     err = await output(api, job["id"], stream="stderr")
     assert err.content == b"oops\n"
+
+
+async def test_sshapi_batch_submit_wait_prints_the_output_and_exits_with_the_status(
+    api: Api, tmp_path: Path
+) -> None:
+    script = tmp_path / "job.sh"
+    script.write_text(SH + "echo to-stdout; echo to-stderr >&2; exit 3\n")
+    env = {**os.environ, "SSHAPI_URL": api.url, "SSHAPI_TOKEN": api.token("alice"),
+           "SSHAPI_CLIENT_CONFIG": "/nonexistent"}  # fmt: skip
+    proc = await asyncio.create_subprocess_exec(
+        SSHAPI, "batch", "submit", "local", str(script), "--wait", env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(proc.communicate(), 90)
+    assert (proc.returncode, out) == (3, b"to-stdout\n"), err
+    assert err.startswith(b"to-stderr\n") and b"failed" in err, err
 
 
 async def test_failing_script_is_failed_with_its_exit_code(api: Api, workdir: str) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import shutil
 import tempfile
 import tomllib
 from collections.abc import AsyncIterator, Callable
@@ -196,6 +197,32 @@ def test_doctor_logs_in_with_a_certificate_and_names_what_to_check_when_refused(
     assert "the CA is not trusted" in auth.detail and untrusted.certificates is not None
     assert untrusted.certificates.ca.fingerprint in auth.detail
     assert "PerSourcePenaltyExemptList" in auth.detail and "clocks" in auth.detail
+
+
+def test_doctor_reads_the_clock_of_a_certificate_host(
+    stock_host: LocalHost, make_host: Callable[..., LocalHost]
+) -> None:
+    """The rig's clock is ours: ok. A host whose `date` is 120 s behind: WARN, saying that
+    certificates are back-dated 60 s and to run NTP."""
+    config = HostConfig.model_validate(
+        tomllib.loads(cert_host_toml(stock_host, stock_host.user_ca_key))["hosts"]["hpc"]
+    )
+    clock = doctor(config)["clock"]
+    assert clock.status == "ok" and "back-dated 60 s" in clock.detail, clock.line()
+    fake = Path(tempfile.mkdtemp(prefix="sshapi-date-"))
+    fake.chmod(0o755)
+    (fake / "date").write_text("#!/bin/sh\necho $(( $(/bin/date +%s) - 120 ))\n")
+    (fake / "date").chmod(0o755)
+    command = f'PATH={fake}:$PATH; eval "$SSH_ORIGINAL_COMMAND"'
+    late = make_host("stock", overrides={"ForceCommand": command})
+    config = HostConfig.model_validate(
+        tomllib.loads(cert_host_toml(late, late.user_ca_key))["hosts"]["hpc"]
+    )
+    clock = doctor(config)["clock"]
+    shutil.rmtree(fake)
+    # `date +%s` counts whole seconds: 120 or 121 s behind.
+    assert clock.status == "WARN" and re.search("12[01] s behind", clock.detail), clock.line()
+    assert "NTP" in clock.detail
 
 
 async def test_no_user_key_material_on_disk_after_a_run(

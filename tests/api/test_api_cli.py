@@ -7,15 +7,20 @@ import asyncio
 import os
 import sys
 from pathlib import Path
+from typing import get_args
 
 import httpx
+import jwt
 import pytest
 from api_helpers import serve
 from typer.testing import CliRunner
 
+from api import cli
 from api.app import create_app
 from api.cli import app
+from api.client import base
 from api.settings import Settings
+from sshpool import ExecMode
 from sshpool.devhost import LocalHost
 
 SSHAPI = str(Path(sys.executable).parent / "sshapi")
@@ -56,6 +61,38 @@ async def test_token_command_mints_what_the_default_server_accepts(tmp_path: Pat
         assert r.status_code == 200, r.text
         r = await client.get(f"{url}/v1/jobs", headers={"Authorization": "Bearer x" + token})
         assert r.status_code == 401
+
+
+def test_the_default_token_carries_jobs_and_files_but_not_admin(tmp_path: Path) -> None:
+    """One token for a researcher: without --scope, every scope the local issuer grants but
+    admin, which is asked for by name."""
+    env = {"SSHAPI_DATA_DIR": str(tmp_path / "data")}
+    for argv, scopes in (
+        ([], "jobs:read jobs:write files:read files:write"),
+        (["--scope", "jobs:read admin"], "jobs:read admin"),
+    ):
+        result = CliRunner().invoke(app, ["token", "--sub", "alice", *argv], env=env)
+        assert result.exit_code == 0, result.output
+        claims = jwt.decode(result.stdout.strip(), options={"verify_signature": False})
+        assert claims["scope"] == scopes
+
+
+def test_the_cli_s_exec_modes_are_the_pool_s() -> None:
+    """api/cli.py writes sshpool's ExecMode out (importing sshpool costs every call)."""
+    assert get_args(cli.ExecMode) == get_args(ExecMode)
+
+
+def test_an_unreachable_server_is_named_with_where_its_url_comes_from(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(base._Base, "_delay", lambda *_: None)  # no retries: fail at once
+    env = {"SSHAPI_URL": "http://127.0.0.1:9", "SSHAPI_TOKEN": "t",
+           "SSHAPI_CLIENT_CONFIG": "/nonexistent/client.toml"}  # fmt: skip
+    result = CliRunner().invoke(app, ["jobs", "list"], env=env)
+    assert result.exit_code == 255
+    first, second = result.stderr.splitlines()
+    assert first.startswith("sshapi: GET http://127.0.0.1:9/v1/jobs: "), first
+    assert "SSHAPI_URL" in second and "profile" in second, second
 
 
 async def test_hosts_check_reports_each_host(config_file: Path, tuned_host: LocalHost) -> None:

@@ -145,6 +145,21 @@ def test_host_names_that_share_one_sshd_count_their_accounts_together() -> None:
     assert len(policy.sshd_targets("c")) == 1
 
 
+def test_ssh_budget_in_agent_mode_counts_the_executor_and_sftp_channels() -> None:
+    """Agent mode: the executor's channel and max_sessions - 1 SFTP sessions per connection,
+    the same spare below MaxSessions; max_sessions 1 leaves SFTP no channel."""
+    example = Path(__file__).parents[2] / "api" / "sshapi.example.toml"
+    host = load_config(example).hosts["login1"].model_copy(update={"exec_mode": "agent"})
+    assert host.ssh_budget(1) == []
+    assert host.model_copy(update={"limits": Limits(max_sessions=10)}).ssh_budget(1) == [
+        "max_sessions 10 >= MaxSessions 10: the executor's channel and max_sessions - 1 SFTP "
+        "sessions leave no spare channel per connection"
+    ]
+    assert host.model_copy(update={"limits": Limits(max_sessions=1)}).ssh_budget(1) == [
+        "exec_mode agent with max_sessions 1: no channel for SFTP beside the executor"
+    ]
+
+
 _DASH_TEMPLATE = TemplateConfig.model_validate(
     {"argv": ["grep", "-c", "{pattern}", "--", "{path}"], "params": {"pattern": {}, "path": {}}}
 )

@@ -13,7 +13,7 @@ import asyncssh
 import pytest
 
 from api.config import HostConfig
-from api.doctor import Finding, check_host
+from api.doctor import Finding, check_host, penalties_finding
 from api.local import local_host_config
 from api.settings import Settings
 from sshpool import Limits, Pool
@@ -64,6 +64,8 @@ def test_agent_host_without_python3_warns_that_it_runs_as_channels(
     assert "/nonexistent/python3" in found["agent"].detail
     assert "agent_python" in found["agent"].detail
     assert failures(found) == []
+    # The budget counts agent mode's channels: the executor's and the SFTP sessions'.
+    assert "1 executor + 7 SFTP channels" in found["budget"].detail, found["budget"].line()
 
 
 def test_noisy_login_shell_fails_naming_what_it_prints(make_host: object) -> None:
@@ -135,3 +137,46 @@ def test_doctor_command_exits_1_and_names_the_failing_host(config_file: Path) ->
 @pytest.fixture(autouse=True)
 def _no_env_replicas(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SSHAPI_REPLICAS", raising=False)
+
+
+# What OpenSSH 10.0's `sshd -T` prints about penalties (run on the rig's unpacked 10.0 sshd).
+ON = (
+    "persourcepenalties crash:90 authfail:5 noauth:1 grace-exceeded:10 refuseconnection:10 "
+    "max:600 min:15 max-sources4:65536 max-sources6:65536 overflow:permissive "
+    "overflow6:permissive"
+)
+SSHD_T_10 = "maxsessions 10\nmaxstartups 10:30:100\n" + ON + "\n"
+BANNER_10 = "SSH-2.0-OpenSSH_10.0p2 Debian-5"
+BANNER_9 = "SSH-2.0-OpenSSH_9.2p1 Debian-2+deb12u3"
+
+
+@pytest.mark.parametrize(
+    ("sshd_t", "banner", "status", "says"),
+    [
+        (SSHD_T_10 + "persourcepenaltyexemptlist none", BANNER_10, "WARN", "is not exempt"),
+        (SSHD_T_10 + "persourcepenaltyexemptlist 198.51.100.0/24", BANNER_10, "WARN", "not exempt"),
+        (SSHD_T_10 + "persourcepenaltyexemptlist 10.0.0.0/8,192.0.2.7", BANNER_10, "ok", "is in"),
+        ("maxsessions 10\nmaxstartups 10\npersourcepenalties no", BANNER_10, "ok", "no"),
+        ("maxsessions 10\nmaxstartups 10:30:100", BANNER_9, "ok", "predates"),
+        ("sh: sshd: Permission denied", BANNER_10, "WARN", "unknown"),
+        ("sh: sshd: Permission denied", BANNER_9, "ok", "OpenSSH_9.2 predates"),
+        ("sh: sshd: Permission denied", "SSH-2.0-dropbear", "WARN", "unknown"),
+    ],
+)
+def test_penalties_say_whether_this_machine_is_exempt(
+    sshd_t: str, banner: str, status: str, says: str
+) -> None:
+    """From `sshd -T` when the account may run it (on, off, this address exempt or not), else
+    from the banner's version; a WARN says to exempt this machine's address."""
+    found = penalties_finding("h", sshd_t, banner, ["192.0.2.7"])
+    assert (found.status, says in found.detail) == (status, True), found.line()
+    if status == "WARN":
+        assert "PerSourcePenaltyExemptList" in found.detail and "192.0.2.7" in found.detail
+
+
+def test_doctor_checks_penalties_on_the_rigs_sshd(tuned_host: LocalHost) -> None:
+    """Debian 12's sshd (9.2), `sshd -T` not allowed to the account: no penalties, by its
+    banner."""
+    found = doctor(local_host_config(tuned_host))
+    assert found["penalties"].status == "ok", found["penalties"].line()
+    assert "predates PerSourcePenalties" in found["penalties"].detail

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import tomllib
+from pathlib import Path
 
 from api_helpers import Api
 
@@ -59,14 +61,20 @@ async def test_openapi_documents_the_job_api_with_examples(api: Api) -> None:
     assert {"argv", "command", "template"} <= set(examples)
     assert {"201", "202", "429", "503"} <= set(post["responses"])
     assert "HTTPBearer" in spec["components"]["securitySchemes"]
+    # The /docs badge shows the package's version (it said 1.0.0 while the package was 0.1.0).
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    assert spec["info"]["version"] == pyproject["project"]["version"]
 
 
 async def test_hosts_lists_what_the_caller_may_use(api: Api) -> None:
     """A user sees the hosts their policy grants (not `secret`); an admin sees all."""
     r = await api.client.get(f"{api.url}/v1/hosts", headers=api.auth())
     assert [h["name"] for h in r.json()] == ["local", "tiny", "down"]
+    # Where a host is (hostname, port) is for admins (api.host_details_require_admin).
+    assert {(h["hostname"], h["port"]) for h in r.json()} == {(None, None)}
     r = await api.client.get(f"{api.url}/v1/hosts", headers=api.auth("ops", "admin"))
     assert [h["name"] for h in r.json()] == ["local", "tiny", "down", "secret"]
+    assert all(h["hostname"] and h["port"] for h in r.json())
     r = await api.client.get(f"{api.url}/v1/hosts/secret", headers=api.auth())
     assert r.status_code == 404
 

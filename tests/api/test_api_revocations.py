@@ -6,12 +6,22 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from api_helpers import LOCAL_ISS, Api, Keys, eventually, make_settings, replicas, running_api
+from api_helpers import (
+    LOCAL_ISS,
+    REDIS_URL,
+    Api,
+    Keys,
+    eventually,
+    make_settings,
+    replicas,
+    running_api,
+    sse_events,
+)
 from test_api_certificates import CLAIM, cert_config
 
 from sshpool.devhost import LocalHost
@@ -20,10 +30,30 @@ pytestmark = pytest.mark.timeout(120)
 ADMIN = "jobs:read jobs:write admin"
 
 
+def rules(host: LocalHost) -> str:
+    """`root-admin` may use no host (so revoking an account never refuses them); `mapped` runs
+    on hpc as the host's account, fixed by their rule (their token names none)."""
+    return f"""[[policy]]
+subject = "root-admin"
+issuer = "*"
+hosts = []
+
+[[policy]]
+subject = "mapped"
+issuer = "*"
+hosts = ["hpc"]
+[policy.accounts.hpc]
+username = "{host.username}"
+
+"""
+
+
 @pytest.fixture
 def cert_config_file(stock_host: LocalHost, secret_file: Path, keys: Keys, tmp_path: Path) -> Path:
     path = tmp_path / "sshapi.toml"
-    path.write_text(cert_config(stock_host, secret_file, keys))
+    text = cert_config(stock_host, secret_file, keys)
+    fallback = '[[policy]]\nsubject = "*"'
+    path.write_text(text.replace(fallback, rules(stock_host) + fallback, 1))
     return path
 
 
@@ -88,16 +118,47 @@ async def test_revoked_while_its_job_runs_and_lifted(api: Api, stock_host: Local
     assert again.json()["stdout"].strip() == user, again.text
 
 
+async def mapped_job(api: Api, argv: list[str]) -> Any:
+    """A job of `mapped`: their rule, not their token, names the account."""
+    h = headers(api, "mapped") | {"Prefer": "wait=10"}
+    return await api.client.post(
+        f"{api.url}/v1/jobs", json={"host": "hpc", "argv": argv}, headers=h
+    )
+
+
+def revoked(r: Any) -> bool:
+    return (r.status_code, r.json()["type"].split(":")[-1]) == (403, "identity-revoked")
+
+
 async def test_revoked_account_closes_its_idle_connection(api: Api, stock_host: LocalHost) -> None:
     """Revoking an account closes the idle pooled connection its certificate opened (sshd
-    checked the certificate at login only) and refuses tokens naming that account."""
+    checked the certificate at login only) and refuses, before any login, both the tokens
+    naming that account and the callers a policy rule maps to it."""
     user = stock_host.username
     ok = await submit(api, "erin", user, ["true"], wait=10)
     assert ok.json()["state"] == "succeeded"
+    assert (await mapped_job(api, ["id", "-un"])).json()["stdout"].strip() == user
     done = await revoke(api, {"account": user})
-    assert done.json()["connections_closed"] == 1, done.text
-    refused = await submit(api, "frank", user, ["true"], wait=5)
-    assert refused.status_code == 403
+    assert done.json()["connections_closed"] >= 1, done.text
+    before = stock_host.log_path.stat().st_size
+    assert revoked(await submit(api, "frank", user, ["true"], wait=5))
+    assert revoked(await mapped_job(api, ["true"]))
+    assert revoked(await api.client.get(f"{api.url}/v1/jobs", headers=headers(api, "mapped")))
+    logged = stock_host.log_path.read_bytes()[before:].decode(errors="replace")
+    assert "frank@" not in logged and "mapped@" not in logged, logged
+
+
+async def test_revoking_yourself_is_409(api: Api, stock_host: LocalHost) -> None:
+    """An admin cannot revoke their own identity nor an account their rule maps them to (no
+    one could lift it then, were they the only admin); another account they may revoke."""
+    url, admin = f"{api.url}/v1/admin/revocations", headers(api, "mapped", ADMIN)
+    for body, status in (
+        ({"account": stock_host.username}, 409),
+        ({"issuer": LOCAL_ISS, "subject": "mapped"}, 409),
+        ({"account": "someone-else"}, 201),
+    ):
+        r = await api.client.post(url, json=body, headers=admin)
+        assert r.status_code == status, r.text
 
 
 @pytest.mark.parametrize(
@@ -148,3 +209,114 @@ async def test_revocation_reaches_the_other_replica(
         refused_after = time.perf_counter() - start
         print(f"replica b refused the revoked identity {refused_after:.2f} s after the POST on a")
         assert refused_after < 3.0, refused_after
+
+
+async def test_live_streams_of_a_revoked_identity_end_on_both_replicas(
+    cert_config_file: Path, secret: str, keys: Keys, tmp_path: Path, stock_host: LocalHost
+) -> None:
+    """An admin, dave, follows carol's job on replica b (events) and on a (raw bytes); dave is
+    revoked on a: a's stream ends at once, b's within its poll of the revocations with a
+    final `revoked` event; carol's job goes on."""
+    loop = ["sh", "-c", "while :; do echo tick; sleep 0.1; done"]
+    async with replicas(tmp_path, cert_config_file, keys, secret) as (a, b):
+        job = (await submit(b, "carol", stock_host.username, loop)).json()
+        dave = headers(a, "dave", ADMIN)
+        ended: dict[str, float] = {}
+        last: list[dict[str, Any]] = []
+        ticking = asyncio.Event()
+
+        async def events() -> None:
+            url = f"{b.url}/v1/jobs/{job['id']}/events"
+            async with b.client.stream("GET", url, headers=dave) as r:
+                async for event in sse_events(r):
+                    last[:] = [event]
+                    if event["event"] == "output":
+                        ticking.set()
+            ended["b"] = time.perf_counter()
+
+        async def raw() -> None:
+            url = f"{a.url}/v1/jobs/{job['id']}/output?follow=true"
+            async with a.client.stream("GET", url, headers=dave) as r:
+                assert r.status_code == 200
+                async for _ in r.aiter_bytes():
+                    pass
+            ended["a"] = time.perf_counter()
+
+        followers = [asyncio.create_task(events()), asyncio.create_task(raw())]
+        await asyncio.wait_for(ticking.wait(), 10)
+        start = time.perf_counter()
+        assert (await revoke(a, {"issuer": LOCAL_ISS, "subject": "dave"})).status_code == 201
+        await asyncio.wait_for(asyncio.gather(*followers), 10)
+        print(f"streams ended {ended['a'] - start:.2f} s (a) {ended['b'] - start:.2f} s (b)")
+        assert last[0]["event"] == "revoked", last
+        assert ended["a"] - start < 1.0 and ended["b"] - start < 3.0, ended
+        carol = headers(b, "carol", **{CLAIM: stock_host.username})
+        still = await b.client.get(f"{b.url}/v1/jobs/{job['id']}", headers=carol)
+        assert still.json()["state"] == "running"
+        await b.client.delete(f"{b.url}/v1/jobs/{job['id']}", headers=carol)
+
+
+async def connections(api: Api) -> int:
+    """The connections this replica's pools hold on host hpc (the admin's view)."""
+    r = await api.client.get(f"{api.url}/v1/hosts/hpc", headers=headers(api, "root-admin", ADMIN))
+    return sum(p["connections"] for p in r.json()["pool"])
+
+
+async def timed(at: dict[str, float], start: float, call: Awaitable[Any]) -> Any:
+    """`call`'s answer, its time since `start` in at["answer"]."""
+    answer = await call
+    at["answer"] = time.perf_counter() - start
+    return answer
+
+
+@pytest.mark.parametrize("redis_url", [None, REDIS_URL], ids=["poll", "redis"])
+async def test_time_to_revoke_on_two_replicas(
+    cert_config_file: Path,
+    secret: str,
+    keys: Keys,
+    tmp_path: Path,
+    stock_host: LocalHost,
+    redis_url: str | None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """gina runs a command on each replica; revoked on a: the time from the POST until both
+    commands are killed (the host's view) and both replicas hold no connection of hers. With
+    Redis the poll is made 30 s long: b acts on the nudge alone."""
+    if redis_url is not None:
+        monkeypatch.setattr("api.revocations.POLL_INTERVAL", 30.0)
+    user = stock_host.username
+    async with replicas(tmp_path, cert_config_file, keys, secret, redis_url) as (a, b):
+        admin = headers(a, "root-admin", ADMIN)
+        figures = []
+        for _ in range(2):
+            word = f"revoke-{uuid.uuid4().hex[:8]}"
+            for api in (a, b):
+                assert (
+                    await submit(api, "gina", user, ["sh", "-c", f"sleep 60 # {word}"])
+                ).is_success
+            # Each job is its `sh -c` (and, for a moment, the login shell above it).
+            await eventually(lambda w=word: len(stock_host.processes(w)) >= 2)  # type: ignore[misc]
+            at: dict[str, float] = {}
+            start = time.perf_counter()
+            posted = asyncio.create_task(
+                timed(at, start, revoke(a, {"issuer": LOCAL_ISS, "subject": "gina"}))
+            )
+            while len(at) < 4 and time.perf_counter() - start < 5:
+                for name, api in (("a", a), ("b", b)):
+                    if name not in at and await connections(api) == 0:
+                        at[name] = time.perf_counter() - start
+                if "killed" not in at and not stock_host.processes(word):
+                    at["killed"] = time.perf_counter() - start
+                await asyncio.sleep(0.01)
+            done = await posted
+            figures.append(at)
+            assert set(at) == {"a", "b", "killed", "answer"}, at
+            # Both ended `cancelled`, whichever replica's cancel came first.
+            listed = (await a.client.get(f"{a.url}/v1/jobs", headers=admin)).json()["items"]
+            assert [j["state"] for j in listed if word in j["argv"][-1]] == ["cancelled"] * 2
+            url = f"{a.url}/v1/admin/revocations/{done.json()['id']}"
+            assert (await a.client.delete(url, headers=admin)).status_code == 204
+            await asyncio.sleep(0.1 if redis_url else 1.2)  # b reads the lift
+        for at in figures:
+            print(" ".join(f"{k} {v:.2f} s" for k, v in sorted(at.items())))
+        assert max(max(at.values()) for at in figures) < 3.0, figures

@@ -174,6 +174,44 @@ async def test_sqlite_wal_stays_bounded_and_large_outputs_round_trip(
         await store.close()
 
 
+async def test_prune_deletes_jobs_that_ended_before_the_cutoff_and_never_active_ones(
+    store: Store,
+) -> None:
+    """`sshapi db prune --older-than 30`: an ended job of 40 days ago goes; one of 10 days ago
+    stays, and so does a job still running after 40 days (its end is not known yet)."""
+    from datetime import timedelta
+
+    from api.store import prune
+
+    now = utcnow()
+    old = await store.insert(job(state="succeeded", finished_at=now - timedelta(days=40)))
+    recent = await store.insert(job(state="failed", finished_at=now - timedelta(days=10)))
+    running = await store.insert(job(state="running", created_at=now - timedelta(days=40)))
+    assert await prune(store.url, store.schema, now - timedelta(days=30)) == 1
+    assert await store.get(old.id) is None
+    assert await store.get(recent.id) is not None and await store.get(running.id) is not None
+
+
+def test_db_prune_command_reports_what_it_deleted(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "SSHAPI_DATA_DIR": str(tmp_path / "data")}
+    env.pop("SSHAPI_DATABASE_URL", None)
+    sshapi = str(Path(sys.executable).parent / "sshapi")
+    subprocess.run([sshapi, "db", "upgrade"], env=env, check=True, capture_output=True)
+    done = subprocess.run(
+        [sshapi, "db", "prune", "--older-than", "30"], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("deleted 0 job(s) that ended before ")
+    refused = subprocess.run(
+        [sshapi, "db", "prune", "--older-than", "-1"], env=env, capture_output=True, text=True
+    )
+    assert refused.returncode == 2
+
+
 async def test_a_writer_that_dies_is_restarted_and_no_accepted_write_is_lost(
     tmp_path: Path, tasks: Supervisor, monkeypatch: pytest.MonkeyPatch
 ) -> None:

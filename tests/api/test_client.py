@@ -259,6 +259,39 @@ async def test_sshapi_files_put_ls_get_rm_round_trip_byte_exact(api: Api, tmp_pa
     assert rc == 255 and b"file-not-found" in err
 
 
+async def test_sshapi_files_name_the_side_make_directories_and_rm_goes_on(
+    api: Api, tmp_path: Path
+) -> None:
+    """A put into a missing directory names the host and path and says `--parents`; with it,
+    the directories appear; `mkdir -p` is idempotent; a missing local file and an unwritable
+    local destination name the local path; `rm a missing b` deletes a and b, reports the
+    missing one, exits 1."""
+    top = f"sshapi-cli-{uuid.uuid4().hex[:8]}"
+    source = tmp_path / "results.csv"
+    source.write_text("a,b\n")
+    rc, _, err = await sshapi(api, "files", "put", "local", str(source), f"{top}/runs/r.csv")
+    assert rc == 255 and f"local:{top}/runs/r.csv (remote): 404".encode() in err, err
+    assert b"--parents" in err
+    rc, _, err = await sshapi(
+        api, "files", "put", "--parents", "local", str(source), f"{top}/runs/r.csv"
+    )
+    assert rc == 0, err
+    for _ in range(2):
+        rc, _, err = await sshapi(api, "files", "mkdir", "-p", "local", f"{top}/x/y")
+        assert rc == 0, err
+    rc, _, err = await sshapi(api, "files", "mkdir", "local", f"{top}/x")
+    assert rc == 1 and f"local:{top}/x (remote): 409".encode() in err, err
+    rc, _, err = await sshapi(
+        api, "files", "get", "local", f"{top}/runs/r.csv", str(tmp_path / "no" / "r.csv")
+    )
+    assert rc == 255 and f"{tmp_path}/no/r.csv (local): No such file".encode() in err, err
+    paths = [f"{top}/runs/r.csv", f"{top}/missing", f"{top}/x/y", f"{top}/x", f"{top}/runs"]
+    rc, _, err = await sshapi(api, "files", "rm", "local", *paths)
+    assert rc == 1 and err.count(b"(remote)") == 1 and f"{top}/missing".encode() in err, err
+    rc, _, err = await sshapi(api, "files", "rm", "local", top)
+    assert rc == 0, err
+
+
 class DropDownloadMidway(httpx.BaseTransport):
     """Passes every request on, but cuts the first file download after 1 MiB of its body, as
     a dropped connection would; records each download's Range header."""

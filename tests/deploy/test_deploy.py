@@ -150,7 +150,7 @@ def test_systemd_units_verify() -> None:
         folder = Path(f"/tmp/sshapi-units-{uuid.uuid4().hex}")
         folder.mkdir()
         try:
-            name = unit.replace("@.", "@1.")
+            name = unit.replace("@.", "@8001.")
             (folder / name).write_text(text)
             done = subprocess.run(
                 [analyze, "verify", "--man=no", str(folder / name)],

@@ -12,11 +12,15 @@ output). Each command is verified for real, by the kind of its program:
 - `.venv/bin/locust -f FILE ARGS`: `locust -f FILE ARGS --list` succeeds: Locust parses the exact
   arguments, the locustfile's own included, then lists the user classes and exits;
 - `.venv/bin/pytest PATHS`: each path exists;
-- `pip install 'sshapi[EXTRA]'`: pyproject.toml names the project `sshapi` and has that extra;
+- every command of docs/deploy.md: run, block by block, by tests/deploy/test_deploy_doc.py;
+- `pip install sshapi` / `'sshapi[EXTRA]'`: pyproject.toml names the project `sshapi` and has
+  that extra;
 - `curl ...` (console blocks only): run against a real API that this test starts with
   `sshapi dev --slurm` (what `make run` does, plus Slurm for the batch example), with the token
-  `sshapi token` mints for it; every curl shows its expected status (`HTTP/1.1 NNN` below it, with
-  `-i`) or, when its output is captured (`NAME=$(curl -sf ...)`), must succeed and print something.
+  `sshapi token` mints for it in `$TOKEN` and its URL in `$SSHAPI_URL` (commands never name a
+  port: `make run PORT=N` may have moved it); every curl shows its expected status
+  (`HTTP/1.1 NNN` below it, with `-i`) or, when its output is captured (`NAME=$(curl -sf ...)`),
+  must succeed and print something.
 
 A command no check knows fails the test: rewrite the docs rather than show an unchecked command.
 Python blocks must compile and their imports must resolve. Every relative link and #anchor in the
@@ -47,7 +51,6 @@ ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINKED = [*DOCS, ROOT / "RELIABILITY.md"]
-DOC_URL = "http://127.0.0.1:8000"
 # Help output must not be cut or boxed to the terminal's width.
 HELP_ENV = {**os.environ, "COLUMNS": "300", "TERM": "dumb", "NO_COLOR": "1"}
 
@@ -128,7 +131,8 @@ def is_curl(command: Command) -> bool:
 
 
 ALL = [c for p in DOCS for c in commands(p)]
-CURL_BLOCKS = sorted({(c.path, c.block) for c in ALL if is_curl(c)})
+# docs/deploy.md's curl runs in its own test, against the deployment it builds.
+CURL_BLOCKS = sorted({(c.path, c.block) for c in ALL if is_curl(c) and c.path.name != "deploy.md"})
 
 
 def words(command: Command) -> list[str]:
@@ -218,14 +222,18 @@ def check_pip(command: Command, args: list[str]) -> None:
     assert args[0] == "install", f"{command}\n  only `pip install` is checked"
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     for spec in args[1:]:
-        m = re.fullmatch(r"([\w.-]+)\[([\w,-]+)\]", spec)
+        m = re.fullmatch(r"([\w.-]+)(?:\[([\w,-]+)\])?", spec)
         assert m and m.group(1) == project["name"], f"{command}\n  {spec} is not this project"
-        for extra in m.group(2).split(","):
+        for extra in (m.group(2) or "").split(",") if m.group(2) else []:
             assert extra in project["optional-dependencies"], f"{command}\n  no extra {extra}"
 
 
 @pytest.mark.parametrize("command", [c for c in ALL if not is_curl(c)], ids=lambda c: c.where)
 def test_command(command: Command, tmp_path: Path) -> None:
+    if command.path.name == "deploy.md":
+        # Run for real, in order, as root: tests/deploy/test_deploy_doc.py.
+        assert (ROOT / "tests" / "deploy" / "test_deploy_doc.py").is_file()
+        return
     argv = words(command)
     assert argv, f"{command}\n  empty command"
     program, args = argv[0], argv[1:]
@@ -254,6 +262,7 @@ def test_command(command: Command, tmp_path: Path) -> None:
 class DevApi:
     url: str
     token: str
+    env: dict[str, str]  # what its own `sshapi` commands need (its data dir)
 
 
 def free_port() -> int:
@@ -266,34 +275,27 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def dev_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevApi]:
     data = tmp_path_factory.mktemp("dev") / "data"
+    printed = data.parent / "dev.out"
     port = free_port()
     env = {**os.environ, "SSHAPI_DATA_DIR": str(data), "SSHAPI_LOG_LEVEL": "warning"}
     env.pop("SSHAPI_CONFIG", None)
-    proc = subprocess.Popen(
-        [str(BIN / "sshapi"), "dev", "--slurm", "--port", str(port)],
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-    )
+    with printed.open("w") as out:
+        proc = subprocess.Popen(
+            [str(BIN / "sshapi"), "dev", "--slurm", "--port", str(port)],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+        )
     try:
         url = f"http://127.0.0.1:{port}"
         wait_ready(proc, url, timeout=120)
-        minted = subprocess.run(
-            # The files scopes too, for docs/files.md.
-            [
-                str(BIN / "sshapi"),
-                "token",
-                "--sub",
-                "dev",
-                "--scope",
-                "jobs:read jobs:write files:read files:write",
-            ],
-            env=env,
-            capture_output=True,
-            text=True,
-            check=True,
+        # The token `make run` prints, as a reader pastes it: the files examples need it too.
+        token = next(
+            line.removeprefix("export TOKEN=")
+            for line in printed.read_text().splitlines()
+            if line.startswith("export TOKEN=")
         )
-        yield DevApi(url, minted.stdout.strip())
+        yield DevApi(url, token, env)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -311,10 +313,10 @@ def dev_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevApi]:
 def test_curl_examples(where: tuple[Path, int], dev_api: DevApi) -> None:
     """Run a console block's commands in order, as a reader would paste them; variables a
     command assigns (`LOCATION=$(curl ...)`) carry to the next ones."""
-    env = {**os.environ, "TOKEN": dev_api.token}
+    env = {**os.environ, "TOKEN": dev_api.token, "SSHAPI_URL": dev_api.url}
     for command in [c for c in ALL if (c.path, c.block) == where]:
         assert command.lang == "console", f"{command}\n  curl examples go in console blocks"
-        script = command.text.replace(DOC_URL, dev_api.url)
+        script = command.text
         assignment = re.match(r"^([A-Za-z_][A-Za-z0-9_]*)=\$\(", script)
         if assignment:
             script += f'\nprintf %s "${assignment.group(1)}"'
@@ -337,6 +339,56 @@ def test_curl_examples(where: tuple[Path, int], dev_api: DevApi) -> None:
         got = done.stdout.splitlines()[0] if done.stdout else ""
         expected = f"HTTP/1.1 {statuses[0]}"
         assert got.startswith(expected), f"{command}\n  got {got!r}:\n{done.stdout}"
+
+
+def test_the_doctor_example_is_what_doctor_prints(dev_api: DevApi) -> None:
+    """docs/operations.md shows `sshapi doctor` against `sshapi dev --slurm`: the same checks and
+    figures as it prints now, apart from what differs per run (ports, timings, the rig's path,
+    the OpenSSH build)."""
+    page = ROOT / "docs" / "operations.md"
+    [example] = [c for c in commands(page) if words(c)[:2] == ["sshapi", "doctor"] and c.output]
+    done = subprocess.run(
+        [str(BIN / "sshapi"), "doctor"], env=dev_api.env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    rig = str(Path(dev_api.env["SSHAPI_DATA_DIR"])) + "-hosts"
+
+    def steady(line: str) -> str:
+        line = line.replace(rig, "<repo>/.data-hosts")
+        line = re.sub(r"127\.0\.0\.1:\d+", "127.0.0.1:PORT", line)
+        line = re.sub(r"\(SSH-2\.0-[^)]*\)", "(SSH-2.0-...)", line)
+        line = re.sub(r"slurm-wlm [\d.]+", "slurm-wlm N", line)
+        return re.sub(r"[\d.]+ ms", "N ms", line).rstrip()
+
+    printed = [steady(o) for o in done.stdout.splitlines()]
+    assert [steady(o) for o in example.output] == printed, done.stdout
+
+
+@pytest.mark.parametrize("locustfile", ["burst", "sustained"])
+def test_the_load_suite_options_are_documented_with_their_defaults(locustfile: str) -> None:
+    """Locust's --help cannot show a locustfile's options (it prints before loading it): the
+    table in docs/load-suite.md is their help, so it names every one with its default."""
+    script = (
+        f"import loadtests.{locustfile}\n"
+        "from locust.argument_parser import get_parser\n"
+        "for group in get_parser()._action_groups:\n"
+        "    if group.title in ('sshapi load suite', 'burst', 'sustained'):\n"
+        "        for a in group._group_actions:\n"
+        "            d = a.default\n"
+        "            d = ' '.join(map(str, d)) if isinstance(d, list) else d\n"
+        "            print(a.option_strings[0], d, sep='\\t')\n"
+    )
+    done = run([sys.executable, "-c", script])
+    assert done.returncode == 0, done.stderr
+    rows = (ROOT / "docs" / "load-suite.md").read_text().split("\n## Options\n", 1)[1]
+    found = [line.split("\t") for line in done.stdout.splitlines()]
+    assert len(found) > 10
+    missing = [
+        f"{option} (default {default})"
+        for option, default in found
+        if not re.search(rf"^\| `{option}` \|[^|]*\| `{re.escape(default)}` \|", rows, re.M)
+    ]
+    assert missing == []
 
 
 # --------------------------------------------------------------------------------------------
@@ -427,7 +479,112 @@ def test_index_links_every_page_and_the_readme_is_short() -> None:
     assert len((ROOT / "README.md").read_text().splitlines()) <= 150
 
 
+def test_no_command_names_a_fixed_api_port() -> None:
+    """`make run PORT=N` moves the API: commands say `$SSHAPI_URL`, which it prints."""
+    port = re.compile(r"(127\.0\.0\.1|localhost):8000")
+    fixed = [str(c) for c in ALL if any(port.search(w) for w in words(c))]
+    assert fixed == []
+
+
 def test_every_command_is_checked() -> None:
     """The extraction itself: the docs do show commands, and console output is not taken for one."""
     assert len(ALL) > 20
     assert not [c for c in ALL if c.text.startswith(("HTTP/", "{", "export "))]
+
+
+# --------------------------------------------------------------------------------------------
+# What renders and what is cited.
+
+
+def table_cells(row: str) -> int:
+    """A table row's cell count: pipes inside code spans or escaped do not separate cells."""
+    text = re.sub(r"`[^`]*`", "x", row.strip()).replace("\\|", "x")
+    return len(text.strip("|").split("|"))
+
+
+@pytest.mark.parametrize("path", LINKED, ids=lambda p: str(p.relative_to(ROOT)))
+def test_tables_render_as_tables(path: Path) -> None:
+    """A table is a header, a `|---|` row, then rows of as many cells, after a blank line: rows
+    pasted under a paragraph or another section render as pipe text."""
+    lines = path.read_text().splitlines()
+    broken, fenced, start = [], False, None
+    for number, line in enumerate([*lines, ""], 1):
+        if line.startswith("```"):
+            fenced = not fenced
+        is_row = not fenced and line.lstrip().startswith("|")
+        if is_row and start is None:
+            start = number
+        elif not is_row and start is not None:
+            table = lines[start - 1 : number - 1]
+            where = f"{path.relative_to(ROOT)}:{start}"
+            if start > 1 and lines[start - 2].strip():
+                broken.append(f"{where}: no blank line before the table")
+            if len(table) < 2 or not re.fullmatch(
+                r"\|?( *:?-+:? *\|)+( *:?-+:? *)?", table[1].strip()
+            ):
+                broken.append(f"{where}: no |---| row under the header")
+            widths = {table_cells(row) for row in table}
+            if len(widths) > 1:
+                broken.append(f"{where}: rows of {sorted(widths)} cells")
+            start = None
+    assert not broken, "\n".join(broken)
+
+
+def tracked() -> set[str]:
+    done = run(["git", "ls-files"])
+    assert done.returncode == 0, done.stderr
+    return set(done.stdout.splitlines())
+
+
+@pytest.mark.parametrize("path", LINKED, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_doc_cites_a_file_outside_the_repository(path: Path) -> None:
+    """A reader must be able to open what a page cites. A path in backticks that starts with one
+    of the repository's top-level names exists; every Markdown file named (prose or code) is one
+    of the repository's, or a report the load suite writes (its name is in loadtests/)."""
+    files = tracked()
+    tops = {f.split("/")[0] for f in files}
+    names = {Path(f).name for f in files if f.endswith(".md")}
+    suite = "".join(p.read_text() for p in (ROOT / "loadtests").glob("*.py"))
+    missing = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        for m in re.finditer(r"`([\w.-]+/[^`\s]*)`", line):
+            cited = re.split(r"[#:]| ", m.group(1))[0].rstrip("/.,")
+            placeholder = re.search(r"[*<>{}]", cited)
+            if cited.split("/")[0] in tops and not placeholder and not (ROOT / cited).exists():
+                missing.append(f"{number}: {m.group(1)}")
+        for m in re.finditer(r"[\w./-]*\b[\w-]+\.md\b", line):
+            name = Path(m.group(0)).name
+            if name not in names and f'"{name}"' not in suite:
+                missing.append(f"{number}: {m.group(0)}")
+    assert not missing, f"{path.relative_to(ROOT)} cites what the repository lacks: {missing}"
+
+
+def answered_problem_kinds() -> set[str]:
+    """Every `kind` the API can answer: the literal second argument of each `Problem(...)` in
+    api/ (or every literal in it, `"a" if x else "b"`), and the tables problems.py maps from."""
+    import ast
+
+    from api.problems import BATCH_ERRORS, HTTP_KINDS, SSH_ERRORS
+
+    kinds = {kind for _, kind, _ in SSH_ERRORS.values()} | set(BATCH_ERRORS)
+    kinds |= set(HTTP_KINDS.values())
+    for source in (ROOT / "api").rglob("*.py"):
+        for node in ast.walk(ast.parse(source.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            name = getattr(node.func, "id", getattr(node.func, "attr", None))
+            if name == "Problem" and len(node.args) > 1:
+                for part in ast.walk(node.args[1]):
+                    if isinstance(part, ast.Constant) and isinstance(part.value, str):
+                        kinds.add(part.value)
+    return kinds
+
+
+def test_every_problem_type_the_api_answers_is_listed() -> None:
+    page = (ROOT / "docs" / "http-api.md").read_text()
+    listing = page.split("where kind is one of:", 1)[1].split("\n- **", 1)[0]
+    listed = set(re.findall(r"`([a-z-]+)`", listing))
+    answered = answered_problem_kinds()
+    assert len(answered) > 40  # the collection itself works
+    assert sorted(answered - listed) == []
+    assert sorted(listed - answered) == []

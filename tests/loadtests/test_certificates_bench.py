@@ -20,3 +20,17 @@ def test_certificates_bench_prints_every_part(
     burst, connect, cpu = rows
     assert burst["statuses"] == {"ok": 3} and burst["refusing_certificate_lines"] == 0
     assert connect["certificate_p50_ms"] > 0 and cpu["certificate_cpu_ms_per_job"] > 0
+
+
+def test_certificates_bench_through_http(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--http`: each researcher's token runs `id -un` as their account through `sshapi
+    serve`, and the CPU part compares a certificate account with a key file account."""
+    argv = ["--http", "--accounts", "3", "--rounds", "1", "--jobs", "5"]
+    assert certificates.main([*argv, "--data-dir", str(tmp_path / "data")]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line[:1] == "{"]
+    assert [r["part"] for r in rows] == ["http-burst", "http-cpu"]
+    burst, cpu = rows
+    assert burst["statuses"] == {"ok": 3} and burst["refusing_certificate_lines"] == 0
+    assert burst["certificate_logins"] == 3 and "key_api_cpu_ms_per_job" in cpu

@@ -11,7 +11,7 @@ import pytest
 
 from loadtests import hdr
 from loadtests.records import DROPPED, Record, error_kind, parse_server_timing, read_jsonl
-from loadtests.report import write_run
+from loadtests.report import render, write_run
 from loadtests.schedule import (
     PROFILES,
     Stage,
@@ -232,3 +232,37 @@ def test_write_run_writes_summary_records_report_and_plots(tmp_path: Path) -> No
         assert (tmp_path / png).stat().st_size > 0
         assert png in text
     assert len(summary["stages"]) == 3
+
+
+def test_over_time_breaks_its_lines_across_a_cool_down_and_counts_failures_from_zero() -> None:
+    """Two bursts 5 s apart: before, the p50 line sloped across the idle seconds, and a run
+    without failures drew a failures axis of -0.04..0.04."""
+    from loadtests.plots import over_time_figure
+
+    records = [rec(10.0, t=1000.0), rec(12.0, t=1000.2), rec(40.0, t=1005.0), rec(44.0, t=1005.1)]
+    fig = over_time_figure(records)
+    ax, failures = fig.axes
+    p50 = next(line for line in ax.get_lines() if line.get_label() == "p50")
+    ys = list(p50.get_ydata())
+    assert len(ys) == 3 and math.isnan(ys[1])  # burst, break, burst
+    assert failures.get_ylim()[0] == 0 and failures.get_ylim()[1] >= 1
+    fig.clf()
+
+
+def test_a_run_refused_by_the_apis_own_limits_is_not_a_plain_valid_run() -> None:
+    """The issue's run: 50 requests on one identity, 41 answered 429. Before: `run VALID`."""
+    records = [rec(10.0) for _ in range(9)]
+    records += [rec(5.0, ok=False, status=429, error="http 429") for _ in range(41)]
+    v = validity(records, {})
+    assert v["valid"]  # the generator kept its schedule ...
+    assert v["limited"] == [  # ... but what it measured was the limiter
+        "most requests failed (41 of 50)",
+        "41 of 41 failures were the API's own limits refusing (http 429: 41): the run measured "
+        "its rate limits, caps or admission, not the service",
+    ]
+    assert "**LIMITED**" in render(summarize(records, {}, {}), {})
+    # A few refusals in a large run, or failures of another kind, are no such verdict.
+    healthy = [rec(10.0) for _ in range(1000)] + [rec(5.0, ok=False, status=503, error="http 503")]
+    assert validity(healthy, {})["limited"] == []
+    broken = [rec(10.0), rec(5.0, ok=False, status=0, error="reset")]
+    assert validity(broken, {})["limited"] == []

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -118,3 +119,74 @@ def test_distributed_master_and_two_workers_merge_like_one_process(
     single = summarize(records, summary["meta"], {})
     assert summary["latency_ms"] == single["latency_ms"]
     assert summary["latency_hdr"] == single["latency_hdr"]
+
+
+@pytest.mark.timeout(120)
+def test_each_start_in_the_web_ui_measures_its_own_requests(
+    api: tuple[str, Path], tmp_path: Path
+) -> None:
+    """Drive the Locust web UI's HTTP API as a browser does: Start, wait for the end, Start again
+    with another burst size. Before: the second Start sent no request and wrote a report whose
+    records.jsonl was byte-identical to the first's, `run VALID`. Also: the UI listens on
+    127.0.0.1 only, and its page carries the shape's own parameters."""
+    import hashlib
+
+    import psutil
+    import requests
+
+    url, data = api
+    reports = tmp_path / "reports"
+    env = {**os.environ, "SSHAPI_DATA_DIR": str(data), "SSHAPI_TOKEN": "not-used"}
+    env.pop("SSHAPI_CONFIG", None)
+    port = free_port()
+    proc = subprocess.Popen(
+        [str(LOCUST), "-f", str(REPO / "loadtests" / "burst.py"), "-H", url,
+         "--web-port", str(port), "--burst-sizes", "3", "--repeats", "1", "--cooldown", "0.1",
+         "--report-dir", str(reports)],
+        env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    ui = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                page = requests.get(ui, timeout=2).text
+                break
+            except requests.ConnectionError:
+                assert time.monotonic() < deadline and proc.poll() is None, "no web UI"
+                time.sleep(0.2)
+        assert "burst_sizes" in page and "repeats" in page  # the shape's parameters
+        listening = {
+            c.laddr.ip
+            for c in psutil.Process(proc.pid).net_connections()
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+        }
+        assert listening == {"127.0.0.1"}
+
+        def start_and_wait(form: dict[str, str], runs: int) -> Path:
+            answer = requests.post(f"{ui}/swarm", data=form, timeout=5).json()
+            assert answer["success"], answer
+            deadline = time.monotonic() + 40
+            while len(list(reports.glob("*"))) < runs or not list(reports.glob("*/summary.json")):
+                assert time.monotonic() < deadline, "no report"
+                time.sleep(0.2)
+            while requests.get(f"{ui}/stats/requests", timeout=5).json()["state"] != "stopped":
+                assert time.monotonic() < deadline, "the run did not stop"
+                time.sleep(0.2)
+            return sorted(reports.iterdir())[runs - 1]
+
+        first = start_and_wait({"host": url}, 1)
+        second = start_and_wait({"host": url, "burst_sizes": "5"}, 2)
+    finally:
+        proc.terminate()
+        output, _ = proc.communicate(timeout=30)
+    runs = [json.loads((run / "summary.json").read_text()) for run in (first, second)]
+    assert [s["requests"] for s in runs] == [3, 5], output[-3000:]
+    assert [s["ok"] for s in runs] == [3, 5]
+    assert runs[0]["meta"]["started"] <= runs[1]["meta"]["started"]
+    assert runs[1]["meta"]["burst_sizes"] == [5]
+    assert runs[0]["meta"]["subjects"] == 64  # SSHAPI_TOKEN ignored without --use-env-token
+    digests = [hashlib.md5((r / "records.jsonl").read_bytes()).hexdigest() for r in (first, second)]
+    print(f"web UI runs: requests {[s['requests'] for s in runs]}, records.jsonl md5 {digests}")
+    assert digests[0] != digests[1]
+    assert output.count("run VALID") == 2

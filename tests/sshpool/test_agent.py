@@ -34,6 +34,17 @@ def word() -> str:
     return f"sshapi-agent-{uuid.uuid4().hex[:12]}"
 
 
+def own(host: LocalHost, pids: list[int]) -> list[int]:
+    """Those of `pids` under this host's sshd: the account is shared by every rig on the
+    machine (other test runs, other checkouts), whose executors are not this test's to kill."""
+    mine = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            if host.pid in (p.pid for p in psutil.Process(pid).parents()):
+                mine.append(pid)
+    return mine
+
+
 async def appears(host: LocalHost, pattern: str, within: float = 10.0) -> None:
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
@@ -91,7 +102,7 @@ async def test_executor_killed_mid_job(stock_host: LocalHost) -> None:
         target = agent(stock_host.target(max_connections=1))
         job = asyncio.create_task(pool.run(target, ["sh", "-c", f"sleep 30; : {w}"]))
         await appears(stock_host, w)
-        for pid in stock_host.processes(EXECUTOR):
+        for pid in own(stock_host, stock_host.processes(EXECUTOR)):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         with pytest.raises(ConnectionLost) as info:
@@ -187,3 +198,27 @@ async def test_output_flood_keeps_memory_bounded(stock_host: LocalHost) -> None:
         grown = me.memory_info().rss - before
     assert seen == result.stdout_bytes == 100_000_000
     assert grown < 50 << 20, f"client memory grew {grown >> 20} MiB"
+
+
+async def test_sftp_beside_the_executor_stays_within_maxsessions(stock_host: LocalHost) -> None:
+    """Stock MaxSessions is 10, max_sessions 9: on one agent connection 20 SFTP sessions and
+    20 commands at once all succeed; the sessions take at most 8 channels beside the
+    executor's, and a channel sshd refuses (it frees a session only once its sftp-server
+    exited) costs the SFTP sessions room, not the executor's 32 commands."""
+    target = agent(stock_host.target(max_connections=1, max_sessions=9))
+
+    async def session() -> str:
+        async with pool.sftp(target, acquire_timeout=30) as fs:
+            home = await fs.realpath(".")
+            await asyncio.sleep(0.3)
+            return home
+
+    async with Pool() as pool:
+        await pool.run(target, ["true"])
+        results = await asyncio.gather(
+            *(session() for _ in range(20)),
+            *(pool.run(target, ["sleep", "0.3"]) for _ in range(20)),
+        )
+        assert len({r for r in results[:20]}) == 1
+        stats = pool.stats()[target]
+    assert (stats["connections"], stats["capacity"]) == (1, 32), stats

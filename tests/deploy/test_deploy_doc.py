@@ -1,0 +1,182 @@
+"""docs/deploy.md, run as written: each ```bash block in order, as root, from the checkout, after
+the page's first block (its variables). A scratch PREFIX holds /etc, /opt and /var; the login
+host is the rig's tuned sshd; the account, PostgreSQL role and database are real and removed
+after; `systemctl` is tests/deploy/systemctl_shim.py (this machine's PID 1 is not systemd)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pwd
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from loadtests.replicas import PG_URL
+from loadtests.server import free_port
+from sshpool.devhost import LocalHost
+
+REPO = Path(__file__).resolve().parents[2]
+PAGE = REPO / "docs" / "deploy.md"
+
+
+def bash_blocks() -> list[str]:
+    return re.findall(r"^```bash\n(.*?)^```", PAGE.read_text(), re.M | re.S)
+
+
+def two_free_ports() -> int:
+    """A port whose next one is free too: the page numbers the replicas' ports from the first."""
+    import socket
+
+    # Below Linux's ephemeral range (32768-60999), where outgoing connections take their ports.
+    rng = random.SystemRandom()
+    for _ in range(100):
+        port = rng.randrange(20000, 32000)
+        try:
+            for p in (port, port + 1):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no two consecutive free ports")
+
+
+def fingerprint(public_key: Path) -> str:
+    done = subprocess.run(["ssh-keygen", "-lf", str(public_key)], capture_output=True, text=True)
+    return done.stdout.split()[1]
+
+
+@pytest.fixture
+def site(tuned_host: LocalHost) -> Iterator[dict[str, str]]:
+    """The page's variables for this machine, and everything the page creates removed after."""
+    if os.geteuid() != 0:
+        pytest.skip("the deploy page runs as root (useradd, runuser)")
+    tag = uuid.uuid4().hex[:6]
+    # Not under pytest's 0700 temp dir: the service account must reach its files.
+    prefix = Path(tempfile.mkdtemp(prefix="sshapi-deploy-", dir="/tmp"))
+    prefix.chmod(0o755)
+    state = prefix / "shim"
+    shim = prefix / "bin"
+    shim.mkdir()
+    (shim / "systemctl").write_text(
+        f'#!/bin/sh\nexec {sys.executable} {REPO / "tests/deploy/systemctl_shim.py"} "$@"\n'
+    )
+    (shim / "systemctl").chmod(0o755)
+    nginx = prefix / "etc" / "nginx"
+    (nginx / "conf.d").mkdir(parents=True)
+    temp = "".join(f"    {k}_temp_path {prefix}/nginx-{k};\n" for k in ("client_body", "proxy"))
+    (nginx / "nginx.conf").write_text(
+        f"pid {state}/nginx.pid;\nerror_log {prefix}/nginx-error.log warn;\n"
+        f"events {{ worker_connections 512; }}\n"
+        f"http {{\n    access_log off;\n{temp}    include {nginx}/conf.d/*.conf;\n}}\n"
+    )
+    authorized = tuned_host.sshd_dir / "authorized_keys"
+    keys_before = authorized.read_text()
+    pg = PG_URL.replace("postgresql+asyncpg://", "postgresql://")
+    database = f"sshapi_deploy_{tag}"
+    values = {
+        "PREFIX": str(prefix),
+        "SSHAPI_ACCOUNT": f"sshapi-{tag}",
+        "REPLICAS": "2",
+        "FIRST_PORT": str(two_free_ports()),
+        "HOST_NAME": "login1",
+        "LOGIN_HOST": tuned_host.address,
+        "LOGIN_PORT": str(tuned_host.port),
+        "LOGIN_USER": tuned_host.username,
+        "LOGIN_FINGERPRINT": fingerprint(Path(f"{tuned_host.host_key_path}.pub")),
+        "SERVER_NAME": "sshapi.test",
+        "HTTPS_PORT": str(free_port()),
+        "DATABASE_URL": f"postgresql+asyncpg://{database}:pw-{tag}@127.0.0.1:5432/{database}",
+        "PG_ADMIN_URL": pg.rsplit("/", 1)[0] + "/postgres",
+        "REDIS_URL": "redis://127.0.0.1:6379/0",
+        "NGINX_CONF": str(nginx / "nginx.conf"),
+        "SHIM_UNITS": str(prefix / "etc" / "systemd" / "system"),
+        "SHIM_STATE": str(state),
+        "AUTHORIZED_KEYS": str(authorized),
+    }
+    try:
+        yield values
+    finally:
+        for pidfile in state.glob("*.pid") if state.exists() else []:
+            with contextlib.suppress(ProcessLookupError, ValueError, PermissionError):
+                os.killpg(int(pidfile.read_text()), signal.SIGTERM)
+        account = values["SSHAPI_ACCOUNT"]
+        try:
+            uid = pwd.getpwnam(account).pw_uid
+        except KeyError:
+            uid = None
+        if uid is not None:
+            owned = [p for p in psutil.process_iter(["uids"]) if p.info["uids"].real == uid]
+            for p in owned:
+                p.terminate()
+            _, alive = psutil.wait_procs(owned, timeout=15)
+            for p in alive:  # a replica still in its shutdown grace
+                p.kill()
+            psutil.wait_procs(alive, timeout=5)
+            subprocess.run(["userdel", account], check=True)  # a leftover must be noticed
+        subprocess.run(
+            ["psql", "-q", values["PG_ADMIN_URL"], "-c", f'DROP DATABASE IF EXISTS "{database}"',
+             "-c", f'DROP ROLE IF EXISTS "{database}"'],
+            check=False, capture_output=True,
+        )  # fmt: skip
+        authorized.write_text(keys_before)
+        shutil.rmtree(prefix, ignore_errors=True)
+
+
+@pytest.mark.timeout(150)
+def test_the_deploy_page_runs_as_written(site: dict[str, str], tuned_host: LocalHost) -> None:
+    """Every block succeeds in order; then doctor passed (0 failures) and the job sent through
+    nginx over TLS answered `deployed`; the replicas listen on the ports the page gave them;
+    /metrics through nginx wants an admin token."""
+    variables, *steps = bash_blocks()
+    env = {**os.environ, **site, "PATH": f"{site['PREFIX']}/bin:{os.environ['PATH']}"}
+    outputs = []
+    logs = Path(site["SHIM_STATE"])
+    for n, block in enumerate(steps, 1):
+        started = time.monotonic()
+        done = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", f"{variables}\n{block}"],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 0, (
+            f"block {n}:\n{block}\n{done.stdout}\n{done.stderr}\nlogin host's sshd:\n"
+            + tuned_host.log_tail()
+            + "".join(f"\n{log.name}:\n{log.read_text()[-2000:]}" for log in logs.glob("*.log"))
+        )
+        outputs.append(done.stdout)
+        print(f"block {n}: {time.monotonic() - started:.1f} s")
+        if "ssh-keygen -q -t ed25519" in block:
+            # The login host's administrator installs the account's public key.
+            key = Path(site["PREFIX"], "etc/sshapi/keys/id_ed25519.pub").read_text()
+            with open(site["AUTHORIZED_KEYS"], "a") as keys:
+                keys.write(key)
+    checks = outputs[-1]  # doctor's lines, then the job's JSON
+    assert "1 host(s): 0 failure(s)" in checks, checks
+    assert '"stdout":"deployed\\n"' in checks.replace(" ", ""), checks
+    first = int(site["FIRST_PORT"])
+    for port in (first, first + 1):
+        assert (
+            subprocess.run(
+                ["curl", "-sf", "-o", "/dev/null", f"http://127.0.0.1:{port}/healthz"]
+            ).returncode
+            == 0
+        )
+    metrics = subprocess.run(
+        ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "--cacert",
+         f"{site['PREFIX']}/etc/sshapi/tls/fullchain.pem", "--resolve",
+         f"sshapi.test:{site['HTTPS_PORT']}:127.0.0.1", f"https://sshapi.test:{site['HTTPS_PORT']}/metrics"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert metrics.stdout == "401"
