@@ -289,14 +289,24 @@ class HostConfig(Strict):
             cleaned.append("/".join(parts))
         return cleaned
 
+    def handshakes(self, accounts: int = 1) -> tuple[int, str]:
+        """The most handshakes one pool has in flight to this host's sshd, and how that comes:
+        the gate (max_handshakes), or fewer accounts' connections than it holds."""
+        lim = self.limits
+        if accounts * lim.max_connections < lim.max_handshakes:
+            n = accounts * lim.max_connections
+            return n, f"{accounts} account(s) x max_connections {lim.max_connections}"
+        return lim.max_handshakes, f"max_handshakes {lim.max_handshakes}"
+
     def ssh_budget(self, replicas: int, accounts: int = 1) -> list[str]:
         """Where `replicas` API processes, each with this pool, would exceed the host's sshd's
         limits, counted over the whole sshd: its `accounts` (the pool's handshake gate and
         connection budget are per sshd, shared by every account reaching it). Each replica has
         its own pool, so the host sees the sum: handshakes in flight up to replicas x
-        max_handshakes, which must stay below MaxStartups' first number (beyond it sshd drops
-        connections at random); connections up to replicas x min(accounts x max_connections,
-        max_total_connections), each with up to max_sessions sessions. Per connection,
+        max_handshakes (or fewer, `handshakes`), which must stay below MaxStartups' first
+        number (beyond it sshd drops connections at random); connections up to replicas x
+        min(accounts x max_connections, max_total_connections), each with up to max_sessions
+        sessions. Per connection,
         max_sessions stays below MaxSessions: the kill of a cancelled command needs a spare
         channel, and sshd frees a slot only after the command exits. In agent mode a
         connection's channels are its executor's and up to max_sessions - 1 SFTP sessions'
@@ -305,16 +315,17 @@ class HostConfig(Strict):
         for SFTP."""
         lim, sshd = self.limits, self.sshd
         found = []
-        if replicas * lim.max_handshakes >= sshd.max_startups:
+        handshakes, gate = self.handshakes(accounts)
+        if replicas * handshakes >= sshd.max_startups:
             found.append(
-                f"{replicas} replica(s) x max_handshakes {lim.max_handshakes} >= MaxStartups "
-                f"{sshd.max_startups}: sshd will drop handshakes"
+                f"{replicas} replica(s) x {gate} >= MaxStartups {sshd.max_startups}: "
+                "sshd will drop handshakes"
             )
         per_source = sshd.per_source_max_startups
-        if per_source is not None and replicas * lim.max_handshakes > per_source:
+        if per_source is not None and replicas * handshakes > per_source:
             found.append(
-                f"{replicas} replica(s) x max_handshakes {lim.max_handshakes} > "
-                f"PerSourceMaxStartups {per_source}: sshd will drop handshakes from one address"
+                f"{replicas} replica(s) x {gate} > PerSourceMaxStartups {per_source}: sshd will "
+                "drop handshakes from one address"
             )
         if lim.max_sessions >= sshd.max_sessions:
             found.append(

@@ -84,7 +84,7 @@ async def diagnose(config: Config, settings: Settings, timeout: float = 10.0) ->
     found: list[Finding] = []
     async with Pool(backend=settings.backend) as pool:
         for name, host in config.hosts.items():
-            accounts = len(Policy(config).targets(name))
+            accounts = len(Policy(config).sshd_targets(name))
             found += await check_host(pool, name, host, settings, timeout, accounts)
     return found
 
@@ -376,6 +376,7 @@ def _sshd_limits(
         )
     replicas, workers = processes(settings)
     lim = host.limits
+    handshakes, gate = host.handshakes(accounts)
     budget = host.model_copy(update={"sshd": sshd}).ssh_budget(replicas * workers, accounts)
     procs = (
         f"{replicas} replica(s) x {workers} worker(s) = {replicas * workers} pool(s), "
@@ -403,8 +404,8 @@ def _sshd_limits(
                 name,
                 "budget",
                 "ok",
-                f"{procs} x max_handshakes {lim.max_handshakes} = "
-                f"{replicas * workers * lim.max_handshakes} handshakes < MaxStartups "
+                f"{procs}; {replicas * workers} pool(s) x {gate} = "
+                f"{replicas * workers * handshakes} handshakes < MaxStartups "
                 f"{sshd.max_startups}; {per_connection} < MaxSessions {sshd.max_sessions}",
             )
         )

@@ -167,6 +167,18 @@ class Policy:
         ]
         return list(dict.fromkeys(map(host.target, accounts)))
 
+    def sshd_targets(self, host_name: str) -> list[Target]:
+        """The targets of every configured host that names the same address and port as this
+        one: the pool's per-sshd budget is shared by all of them, so the start-up check and the
+        doctor count them together. (Names that differ but resolve to one address are one sshd
+        to the pool too; this static count cannot see that: docs/operations.md.)"""
+        host = self.config.hosts.get(host_name)
+        if host is None:
+            return []
+        where = (host.hostname, host.port)
+        names = [n for n, h in self.config.hosts.items() if (h.hostname, h.port) == where]
+        return list(dict.fromkeys(t for n in names for t in self.targets(n)))
+
     def target_of(
         self, host_name: str, name: str, owner: tuple[str, str] | None = None
     ) -> Target | None:

@@ -186,8 +186,8 @@ async def running(
         files = FileService(config, policy, the_pool, quota, metrics)
         for name, host in config.hosts.items():
             # Every worker of every replica has its own pool: the host sees all of them.
-            # Counted over the host's sshd: every account the policy maps to it.
-            accounts = len(policy.targets(name))
+            # Counted over the host's sshd: every account the policy maps to it, under any name.
+            accounts = len(policy.sshd_targets(name))
             for problem in host.ssh_budget(settings.replicas * settings.workers, accounts):
                 log.warning("SSH budget of host %s: %s", name, problem)
 

@@ -1,20 +1,25 @@
 """One sshd, many accounts: N researcher accounts (the rig's `sshapi-r0001`..., real Unix
 accounts, each with its own key) on the rig's stock sshd, run as root as a site's is; the pool
-with its per-sshd budget against per-account limits (`Limits(per_sshd=False)`: the behaviour
-before it), interleaved in one run.
+with its per-sshd budget against per-account limits (`Limits(per_sshd=False)` with the old gate
+of 4 per account: the behaviour before it), interleaved in one run.
 
     .venv/bin/python -m loadtests.accounts --accounts 200 --rounds 2
     .venv/bin/python -m loadtests.accounts --accounts 1000 --rate 50 --duration 300
+    .venv/bin/python -m loadtests.accounts --via pool --accounts 1000
 
-Per mode and round, on a fresh pool (the API's limits, `loadtests.server.limits`):
-(a) burst: one `true` per account, all released at once (acquire timeout --deadline): statuses,
-    p50/p90/p99 and makespan;
+--via api (the default): `sshapi serve` (a fresh API per cell) with one `[[policy]]` rule and
+key per account, each account's caller its own token, one job per request via POST /v1/jobs.
+--via pool: the pool alone, without HTTP. Per mode and round:
+(a) burst: one `true` per account, all released at once (the pool's acquire timeout, the API's
+    queue_timeout: --deadline): statuses, p50/p90/p99 and makespan;
 (b) rate (--rate > 0): an open-model stream of --rate commands/s for --duration s, each from a
     random account, so most find their account's connection closed for another's.
-Each reports the statuses, latency, handshakes made, evictions, connections held at most, the
-sshd log's "drop connection" lines (MaxStartups), and sshd's processes and their memory (RSS)
-after the burst. Run as root (the accounts are real). Measured at the pool, without HTTP: the
-API adds the same per job on every mode. Prints one JSON object per cell and a table.
+Each reports the statuses, latency, handshakes made (sshd's "Accepted publickey" lines) and per
+second, evictions (the pool's count), SSH connections open at most (sampled from the kernel's
+socket table), the sshd log's "drop connection" lines (MaxStartups), sshd's processes and their
+memory (RSS) at the end, and CPU per job of the SSH client (the API process, or this one) and
+of sshd (the connections closed by the end). Run as root (the accounts are real). Prints one
+JSON object per cell and a table.
 """
 
 from __future__ import annotations
@@ -24,19 +29,27 @@ import asyncio
 import dataclasses
 import json
 import random
+import secrets
+import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+import httpx
+from pydantic import SecretStr
+
 from loadtests import hdr
-from loadtests.server import limits
-from sshpool import Pool, SSHPoolError, Target
+from loadtests.handshakes import own_cpu, tree_cpu
+from loadtests.server import limits, serve_config, stop_api
+from sshpool import Limits, Pool, SSHPoolError
 from sshpool.devhost import LocalHost
 from sshpool.devhost.accounts import Account, ensure_accounts
 from sshpool.devhost.procs import children
 
 MODES = ("budget", "per-account")
+SUBJECT = "researcher-{}"
 
 
 def sshd_memory(host: LocalHost) -> tuple[int, int]:
@@ -55,86 +68,215 @@ def sshd_memory(host: LocalHost) -> tuple[int, int]:
     return len(found), total // 1024
 
 
-def drops(host: LocalHost, offset: int) -> int:
+def log_count(host: LocalHost, offset: int, what: bytes) -> int:
     with open(host.log_path, "rb") as f:
         f.seek(offset)
-        return f.read().count(b"drop connection")
+        return f.read().count(what)
 
 
-async def one(pool: Pool, target: Target, deadline: float, send: float) -> tuple[str, float]:
-    try:
-        result = await pool.run(target, ["true"], timeout=30, acquire_timeout=deadline)
-        status = "ok" if result.ok else f"exit {result.exit_status}"
-    except SSHPoolError as exc:
-        status = type(exc).__name__
-    return status, (time.perf_counter() - send) * 1000.0
+def drops(host: LocalHost, offset: int) -> int:
+    return log_count(host, offset, b"drop connection")
+
+
+def connections(port: int) -> int:
+    """TCP connections to `port` established now, as the kernel's socket table has them (the
+    sshd's side of each: whoever opened them, handshakes included). The table is read in pages
+    while it changes: a socket may be counted twice (a few % over at a thousand)."""
+    local = f":{port:04X} "
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split(None, 4)
+            if fields[3] == "01" and (fields[1] + " ").endswith(local):
+                count += 1
+    return count
+
+
+def config(host: LocalHost, accounts: list[Account], lim: Limits, deadline: float) -> Any:
+    """One host `local`, and one policy rule and key per account (the way before certificates),
+    each for its own subject, unthrottled."""
+    from api.local import LOCAL_AUDIENCE, LOCAL_ISSUER
+
+    return {
+        # The queue's deadline is the burst's; a job's answer waits for it and its run.
+        "api": {"queue_timeout": deadline, "wait_default": deadline + 30, "wait_max": 600},
+        "issuers": [{"issuer": LOCAL_ISSUER, "audience": LOCAL_AUDIENCE, "algorithms": ["HS256"]}],
+        "hosts": {
+            "local": {
+                "hostname": host.address,
+                "port": host.port,
+                "username": accounts[0].name,
+                "client_keys": [str(accounts[0].key)],
+                "known_hosts": host.known_hosts,
+                "limits": dataclasses.asdict(lim),
+            }
+        },
+        "policy": [
+            {
+                "issuer": LOCAL_ISSUER,
+                "subject": SUBJECT.format(a.name),
+                "hosts": ["local"],
+                "accounts": {"local": {"username": a.name, "client_keys": [str(a.key)]}},
+                "rate": 1e6,
+                "burst": 1_000_000,
+                "max_concurrent": 1_000_000,
+            }
+            for a in accounts
+        ],
+    }
+
+
+class ViaPool:
+    """Each command through a Pool of this process."""
+
+    def __init__(self, host: LocalHost, accounts: list[Account], lim: Limits, deadline: float):
+        self.targets = [dataclasses.replace(a.target(host), limits=lim) for a in accounts]
+        self.deadline = deadline
+        self.pool = Pool()
+
+    async def __aenter__(self) -> ViaPool:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.pool.close()
+
+    async def one(self, i: int) -> str:
+        try:
+            target = self.targets[i]
+            result = await self.pool.run(
+                target, ["true"], timeout=30, acquire_timeout=self.deadline
+            )
+            return "ok" if result.ok else f"exit {result.exit_status}"
+        except SSHPoolError as exc:
+            return type(exc).__name__
+
+    def evictions(self) -> int:
+        return sum(s["counters"].get("evicted", 0) for s in self.pool.stats().values())
+
+    def cpu(self) -> float:
+        """CPU seconds of the SSH client so far: this process."""
+        return own_cpu()
+
+
+class ViaApi:
+    """Each command a POST /v1/jobs to a fresh API (`sshapi serve`), as its account's caller."""
+
+    def __init__(self, host: LocalHost, accounts: list[Account], lim: Limits, deadline: float):
+        from api.config import Config
+        from api.local import local_token
+        from api.settings import Settings
+
+        self.data = Path(tempfile.mkdtemp(prefix="accounts-api-"))
+        secret = secrets.token_urlsafe(32)
+        self.config = config(host, accounts, lim, deadline)
+        self.env = {"SSHAPI_JWT_SECRET": secret, "SSHAPI_LOG_LEVEL": "error"}
+        parsed = Config.model_validate(self.config)
+        settings = Settings(jwt_secret=SecretStr(secret), data_dir=self.data)
+        scopes = ["jobs:read", "jobs:write"]
+        self.tokens = [
+            local_token(settings, parsed, SUBJECT.format(a.name), scopes) for a in accounts
+        ]
+        self.timeout = deadline + 60
+
+    async def __aenter__(self) -> ViaApi:
+        self.proc, url = await asyncio.to_thread(
+            serve_config,
+            self.config,
+            backend="asyncssh",
+            data_dir=self.data,
+            log=self.data / "api.log",
+            env=self.env,
+        )
+        self.http = httpx.AsyncClient(
+            base_url=url, timeout=self.timeout, limits=httpx.Limits(max_connections=None)
+        )
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.http.aclose()
+        await asyncio.to_thread(stop_api, self.proc)
+
+    async def one(self, i: int) -> str:
+        body = {"host": "local", "argv": ["true"]}
+        headers = {"Authorization": f"Bearer {self.tokens[i]}"}
+        try:
+            resp = await self.http.post("/v1/jobs", json=body, headers=headers)
+        except httpx.HTTPError as exc:
+            return type(exc).__name__
+        if resp.status_code != 201:
+            return str(resp.status_code)
+        state = resp.json().get("state")
+        return "ok" if state == "succeeded" else f"201 {state}"
+
+    def cpu(self) -> float:
+        """CPU seconds of the SSH client so far: the API process."""
+        return tree_cpu(self.proc.pid)
+
+    def evictions(self) -> int:
+        url = str(self.http.base_url).rstrip("/") + "/metrics"
+        metrics = httpx.get(url, timeout=10).text
+        lines = [x for x in metrics.splitlines() if x.startswith("sshpool_sshd_evictions_total")]
+        return sum(int(float(x.split()[-1])) for x in lines)
 
 
 async def cell(
-    host: LocalHost, targets: list[Target], part: str, args: argparse.Namespace
+    host: LocalHost, accounts: list[Account], lim: Limits, part: str, args: argparse.Namespace
 ) -> dict[str, Any]:
     offset = host.log_path.stat().st_size
     statuses: Counter[str] = Counter()
     hist = hdr.histogram()
-    t0 = time.perf_counter()
-    memory = (0, 0)
+    via = (ViaApi if args.via == "api" else ViaPool)(host, accounts, lim, args.deadline)
     max_held = 0
-    async with Pool() as pool:
+    async with via:
 
         async def sample() -> None:
             nonlocal max_held
             while True:
-                max_held = max(max_held, _held(pool))
-                await asyncio.sleep(0.02)
+                max_held = max(max_held, connections(host.port))
+                await asyncio.sleep(0.1)
+
+        def record(status: str, send: float) -> None:
+            statuses[status] += 1
+            hist.record_value(max(1, int((time.perf_counter() - send) * 1e6)))
+
+        async def timed(i: int, send: float) -> None:
+            record(await via.one(i), send)
 
         sampler = asyncio.create_task(sample())
-
-        def record(outcome: tuple[str, float]) -> None:
-            statuses[outcome[0]] += 1
-            hist.record_value(max(1, int(outcome[1] * 1000)))
-
+        assert host.pid is not None
+        cpu0 = (via.cpu(), tree_cpu(host.pid))
+        t0 = time.perf_counter()
         if part == "burst":
-            now = time.perf_counter()
-            for outcome in await asyncio.gather(
-                *(one(pool, t, args.deadline, now) for t in targets)
-            ):
-                record(outcome)
-            makespan = time.perf_counter() - t0
-            memory = sshd_memory(host)
+            await asyncio.gather(*(timed(i, t0) for i in range(len(accounts))))
         else:
-            tasks = []
-            n = int(args.rate * args.duration)
-            for i in range(n):
-                send = t0 + i / args.rate
-                await asyncio.sleep(max(0.0, send - time.perf_counter()))
-                task = asyncio.create_task(one(pool, random.choice(targets), args.deadline, send))
-                task.add_done_callback(lambda t: record(t.result()))
-                tasks.append(task)
-            await asyncio.gather(*tasks)
-            makespan = time.perf_counter() - t0
-            memory = sshd_memory(host)
+            await open_model(timed, len(accounts), args.rate, args.duration, t0)
+        makespan = time.perf_counter() - t0
         sampler.cancel()
-        stats = pool.stats()
-        # Per-account targets have an sshd budget each: the sampled total counts for them.
-        sshds = pool.sshd_stats() if len(pool.sshd_stats()) == 1 else {}
-        max_held = max([max_held, *(s["connections_max"] for s in sshds.values())])
-        counters: Counter[str] = Counter()
-        for s in stats.values():
-            counters.update(s["counters"])
+        memory = sshd_memory(host)
+        # sshd's CPU: its listener's reaped children, so the connections closed by now.
+        cpu = (via.cpu() - cpu0[0], tree_cpu(host.pid) - cpu0[1])
+        evictions = await asyncio.to_thread(via.evictions)
+    handshakes = log_count(host, offset, b"Accepted publickey")
     p = hdr.percentiles(hist)
     return {
+        "via": args.via,
         "part": part,
-        "accounts": len(targets),
+        "accounts": len(accounts),
         "statuses": dict(statuses),
         "failed": sum(v for k, v in statuses.items() if k != "ok"),
         "p50_ms": p["p50"],
         "p90_ms": p["p90"],
         "p99_ms": p["p99"],
         "makespan_s": round(makespan, 2),
-        "handshakes": counters["connects"] + counters["connects_failed"],
-        "handshakes_per_s": round((counters["connects"]) / makespan, 1),
-        "connect_retries": counters["connect_retries"],
-        "evictions": counters["evicted"],
+        "handshakes": handshakes,
+        "handshakes_per_s": round(handshakes / makespan, 1),
+        "evictions": evictions,
+        "client_cpu_ms_per_job": round(cpu[0] / max(1, hist.get_total_count()) * 1000, 2),
+        "sshd_cpu_ms_per_job": round(cpu[1] / max(1, hist.get_total_count()) * 1000, 2),
         "connections_max": max_held,
         "sshd_drop_lines": drops(host, offset),
         "sshd_processes": memory[0],
@@ -142,26 +284,42 @@ async def cell(
     }
 
 
-def _held(pool: Pool) -> int:
-    return sum(s["connections"] for s in pool.stats().values())
+async def open_model(
+    timed: Callable[[int, float], Coroutine[Any, Any, None]],
+    accounts: int,
+    rate: float,
+    duration: float,
+    t0: float,
+) -> None:
+    """`rate` commands per second for `duration` seconds, sent on schedule whatever the answers,
+    each from a random account."""
+    tasks: list[asyncio.Task[None]] = []
+    for n in range(int(rate * duration)):
+        send = t0 + n / rate
+        await asyncio.sleep(max(0.0, send - time.perf_counter()))
+        tasks.append(asyncio.create_task(timed(random.randrange(accounts), send)))
+    await asyncio.gather(*tasks)
 
 
 async def run_cells(
     host: LocalHost, accounts: list[Account], args: argparse.Namespace
 ) -> list[dict[str, Any]]:
-    base = limits("pooled")
-    per_mode = {mode: dataclasses.replace(base, per_sshd=mode == "budget") for mode in MODES}
+    per_mode = {
+        "budget": dataclasses.replace(
+            limits("pooled"),
+            max_handshakes=args.max_handshakes,
+            max_total_connections=args.max_total_connections,
+        ),
+        "per-account": limits("per-account"),
+    }
     rows = []
-    parts = ["burst"] + (["rate"] if args.rate > 0 else [])
+    parts = [p for p in args.parts if p == "burst" or args.rate > 0]
     for round_ in range(args.rounds):
         # Interleaved, the order flipped every round: neither mode always runs first.
-        modes = MODES if round_ % 2 == 0 else MODES[::-1]
+        modes = args.modes if round_ % 2 == 0 else args.modes[::-1]
         for part in parts:
             for mode in modes:
-                targets = [
-                    dataclasses.replace(a.target(host), limits=per_mode[mode]) for a in accounts
-                ]
-                figures = await cell(host, targets, part, args)
+                figures = await cell(host, accounts, per_mode[mode], part, args)
                 row = {"mode": mode, "round": round_ + 1, **figures}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
@@ -171,17 +329,18 @@ async def run_cells(
 
 def table(rows: list[dict[str, Any]]) -> str:
     head = (
-        "mode         round part  accts failed  p50ms  p90ms  p99ms  make_s  hs/s evict "
-        "conn_max drops procs rss_MiB"
+        "mode        via  round part  accts failed  p50ms  p90ms  p99ms  make_s  hs/s evict "
+        "conn_max drops procs rss_MiB cli_ms sshd_ms"
     )
     lines = [head]
     for r in rows:
         lines.append(
-            f"{r['mode']:12} {r['round']:5} {r['part']:5} {r['accounts']:5} {r['failed']:6} "
-            f"{r['p50_ms'] or 0:6.0f} {r['p90_ms'] or 0:6.0f} {r['p99_ms'] or 0:6.0f} "
-            f"{r['makespan_s']:7.2f} {r['handshakes_per_s']:5} {r['evictions']:5} "
-            f"{r['connections_max']:8} {r['sshd_drop_lines']:5} {r['sshd_processes']:5} "
-            f"{r['sshd_rss_mib']:7}"
+            f"{r['mode']:11} {r['via']:4} {r['round']:5} {r['part']:5} {r['accounts']:5} "
+            f"{r['failed']:6} {r['p50_ms'] or 0:6.0f} {r['p90_ms'] or 0:6.0f} "
+            f"{r['p99_ms'] or 0:6.0f} {r['makespan_s']:7.2f} {r['handshakes_per_s']:5} "
+            f"{r['evictions']:5} {r['connections_max']:8} {r['sshd_drop_lines']:5} "
+            f"{r['sshd_processes']:5} {r['sshd_rss_mib']:7} {r['client_cpu_ms_per_job']:6} "
+            f"{r['sshd_cpu_ms_per_job']:7}"
         )
     return "\n".join(lines)
 
@@ -189,11 +348,23 @@ def table(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtests.accounts", description=__doc__)
     parser.add_argument("--accounts", type=int, default=200)
+    parser.add_argument("--via", choices=("api", "pool"), default="api")
     parser.add_argument("--rounds", type=int, default=1, help="A/B rounds, interleaved")
     parser.add_argument("--rate", type=float, default=0.0, help="commands/s of part (b); 0: none")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of part (b)")
     parser.add_argument("--deadline", type=float, default=30.0, help="acquire timeout, s")
     parser.add_argument("--pause", type=float, default=5.0, help="seconds between cells")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--parts", nargs="+", choices=("burst", "rate"), default=["burst", "rate"])
+    parser.add_argument(
+        "--max-handshakes", type=int, default=Limits().max_handshakes, help="the budget's gate"
+    )
+    parser.add_argument(
+        "--max-total-connections",
+        type=int,
+        default=Limits().max_total_connections,
+        help="the budget's connections to the sshd",
+    )
     parser.add_argument("--data-dir", default=".data-accounts")
     args = parser.parse_args(argv)
     data_dir = Path(args.data_dir).absolute()

@@ -24,6 +24,9 @@ Per sshd profile:
 6. floor, bashrc, wan: agent mode's figures (`loadtests/agent_bench.py`): sshd's CPU per command
    against the posix_spawn floor, an account with a 0.3 s ~/.bashrc, and p50 through the WAN
    relay (`--rtt-ms`, which every part then goes through) per mode and per request.
+7. accounts (stock sshd, as root): --accounts-size researcher accounts, one policy rule and key
+   each, one job per account at once through a fresh API, the per-sshd budget and then
+   per-account limits (`loadtests/accounts.py`, which runs the full-size comparison).
 `--parts` picks some of these (`--parts cpu`: the CPU row alone, about 40 s per sshd).
 `--exec-modes channel agent` runs each part in both modes, one after the other (interleaved),
 with agent mode's targets against channel mode's of the same run (issue 34).
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import time
@@ -43,18 +47,21 @@ from pathlib import Path
 from typing import Any
 
 from loadtests import agent_bench, hdr
+from loadtests.accounts import cell as accounts_cell
 from loadtests.backend_bench import BACKENDS, closed_loop
 from loadtests.experiment import Cell, run_cell
 from loadtests.report import run_dir, versions
 from loadtests.schedule import PROFILES
+from loadtests.server import limits
 from loadtests.timer import DeadlineTimer
 from sshpool import Pool, Target
 from sshpool.devhost import LatencyRelay, LocalHost, RelayedHost, sshd_version
+from sshpool.devhost.accounts import ensure_accounts
 
 KNEE_P99_MS = 100.0
 PAPER_RATES = (50.0, 90.0)
 LOW_RATE = 10.0
-PARTS = ("raw", "cpu", "api", "per-request", "burst", "floor", "bashrc", "wan")
+PARTS = ("raw", "cpu", "api", "per-request", "burst", "floor", "bashrc", "wan", "accounts")
 # The API's pool mode (loadtests/server.py) per exec mode.
 POOL_MODE = {"channel": "pooled", "agent": "agent"}
 COMMAND = ("hostname",)  # what loadtests/sustained.py runs by default (--remote-command)
@@ -88,10 +95,14 @@ async def raw_ceiling(
     duration: float,
     low_duration: float,
     exec_mode: str = "channel",
+    pool_mode: str = "pooled",
 ) -> dict[str, Any]:
     """sshpool alone with the API's limits for this sshd: low-load p50 (back to back, and paced
-    at the API's low rate), and saturation."""
+    at the API's low rate), and saturation. `pool_mode` per-account: the channel mode's limits
+    as before the per-sshd budget."""
     target = agent_bench.target_for(host, exec_mode, backend)
+    if pool_mode == "per-account" and exec_mode == "channel":
+        target = dataclasses.replace(target, limits=limits("per-account"))
     async with Pool(backend=backend) as pool:
         await pool.prewarm(target)
         await closed_loop(
@@ -214,6 +225,15 @@ TARGETS: list[tuple[str, tuple[str, ...], str, float, str | None]] = [
     ("burst failures (stock)", ("burst", "failed"), "<=", 0.0, None),
     ("burst makespan ms (stock)", ("burst", "makespan_max_ms"), "<=", 1500.0, None),
     ("burst p50 / makespan (stock)", ("burst", "p50_over_makespan_max"), "<=", 0.6, None),
+    ("accounts burst failures (budget)", ("accounts", "budget", "failed"), "<=", 0.0, None),
+    ("accounts burst drops (budget)", ("accounts", "budget", "sshd_drop_lines"), "<=", 0.0, None),
+    (
+        "accounts burst connections (budget)",
+        ("accounts", "budget", "connections_max"),
+        "<=",
+        64,
+        None,
+    ),
 ]
 
 
@@ -346,6 +366,16 @@ def table(figures: list[dict[str, Any]]) -> str:
                 f"| | | | | p99 <= {KNEE_P99_MS:g} ms in a valid stage"
                 f"{'' if d['valid'] else '; run INVALID (see its stages)'} |"
             )
+        many = f.get("accounts") or {}
+        for mode in ("budget", "per_account") if many else ():
+            a = many[mode]
+            lines.append(
+                f"| {f['sshd']} | {a['accounts']} accounts, {mode.replace('_', '-')} | | "
+                f"{_fmt(a['p50_ms'])} | {_fmt(a['p90_ms'])} | {_fmt(a['p99_ms'])} | "
+                f"{a['failed']} | makespan {_fmt(a['makespan_s'])} s; sshd drop lines "
+                f"{a['sshd_drop_lines']}; connections at most {a['connections_max']}; "
+                f"{a['handshakes']} handshakes |"
+            )
         b = f.get("burst")
         if b:
             lines.append(
@@ -426,6 +456,8 @@ def bench_profile(host: LocalHost | RelayedHost, args: argparse.Namespace) -> li
     """One figure per exec mode; each part runs for every mode before the next part starts."""
     sshd = host.profile
     modes: list[str] = args.exec_modes
+    # The API's pool mode (loadtests/server.py) per exec mode: --pool-mode for channels.
+    pool_modes = {**POOL_MODE, "channel": args.pool_mode}
     figs = {
         m: {"sshd": sshd, "exec_mode": m, "backend": args.backend, "workers": args.workers}
         for m in modes
@@ -437,18 +469,24 @@ def bench_profile(host: LocalHost | RelayedHost, args: argparse.Namespace) -> li
             print(f"sshd {sshd} {m}: raw ceiling ({args.raw_duration:g} s per level)", flush=True)
             figs[m]["raw"] = asyncio.run(
                 raw_ceiling(
-                    host, args.backend, args.raw_concurrency, args.raw_duration, low_duration, m
+                    host,
+                    args.backend,
+                    args.raw_concurrency,
+                    args.raw_duration,
+                    low_duration,
+                    m,
+                    args.pool_mode,
                 )
             )
     if "cpu" in parts:
         for m in modes:
-            cell = Cell(args.backend, sshd, POOL_MODE[m], "cpu")
+            cell = Cell(args.backend, sshd, pool_modes[m], "cpu")
             figs[m]["cpu_run"] = sustained(_run(cell, host, args))
             figs[m]["cpu"] = figs[m]["cpu_run"]["cpu"]
     if "api" in parts:
         for m in modes:
             figs[m]["api"] = sustained(
-                _run(Cell(args.backend, sshd, POOL_MODE[m], "bench"), host, args)
+                _run(Cell(args.backend, sshd, pool_modes[m], "bench"), host, args)
             )
     if "per-request" in parts:
         figs[modes[0]]["per_request"] = sustained(
@@ -458,12 +496,14 @@ def bench_profile(host: LocalHost | RelayedHost, args: argparse.Namespace) -> li
         runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
         for r in range(args.burst_repeats):
             for m in modes:
-                cell = Cell(args.backend, sshd, POOL_MODE[m], "burst")
+                cell = Cell(args.backend, sshd, pool_modes[m], "burst")
                 runs[m].append(_run(cell, host, args, r))
         for m in modes:
             figs[m]["burst"] = burst(runs[m])
             fractions = figs[m]["burst"]["p50_over_makespan"]
             figs[m]["burst"]["p50_over_makespan_max"] = max(fractions, default=None)
+    if "accounts" in parts and sshd == "stock":
+        figs[modes[0]]["accounts"] = many_accounts(args)
     extra: dict[str, Any] = {"rtt_ms": args.rtt_ms}
     if "floor" in parts:
         print(f"sshd {sshd}: CPU per command against the posix_spawn floor", flush=True)
@@ -492,6 +532,26 @@ def bench_profile(host: LocalHost | RelayedHost, args: argparse.Namespace) -> li
     return list(figs.values())
 
 
+def many_accounts(args: argparse.Namespace) -> dict[str, Any] | None:
+    """One job per account at once through the API, budget then per-account limits, on a stock
+    sshd of its own that logs in the researcher accounts (None when not root: it creates them)."""
+    if os.geteuid() != 0:
+        print("accounts: skipped (creating accounts needs root)", flush=True)
+        return None
+    size = args.accounts_size
+    print(f"accounts: {size} at once, budget then per-account", flush=True)
+    data_dir = args.out / "hosts"
+    chosen = ensure_accounts(size, data_dir=data_dir)
+    options = argparse.Namespace(via="api", deadline=30.0, rate=0.0, duration=0.0)
+    out: dict[str, Any] = {"size": size}
+    with LocalHost("bench-accounts", "stock", data_dir=data_dir, researchers=True) as host:
+        for mode, pool_mode in (("budget", "pooled"), ("per_account", "per-account")):
+            out[mode] = asyncio.run(
+                accounts_cell(host, chosen, limits(pool_mode), "burst", options)
+            )
+    return out
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--backend", choices=BACKENDS, default="asyncssh")
@@ -502,6 +562,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--burst-size", type=int, default=400)
     p.add_argument("--burst-repeats", type=int, default=3)
     p.add_argument("--burst-all", action="store_true", help="Burst the tuned sshd too.")
+    p.add_argument("--accounts-size", type=int, default=50, help="Accounts of the accounts part.")
+    p.add_argument(
+        "--pool-mode",
+        choices=("pooled", "per-account"),
+        default="pooled",
+        help="The channel mode's pool limits: `per-account` is the pool before its per-sshd "
+        "budget (a gate and a count per account), for an A/B of one account.",
+    )
     p.add_argument("--run-timeout", type=float, default=900.0, help="Seconds per Locust run.")
     p.add_argument("--workers", type=int, default=1, help="API worker processes (SSHAPI_WORKERS).")
     p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="What to run.")

@@ -31,7 +31,7 @@ from sshpool import Limits
 if TYPE_CHECKING:
     from sshpool.devhost import LocalHost
 
-POOL_MODES = ("pooled", "per-request", "agent", "channels")
+POOL_MODES = ("pooled", "per-request", "agent", "channels", "per-account")
 READY_TIMEOUT = 30.0
 
 
@@ -57,11 +57,15 @@ def limits(mode: str) -> Limits:
     differ by sshd alone. `per-request` opens up to 64 connections at once, one command each, as
     the old design did (stock MaxStartups 10:30:100 starts refusing them at 10). `channels`
     keeps one connection and opens up to 16 channels on it: past stock MaxSessions 10, within
-    sshd_config.tuned's 16."""
+    sshd_config.tuned's 16. `per-account` is `pooled` as the pool was before its per-sshd
+    budget: a gate of 4 and a connection count per account (`per_sshd=False`), for A/B
+    comparisons."""
     if mode == "per-request":
         return Limits(max_connections=64, max_sessions=1, max_handshakes=64, reuse=False)
     if mode == "channels":
         return Limits(min_connections=1, max_connections=1, max_sessions=16)
+    if mode == "per-account":
+        return dataclasses.replace(LOCAL_LIMITS, max_handshakes=4, per_sshd=False)
     if mode not in ("pooled", "agent"):
         raise ValueError(f"pool mode {mode!r} is not one of {POOL_MODES}")
     return LOCAL_LIMITS
@@ -125,9 +129,25 @@ def start_api(
         "limits": dataclasses.asdict(lim),
         "exec_mode": "agent" if pool_mode == "agent" else "channel",
     }
+    return serve_config(
+        config_data(host), backend=backend, data_dir=data_dir, port=port, log=log, env=env
+    )
+
+
+def serve_config(
+    config: dict[str, Any],
+    *,
+    backend: str,
+    data_dir: Path,
+    port: int | None = None,
+    log: Path | None = None,
+    env: dict[str, str] | None = None,
+) -> tuple[subprocess.Popen[bytes], str]:
+    """`start_api` with a configuration of the caller's (`config_data`'s shape, its own hosts
+    and policy)."""
     data_dir.mkdir(parents=True, exist_ok=True)
     spec = data_dir / "api-spec.json"
-    spec.write_text(json.dumps({"config": config_data(host), "pool_mode": pool_mode}))
+    spec.write_text(json.dumps({"config": config}))
     port = port or free_port()
     child = {
         **os.environ,

@@ -13,6 +13,8 @@ Invariants of an sshd budget:
   yet closed (pooled, or closing);
 - accounts needing a connection wait in a ring and get one handshake each per turn (round
   robin), so one account's backlog delays another's first connection by one turn at most;
+- a connection only to keep an account's min_connections opens only in spare room: never by
+  closing another's, nor in room an account queued for a turn needs;
 - to make room, the idle connection (no channel in use) of another account that was used
   least recently is closed; a connection with a channel in use is never closed for room;
 - while accounts wait for a turn at a full sshd, an account with a backlog yields its
@@ -91,6 +93,13 @@ class Sshd:
     def has_room(self) -> bool:
         """A connection could open now without closing another."""
         return self.held + self.connecting < self.max_total_connections
+
+    def has_spare_room(self, member: Member) -> bool:
+        """A connection could open now without closing another, and without taking the room
+        of an account queued for a turn (a connection kept only for min_connections waits for
+        spare room: it would be closed again for the next account)."""
+        others = len(self.ring) - (1 if self.is_queued(member) else 0)
+        return self.held + self.connecting + others < self.max_total_connections
 
     def is_queued(self, member: Member) -> bool:
         return id(member) in self.queued

@@ -7,10 +7,12 @@ state change. I/O (connect, exec, close) happens outside them.
 A command holds a lease (`async with host.lease(deadline)`), one channel slot on one
 connection (an SFTP session holds one the same way while open: `Pool.sftp`; on an executor's
 connection, agent mode, a slot is one of the executor's commands, and an SFTP session holds one
-of the connection's own channels besides: `_Conn.sftp`); the lease
+of the connection's own channels besides: `PooledConn.sftp`); the lease
 decides what becomes of the slot when the command ends: released after a
 clean exec, shrunk when sshd refused the channel, discarded when the connection failed, and after
-a timeout or cancellation released only once the remote process group was killed.
+a timeout or cancellation released only once the remote process group was killed. The
+connection's bookkeeping and the exec on a slot are `sshpool.lease`'s; the waiters' turns are
+`sshpool.waiters`'.
 
 Every host pool reaches one sshd (`sshpool.budget.Sshd`, shared by all the accounts that reach
 the same address and port): it asks it for each new connection, and the sshd grants handshakes
@@ -25,12 +27,13 @@ Invariants of a host pool:
 - len(conns) + connecting <= limits.max_connections;
 - a connection is opened only when the sshd grants it (`start_connect`): the handshake gate
   (max_handshakes; stock MaxStartups drops from 10) and max_total_connections are the sshd's;
-- a connection to keep min_connections open is asked for only while the sshd has room
-  without closing another account's; waiters' connections may make room;
+- a connection to keep min_connections open is asked for only while the sshd has spare room
+  (no other account's closed for it, none queued needing it); waiters' connections may make
+  room;
 - waiters take turns by tenant (`Pool.run(..., tenant=...)`, `Pool.sftp(..., tenant=...)`):
   each tenant's waiters are served in FIFO order, and tenants with waiters are served round
   robin, one slot each per turn (a command or an SFTP session alike), so one tenant's backlog
-  delays another's command by at most one turn (`_Waiters`);
+  delays another's command by at most one turn (`Waiters`);
   callers without a tenant share one queue (plain FIFO among them);
 - a new caller never takes a free slot while others wait;
 - len(waiters) <= limits.max_waiters, counted over all tenants;
@@ -51,20 +54,19 @@ import math
 import random
 import socket
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import (
     AsyncIterator,
     Awaitable,
     Callable,
     Coroutine,
     Hashable,
-    Iterator,
     Sequence,
 )
 from typing import Any, TypeVar, cast
 
 from sshpool.agent import AgentConnection, start_agent
-from sshpool.backends import Backend, Connection, Exit, load_backend
+from sshpool.backends import Backend, Connection, load_backend
 from sshpool.backends.base import SFTPSession
 from sshpool.breaker import Breaker, Penalties
 from sshpool.budget import Sshd
@@ -75,8 +77,6 @@ from sshpool.command import (
     OutputStream,
     command_line,
     kill_group_line,
-    new_marker,
-    wrap,
 )
 from sshpool.errors import (
     AgentUnavailable,
@@ -92,7 +92,9 @@ from sshpool.errors import (
     RemoteFileError,
     SSHPoolError,
 )
+from sshpool.lease import Lease, PooledConn
 from sshpool.target import Target
+from sshpool.waiters import Waiters
 
 log = logging.getLogger("sshpool")
 
@@ -110,215 +112,30 @@ KILL_TIMEOUT = 5.0
 # jitter, while the attempt keeps its place in the handshake gate (so the gate slows down too).
 DROP_PAUSE = 0.1
 DROP_PAUSE_MAX = 2.0
+# Dropped handshakes that failed a connect are logged once per this many seconds, all pools and
+# accounts together: a storm drops thousands, and one line per drop buries everything else.
+DROP_LOG_EVERY = 5.0
 
 
-class _Conn:
-    """A pooled connection and its bookkeeping."""
+class _Throttle:
+    """One log line per `every` seconds at most; how many were held back goes in the next."""
 
-    __slots__ = (
-        "capacity",
-        "ceiling",
-        "clean_opens",
-        "conn",
-        "connect_time",
-        "created",
-        "expired",
-        "for_room",
-        "idle_since",
-        "in_use",
-        "leases",
-        "noisy_login",
-        "sftp",
-        "sftp_capacity",
-        "sftp_ceiling",
-    )
+    def __init__(self, every: float) -> None:
+        self.every = every
+        self.next = 0.0
+        self.held = 0
 
-    def __init__(
-        self,
-        conn: Connection,
-        capacity: int,
-        now: float,
-        connect_time: float,
-        sftp_capacity: int | None = None,
-    ) -> None:
-        self.conn = conn
-        self.capacity = capacity
-        # What capacity grows back to: max_sessions, or agent_max_commands on an executor.
-        self.ceiling = capacity
-        # On an executor's connection (agent mode) commands open no channel, SFTP sessions do:
-        # they are counted apart, within the channels the executor leaves (None: a channel
-        # connection, where a session's channel is its command slot).
-        self.sftp = 0
-        self.sftp_capacity = self.sftp_ceiling = sftp_capacity
-        self.in_use = 0
-        self.created = now
-        self.idle_since = now
-        self.connect_time = connect_time
-        self.expired = False
-        # Closed to make room at the sshd for another account (counted in sshd.evicting).
-        self.for_room = False
-        self.leases = 0
-        self.clean_opens = 0
-        # Something printed before our marker line (warned once per connection).
-        self.noisy_login = False
-
-    def has_room(self, sftp: bool = False) -> bool:
-        if sftp and self.sftp_capacity is not None and self.sftp >= self.sftp_capacity:
-            return False
-        return not self.expired and self.in_use < self.capacity and self.conn.is_alive()
+    def allow(self) -> int | None:
+        """The lines held back since the last one allowed, or None: hold this one back."""
+        now = time.monotonic()
+        if now < self.next:
+            self.held += 1
+            return None
+        held, self.held, self.next = self.held, 0, now + self.every
+        return held
 
 
-class _Lease:
-    """One channel slot on a pooled connection, held for one exec (see `_HostPool.lease`), with
-    that exec's captures and stage timings."""
-
-    __slots__ = ("conn", "err", "out", "t_leased", "t_started", "timings")
-
-    def __init__(self, conn: _Conn, since: float) -> None:
-        self.conn = conn
-        self.t_leased = time.perf_counter()
-        self.timings = {"queue": self.t_leased - since, "connect": 0.0}
-        if conn.leases == 0:
-            # This lease waited for the connection to be made: account that to connect.
-            self.timings["connect"] = min(conn.connect_time, self.timings["queue"])
-            self.timings["queue"] -= self.timings["connect"]
-        conn.leases += 1
-        self.out: Capture | None = None
-        self.err: Capture | None = None
-        self.t_started: float | None = None
-
-    @property
-    def pgid(self) -> int | None:
-        """The remote process group of the exec, once the command has started."""
-        return None if self.out is None else self.out.pgid
-
-    async def exec(
-        self,
-        command: str | Sequence[str],
-        stdin: bytes | None,
-        max_output: int,
-        on_started: Callable[[int], None] | None,
-        on_output: Callable[[OutputStream, bytes], None] | None = None,
-    ) -> Exit:
-        """Run `command` (a shell line, or argv) on this slot. A lost connection counts as
-        started once the command reported its process group, and carries that group. On an
-        executor (agent mode) argv starts with no shell; anything else goes through the login
-        shell behind the marker line (module docstring of sshpool.command)."""
-
-        def started() -> None:
-            self.t_started = time.perf_counter()
-            if on_started is not None and out.pgid is not None:
-                on_started(out.pgid)
-
-        on_out = on_err = None
-        if on_output is not None:
-            on_out = functools.partial(on_output, "stdout")
-            on_err = functools.partial(on_output, "stderr")
-        conn = self.conn.conn
-        if isinstance(conn, AgentConnection) and not isinstance(command, str):
-            out = self.out = Capture(max_output, on_data=on_out)
-            self.err = Capture(max_output, on_data=on_err)
-
-            def on_pgid(pgid: int | None) -> None:
-                out.pgid = pgid if pgid is not None and pgid > 1 else None
-                started()
-
-            run = conn.run_argv(command, stdin, out, self.err, on_pgid)
-        else:
-            line = command if isinstance(command, str) else command_line(command)
-            marker = new_marker()
-            out = self.out = Capture(max_output, marker=marker, on_start=started, on_data=on_out)
-            self.err = Capture(max_output, on_data=on_err)
-            run = conn.exec(wrap(line, marker), stdin, out, self.err)
-        try:
-            return await run
-        except ConnectionLost as exc:
-            exc.started = exc.started or out.pgid is not None
-            exc.remote_pgid = out.pgid
-            raise
-        finally:
-            if out.preamble and not self.conn.noisy_login:
-                # A login script or ~/.ssh/rc printed before the command: not its output, but
-                # the operator should know (once per connection).
-                self.conn.noisy_login = True
-                log.warning(
-                    "the login printed %d bytes before the command (dropped from its output): %r",
-                    len(out.preamble),
-                    out.preamble[:200],
-                )
-
-    def result(self, end: Exit | None) -> CommandResult:
-        """The exec's result (`end` None: it did not end on its own), with its timings."""
-        assert self.out is not None and self.err is not None
-        t_end = time.perf_counter()
-        result = CommandResult.from_captures(
-            end.status if end else None, end.signal if end else None, self.out, self.err
-        )
-        t_started = self.t_started if self.t_started is not None else t_end
-        result.timings = {
-            **self.timings,
-            "open": t_started - self.t_leased,
-            "exec": t_end - t_started,
-        }
-        return result
-
-
-class _Waiters:
-    """Callers waiting for a slot: a FIFO queue per tenant, and the tenants with waiters in a
-    ring. The next waiter is the head of the first tenant's queue; once served, that tenant
-    goes to the back of the ring if it still has waiters (round robin: with every command
-    costing one channel, deficit round robin reduces to this). A tenant that arrives joins the
-    back of the ring, so it waits for at most one turn of each tenant ahead of it, however long
-    their queues are."""
-
-    __slots__ = ("_len", "_queues", "_ring")
-
-    def __init__(self) -> None:
-        self._queues: dict[Hashable, deque[asyncio.Future[_Conn]]] = {}
-        self._ring: deque[Hashable] = deque()
-        self._len = 0
-
-    def __len__(self) -> int:
-        return self._len
-
-    def __iter__(self) -> Iterator[asyncio.Future[_Conn]]:
-        for queue in self._queues.values():
-            yield from queue
-
-    def append(self, tenant: Hashable, fut: asyncio.Future[_Conn]) -> None:
-        queue = self._queues.get(tenant)
-        if queue is None:
-            queue = self._queues[tenant] = deque()
-            self._ring.append(tenant)
-        queue.append(fut)
-        self._len += 1
-
-    def peek(self) -> asyncio.Future[_Conn]:
-        """The waiter to serve next (IndexError when none)."""
-        return self._queues[self._ring[0]][0]
-
-    def popleft(self) -> asyncio.Future[_Conn]:
-        """Take the next waiter and end its tenant's turn."""
-        tenant = self._ring.popleft()
-        queue = self._queues[tenant]
-        fut = queue.popleft()
-        self._len -= 1
-        if queue:
-            self._ring.append(tenant)
-        else:
-            del self._queues[tenant]
-        return fut
-
-    def remove(self, tenant: Hashable, fut: asyncio.Future[_Conn]) -> None:
-        """Drop a waiter that gave up; ValueError if it is not waiting."""
-        queue = self._queues.get(tenant)
-        if queue is None:
-            raise ValueError("not waiting")
-        queue.remove(fut)
-        self._len -= 1
-        if not queue:
-            del self._queues[tenant]
-            self._ring.remove(tenant)
+_drop_log = _Throttle(DROP_LOG_EVERY)
 
 
 async def _resolve(host: str, port: int) -> str:
@@ -341,10 +158,10 @@ class _HostPool:
         self.limits = target.limits
         self.backend = backend
         self.sshd = sshd
-        self.conns: list[_Conn] = []
-        self.waiters = _Waiters()
+        self.conns: list[PooledConn] = []
+        self.waiters = Waiters()
         # The waiters for an SFTP session (they need a connection with a channel to spare).
-        self.sftp_waiters: set[asyncio.Future[_Conn]] = set()
+        self.sftp_waiters: set[asyncio.Future[PooledConn]] = set()
         self.connecting = 0
         # Set while prewarm() waits: min_connections is then a need, not a wish.
         self.prewarming = False
@@ -371,15 +188,15 @@ class _HostPool:
 
     # ---- state changes: synchronous, no awaits ----
 
-    def _pick(self, sftp: bool = False) -> _Conn | None:
-        best: _Conn | None = None
+    def _pick(self, sftp: bool = False) -> PooledConn | None:
+        best: PooledConn | None = None
         for c in self.conns:
             if c.has_room(sftp) and (best is None or c.in_use < best.in_use):
                 best = c
         return best
 
     def _dispatch(self) -> None:
-        """Hand free slots to waiters in their turns (see `_Waiters`), then grow if waiters
+        """Hand free slots to waiters in their turns (see `Waiters`), then grow if waiters
         remain."""
         self._prune()
         while self.waiters:
@@ -416,7 +233,7 @@ class _HostPool:
             return False
         if self.connecting * lim.max_sessions < len(self.waiters):
             return True
-        return opened < lim.min_connections and (self.prewarming or self.sshd.has_room())
+        return opened < lim.min_connections and (self.prewarming or self.sshd.has_spare_room(self))
 
     def start_connect(self) -> None:
         """The sshd granted a handshake."""
@@ -424,10 +241,10 @@ class _HostPool:
         self.connecting += 1
         self.spawn(self._connect())
 
-    def evictable(self) -> list[tuple[float, _Conn]]:
+    def evictable(self) -> list[tuple[float, PooledConn]]:
         return [(c.idle_since, c) for c in self.conns if c.in_use == 0 and not c.expired]
 
-    def evict(self, c: _Conn) -> None:
+    def evict(self, c: PooledConn) -> None:
         """The sshd closes this idle connection to make room for another account's."""
         self.conns.remove(c)
         c.expired = c.for_room = True
@@ -451,7 +268,7 @@ class _HostPool:
 
     def _prune(self) -> None:
         """Drop dead and drained-expired connections (closing them in the background)."""
-        keep: list[_Conn] = []
+        keep: list[PooledConn] = []
         for c in self.conns:
             if c.in_use == 0 and (c.expired or not c.conn.is_alive()):
                 self.spawn(self._close(c, evicted=c.for_room))
@@ -459,14 +276,14 @@ class _HostPool:
                 keep.append(c)
         self.conns = keep
 
-    def _lease(self, c: _Conn, sftp: bool = False) -> None:
+    def _lease(self, c: PooledConn, sftp: bool = False) -> None:
         c.in_use += 1
         if sftp and c.sftp_capacity is not None:
             c.sftp += 1
         if not self.limits.reuse:
             c.expired = True  # one command per connection: closed when this lease ends
 
-    def _release(self, c: _Conn) -> None:
+    def _release(self, c: PooledConn) -> None:
         c.in_use -= 1
         if c.in_use == 0:
             c.idle_since = self.loop.time()
@@ -480,12 +297,12 @@ class _HostPool:
     def _open_conns(self) -> int:
         return sum(1 for c in self.conns if not c.expired)
 
-    def _discard(self, c: _Conn) -> None:
+    def _discard(self, c: PooledConn) -> None:
         """The connection failed under a lease: take no more leases on it."""
         c.expired = True
         self._release(c)
 
-    def _shrink(self, c: _Conn) -> None:
+    def _shrink(self, c: PooledConn) -> None:
         """sshd refused a channel: this connection's real limit is what it holds now."""
         c.in_use -= 1
         c.capacity = max(1, c.in_use)
@@ -493,12 +310,12 @@ class _HostPool:
         self.counters["channel_refused"] += 1
         self._dispatch()
 
-    def _end_sftp(self, c: _Conn) -> None:
+    def _end_sftp(self, c: PooledConn) -> None:
         """An SFTP session's channel on `c` is closed (its command slot is released apart)."""
         if c.sftp_capacity is not None:
             c.sftp -= 1
 
-    def _failed(self, c: _Conn, exc: BaseException, sftp: bool = False) -> None:
+    def _failed(self, c: PooledConn, exc: BaseException, sftp: bool = False) -> None:
         """A channel on `c` failed with `exc` (its open, or what ran on it): refused, the
         connection shrinks to what it holds now (an SFTP channel beside an executor: its SFTP
         channels do, its commands keep their room); lost or anything else, it is discarded."""
@@ -517,7 +334,7 @@ class _HostPool:
             self.counters["connections_lost"] += 1
         self._discard(c)
 
-    def _regrow(self, c: _Conn) -> None:
+    def _regrow(self, c: PooledConn) -> None:
         """A clean channel open: after REGROW_AFTER of them a shrunk connection grows by one."""
         c.clean_opens += 1
         if c.clean_opens >= REGROW_AFTER:
@@ -542,7 +359,7 @@ class _HostPool:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
-    async def _close(self, c: _Conn, evicted: bool = False) -> None:
+    async def _close(self, c: PooledConn, evicted: bool = False) -> None:
         try:
             await c.conn.close()
         finally:
@@ -590,7 +407,7 @@ class _HostPool:
                 self.breaker.auth_failure(self.loop.time())
             else:
                 self.breaker.failure(self.loop.time())
-            log.warning("connect to %s failed: %s", self.target, exc)
+            self._log_connect_failure(exc)
             live = any(c.conn.is_alive() and not c.expired for c in self.conns)
             if isinstance(exc, (AuthenticationFailed, HostKeyMismatch)) or (
                 not live and self.connecting == 0
@@ -611,9 +428,20 @@ class _HostPool:
         self.trusted = True
         # Beside an executor's channel, the SFTP sessions' (at least one: see ssh_budget).
         sftp = max(1, self.limits.max_sessions - 1) if isinstance(conn, AgentConnection) else None
-        self.conns.append(_Conn(conn, slots, now, time.perf_counter() - start, sftp))
+        self.conns.append(PooledConn(conn, slots, now, time.perf_counter() - start, sftp))
         self._connected(None)
         return None
+
+    def _log_connect_failure(self, exc: SSHPoolError) -> None:
+        """One line per failed connect, but drops (sshd shedding load) once per DROP_LOG_EVERY
+        over all pools, with the count of those held back."""
+        if not (isinstance(exc, ConnectError) and exc.retryable):
+            log.warning("connect to %s failed: %s", self.target, exc)
+            return
+        held = _drop_log.allow()
+        if held is not None:
+            more = f" ({held} more dropped handshakes not logged)" if held else ""
+            log.warning("connect to %s failed: %s%s", self.target, exc, more)
 
     async def _with_agent(self, conn: Connection) -> tuple[Connection, int]:
         """In agent mode, `conn` with its executor started, and the commands it may run at
@@ -655,7 +483,7 @@ class _HostPool:
 
     async def acquire(
         self, deadline: float | None, tenant: Hashable = None, sftp: bool = False
-    ) -> _Conn:
+    ) -> PooledConn:
         """A slot (`sftp`: for an SFTP session, which needs a channel too), in `tenant`'s turn."""
         if self.retired:
             raise HostUnavailable(f"{self.target}: node drained", 1.0)
@@ -672,7 +500,7 @@ class _HostPool:
         if len(self.waiters) >= self.limits.max_waiters:
             self.counters["refused_full"] += 1
             raise PoolFull(f"{self.target}: {len(self.waiters)} callers already waiting")
-        fut: asyncio.Future[_Conn] = self.loop.create_future()
+        fut: asyncio.Future[PooledConn] = self.loop.create_future()
         self.waiters.append(tenant, fut)
         if sftp:
             self.sftp_waiters.add(fut)
@@ -700,7 +528,7 @@ class _HostPool:
     @contextlib.asynccontextmanager
     async def lease(
         self, deadline: float | None, since: float, tenant: Hashable = None
-    ) -> AsyncIterator[_Lease]:
+    ) -> AsyncIterator[Lease]:
         """A channel slot for one exec (`since`: when the caller started, for the queue time;
         `tenant`: whose turn it waits for). How the body ends decides what becomes of the slot:
 
@@ -710,7 +538,7 @@ class _HostPool:
         - TimeoutError (the command's timeout): the remote group is killed, then released;
         - cancelled: killed and released in the background, so the caller returns at once.
         """
-        lease = _Lease(await self.acquire(deadline, tenant), since)
+        lease = Lease(await self.acquire(deadline, tenant), since)
         c = lease.conn
         try:
             yield lease
@@ -728,7 +556,7 @@ class _HostPool:
         self._regrow(c)
         self._release(c)
 
-    async def _kill(self, c: _Conn, pgid: int | None) -> None:
+    async def _kill(self, c: PooledConn, pgid: int | None) -> None:
         """Kill the remote process group, then give the lease back (its sshd session slot stays
         taken until the remote command exits)."""
         try:
@@ -786,7 +614,7 @@ class _HostPool:
 
     async def open_sftp(
         self, deadline: float | None, since: float, tenant: Hashable = None
-    ) -> tuple[_Conn, SFTPSession]:
+    ) -> tuple[PooledConn, SFTPSession]:
         """A channel slot with the sftp subsystem started on it (see `Pool.sftp`), waited for
         in `tenant`'s turns like a command's and retried as a command's (`retried`: a
         session's open that fails raises started=False)."""
@@ -794,7 +622,7 @@ class _HostPool:
 
     async def _open_sftp(
         self, deadline: float | None, tenant: Hashable
-    ) -> tuple[_Conn, SFTPSession]:
+    ) -> tuple[PooledConn, SFTPSession]:
         """One try of `open_sftp`: the slot goes as a command's does when its channel fails
         (`_failed`)."""
         c = await self.acquire(deadline, tenant, sftp=True)
@@ -812,7 +640,7 @@ class _HostPool:
         c.leases += 1
         return c, session
 
-    async def close_sftp(self, c: _Conn, session: SFTPSession, healthy: bool) -> None:
+    async def close_sftp(self, c: PooledConn, session: SFTPSession, healthy: bool) -> None:
         """Close an SFTP session's channel, then release its slot (or discard the connection
         when the session ended on a broken connection)."""
         try:

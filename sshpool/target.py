@@ -21,8 +21,11 @@ class Limits:
     min_connections: int = 0
     # Stock MaxSessions is 10; 8 leaves room for a kill channel and for slots sshd frees late.
     max_sessions: int = 8
-    # Stock MaxStartups starts dropping at 10 unauthenticated connections.
-    max_handshakes: int = 4
+    # Handshakes in flight to one sshd, all its accounts together (per account with
+    # per_sshd=False). Stock MaxStartups starts dropping at 10 unauthenticated connections, and
+    # sshd counts a handshake as done only once its listener reads that: 6 leaves room for that
+    # lag and for other clients' logins (docs/pool.md, "One sshd, many accounts").
+    max_handshakes: int = 6
     max_waiters: int = 1000
     # Connections to one sshd over all its accounts (the pool's per-sshd budget: docs/pool.md
     # says why 64); idle ones of other accounts are closed least recently used first for room.

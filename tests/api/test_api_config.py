@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from api.config import Config, TemplateConfig, load_config
-from api.policy import render
+from api.policy import Policy, render
 from api.problems import Problem
 from sshpool import Limits
 
@@ -112,6 +112,37 @@ def test_ssh_budget_counts_the_pools_of_all_replicas() -> None:
     assert host.model_copy(update={"limits": Limits(max_sessions=10)}).ssh_budget(1) == [
         "max_sessions 10 >= MaxSessions 10: no spare channel per connection"
     ]
+
+
+def test_ssh_budget_counts_the_handshakes_a_pool_can_have_in_flight() -> None:
+    """The default gate (6 handshakes per sshd) fits one pool on a stock sshd, not two with
+    many accounts; with one account a pool opens at most its 4 connections at once, so two fit."""
+    host = load_config(Path(__file__).parents[2] / "api" / "sshapi.example.toml").hosts["login1"]
+    host = host.model_copy(update={"limits": Limits()})
+    assert not any("MaxStartups" in p for p in host.ssh_budget(1, accounts=200))
+    assert any(
+        "2 replica(s) x max_handshakes 6 >= MaxStartups 10" in p
+        for p in host.ssh_budget(2, accounts=200)
+    )
+    assert not any("MaxStartups" in p for p in host.ssh_budget(2, accounts=1))
+    assert any(
+        "3 replica(s) x 1 account(s) x max_connections 4 >= MaxStartups 10" in p
+        for p in host.ssh_budget(3, accounts=1)
+    )
+
+
+def test_host_names_that_share_one_sshd_count_their_accounts_together() -> None:
+    """Two host names on one address and port are one sshd to the pool: the budget check
+    counts the accounts of both (3 here: each host's own, and alice's on the second)."""
+    alice = {"username": "alice", "client_keys": ["k"]}
+    cfg = config(
+        hosts={"a": HOST, "b": {**HOST, "username": "v"}, "c": {**HOST, "port": 2222}},
+        policy=[{"issuer": "*", "accounts": {"b": alice}}],
+    )
+    policy = Policy(cfg)
+    assert len(policy.targets("a")) == 1
+    assert len(policy.sshd_targets("a")) == len(policy.sshd_targets("b")) == 3
+    assert len(policy.sshd_targets("c")) == 1
 
 
 def test_ssh_budget_in_agent_mode_counts_the_executor_and_sftp_channels() -> None:

@@ -24,12 +24,12 @@ def rates(profile: str) -> set[str]:
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_bench_smoke_run_writes_every_figure(tmp_path: Path) -> None:
-    """One stock-sshd run: raw ceiling, CPU row, API and per-request sweeps, a burst; figures
-    add up."""
+    """One stock-sshd run: raw ceiling, CPU row, API and per-request sweeps, a burst, many
+    accounts; figures add up."""
     done = subprocess.run(
         [sys.executable, "-m", "loadtests.bench", "--sshd", "stock", "--duration-factor", "0.02",
          "--raw-duration", "0.5", "--burst-size", "50", "--burst-repeats", "1",
-         "--out", str(tmp_path)],
+         "--accounts-size", "8", "--out", str(tmp_path)],
         cwd=REPO, capture_output=True, text=True, timeout=140,
     )  # fmt: skip
     output = done.stdout + done.stderr
@@ -77,6 +77,14 @@ def test_bench_smoke_run_writes_every_figure(tmp_path: Path) -> None:
         for key in ("api_ms_per_job", "generator_ms_per_job", "sshd_ms_per_job"):
             assert cpu[key] > 0, (key, cpu)
     assert b["cpu"][0]["jobs"] == 50
+
+    # Many accounts, one job each through the API: the budget's row and the per-account one.
+    many = fig["accounts"]
+    for mode in ("budget", "per_account"):
+        assert (many[mode]["accounts"], many[mode]["via"]) == (8, "api")
+        assert sum(many[mode]["statuses"].values()) == 8 and many[mode]["handshakes"] > 0
+    assert many["budget"]["failed"] == 0 and many["budget"]["sshd_drop_lines"] == 0
+    assert "| stock | 8 accounts, per-account |" in output
 
     r = fig["ratios"]
     api, per = fig["api"], fig["per_request"]

@@ -5,13 +5,15 @@ handshake sshd dropped. The same on a real sshd with real accounts: test_budget_
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 
 import pytest
 
+import sshpool.pool as pool_module
 from sshpool import Limits, Pool, PoolTimeout, Target
 from sshpool.devhost import FakeBackend
-from sshpool.errors import ConnectError
+from sshpool.errors import AuthenticationFailed, ConnectError
 
 
 def account(i: int, host: str = "fake", **limits: object) -> Target:
@@ -27,6 +29,25 @@ async def test_handshake_gate_is_shared_by_every_account_of_an_sshd() -> None:
         stats = pool.sshd_stats()
     assert backend.max_in_flight == 3
     assert list(stats) == ["fake:22"] and stats["fake:22"]["accounts"] == 30
+
+
+async def test_a_storm_of_dropped_handshakes_logs_a_line_not_one_per_drop(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Per-account limits in a storm: 60 accounts' connects dropped twice each (so they fail)
+    log one line, not 60; an auth failure is still logged."""
+    monkeypatch.setattr(pool_module, "_drop_log", pool_module._Throttle(60.0))
+    backend = FakeBackend()
+    backend.connect_failures = [ConnectError("dropped", retryable=True) for _ in range(120)]
+    targets = [account(i, per_sshd=False) for i in range(60)]
+    async with Pool(backend) as pool:
+        await asyncio.gather(*(pool.run(t, ["true"]) for t in targets), return_exceptions=True)
+        backend.connect_failures = [AuthenticationFailed("denied")]
+        with pytest.raises(AuthenticationFailed):
+            await pool.run(account(99), ["true"])
+    lines = [r.getMessage() for r in caplog.records if "connect to" in r.getMessage()]
+    assert len(lines) == 2, lines
+    assert "dropped" in lines[0] and "denied" in lines[1]
 
 
 async def test_per_account_limits_open_a_gate_per_account() -> None:
@@ -123,3 +144,28 @@ async def test_two_host_names_of_one_address_share_the_budget() -> None:
         await pool.run(account(1, "127.0.0.1"), ["true"])
         await pool.run(account(2, "localhost"), ["true"])
         assert list(pool.sshd_stats()) == ["127.0.0.1:22"]
+
+
+async def test_min_connections_never_take_the_room_of_accounts_waiting_for_a_turn() -> None:
+    """A full sshd shared by 300 accounts that keep one connection each (min_connections 1):
+    an open stream of commands from random accounts makes no more handshakes than with
+    min_connections 0. Before, a top-up took room an account queued for and was closed again
+    for the next (9 % more handshakes here, 37 % on the real sshd through the API)."""
+
+    async def handshakes(min_connections: int) -> int:
+        backend = FakeBackend(connect_time=0.05, exec_time=0.01)
+        lim = {"min_connections": min_connections, "max_total_connections": 16}
+        targets = [account(i, **lim) for i in range(300)]
+        pick = random.Random(29)
+        async with Pool(backend) as pool:
+            start = time.perf_counter()
+            runs = []
+            for n in range(300):
+                await asyncio.sleep(max(0.0, start + n / 200 - time.perf_counter()))
+                t = pick.choice(targets)
+                runs.append(asyncio.create_task(pool.run(t, ["true"], acquire_timeout=10)))
+            await asyncio.gather(*runs)
+        return len(backend.conns)
+
+    without, kept = await handshakes(0), await handshakes(1)
+    assert kept <= without * 1.03 + 2, (kept, without)
