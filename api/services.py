@@ -30,6 +30,10 @@ cancellation; every one is logged with its traceback):
 |                     | (api/revocations.py)               |         | reach this one            |
 | `revocations-nudge` | with Redis: the nudge of a new     | restart | lost, the poll remains    |
 |                     | revocation or lift                 |         |                           |
+| `node-drains`       | hosts with login nodes: reads the  | restart | lost, a drain or undrain  |
+|                     | drained nodes each second, so a    |         | made on another replica   |
+|                     | drain holds on every replica       |         | never reaches this one    |
+|                     | (api/nodes.py)                     |         |                           |
 | `prewarm-<host>`    | opens the host's `min_connections` | once    | best effort: jobs connect |
 |                     | at start                           |         | on demand anyway          |
 
