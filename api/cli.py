@@ -388,6 +388,11 @@ def dev(
     The host is a real sshd on loopback (tuned profile), the API listens on 127.0.0.1; prints a
     token, the exports the client commands need (SSHAPI_URL, SSHAPI_TOKEN) and a curl command.
     Ctrl-C stops both."""
+    # First: a client-only install stops here naming the server extra, a taken port before
+    # anything is printed or started.
+    given = {} if port is None else {"port": port}
+    settings = load_settings("dev", workers, host="127.0.0.1", **given)
+    _require_free_port(settings.port)
     import contextlib
     import shlex
     import signal
@@ -415,9 +420,6 @@ def dev(
     )
     from sshpool.devhost.accounts import ensure_accounts
 
-    given = {} if port is None else {"port": port}
-    settings = load_settings("dev", workers, host="127.0.0.1", **given)
-    _require_free_port(settings.port)
     # uvicorn re-raises SIGTERM after its graceful shutdown; with the default handler the process
     # would die there, before the local host and Slurm below are stopped. Exit through Python.
     signal.signal(signal.SIGTERM, _exit_on_signal)
