@@ -62,6 +62,9 @@ class Job(BaseModel):
     timeout: float | None
     state: State
     error: str | None = None
+    # `node-failed` (a login node failed under it: the same Idempotency-Key runs it again), ...
+    error_kind: str | None = None
+    node: str | None = None  # the login node it started on, on a host with several
     exit_status: int | None = None
     exit_signal: str | None = None
     stdout_bytes: int = 0
