@@ -30,11 +30,13 @@ log = logging.getLogger("sshapi.store")
 
 def sqlite_pragmas(dbapi_conn: DBAPIConnection, _record: ConnectionPoolEntry) -> None:
     cursor = dbapi_conn.cursor()
+    # First: switching to WAL takes a lock, and another worker migrating the database at start
+    # holds it (without a busy timeout the switch failed at once: "database is locked").
+    cursor.execute("PRAGMA busy_timeout=5000")
     # WAL: readers never block the writer; NORMAL sync is durable across process crashes (the
     # WAL is fsynced at checkpoints; a power loss can drop the last commits).
     cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute("PRAGMA synchronous=NORMAL")
-    cursor.execute("PRAGMA busy_timeout=5000")
     cursor.close()
 
 
