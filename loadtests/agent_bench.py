@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import resource
 import shutil
 import statistics
 import time
@@ -45,12 +46,21 @@ def spawn_floor(n: int) -> float:
     path = shutil.which(COMMAND[0])
     assert path is not None
     quiet = [(os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0)]
-    before = os.times()
+    # getrusage, not os.times: times() counts in clock ticks (10 ms), more than a few dozen
+    # commands cost together (a short run measured a floor of 0).
+    before = _cpu_seconds()
     for _ in range(n):
         os.waitpid(os.posix_spawn(path, list(COMMAND), os.environ, file_actions=quiet), 0)
-    after = os.times()
-    spent = sum(after[:4]) - sum(before[:4])
-    return spent * 1000.0 / n
+    return (_cpu_seconds() - before) * 1000.0 / n
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU of this process and its waited-for children."""
+    total = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        usage = resource.getrusage(who)
+        total += usage.ru_utime + usage.ru_stime
+    return total
 
 
 async def sequential(pool: Pool, target: Target, n: int, sshd_pid: int | None) -> dict[str, Any]:
