@@ -86,21 +86,8 @@ async def burst(host: LocalHost, names: list[str], rounds: int, deadline: float)
             t0 = time.perf_counter()
             done = await asyncio.gather(*(whoami(pool, t, deadline) for t in targets))
             makespan = time.perf_counter() - t0
-            log = log_since(host, offset)
-            pct = hdr.percentiles(hdr.histogram(ms for _, ms in done))
-            rows.append(
-                {
-                    "part": "burst",
-                    "round": round_ + 1,
-                    "accounts": len(targets),
-                    "statuses": dict(Counter(s for s, _ in done)),
-                    "p50_ms": pct["p50"],
-                    "p99_ms": pct["p99"],
-                    "makespan_s": round(makespan, 2),
-                    "certificate_logins": log.count(b"ED25519-CERT"),
-                    "refusing_certificate_lines": log.count(b"Refusing certificate"),
-                }
-            )
+            row = {"part": "burst", "round": round_ + 1, "accounts": len(targets)}
+            rows.append(row | _burst_figures(done, makespan, log_since(host, offset)))
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -263,21 +250,8 @@ async def http_burst(
                 *(post_job(client, url, b, "hpc", n) for b, n in zip(bearers, names, strict=True))
             )
             makespan = time.perf_counter() - t0
-            log = log_since(host, offset)
-            pct = hdr.percentiles(hdr.histogram(ms for _, ms in done))
-            rows.append(
-                {
-                    "part": "http-burst",
-                    "round": round_ + 1,
-                    "researchers": len(names),
-                    "statuses": dict(Counter(s for s, _ in done)),
-                    "p50_ms": pct["p50"],
-                    "p99_ms": pct["p99"],
-                    "makespan_s": round(makespan, 2),
-                    "certificate_logins": log.count(b"ED25519-CERT"),
-                    "refusing_certificate_lines": log.count(b"Refusing certificate"),
-                }
-            )
+            row = {"part": "http-burst", "round": round_ + 1, "researchers": len(names)}
+            rows.append(row | _burst_figures(done, makespan, log_since(host, offset)))
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -345,3 +319,16 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def _burst_figures(done: list[tuple[Any, float]], makespan: float, log: bytes) -> dict[str, Any]:
+    """A burst's statuses, latency, makespan and what sshd's log says of its logins."""
+    pct = hdr.percentiles(hdr.histogram(ms for _, ms in done))
+    return {
+        "statuses": dict(Counter(s for s, _ in done)),
+        "p50_ms": pct["p50"],
+        "p99_ms": pct["p99"],
+        "makespan_s": round(makespan, 2),
+        "certificate_logins": log.count(b"ED25519-CERT"),
+        "refusing_certificate_lines": log.count(b"Refusing certificate"),
+    }
