@@ -220,8 +220,9 @@ class _HostPool:
             self.sshd.want(self)
 
     def wants_connection(self) -> bool:
-        """One new connection per max_sessions waiters, up to max_connections; or one to keep
-        min_connections open while the sshd has room. Asked by the sshd before each grant."""
+        """One new connection per connection's worth of waiters (`_connections_for_waiters`),
+        up to max_connections; or one to keep min_connections open while the sshd has room.
+        Asked by the sshd before each grant."""
         lim = self.limits
         opened = len(self.conns) + self.connecting
         now = self.loop.time()
@@ -231,9 +232,23 @@ class _HostPool:
             # An account not known good may be refused: one login at a time, and only while
             # one more refusal stays under the sshd's penalty threshold (`Penalties`).
             return False
-        if self.connecting * lim.max_sessions < len(self.waiters):
+        if self.connecting < self._connections_for_waiters():
             return True
         return opened < lim.min_connections and (self.prewarming or self.sshd.has_spare_room(self))
+
+    def _connections_for_waiters(self) -> int:
+        """New connections that would serve every waiter: max_sessions channels each; in agent
+        mode agent_max_commands commands each (the executor's cap, not MaxSessions) and
+        max_sessions - 1 SFTP channels beside the executor's."""
+        lim = self.limits
+        waiting = len(self.waiters)
+        if not self.agent:
+            return -(-waiting // lim.max_sessions)
+        sftp = len(self.sftp_waiters)
+        return max(
+            -(-max(0, waiting - sftp) // lim.agent_max_commands),
+            -(-sftp // max(1, lim.max_sessions - 1)),
+        )
 
     def start_connect(self) -> None:
         """The sshd granted a handshake."""

@@ -222,3 +222,22 @@ async def test_sftp_beside_the_executor_stays_within_maxsessions(stock_host: Loc
         assert len({r for r in results[:20]}) == 1
         stats = pool.stats()[target]
     assert (stats["connections"], stats["capacity"]) == (1, 32), stats
+
+
+async def test_waiters_open_connections_by_the_executors_cap(stock_host: LocalHost) -> None:
+    """Agent mode, max_sessions 2, 32 commands per executor: 20 commands waiting for a
+    connection open one (one login, one executor), not one per 2 waiters (four, the cap)."""
+    target = agent(stock_host.target(max_connections=4, max_sessions=2))
+    async with Pool() as pool:
+        await pool.run(target, ["true"])  # the account is known good: connects may run at once
+        for pid in own(stock_host, stock_host.processes(EXECUTOR)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for _ in range(100):  # until the pool saw the executor end (5 s at most)
+            if not pool.stats()[target]["connections"]:
+                break
+            await asyncio.sleep(0.05)
+        results = await asyncio.gather(*(pool.run(target, ["sleep", "0.3"]) for _ in range(20)))
+        assert all(r.exit_status == 0 for r in results)
+        stats = pool.stats()[target]
+    assert (stats["connections"], stats["counters"]["agents_started"]) == (1, 2), stats
