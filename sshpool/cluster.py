@@ -252,6 +252,7 @@ class Router:
                     f"{target}: login node {node} failed while the command ran there", node
                 )
                 lost.remote_pgid = exc.remote_pgid
+                lost.remote_killed = exc.remote_killed
                 raise lost from exc
 
         return await self.routed(target, acquire_timeout, attempt)

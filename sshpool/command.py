@@ -70,19 +70,25 @@ def wrap(command: str, marker: str) -> str:
     return f"echo {marker} $$; " + command
 
 
-def kill_group_line(pgid: int, grace: float = 1.0) -> str:
-    """A line that sends TERM to a process group, waits up to `grace`, then KILLs it.
+def kill_group_line(*pgids: int, grace: float = 1.0) -> str:
+    """A line that sends TERM to process groups, waits up to `grace` while any lives, then
+    KILLs them.
 
-    No `--` before the negative id: dash (Debian's /bin/sh, a common login shell for service
+    No `--` before a negative id: dash (Debian's /bin/sh, a common login shell for service
     accounts) rejects `kill -TERM -- -PGID` ("Illegal number: -"); `kill -TERM -PGID` works in
     dash, bash and zsh alike. It runs under /bin/sh whatever the login shell: csh-family shells
-    (tcsh) know none of this syntax."""
+    (tcsh) know none of this syntax. Ids of 1 and below are never sent (`kill -1` is every
+    process of the account)."""
+    groups = [f"-{int(p)}" for p in pgids if int(p) > 1]
+    if not groups:
+        raise ValueError(f"no process group to kill in {pgids!r}")
     steps = max(1, int(grace / 0.05))
-    g = f"-{int(pgid)}"
+    g = " ".join(groups)
+    alive = " || ".join(f"kill -0 {one}" for one in groups)
     script = (
-        f"kill -TERM {g} 2>/dev/null || exit 0; i=0; "
-        f"while [ $i -lt {steps} ] && kill -0 {g} 2>/dev/null; do sleep 0.05; i=$((i+1)); done; "
-        f"kill -KILL {g} 2>/dev/null; exit 0"
+        f"kill -TERM {g} 2>/dev/null; i=0; "
+        f"while [ $i -lt {steps} ] && {{ {alive}; }} 2>/dev/null; do sleep 0.05; i=$((i+1)); "
+        f"done; kill -KILL {g} 2>/dev/null; exit 0"
     )
     return f"exec /bin/sh -c '{script}'"
 

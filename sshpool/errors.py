@@ -98,12 +98,15 @@ class ChannelRefused(SSHPoolError):
 class ConnectionLost(SSHPoolError):
     """The connection dropped. If `started`, the command may have run and its outcome is unknown;
     if not, the pool has already retried once on a fresh connection. `remote_pgid` is the remote
-    command's process group when it had started: it may still run there (an orphan to find)."""
+    command's process group when it had started: it may still run there (an orphan to find),
+    unless `remote_killed` (agent mode: the executor died, its connection lived, and the group
+    was killed over it)."""
 
     def __init__(self, message: str, *, started: bool) -> None:
         super().__init__(message)
         self.started = started
         self.remote_pgid: int | None = None
+        self.remote_killed = False
 
 
 class NodeFailed(ConnectionLost):

@@ -338,7 +338,9 @@ def _lost_or_error(exc: ConnectionLost, row: JobRow) -> dict[str, Any]:
     if exc.started:
         log_ssh_failure(exc, row.host, row.id)
         error = f"the connection to host {row.host!r} was lost after the command started"
-        if exc.remote_pgid is not None:
+        if exc.remote_pgid is not None and exc.remote_killed:
+            error += f"; its remote process group {exc.remote_pgid} was killed"
+        elif exc.remote_pgid is not None:
             # The command may outlive its connection: tell the operator where to look.
             error += f"; its remote process group {exc.remote_pgid} may still be running"
         return {"state": "lost", "error": error}

@@ -18,6 +18,10 @@ Invariants:
   command with little output costs no ACK frame at all;
 - when the executor's channel ends, every running job fails with ConnectionLost(started=True)
   and the connection reports itself dead: the next command gets a fresh connection and executor;
+- an executor that died without killing its commands' process groups (SIGKILL, the OOM killer)
+  while its connection lives: those groups are killed first, over a channel of their own on
+  that connection (TERM, KILL after 1 s), and the jobs fail with `remote_killed` set; the
+  connection is closed only once that kill ended (or REAP_TIMEOUT passed);
 - a cancelled job is killed (KILL frame: TERM, KILL after a grace period) and forgotten.
 """
 
@@ -34,7 +38,7 @@ from importlib import resources
 from typing import Any
 
 from sshpool.backends.base import Connection, Exit, SFTPSession
-from sshpool.command import Capture, Feed, command_line, new_marker, wrap
+from sshpool.command import Capture, Feed, command_line, kill_group_line, new_marker, wrap
 from sshpool.errors import AgentUnavailable, ChannelRefused, ConnectionLost, SSHPoolError
 
 log = logging.getLogger("sshpool")
@@ -46,6 +50,8 @@ HELLO, STARTED, OUT, ERR, EXIT, REFUSED, PROTO = 16, 17, 18, 19, 20, 21, 22
 # The largest frame either side sends (the executor accepts 1 MiB; its output frames are 64 KiB).
 MAX_FRAME = 1 << 20
 STDIN_CHUNK = 256 << 10
+# The kill of a dead executor's groups: the kill line's 1 s grace, and the channel's open.
+REAP_TIMEOUT = 5.0
 
 SOURCE = resources.files(__package__).joinpath("executor.py").read_bytes()
 # Read exactly the executor's source (its length is argv[1]) and run it. The pool sends nothing
@@ -59,7 +65,7 @@ def launch_line(python: str, max_jobs: int) -> str:
 
 
 class _Job:
-    __slots__ = ("done", "err", "on_pgid", "out", "received", "unacked")
+    __slots__ = ("done", "err", "on_pgid", "out", "pgid", "received", "unacked")
 
     def __init__(
         self, out: Capture, err: Capture, on_pgid: Callable[[int | None], None] | None
@@ -67,6 +73,7 @@ class _Job:
         self.out = out
         self.err = err
         self.on_pgid = on_pgid
+        self.pgid: int | None = None  # the command's process group, once STARTED said it
         self.received = {OUT: 0, ERR: 0}
         self.unacked = 0
         self.done: asyncio.Future[Exit] = asyncio.get_running_loop().create_future()
@@ -90,6 +97,7 @@ class AgentConnection:
         self._out = Capture(0, marker=new_marker(), on_data=self._received)
         self._err = Capture(64 << 10)
         self._task: asyncio.Task[Exit] | None = None
+        self._reaper: asyncio.Task[None] | None = None
         self._stopping = False
 
     @property
@@ -158,8 +166,10 @@ class AgentConnection:
                 self._send(ACK, rid, struct.pack(">I", job.unacked))
                 job.unacked = 0
         elif kind == STARTED:
+            pgid = json.loads(payload)["pgid"]
+            job.pgid = pgid if isinstance(pgid, int) and pgid > 1 else None
             if job.on_pgid is not None:
-                job.on_pgid(json.loads(payload)["pgid"])
+                job.on_pgid(pgid)
         elif kind == EXIT:
             end = json.loads(payload)
             del self._jobs[rid]
@@ -184,17 +194,37 @@ class AgentConnection:
         else:
             raise ValueError(f"unknown frame type {kind}")
 
-    def _break(self, why: str) -> None:
-        """The executor is gone or not to be trusted: fail its jobs, stop using it."""
+    def _break(self, why: str, killed: bool = False) -> None:
+        """The executor is gone or not to be trusted: fail its jobs (`killed`: their groups
+        were killed, `_reap`), stop using it."""
+        self._mark_broken(why)
+        jobs, self._jobs = self._jobs, {}
+        for job in jobs.values():
+            if not job.done.done():
+                exc = ConnectionLost(f"the executor ended: {why}", started=True)
+                exc.remote_killed = killed and job.pgid is not None
+                job.done.set_exception(exc)
+        self._feed.close()
+
+    def _mark_broken(self, why: str) -> None:
         if self._broken is None:
             self._broken = why
             if not self._stopping:
                 log.warning("the executor ended: %s", why)
-        jobs, self._jobs = self._jobs, {}
-        for job in jobs.values():
-            if not job.done.done():
-                job.done.set_exception(ConnectionLost(f"the executor ended: {why}", started=True))
-        self._feed.close()
+
+    async def _reap(self, why: str, groups: list[int]) -> None:
+        """The executor's channel closed under running commands while the connection lives: the
+        executor may have had no chance to kill their groups (SIGKILL). Kill them over a channel
+        of their own, then fail the jobs."""
+        killed = False
+        try:
+            async with asyncio.timeout(REAP_TIMEOUT):
+                await self.inner.exec(kill_group_line(*groups), None, Capture(4096), Capture(4096))
+            killed = True
+        except (SSHPoolError, TimeoutError) as exc:
+            log.warning("could not kill the dead executor's process groups %s: %s", groups, exc)
+        finally:
+            self._break(why, killed)
 
     def _ended(self, task: asyncio.Task[Exit]) -> None:
         if task.cancelled():
@@ -204,7 +234,13 @@ class AgentConnection:
         else:
             end = task.result()
             stderr = self._err.getvalue().decode(errors="replace").strip()[-300:]
-            self._break(f"its channel closed (exit {end.status}, signal {end.signal}) {stderr}")
+            why = f"its channel closed (exit {end.status}, signal {end.signal}) {stderr}"
+            groups = [j.pgid for j in self._jobs.values() if j.pgid is not None]
+            if groups and not self._stopping and self.inner.is_alive():
+                self._mark_broken(why)  # no new job; the running ones fail after the kill
+                self._reaper = asyncio.create_task(self._reap(why, groups))
+            else:
+                self._break(why)
         if not self._greeted.done():
             self._greeted.set_exception(ConnectionLost(self._broken or "ended", started=False))
             self._greeted.exception()  # retrieved: start() may be gone already
@@ -280,6 +316,8 @@ class AgentConnection:
 
     async def close(self) -> None:
         await self.stop()
+        if self._reaper is not None:
+            await asyncio.wait([self._reaper], timeout=REAP_TIMEOUT)
         await self.inner.close()
 
     def __repr__(self) -> str:

@@ -1,28 +1,40 @@
 """The job contract in agent mode: the API's own tests of it (submit, exit status, stdin, argv,
 caps, cancel and timeout kills, live output) run again against host `local` configured with
-`exec_mode = "agent"` (sshpool/agent). Nothing above the pool may notice the difference."""
+`exec_mode = "agent"` (sshpool/agent), once per SSH backend (the executor's channel is the
+backend's). Nothing above the pool may notice the difference."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import psutil
 import pytest
 import test_api_input as contract_input
 import test_api_jobs as contract_jobs
 import test_api_live as contract_live
-from api_helpers import Api, Keys, config_toml, make_settings, running_api
+from api_helpers import Api, Keys, config_toml, eventually, make_settings, running_api
 
+from sshpool.backends import BACKENDS
 from sshpool.devhost import LocalHost
 
 
-@pytest.fixture
+@pytest.fixture(params=list(BACKENDS))
 async def agent_api(
-    tuned_host: LocalHost, secret_file: Path, secret: str, keys: Keys, tmp_path: Path
+    tuned_host: LocalHost,
+    secret_file: Path,
+    secret: str,
+    keys: Keys,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
 ) -> AsyncIterator[Api]:
-    """The API on SQLite, its host `local` in agent mode."""
+    """The API on SQLite, its host `local` in agent mode over each backend."""
     text = config_toml(tuned_host, secret_file, keys)
-    text = text.replace("[hosts.local]\n", '[hosts.local]\nexec_mode = "agent"\n', 1)
+    table = f'[hosts.local]\nexec_mode = "agent"\nbackend = "{request.param}"\n'
+    text = text.replace("[hosts.local]\n", table, 1)
     path = tmp_path / "sshapi.toml"
     path.write_text(text)
     settings = make_settings(tmp_path, path, "sqlite", None)
@@ -82,3 +94,21 @@ async def test_past_the_cap_followers_see_everything_and_the_job_counts_it(
     agent_api: Api,
 ) -> None:
     await contract_live.test_past_the_cap_followers_see_everything_and_the_job_counts_it(agent_api)
+
+
+async def test_executor_killed_mid_job_ends_lost_with_its_group_killed(
+    agent_api: Api, tuned_host: LocalHost
+) -> None:
+    """The executor running a job SIGKILLed (no chance to clean up): the job ends `lost`, its
+    error says its remote process group was killed, and nothing of the job runs on."""
+    marker = f"{time.time_ns() % 10**6 + 5_000_000}"
+    line = f"sleep {marker}1 & sleep {marker}2; wait"
+    r = await agent_api.submit({"host": "local", "command": line}, wait=0)
+    job_id = r.json()["id"]
+    await eventually(lambda: len(tuned_host.processes(f"^sleep {marker}")) == 2)
+    sleep = psutil.Process(tuned_host.processes(f"^sleep {marker}")[0])
+    executor = next(p for p in sleep.parents() if "sys.stdin.buffer.read" in " ".join(p.cmdline()))
+    os.kill(executor.pid, signal.SIGKILL)
+    job = await agent_api.until_final(job_id)
+    assert job["state"] == "lost" and "was killed" in job["error"], job
+    assert not tuned_host.processes(f"sleep {marker}")
