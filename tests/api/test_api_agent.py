@@ -13,10 +13,20 @@ from pathlib import Path
 
 import psutil
 import pytest
+import test_api_batch as contract_batch
+import test_api_files as contract_files
 import test_api_input as contract_input
 import test_api_jobs as contract_jobs
 import test_api_live as contract_live
-from api_helpers import Api, Keys, config_toml, eventually, make_settings, running_api
+from api_helpers import (
+    Api,
+    Keys,
+    config_toml,
+    eventually,
+    make_settings,
+    running_api,
+    write_batch_config,
+)
 
 from sshpool.backends import BACKENDS
 from sshpool.devhost import LocalHost
@@ -37,6 +47,21 @@ async def agent_api(
     text = text.replace("[hosts.local]\n", table, 1)
     path = tmp_path / "sshapi.toml"
     path.write_text(text)
+    settings = make_settings(tmp_path, path, "sqlite", None)
+    async with running_api(settings, keys, secret) as running:
+        yield running
+
+
+AGENT = '[hosts.local]\nexec_mode = "agent"\n'
+
+
+@pytest.fixture
+async def agent_batch_api(
+    slurm_host: LocalHost, secret_file: Path, secret: str, keys: Keys, tmp_path: Path
+) -> AsyncIterator[Api]:
+    """The API with the Slurm login host as `local`, a batch host in agent mode (asyncssh)."""
+    path = write_batch_config(tmp_path / "sshapi.toml", slurm_host, secret_file, keys)
+    path.write_text(path.read_text().replace("[hosts.local]\n", AGENT, 1))
     settings = make_settings(tmp_path, path, "sqlite", None)
     async with running_api(settings, keys, secret) as running:
         yield running
@@ -112,3 +137,17 @@ async def test_executor_killed_mid_job_ends_lost_with_its_group_killed(
     job = await agent_api.until_final(job_id)
     assert job["state"] == "lost" and "was killed" in job["error"], job
     assert not tuned_host.processes(f"sleep {marker}")
+
+
+async def test_batch_job_and_its_output_are_unchanged(agent_batch_api: Api, workdir: str) -> None:
+    """A batch job (sbatch, the tracker's polls, the output read back in ranges) in agent mode."""
+    assert agent_batch_api.config.hosts["local"].exec_mode == "agent"
+    await contract_batch.test_batch_job_completes_and_its_output_reads_back_in_ranges(
+        agent_batch_api, workdir
+    )
+
+
+async def test_files_are_unchanged(agent_api: Api, tuned_host: LocalHost) -> None:
+    """Files (SFTP channels beside the executor's): upload, download whole and by range."""
+    for user in contract_files.make_user(agent_api, tuned_host):
+        await contract_files.test_upload_then_download_whole_and_by_range(user)

@@ -2,17 +2,21 @@
 item 16): a forced command in the host's authorized_keys prints `1` and junk first, as a
 `~/.ssh/rc` or a login script would, then runs the session's command. The pool must still find
 its own marker line (a per-command random token), return the command's output unchanged, and
-kill only the command's own process group on timeout, never `kill -TERM -1`."""
+kill only the command's own process group on timeout, never `kill -TERM -1`. The same in agent
+mode (sshpool/agent), where the noise comes before the executor starts: it is the login's, logged
+once, and never a command's output."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 
-from sshpool import CommandTimeout, Pool
+from sshpool import CommandTimeout, Pool, Target
 from sshpool.command import Capture, new_marker, wrap
 from sshpool.devhost import LocalHost
 
@@ -25,6 +29,16 @@ NOISY_LOGIN = (
 )
 
 
+@pytest.fixture(params=["channel", "agent"])
+def mode(request: pytest.FixtureRequest) -> str:
+    """How commands reach the host: a channel each, or through the executor (agent mode)."""
+    return str(request.param)
+
+
+def in_mode(target: Target, mode: str) -> Target:
+    return replace(target, exec_mode=mode)  # type: ignore[arg-type]
+
+
 @pytest.fixture
 def noisy_host(make_host: MakeHost) -> LocalHost:
     """A tuned host of the test's own whose every session prints `1` and junk first."""
@@ -35,26 +49,31 @@ def noisy_host(make_host: MakeHost) -> LocalHost:
 
 
 async def test_command_output_is_exact_and_the_group_is_its_own_despite_a_noisy_login(
-    noisy_host: LocalHost,
+    noisy_host: LocalHost, mode: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """`1` and a fake marker printed before the wrapper are neither the pgid nor output."""
+    """`1` and a fake marker printed before the wrapper are neither the pgid nor output; the
+    noise is logged once per connection."""
     groups: list[int] = []
-    async with Pool() as pool:
-        result = await pool.run(
-            noisy_host.target(), ["printf", "%s", "exact"], on_started=groups.append
-        )
-    assert (result.exit_status, result.stdout) == (0, b"exact")
-    assert len(groups) == 1 and groups[0] > 2
+    target = in_mode(noisy_host.target(max_connections=1), mode)
+    with caplog.at_level(logging.WARNING, logger="sshpool"):
+        async with Pool() as pool:
+            for _ in range(3):
+                result = await pool.run(target, ["printf", "%s", "exact"], on_started=groups.append)
+                assert (result.exit_status, result.stdout) == (0, b"exact")
+            assert pool.stats()[target]["exec_mode"] == mode
+    assert len(groups) == 3 and min(groups) > 2
+    noise = [r.message for r in caplog.records if "the login printed" in r.message]
+    assert len(noise) == 1 and "junk before" in noise[0], noise
 
 
 async def test_timeout_kills_only_the_commands_own_group_under_a_noisy_login(
-    noisy_host: LocalHost,
+    noisy_host: LocalHost, mode: str
 ) -> None:
     """A command past its timeout is killed; a second command of the same account, running
     meanwhile, survives (a `kill -TERM -1` would have ended it, and sshd with it)."""
     word = f"{time.time_ns() % 10**6 + 8_000_000}"
     async with Pool() as pool:
-        target = noisy_host.target()
+        target = in_mode(noisy_host.target(), mode)
         survivor = asyncio.create_task(pool.run(target, f"sleep {word}2; echo survived"))
         await asyncio.sleep(0.5)
         with pytest.raises(CommandTimeout):
