@@ -36,7 +36,7 @@ from api.client import tls_context
 from api.config import Config, load_config
 from api.settings import Settings
 from loadtests.server import wait_ready
-from sshpool.devhost import LocalHost
+from sshpool.devhost import LocalHost, RelayedHost
 
 PG_URL = os.environ.get("SSHAPI_TEST_PG", "postgresql+asyncpg://postgres@127.0.0.1:5432/test")
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -102,7 +102,9 @@ class Keys:
         return pem
 
 
-def host_toml(name: str, host: LocalHost, port: int | None = None, **limits: Any) -> str:
+def host_toml(
+    name: str, host: LocalHost | RelayedHost, port: int | None = None, **limits: Any
+) -> str:
     lines = [
         f"[hosts.{name}]",
         f'hostname = "{host.address}"',

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import statistics
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -23,13 +24,14 @@ from api_helpers import (
     Keys,
     config_toml,
     eventually,
+    host_toml,
     make_settings,
     running_api,
     write_batch_config,
 )
 
 from sshpool.backends import BACKENDS
-from sshpool.devhost import LocalHost
+from sshpool.devhost import LatencyRelay, LocalHost, RelayedHost
 
 
 @pytest.fixture(params=list(BACKENDS))
@@ -151,3 +153,39 @@ async def test_files_are_unchanged(agent_api: Api, tuned_host: LocalHost) -> Non
     """Files (SFTP channels beside the executor's): upload, download whole and by range."""
     for user in contract_files.make_user(agent_api, tuned_host):
         await contract_files.test_upload_then_download_whole_and_by_range(user)
+
+
+RTT_MS = 50.0  # well above this loaded box's own jitter, so that round trips can be counted
+
+
+async def test_through_a_wan_a_job_costs_fewer_round_trips_in_agent_mode(
+    tuned_host: LocalHost, secret_file: Path, secret: str, keys: Keys, tmp_path: Path
+) -> None:
+    """Jobs through the API to a host behind the rig's relay (50 ms RTT), on warm connections,
+    interleaved: the relay's delay applies (every p50 >= RTT); in channel mode a job pays the
+    channel's open and the exec's reply before its output (p50 >= 2 RTT), in agent mode one
+    frame each way (p50 < channel's - RTT / 2)."""
+    with LatencyRelay((tuned_host.address, tuned_host.port), RTT_MS) as relay:
+        far = RelayedHost(tuned_host, relay)
+        agent_table = host_toml("wanagent", far)
+        agent_table = agent_table.replace("[hosts.wanagent]\n", AGENT.replace("local", "wanagent"))
+        path = tmp_path / "sshapi.toml"
+        path.write_text(
+            config_toml(tuned_host, secret_file, keys) + host_toml("wanchannel", far) + agent_table
+        )
+        settings = make_settings(tmp_path, path, "sqlite", None)
+        walls: dict[str, list[float]] = {"wanchannel": [], "wanagent": []}
+        async with running_api(settings, keys, secret) as api:
+            for round_ in range(8):
+                for host in walls:
+                    start = time.perf_counter()
+                    r = await api.submit(
+                        {"host": host, "argv": ["echo", "far"]}, sub="anyhost", wait=30
+                    )
+                    wall = (time.perf_counter() - start) * 1000
+                    assert r.status_code == 201 and r.json()["stdout"] == "far\n", r.text
+                    if round_:  # the first: the connection's handshake (and the executor)
+                        walls[host].append(wall)
+    channel, agent = (statistics.median(walls[h]) for h in ("wanchannel", "wanagent"))
+    assert agent >= RTT_MS and channel >= 2 * RTT_MS, walls
+    assert agent < channel - RTT_MS / 2, walls
