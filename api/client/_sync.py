@@ -67,7 +67,11 @@ class Client(_Base):
             transport=transport,
             verify=verify_for(self.url),
             trust_env=self.trust_env,
+            event_hooks={"response": [self._answer]},
         )
+
+    def _answer(self, response: httpx.Response) -> None:
+        self.answered = True
 
     def __enter__(self) -> Client:
         return self
@@ -85,7 +89,7 @@ class Client(_Base):
             try:
                 response = self.http.request(method, path, **_fresh(kw))
             except httpx.TransportError as exc:
-                delay = self._delay(attempt, None)
+                delay = self._delay(attempt, None, exc)
                 if delay is None:
                     raise TransportError(f"{method} {self.url}{path}: {exc}") from exc
             else:
@@ -176,7 +180,9 @@ class Client(_Base):
                         offset += len(chunk)
                         got += len(chunk)
                         yield chunk
-            except httpx.TransportError:
+            except httpx.TransportError as exc:
+                if self._unreached(exc):
+                    raise TransportError(f"GET {self.url}/v1/jobs/{job_id}/output: {exc}") from exc
                 sleep(0.2)  # dropped: resume from the offset reached
             except InvalidRequest as exc:
                 if exc.kind != "output-not-kept":
@@ -213,7 +219,9 @@ class Client(_Base):
                         yield event
                         if event.event == "end":
                             return
-            except httpx.TransportError:
+            except httpx.TransportError as exc:
+                if self._unreached(exc):
+                    raise TransportError(f"GET {self.url}/v1/jobs/{job_id}/events: {exc}") from exc
                 sleep(0.2)
 
     # ---- files (docs/files.md)
@@ -300,7 +308,7 @@ class Client(_Base):
                     if delay is None:
                         _raise(response)
             except httpx.TransportError as exc:
-                delay = self._delay(attempt, None)
+                delay = self._delay(attempt, None, exc)
                 if delay is None:
                     raise TransportError(f"GET {path} from {self.url}: {exc}") from exc
             sleep(delay)

@@ -31,9 +31,11 @@ from api.client import (
     NotFound,
     RateLimited,
     SshapiError,
+    TransportError,
 )
 from api.client import models as client_models
 from api.client import profile as client_profile
+from loadtests.server import free_port
 
 FILES = "jobs:read jobs:write files:read files:write"
 
@@ -391,7 +393,7 @@ class Listener:
     """A tiny HTTP server on a free loopback port that answers every GET with an empty job list
     and records the Authorization header of each request (None: none came)."""
 
-    def __init__(self) -> None:
+    def __init__(self, port: int = 0) -> None:
         seen: list[str | None] = []
         self.seen = seen
 
@@ -408,7 +410,7 @@ class Listener:
             def log_message(self, *args: Any) -> None:
                 pass
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
@@ -530,6 +532,64 @@ def test_a_loopback_server_is_reached_without_the_environment_s_proxy(
         with Client(server.url, "secret-token") as c:
             c.list()
     assert (proxy.seen, server.seen) == ([], ["Bearer secret-token"])
+
+
+def test_a_wrong_url_is_said_at_once_naming_it_and_where_it_came_from(
+    client_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A port nobody listens on (a wrong SSHAPI_URL, a server not started): `sshapi jobs list`
+    exits 255 at once, naming the URL tried, where it came from and how to set it; the clients
+    and a follow of events give up at once too (before: 5 retries, 9 s, and `events` retried
+    for ever). Nothing was ever sent, so no retry could help."""
+    url = f"http://127.0.0.1:{free_port()}"
+    monkeypatch.setenv("SSHAPI_URL", url)
+    monkeypatch.setenv("SSHAPI_TOKEN", "secret-token")
+    started = time.monotonic()
+    result = CliRunner().invoke(app, ["jobs", "list"])
+    took = time.monotonic() - started
+    assert result.exit_code == 255, result.output
+    assert f"GET {url}/v1/jobs" in result.stderr and "Connection refused" in result.stderr
+    assert f"{url} came from SSHAPI_URL" in result.stderr, result.stderr
+    assert "profile" in result.stderr, result.stderr
+    assert took < 1.0, took
+    monkeypatch.delenv("SSHAPI_URL")
+    monkeypatch.delenv("SSHAPI_TOKEN")
+    client_env.write_text(f'default = "dev"\n[profiles.dev]\nurl = "{url}"\ntoken = "t"\n')
+    result = CliRunner().invoke(app, ["jobs", "list"])
+    assert f"{url} came from the url of profile 'dev' in {client_env}" in result.stderr
+
+    async def follow() -> None:
+        async with AsyncClient(url, "secret-token") as c:
+            async for _ in c.events("some-job"):
+                pass
+
+    started = time.monotonic()
+    with Client(url, "secret-token") as c, pytest.raises(TransportError, match=url):
+        c.list()
+    with pytest.raises(TransportError, match=url):
+        asyncio.run(asyncio.wait_for(follow(), 5))
+    assert time.monotonic() - started < 1.0
+
+
+def test_a_server_that_answered_once_is_waited_for_through_a_restart(
+    client_env: Path,
+) -> None:
+    """Once the server has answered, a refused connection is a restart: the client retries
+    (its back-off) and the call goes through when the server is back, 0.5 s later."""
+    port = free_port()
+    with Client(f"http://127.0.0.1:{port}", "secret-token") as c:
+        with Listener(port) as first:
+            c.list()
+        back: list[Listener] = []
+        timer = threading.Timer(0.5, lambda: back.append(Listener(port).__enter__()))
+        timer.start()
+        try:
+            assert c.list() == []
+        finally:
+            timer.join()
+            for listener in back:
+                listener.__exit__()
+    assert first.seen == ["Bearer secret-token"] and back[0].seen == ["Bearer secret-token"]
 
 
 # ---- a resumed download continues the same file, or starts again (F13)
