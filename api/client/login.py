@@ -13,7 +13,6 @@ provider, never a traceback.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -22,12 +21,15 @@ import time
 from collections.abc import AsyncGenerator, Callable, Generator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from api.client.errors import SshapiError
 from api.client.profile import _loopback
+
+if TYPE_CHECKING:
+    import asyncio
 
 DEVICE_GRANT = "urn:ietf:params:oauth:grant-type:device_code"
 SCOPE = "jobs:read jobs:write files:read files:write"
@@ -302,7 +304,10 @@ class LoginAuth(httpx.Auth):
     async def async_auth_flow(
         self, request: httpx.Request
     ) -> AsyncGenerator[httpx.Request, httpx.Response]:
-        self.alock = self.alock or asyncio.Lock()
+        # asyncio loaded on first use: the `sshapi` commands (sync) never need it.
+        from asyncio import Lock
+
+        self.alock = self.alock or Lock()
         async with self.alock:
             if self._stale():
                 self.login = load(self.path)

@@ -8,6 +8,7 @@ import http.server
 import json
 import os
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -152,6 +153,53 @@ async def test_jobs_commands_list_show_and_logs(api: Api) -> None:
     assert (rc, out) == (0, b"logged\n")
     rc, _, err = await sshapi(api, "jobs", "show", str(uuid.uuid4()))
     assert rc == 255 and b"job-not-found" in err
+
+
+# What the `sshapi` commands a researcher runs most must not load: the server (a client-only
+# install has none of it), what httpx and httpcore bring when installed but no such command
+# uses, and asyncio (the commands use the sync client); each costs start-up (docs/benchmarks.md,
+# CLI start-up).
+SERVER_MODULES = ("fastapi", "starlette", "uvicorn", "sqlalchemy", "asyncssh", "sshpool", "jwt",
+                  "pydantic_settings", "api.settings", "api.config", "api.app")  # fmt: skip
+UNUSED_MODULES = ("trio", "click", "pygments", "httpx._main", "rich", "asyncio")
+
+
+async def test_the_researchers_commands_load_neither_the_server_nor_unused_packages(
+    api: Api, tmp_path: Path
+) -> None:
+    """`sshapi --help` and `sshapi jobs list` against the real API, run as the installed console
+    script (`runpy`, with an exit hook that writes the modules loaded): nothing of the server,
+    nor trio, click, pygments, httpx's own CLI, rich or asyncio (this venv has them all, so the
+    test fails when one comes back); `--help` not even httpx or pydantic."""
+    await api.submit({"host": "local", "argv": ["true"]}, wait=30)
+    report = tmp_path / "modules.json"
+    probe = (
+        "import atexit, json, runpy, sys\n"
+        "def report():\n"
+        "    loaded = [n for n, m in sys.modules.items() if m is not None]\n"
+        f"    open({str(report)!r}, 'w').write(json.dumps(loaded))\n"
+        "atexit.register(report)\n"
+        "sys.argv = sys.argv[1:]\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
+
+    async def loaded(*args: str) -> set[str]:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", probe, SSHAPI, *args, env=env_for(api),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        _, err = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode == 0, err
+        return set(json.loads(report.read_text()))
+
+    def found(modules: set[str], names: tuple[str, ...]) -> list[str]:
+        return sorted(m for m in modules for n in names if m == n or m.startswith(f"{n}."))
+
+    listed = await loaded("jobs", "list")
+    assert {"httpx", "api.client._sync", "api.client.models"} <= listed  # it did its work
+    assert found(listed, SERVER_MODULES + UNUSED_MODULES) == []
+    helped = await loaded("--help")
+    assert found(helped, SERVER_MODULES + UNUSED_MODULES + ("httpx", "pydantic")) == []
 
 
 async def test_client_run_returns_the_finished_job_and_raises_typed_errors(api: Api) -> None:
