@@ -166,8 +166,10 @@ def db_prune(
         ),
     ],
 ) -> None:
-    """Delete finished jobs (every final state) that ended before the cutoff; active jobs stay.
-    Run it from a timer: each row keeps up to the policy's max_output of stdout and stderr."""
+    """Delete the finished jobs that ended before a cutoff.
+
+    Jobs in every final state go; active jobs stay. Run it from a timer: each row keeps up to
+    the policy's max_output of stdout and stderr."""
     import asyncio
     from datetime import UTC, datetime, timedelta
 
