@@ -582,6 +582,28 @@ def test_a_loopback_server_is_reached_without_the_environment_s_proxy(
     assert (proxy.seen, server.seen) == ([], ["Bearer secret-token"])
 
 
+def test_a_profile_s_static_token_file_keeps_working_beside_logins(
+    client_env: Path, tmp_path: Path
+) -> None:
+    """A profile's `token_file` (a static token, as before `sshapi login`) is sent, read afresh
+    by each client, and wins over a login file kept for the same profile."""
+    token_file = tmp_path / "dev.token"
+    token_file.write_text("static-token\n")
+    logins = client_env.parent / "logins"
+    logins.mkdir(mode=0o700)
+    (logins / "dev.json").write_text('{"access_token": "login-token"}')
+    (logins / "dev.json").chmod(0o600)
+    with Listener() as listener:
+        client_env.write_text(f'default = "dev"\n[profiles.dev]\nurl = "{listener.url}"\n'
+                              f'token_file = "{token_file}"\n')  # fmt: skip
+        result = CliRunner().invoke(app, ["jobs", "list"])
+        assert result.exit_code == 0, result.output
+        token_file.write_text("rotated-token\n")
+        with Client() as c:
+            c.list()
+    assert listener.seen == ["Bearer static-token", "Bearer rotated-token"]
+
+
 def test_a_wrong_url_is_said_at_once_naming_it_and_where_it_came_from(
     client_env: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

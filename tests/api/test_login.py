@@ -241,7 +241,8 @@ def test_a_token_naming_another_issuer_than_discovery_is_refused(
 ) -> None:
     """The rig's real access token names its issuer; served by a provider whose discovery names
     another (a proxy, Keycloak reached by another hostname), the login is refused naming both,
-    before the API would refuse every call with a bare 401."""
+    before the API would refuse every call with a bare 401. A token endpoint answering an HTML
+    error page is named with its status."""
     monkeypatch.setenv("SSHAPI_CLIENT_SECRET", provider.ci_secret)
     with httpx.Client() as http:
         found = oauth.discover(provider.issuer, http)
@@ -259,6 +260,10 @@ def test_a_token_naming_another_issuer_than_discovery_is_refused(
         named = f"names issuer '{provider.issuer}', but discovery names {public}"
         with pytest.raises(SshapiError, match=named):
             oauth.client_credentials_login(found, oidc.CI_CLIENT, None, http)
+    # A proxy's error page where the token answer should be: named, not a traceback.
+    page = httpx.MockTransport(lambda r: httpx.Response(502, text="<html>Bad Gateway</html>"))
+    with httpx.Client(transport=page) as http, pytest.raises(SshapiError, match="HTTP 502, not"):
+        oauth.client_credentials_login(found, oidc.CI_CLIENT, None, http)
     assert oauth.token_issuer("opaque-token") is None
     assert oauth.token_issuer("a.!!!.c") is None
 
