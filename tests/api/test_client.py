@@ -322,6 +322,8 @@ async def test_sshapi_files_name_the_side_make_directories_and_rm_goes_on(
     rc, _, err = await sshapi(api, "files", "put", "local", str(source), f"{top}/runs/r.csv")
     assert rc == 255 and f"local:{top}/runs/r.csv (remote): 404".encode() in err, err
     assert b"--parents" in err
+    rc, _, err = await sshapi(api, "files", "put", "local", f"{source}.missing", "r.csv")
+    assert rc == 2 and f"'source': file '{source}.missing' does not exist".encode() in err, err
     rc, _, err = await sshapi(
         api, "files", "put", "--parents", "local", str(source), f"{top}/runs/r.csv"
     )
