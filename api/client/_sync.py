@@ -196,7 +196,10 @@ class Client(_Base):
 
     def events(self, job_id: str, last_event_id: str | None = None) -> Iterator[Event]:
         """The job's Server-Sent Events until `end`, reconnecting with Last-Event-ID after a
-        cut-off or a dropped connection (no event lost or repeated)."""
+        cut-off or a dropped connection (no event lost or repeated). Reconnects after failures
+        take the retries (`_delay`), counted afresh after each event: a server gone for good
+        ends the stream with TransportError, as any call."""
+        attempt = 0
         while True:
             headers = {"Last-Event-ID": last_event_id} if last_event_id else {}
             try:
@@ -214,15 +217,18 @@ class Client(_Base):
                         if (event := parser.feed(line)) is None:
                             continue
                         last_event_id = event.id or last_event_id
+                        attempt = 0  # progress: the retries count afresh
                         if event.event == "cutoff":
                             break
                         yield event
                         if event.event == "end":
                             return
             except httpx.TransportError as exc:
-                if self._unreached(exc):
+                delay = self._delay(attempt, None, exc)
+                if delay is None:
                     raise TransportError(f"GET {self.url}/v1/jobs/{job_id}/events: {exc}") from exc
-                sleep(0.2)
+                sleep(delay)
+                attempt += 1
 
     # ---- files (docs/files.md)
 

@@ -643,6 +643,27 @@ def test_a_wrong_url_is_said_at_once_naming_it_and_where_it_came_from(
     assert time.monotonic() - started < 1.0
 
 
+def test_events_of_a_server_gone_for_good_end_once_the_retries_are_spent(
+    client_env: Path,
+) -> None:
+    """After the server answered, `events` reconnects through the retries but not for ever: a
+    server gone for good ends it with TransportError (before: it reconnected every 0.2 s for
+    ever, and `sshapi run`, which follows events, hung)."""
+    port = free_port()
+
+    async def follow() -> None:
+        async with AsyncClient(f"http://127.0.0.1:{port}", "secret-token", retries=2) as c:
+            with Listener(port):
+                await c.list()
+            async for _ in c.events("some-job"):
+                pass
+
+    started = time.monotonic()
+    with pytest.raises(TransportError, match="/events"):
+        asyncio.run(asyncio.wait_for(follow(), 20))
+    assert time.monotonic() - started < 5
+
+
 def test_a_server_that_answered_once_is_waited_for_through_a_restart(
     client_env: Path,
 ) -> None:
