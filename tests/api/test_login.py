@@ -278,3 +278,14 @@ def test_a_provider_that_never_answers_fails_the_login_in_bounded_time(
         with httpx.Client() as http, pytest.raises(SshapiError, match=issuer):
             oauth.discover(issuer, http)
         assert time.monotonic() - started < 5
+        # Its token and device endpoints the same: each grant gives up, naming the provider.
+        found = oauth.Endpoints(issuer, f"{issuer}/token", f"{issuer}/device", None)
+        monkeypatch.setenv("SSHAPI_CLIENT_SECRET", "s" * 32)
+        for grant in (
+            lambda http: oauth.client_credentials_login(found, "ci", None, http),
+            lambda http: oauth.device_login(found, "sshapi", http, print),
+        ):
+            started = time.monotonic()
+            with httpx.Client() as http, pytest.raises(SshapiError, match=issuer):
+                grant(http)
+            assert time.monotonic() - started < 5
