@@ -3,8 +3,9 @@ slurmctld answers TIMEOUT before slurmstepd's report of the script's end reached
 whole-suite run read ``ExitCode=0:0`` at that moment and the API said exit_signal null). The
 tracker holds such a status back (``EXIT_SETTLE``) until the code lands or the time is up.
 
-The real TIMEOUT through the API is tests/api/test_api_batch.py's (60-90 s of Slurm's clock);
-here the scheduler's answers are scripted: the race is not one a test can provoke on demand."""
+The real TIMEOUT through the API comes first (its job submitted when tests/api/test_api_batch.py
+starts: Slurm ends it 60-90 s later, long before this module runs in a whole run); then the
+scheduler's answers scripted: the race is not one a test can provoke on demand."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import time
 from collections.abc import Iterable
 
 import pytest
+from api_helpers import Api
 
 from api.jobs import scheduler
 from api.jobs.scheduler import JobStatus, SlurmClient, Tracker
@@ -20,6 +22,15 @@ from sshpool import Limits, Pool, Target
 from sshpool.devhost import FakeBackend
 
 TERM = 15
+pytestmark = pytest.mark.timeout(120)
+
+
+async def test_time_limit_exceeded_is_timed_out(batch_api: Api, overtime_job: str) -> None:
+    """A `sleep 300` with a one-minute limit: `timed_out` (Slurm's TIMEOUT), ended by TERM,
+    with the time limit named."""
+    job = await batch_api.until_final(overtime_job, timeout=110)
+    assert (job["state"], job["scheduler"]["state"]) == ("timed_out", "TIMEOUT")
+    assert job["exit_signal"] == "TERM" and "time limit" in job["error"]
 
 
 class _Answers(SlurmClient):
