@@ -17,8 +17,9 @@ key per account, each account's caller its own token, one job per request via PO
 Each reports the statuses, latency, handshakes made (sshd's "Accepted publickey" lines) and per
 second, evictions (the pool's count), SSH connections open at most (sampled from the kernel's
 socket table), the sshd log's "drop connection" lines (MaxStartups), sshd's processes and their
-memory (RSS) at the end, and CPU per job of the SSH client (the API process, or this one) and
-of sshd (the connections closed by the end). Run as root (the accounts are real). Prints one
+memory (RSS and PSS) at the end, and CPU per job of the SSH client (the API process, or this
+one), of this process (through the API: the generator) and of sshd (the connections closed by
+the end). Run as root (the accounts are real). Prints one
 JSON object per cell and a table.
 """
 
@@ -54,20 +55,25 @@ MODES = ("budget", "per-account")
 SUBJECT = "researcher-{}"
 
 
-def sshd_memory(host: LocalHost) -> tuple[int, int]:
-    """(processes, RSS in MiB) of sshd's per-connection processes and what they run."""
+def sshd_memory(host: LocalHost) -> tuple[int, int, int]:
+    """(processes, RSS in MiB, PSS in MiB) of sshd's per-connection processes and what they
+    run. RSS counts every shared page (sshd's code and libraries, the listener's memory the fork
+    shares) once per process; PSS splits each among the processes sharing it, so the sum is
+    what they cost the host: 64 connections, 979 MiB RSS and 122 MiB PSS."""
     if host.pid is None:
-        return 0, 0
-    total = 0
+        return 0, 0, 0
+    rss = pss = 0
     found = children(host.pid)
     for pid in found:
         try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Rss:"):
+                    rss += int(line.split()[1])
+                elif line.startswith("Pss:"):
+                    pss += int(line.split()[1])
         except OSError:
             continue
-    return len(found), total // 1024
+    return len(found), rss // 1024, pss // 1024
 
 
 def log_count(host: LocalHost, offset: int, what: bytes) -> int:
@@ -311,6 +317,7 @@ async def cell(
         "sshd_drop_lines": drops(host, offset),
         "sshd_processes": memory[0],
         "sshd_rss_mib": memory[1],
+        "sshd_pss_mib": memory[2],
     }
 
 
@@ -360,7 +367,7 @@ async def run_cells(
 def table(rows: list[dict[str, Any]]) -> str:
     head = (
         "mode        via  round part  accts failed  p50ms  p90ms  p99ms  make_s  hs/s evict "
-        "conn_max drops procs rss_MiB cli_ms sshd_ms"
+        "conn_max drops procs rss_MiB pss_MiB cli_ms sshd_ms"
     )
     lines = [head]
     for r in rows:
@@ -369,7 +376,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{r['failed']:6} {r['p50_ms'] or 0:6.0f} {r['p90_ms'] or 0:6.0f} "
             f"{r['p99_ms'] or 0:6.0f} {r['makespan_s']:7.2f} {r['handshakes_per_s']:5} "
             f"{r['evictions']:5} {r['connections_max']:8} {r['sshd_drop_lines']:5} "
-            f"{r['sshd_processes']:5} {r['sshd_rss_mib']:7} {r['client_cpu_ms_per_job']:6} "
+            f"{r['sshd_processes']:5} {r['sshd_rss_mib']:7} {r['sshd_pss_mib']:7} "
+            f"{r['client_cpu_ms_per_job']:6} "
             f"{r['sshd_cpu_ms_per_job']:7}"
         )
     return "\n".join(lines)
