@@ -189,8 +189,11 @@ class ViaPool:
         except SSHPoolError as exc:
             return type(exc).__name__
 
-    def evictions(self) -> int:
-        return sum(s["counters"].get("evicted", 0) for s in self.pool.stats().values())
+    def budget(self) -> tuple[int, int]:
+        """(evictions, connections held at most) as the pool's budget counts them."""
+        evicted = sum(s["counters"].get("evicted", 0) for s in self.pool.stats().values())
+        held = max((s["connections_max"] for s in self.pool.sshd_stats().values()), default=0)
+        return evicted, held
 
     def cpu(self) -> float:
         """CPU seconds of the SSH client so far: this process."""
@@ -248,12 +251,16 @@ class ViaApi:
         """CPU seconds of the SSH client so far: the API process."""
         return tree_cpu(self.proc.pid)
 
-    def evictions(self) -> int:
+    def budget(self) -> tuple[int, int]:
+        """(evictions, connections held at most) as the API's pool counts them (/metrics)."""
         resp = httpx.get(self.url + "/metrics", timeout=10)
         resp.raise_for_status()  # a refused read is no figure, not 0 evictions
-        metrics = resp.text
-        lines = [x for x in metrics.splitlines() if x.startswith("sshpool_sshd_evictions_total")]
-        return sum(int(float(x.split()[-1])) for x in lines)
+
+        def total(name: str) -> int:
+            lines = [x for x in resp.text.splitlines() if x.startswith(name + "{")]
+            return sum(int(float(x.split()[-1])) for x in lines)
+
+        return total("sshpool_sshd_evictions_total"), total("sshpool_sshd_connections_max")
 
 
 async def cell(
@@ -292,7 +299,7 @@ async def cell(
         memory = sshd_memory(host)
         # sshd's CPU: its listener's reaped children, so the connections closed by now.
         cpu = (via.cpu() - cpu0[0], tree_cpu(host.pid) - cpu0[1], own_cpu() - cpu0[2])
-        evictions = await asyncio.to_thread(via.evictions)
+        evictions, held = await asyncio.to_thread(via.budget)
     handshakes = log_count(host, offset, b"Accepted publickey")
     p = hdr.percentiles(hist)
     return {
@@ -314,6 +321,9 @@ async def cell(
         # pool the SSH client again.
         "generator_cpu_ms_per_job": round(cpu[2] / max(1, hist.get_total_count()) * 1000, 2),
         "connections_max": max_held,
+        # The budget's own count (held + closing, the kernel's sample above can count a
+        # socket twice while the table changes).
+        "budget_connections_max": held,
         "sshd_drop_lines": drops(host, offset),
         "sshd_processes": memory[0],
         "sshd_rss_mib": memory[1],
@@ -367,7 +377,7 @@ async def run_cells(
 def table(rows: list[dict[str, Any]]) -> str:
     head = (
         "mode        via  round part  accts failed  p50ms  p90ms  p99ms  make_s  hs/s evict "
-        "conn_max drops procs rss_MiB pss_MiB cli_ms sshd_ms"
+        "conn_max held drops procs rss_MiB pss_MiB cli_ms sshd_ms"
     )
     lines = [head]
     for r in rows:
@@ -375,7 +385,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{r['mode']:11} {r['via']:4} {r['round']:5} {r['part']:5} {r['accounts']:5} "
             f"{r['failed']:6} {r['p50_ms'] or 0:6.0f} {r['p90_ms'] or 0:6.0f} "
             f"{r['p99_ms'] or 0:6.0f} {r['makespan_s']:7.2f} {r['handshakes_per_s']:5} "
-            f"{r['evictions']:5} {r['connections_max']:8} {r['sshd_drop_lines']:5} "
+            f"{r['evictions']:5} {r['connections_max']:8} {r['budget_connections_max']:4} "
+            f"{r['sshd_drop_lines']:5} "
             f"{r['sshd_processes']:5} {r['sshd_rss_mib']:7} {r['sshd_pss_mib']:7} "
             f"{r['client_cpu_ms_per_job']:6} "
             f"{r['sshd_cpu_ms_per_job']:7}"
