@@ -20,6 +20,9 @@ ZSH_BIN ?= /bin/zsh
 TCSH_BIN ?= /bin/tcsh
 CHROMIUM_BIN ?= /usr/bin/chromium
 CHROMEDRIVER_BIN ?= /usr/bin/chromedriver
+# node and npm wherever PATH finds them (nvm, NodeSource), else Debian's.
+NODE_BIN ?= $(shell command -v node || echo /usr/bin/node)
+NPM_BIN ?= $(shell command -v npm || echo /usr/bin/npm)
 # venv needs ensurepip, which Debian ships apart from Python (package python3-venv).
 ENSUREPIP_MAIN ?= $(shell $(PYTHON) -c 'import sysconfig; print(sysconfig.get_path("stdlib"))')/ensurepip/__main__.py
 # Where `sshpool.devhost.slurm install` looks for Slurm's programs; empty: its default.
@@ -37,7 +40,7 @@ SERVICES_DIR ?= /tmp/sshapi-services-$(shell id -u)
 OPENSSH10_DIR ?= /tmp/sshapi-openssh10-$(shell id -u)
 OPENSSH10_APT ?= apt-get
 
-.PHONY: run test lint unasync python-venv sshd slurm services deploy-tools shells browser openssh10
+.PHONY: run test lint unasync python-venv sshd slurm services deploy-tools shells browser node openssh10
 
 # Create or refresh .venv whenever pyproject.toml changes. An existing .venv keeps the interpreter
 # it was made with: remove it to move to another one.
@@ -85,6 +88,15 @@ browser:
 	  $(APT_GET) update -q && \
 	  $(APT_GET) install -y -q chromium chromium-driver; }
 
+# The login tests and `sshapi dev --oidc` run the rig's OpenID provider (panva's oidc-provider)
+# with node; its packages come from npm (`npm ci`, sshpool/devhost/oidc.py) and need node >= 18:
+# Debian 12's nodejs (18.20) will do.
+node:
+	@test -x $(NODE_BIN) -a -x $(NPM_BIN) || { \
+	  echo "installing nodejs and npm (the login tests run the rig's OpenID provider)"; \
+	  $(APT_GET) update -q && \
+	  $(APT_GET) install -y -q nodejs npm; }
+
 # The batch-job tests run a real single-node Slurm (munge, slurmctld, slurmd) from the OS packages.
 slurm: $(STAMP)
 	$(VENV)/bin/python -m sshpool.devhost.slurm install $(if $(SUDO),--sudo,--no-sudo) \
@@ -128,5 +140,5 @@ unasync: $(STAMP)
 # The whole suite: lint, then every test (SSH, API, fault and slow ones included). Each run gets
 # its own temp dir: pytest prunes /tmp/pytest-of-$USER to 3 runs, which would delete the sshd
 # files of a run still going.
-test: $(STAMP) sshd shells slurm services deploy-tools browser openssh10 lint
+test: $(STAMP) sshd shells slurm services deploy-tools browser node openssh10 lint
 	$(VENV)/bin/pytest --basetemp="$$(mktemp -d /tmp/sshapi-tests.XXXXXX)"

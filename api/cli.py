@@ -14,6 +14,7 @@ to the terminal's width, so no line breaks where the source's did, and it loads 
 from __future__ import annotations
 
 import socket
+import sys
 from typing import TYPE_CHECKING, Annotated, Any, Literal, NoReturn
 
 import typer
@@ -38,6 +39,22 @@ ExecMode = Literal["channel", "agent"]
 SERVER_EXTRA = "pip install 'sshapi[server]'"
 # The researcher's commands (run, jobs, batch): HTTP to a server, in their own module.
 register_client_commands(app)
+# Modules that httpx and httpcore import whenever they are installed, which no command of
+# `sshapi` uses: httpx's own command line (it brings click, rich and pygments) and httpcore's
+# trio support (trio comes with selenium, for one). Together about half of a `sshapi jobs list`
+# in an environment that has them (docs/benchmarks.md: CLI start-up).
+UNUSED_OPTIONAL_MODULES = ("httpx._main", "trio")
+
+
+def main() -> None:
+    """The `sshapi` console script: `app`, in a process that is this command and nothing
+    else, so the optional modules it never uses are marked absent (`import` of one raises
+    ImportError, which is how httpx and httpcore learn a package is not installed). Only here:
+    a program that imports `api.cli` or `api.client` keeps its trio."""
+    for name in UNUSED_OPTIONAL_MODULES:
+        if name not in sys.modules:
+            sys.modules[name] = None  # type: ignore[assignment]
+    app()
 
 
 Workers = Annotated[
@@ -149,8 +166,10 @@ def db_prune(
         ),
     ],
 ) -> None:
-    """Delete finished jobs (every final state) that ended before the cutoff; active jobs stay.
-    Run it from a timer: each row keeps up to the policy's max_output of stdout and stderr."""
+    """Delete the finished jobs that ended before a cutoff.
+
+    Jobs in every final state go; active jobs stay. Run it from a timer: each row keeps up to
+    the policy's max_output of stdout and stderr."""
     import asyncio
     from datetime import UTC, datetime, timedelta
 

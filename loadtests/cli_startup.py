@@ -1,16 +1,20 @@
 """How long the `sshapi` command takes to start and finish: `sshapi --help`, and `sshapi jobs
-list` against a running server (`sshapi dev` in a scratch data dir), each run N times in a row
-as a researcher's shell would; prints the median, p90 and min of the wall time beside the bare
-interpreter's (`python -c pass`), the floor no command can go under.
+list` against a running server (`sshapi dev` in a scratch data dir), as a researcher's shell
+runs them, beside the bare interpreter (`python -c pass`), the floor no command can go under.
+The commands take turns, run after run (floor, then each command once, N times over), so that
+the load of a shared machine falls on all of them alike; it prints the median, p90 and min of
+the wall time of each, its median over the floor's (x floor) and above it (+ms), and the median
+CPU time of the process. A row for the server's part of `jobs list`: its request, timed here.
 
     python -m loadtests.cli_startup --runs 21
-    python -m loadtests.cli_startup --runs 21 --client-only   # as `pip install sshapi` has it
-    python -m loadtests.cli_startup --runs 21 --sshapi /other/.venv/bin/sshapi   # another build
+    python -m loadtests.cli_startup --runs 21 --client-only   # also as `pip install sshapi` has it
+    python -m loadtests.cli_startup --runs 21 --sshapi OTHER/sshapi --sshapi .venv/bin/sshapi  # A/B
 
-`--client-only` times the `sshapi` of a venv holding only what `pip install sshapi` brings (no
-`server` extra), built offline from this environment's packages (`client_only_venv`, which
+`--client-only` also times the `sshapi` of a venv holding only what `pip install sshapi` brings
+(no `server` extra), built offline from this environment's packages (`client_only_venv`, which
 tests/api/test_client_install.py uses too): the development venv also has packages that httpx's
-imports pick up when present (trio, through httpcore), a researcher's install does not.
+and httpcore's imports pick up when present (click and rich for httpx's own CLI, trio through
+httpcore), which `sshapi` marks absent (`api.cli.main`) and a researcher's install may not have.
 """
 
 from __future__ import annotations
@@ -18,14 +22,17 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import os
+import resource
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 from packaging.requirements import Requirement
 
 from loadtests.server import free_port, wait_ready
@@ -74,38 +81,82 @@ def client_only_venv(base: Path) -> Path:
     ).stdout.strip()  # fmt: skip
     (Path(purelib) / "client.pth").write_text(f"{site}\n")
     script = venv / "bin" / "sshapi"
-    script.write_text(f"#!{python}\nimport sys\nfrom api.cli import app\nsys.exit(app())\n")
+    script.write_text(f"#!{python}\nimport sys\nfrom api.cli import main\nsys.exit(main())\n")
     script.chmod(0o755)
     return venv / "bin"
 
 
-def timed(argv: list[str], env: dict[str, str], runs: int) -> list[float]:
-    """Wall seconds of each of `runs` runs of `argv` (each must exit 0)."""
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
+def command(argv: list[str], env: dict[str, str]) -> Callable[[], None]:
+    """A run of `argv` (it must exit 0), its output dropped."""
+
+    def run() -> None:
         subprocess.run(argv, env=env, check=True, stdout=subprocess.DEVNULL)
-        times.append(time.perf_counter() - start)
+
+    return run
+
+
+def request(url: str, token: str) -> Callable[[], None]:
+    """The server's part of `sshapi jobs list`: its request on a fresh connection, in-process."""
+
+    def get() -> None:
+        with httpx.Client(headers={"Authorization": f"Bearer {token}"}) as http:
+            http.get(f"{url}/v1/jobs", params={"limit": 50}).raise_for_status()
+
+    return get
+
+
+def children_cpu() -> float:
+    """CPU seconds (user + system) of the child processes ended so far."""
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
+
+
+def timed(
+    commands: dict[str, Callable[[], None]], runs: int
+) -> dict[str, list[tuple[float, float]]]:
+    """(wall, child CPU) seconds of each of `commands`, `runs` times, the commands taking turns:
+    the load of a shared machine falls on all of them alike."""
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in commands}
+    for _ in range(runs):
+        for name, run in commands.items():
+            cpu, start = children_cpu(), time.perf_counter()
+            run()
+            times[name].append((time.perf_counter() - start, children_cpu() - cpu))
     return times
 
 
-def line(name: str, times: list[float]) -> str:
-    ms = sorted(t * 1000 for t in times)
+def line(name: str, times: list[tuple[float, float]], floor: float) -> str:
+    """One row: the wall time's median, p90 and min in ms, its median over `floor`'s (x floor)
+    and above it; the median CPU time of the process (user + system; 0 in-process)."""
+    ms = sorted(wall * 1000 for wall, _ in times)
     p90 = ms[min(len(ms) - 1, int(len(ms) * 0.9))]
-    return f"{name:22} median {statistics.median(ms):6.0f} ms  p90 {p90:6.0f}  min {ms[0]:6.0f}"
+    median = statistics.median(ms)
+    cpu = statistics.median(used * 1000 for _, used in times)
+    return (
+        f"{name:30} median {median:5.0f} ms  p90 {p90:5.0f}  min {ms[0]:5.0f}"
+        f"  {median / floor:4.1f} x floor  +{median - floor:4.0f} ms  cpu {cpu:4.0f} ms"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=21, help="Runs of each command.")
-    parser.add_argument("--sshapi", default=str(HERE / "sshapi"), help="The sshapi to time.")
     parser.add_argument(
-        "--client-only", action="store_true", help="Time the sshapi of a client-only install."
+        "--sshapi",
+        action="append",
+        help="An sshapi to time (again for another build, in the same turns; default: this "
+        "venv's).",
+    )
+    parser.add_argument(
+        "--client-only", action="store_true", help="Also time the sshapi of a client-only install."
     )
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as scratch:
+        paths = args.sshapi or [str(HERE / "sshapi")]
         if args.client_only:
-            args.sshapi = str(client_only_venv(Path(scratch)) / "sshapi")
+            paths.append(str(client_only_venv(Path(scratch)) / "sshapi"))
+        # Each build's rows are labelled [1], [2]... when there are several.
+        builds = {f"[{i}] " if len(paths) > 1 else "": path for i, path in enumerate(paths, 1)}
         port = free_port()
         env = {**os.environ, "SSHAPI_DATA_DIR": f"{scratch}/data", "SSHAPI_LOG_LEVEL": "warning"}
         env.pop("SSHAPI_CONFIG", None)
@@ -123,10 +174,20 @@ def main(argv: list[str] | None = None) -> None:
             )
             client = {**env, "SSHAPI_URL": url, "SSHAPI_TOKEN": token}
             client["SSHAPI_CLIENT_CONFIG"] = f"{scratch}/none.toml"
-            print(f"{args.runs} runs each, {args.sshapi}")
-            print(line("python -c pass", timed([sys.executable, "-c", "pass"], env, args.runs)))
-            print(line("sshapi --help", timed([args.sshapi, "--help"], client, args.runs)))
-            print(line("sshapi jobs list", timed([args.sshapi, "jobs", "list"], client, args.runs)))
+            commands = {
+                "python -c pass": command([sys.executable, "-c", "pass"], env),
+                "server: GET /v1/jobs": request(url, token),
+            }
+            for label, sshapi in builds.items():
+                commands[f"{label}sshapi --help"] = command([sshapi, "--help"], client)
+                commands[f"{label}sshapi jobs list"] = command([sshapi, "jobs", "list"], client)
+            times = timed(commands, args.runs)
+            floor = statistics.median(wall for wall, _ in times["python -c pass"]) * 1000
+            print(f"{args.runs} runs each, taking turns")
+            for label, path in builds.items():
+                print(f"{label or 'sshapi: '}{path}")
+            for name, taken in times.items():
+                print(line(name, taken, floor))
         finally:
             server.send_signal(signal.SIGTERM)
             server.wait(timeout=60)

@@ -51,6 +51,7 @@ RECIPES: dict[str, dict[str, dict[str, str]]] = {
         "chromium": {"CHROMIUM_BIN": "chromium"},
         "chromium-driver": {"CHROMEDRIVER_BIN": "chromedriver"},
     },
+    "node": {"nodejs": {"NODE_BIN": "node"}, "npm": {"NPM_BIN": "npm"}},
     "slurm": {
         package: {
             f"SLURM_{program}": program for program, p in SLURM_BINARIES.items() if p == package

@@ -20,7 +20,7 @@ problem's fields on it.
 
     SshapiError
     ├── TransportError      the server could not be reached or dropped the connection (after
-    │                       the retries)
+    │                       the retries; at once when it has never answered this client)
     └── ProblemError        the API answered a problem: .status .type .title .detail .job_id
         ├── Unauthorized    401: no token, or not valid (expired, wrong audience...)
         ├── Forbidden       403: scope, host, raw shell line or template not allowed

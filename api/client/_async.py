@@ -72,7 +72,11 @@ class AsyncClient(_Base):
             transport=transport,
             verify=verify_for(self.url),
             trust_env=self.trust_env,
+            event_hooks={"response": [self._answer]},
         )
+
+    async def _answer(self, response: httpx.Response) -> None:
+        self.answered = True
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -90,7 +94,7 @@ class AsyncClient(_Base):
             try:
                 response = await self.http.request(method, path, **_fresh(kw))
             except httpx.TransportError as exc:
-                delay = self._delay(attempt, None)
+                delay = self._delay(attempt, None, exc)
                 if delay is None:
                     raise TransportError(f"{method} {self.url}{path}: {exc}") from exc
             else:
@@ -183,7 +187,9 @@ class AsyncClient(_Base):
                         offset += len(chunk)
                         got += len(chunk)
                         yield chunk
-            except httpx.TransportError:
+            except httpx.TransportError as exc:
+                if self._unreached(exc):
+                    raise TransportError(f"GET {self.url}/v1/jobs/{job_id}/output: {exc}") from exc
                 await sleep(0.2)  # dropped: resume from the offset reached
             except InvalidRequest as exc:
                 if exc.kind != "output-not-kept":
@@ -197,7 +203,10 @@ class AsyncClient(_Base):
 
     async def events(self, job_id: str, last_event_id: str | None = None) -> AsyncIterator[Event]:
         """The job's Server-Sent Events until `end`, reconnecting with Last-Event-ID after a
-        cut-off or a dropped connection (no event lost or repeated)."""
+        cut-off or a dropped connection (no event lost or repeated). Reconnects after failures
+        take the retries (`_delay`), counted afresh after each event: a server gone for good
+        ends the stream with TransportError, as any call."""
+        attempt = 0
         while True:
             headers = {"Last-Event-ID": last_event_id} if last_event_id else {}
             try:
@@ -215,13 +224,18 @@ class AsyncClient(_Base):
                         if (event := parser.feed(line)) is None:
                             continue
                         last_event_id = event.id or last_event_id
+                        attempt = 0  # progress: the retries count afresh
                         if event.event == "cutoff":
                             break
                         yield event
                         if event.event == "end":
                             return
-            except httpx.TransportError:
-                await sleep(0.2)
+            except httpx.TransportError as exc:
+                delay = self._delay(attempt, None, exc)
+                if delay is None:
+                    raise TransportError(f"GET {self.url}/v1/jobs/{job_id}/events: {exc}") from exc
+                await sleep(delay)
+                attempt += 1
 
     # ---- files (docs/files.md)
 
@@ -307,7 +321,7 @@ class AsyncClient(_Base):
                     if delay is None:
                         _raise(response)
             except httpx.TransportError as exc:
-                delay = self._delay(attempt, None)
+                delay = self._delay(attempt, None, exc)
                 if delay is None:
                     raise TransportError(f"GET {path} from {self.url}: {exc}") from exc
             await sleep(delay)

@@ -67,7 +67,11 @@ class Client(_Base):
             transport=transport,
             verify=verify_for(self.url),
             trust_env=self.trust_env,
+            event_hooks={"response": [self._answer]},
         )
+
+    def _answer(self, response: httpx.Response) -> None:
+        self.answered = True
 
     def __enter__(self) -> Client:
         return self
@@ -85,7 +89,7 @@ class Client(_Base):
             try:
                 response = self.http.request(method, path, **_fresh(kw))
             except httpx.TransportError as exc:
-                delay = self._delay(attempt, None)
+                delay = self._delay(attempt, None, exc)
                 if delay is None:
                     raise TransportError(f"{method} {self.url}{path}: {exc}") from exc
             else:
@@ -176,7 +180,9 @@ class Client(_Base):
                         offset += len(chunk)
                         got += len(chunk)
                         yield chunk
-            except httpx.TransportError:
+            except httpx.TransportError as exc:
+                if self._unreached(exc):
+                    raise TransportError(f"GET {self.url}/v1/jobs/{job_id}/output: {exc}") from exc
                 sleep(0.2)  # dropped: resume from the offset reached
             except InvalidRequest as exc:
                 if exc.kind != "output-not-kept":
@@ -190,7 +196,10 @@ class Client(_Base):
 
     def events(self, job_id: str, last_event_id: str | None = None) -> Iterator[Event]:
         """The job's Server-Sent Events until `end`, reconnecting with Last-Event-ID after a
-        cut-off or a dropped connection (no event lost or repeated)."""
+        cut-off or a dropped connection (no event lost or repeated). Reconnects after failures
+        take the retries (`_delay`), counted afresh after each event: a server gone for good
+        ends the stream with TransportError, as any call."""
+        attempt = 0
         while True:
             headers = {"Last-Event-ID": last_event_id} if last_event_id else {}
             try:
@@ -208,13 +217,18 @@ class Client(_Base):
                         if (event := parser.feed(line)) is None:
                             continue
                         last_event_id = event.id or last_event_id
+                        attempt = 0  # progress: the retries count afresh
                         if event.event == "cutoff":
                             break
                         yield event
                         if event.event == "end":
                             return
-            except httpx.TransportError:
-                sleep(0.2)
+            except httpx.TransportError as exc:
+                delay = self._delay(attempt, None, exc)
+                if delay is None:
+                    raise TransportError(f"GET {self.url}/v1/jobs/{job_id}/events: {exc}") from exc
+                sleep(delay)
+                attempt += 1
 
     # ---- files (docs/files.md)
 
@@ -300,7 +314,7 @@ class Client(_Base):
                     if delay is None:
                         _raise(response)
             except httpx.TransportError as exc:
-                delay = self._delay(attempt, None)
+                delay = self._delay(attempt, None, exc)
                 if delay is None:
                     raise TransportError(f"GET {path} from {self.url}: {exc}") from exc
             sleep(delay)

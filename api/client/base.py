@@ -16,6 +16,8 @@ from api.client.errors import _retry_after
 from api.client.profile import _env_flag, _loopback, load_profile, paired, server_url
 
 RETRY_STATUS = (429, 503)
+# A connection that could not be made: nothing was sent.
+CONNECT_FAILURES = (httpx.ConnectError, httpx.ConnectTimeout)
 WAIT = 30.0  # Prefer: wait=N on submit: a short command finishes in one request
 
 
@@ -97,8 +99,11 @@ class _Base:
         allow_http = allow_http or _env_flag("SSHAPI_ALLOW_HTTP")
         # A login (`sshapi login`) renews its token itself, request by request.
         self.auth: httpx.Auth | None = None
+        # Where the URL came from, said when the server cannot be reached (a wrong URL).
+        self.url_from = "the url given to the client" if url else ""
         if url is None or token is None:
             found = load_profile(profile)
+            self.url_from = self.url_from or found.url_from
             url = url or found.url
             token = token or paired(found, url)
             allow_http = allow_http or found.allow_http
@@ -108,6 +113,7 @@ class _Base:
                 self.auth = LoginAuth(found.login)
         secret = token or ("login" if self.auth else None)  # what server_url keeps safe
         self.url = server_url(url, secret, allow_http).rstrip("/")
+        self.url_from = self.url_from or "no setting (the default: nothing named a server)"
         # A proxy from the environment (HTTP_PROXY, common on login nodes) would carry a request
         # for this machine's loopback, token in clear, to another machine, and on to the proxy's
         # own loopback. Only for other servers does the environment pick a proxy.
@@ -115,10 +121,24 @@ class _Base:
         self.retries = retries
         self.max_retry_wait = max_retry_wait
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        # Whether the server has ever answered this client (set by the HTTP client's response
+        # hook): until it has, a connection that cannot be made is a wrong URL or a server not
+        # started, said at once; after, it is a restart, waited for (`_delay`).
+        self.answered = False
 
-    def _delay(self, attempt: int, response: httpx.Response | None) -> float | None:
-        """Seconds before the next try, or None: no more tries (or not retryable)."""
-        if attempt >= self.retries:
+    def _unreached(self, error: httpx.TransportError) -> bool:
+        """`error` is a connection never made to a server that has never answered."""
+        return not self.answered and isinstance(error, CONNECT_FAILURES)
+
+    def _delay(
+        self,
+        attempt: int,
+        response: httpx.Response | None,
+        error: httpx.TransportError | None = None,
+    ) -> float | None:
+        """Seconds before the next try, or None: no more tries (or not retryable): after a
+        `response` of 429 or 503, or an `error` unless `_unreached`."""
+        if attempt >= self.retries or (error is not None and self._unreached(error)):
             return None
         if response is not None and response.status_code not in RETRY_STATUS:
             return None

@@ -97,6 +97,7 @@ def client(profile: str | None) -> Iterator[Client]:
     """A Client; its errors end the command with a message on stderr and exit 255."""
     from api.client import Client, SshapiError, TransportError
 
+    made: Client | None = None
     try:
         with warnings.catch_warnings(record=True) as warned:
             warnings.simplefilter("always")
@@ -107,6 +108,8 @@ def client(profile: str | None) -> Iterator[Client]:
             yield c
     except TransportError as exc:
         say(f"sshapi: {exc}", err=True)
+        if made is not None:
+            say(f"sshapi: {made.url} came from {made.url_from}", err=True)
         say(f"sshapi: {WHERE_FROM}", err=True)
         raise typer.Exit(ERROR_EXIT) from None
     except SshapiError as exc:

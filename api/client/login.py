@@ -13,7 +13,7 @@ provider, never a traceback.
 
 from __future__ import annotations
 
-import asyncio
+import base64
 import contextlib
 import json
 import os
@@ -22,12 +22,15 @@ import time
 from collections.abc import AsyncGenerator, Callable, Generator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from api.client.errors import SshapiError
 from api.client.profile import _loopback
+
+if TYPE_CHECKING:
+    import asyncio
 
 DEVICE_GRANT = "urn:ietf:params:oauth:grant-type:device_code"
 SCOPE = "jobs:read jobs:write files:read files:write"
@@ -99,8 +102,25 @@ def discover(issuer: str, http: httpx.Client) -> Endpoints:
     )
 
 
-def _tokens(response: httpx.Response, what: str) -> dict[str, Any]:
-    """A token answer's fields, or an SshapiError with the provider's `error`."""
+def token_issuer(access: str) -> str | None:
+    """The `iss` a JWT access token names, unverified (the API verifies it), or None: OAuth
+    leaves access tokens opaque to clients, though Keycloak's and the rig's are JWTs."""
+    parts = access.split(".")
+    if len(parts) != 3:
+        return None
+    try:
+        claims = json.loads(base64.urlsafe_b64decode(parts[1] + "=" * (-len(parts[1]) % 4)))
+    except ValueError:  # not base64, not UTF-8, not JSON
+        return None
+    issuer = claims.get("iss") if isinstance(claims, dict) else None
+    return issuer if isinstance(issuer, str) else None
+
+
+def _tokens(response: httpx.Response, what: str, issuer: str | None) -> dict[str, Any]:
+    """A token answer's fields, or an SshapiError with the provider's `error`. A JWT access
+    token naming another issuer than `issuer` (discovery's) is refused here: the API checks a
+    token's `iss` against the issuers it trusts, so it would refuse every call with a bare 401
+    (Keycloak reached by a hostname other than its configured one does this)."""
     body = _json(response, what)
     if response.status_code != 200:
         error = body.get("error")
@@ -108,6 +128,12 @@ def _tokens(response: httpx.Response, what: str) -> dict[str, Any]:
     access, expires = body.get("access_token"), body.get("expires_in")
     if not isinstance(access, str) or not access or len(access) > 16 * 1024:
         raise SshapiError(f"{what}: no access_token in the answer")
+    named = token_issuer(access)
+    if named is not None and issuer and named.rstrip("/") != issuer.rstrip("/"):
+        raise SshapiError(
+            f"{what}: the access token names issuer {named!r}, but discovery names {issuer}: "
+            "the API would refuse it; make the provider's public URL one (docs/login.md)"
+        )
     if not isinstance(expires, int | float) or isinstance(expires, bool) or expires <= 0:
         expires = 300  # RFC 6749 5.1: RECOMMENDED, not required; assume short
     refresh = body.get("refresh_token")
@@ -165,7 +191,8 @@ def device_login(
             time.sleep(interval)
             data = {"grant_type": DEVICE_GRANT, "device_code": code, "client_id": client_id}
             try:
-                return _tokens(http.post(found.token, data=data, timeout=TIMEOUT), found.token)
+                answer = http.post(found.token, data=data, timeout=TIMEOUT)
+                return _tokens(answer, found.token, found.issuer)
             except OAuthError as exc:
                 if exc.error == "slow_down":
                     interval += 5  # RFC 8628 3.5
@@ -221,7 +248,7 @@ def client_credentials_login(
         response = http.post(found.token, data=form, auth=auth, timeout=TIMEOUT)
     except httpx.HTTPError as exc:
         raise SshapiError(f"{found.token}: {exc or type(exc).__name__}") from None
-    return {**login, **_tokens(response, found.token)}
+    return {**login, **_tokens(response, found.token, found.issuer)}
 
 
 def save(path: Path, login: dict[str, Any]) -> None:
@@ -275,7 +302,8 @@ class LoginAuth(httpx.Auth):
         return float(self.login.get("expires_at", 0)) - time.time() < margin
 
     def _renewed(self, response: httpx.Response) -> None:
-        login = {**self.login, **_tokens(response, self.login["token_endpoint"])}
+        what, issuer = self.login["token_endpoint"], self.login.get("issuer")
+        login = {**self.login, **_tokens(response, what, issuer)}
         if not login.get("refresh_token"):  # a provider that does not rotate keeps the old one
             login["refresh_token"] = self.login.get("refresh_token")
         save(self.path, login)
@@ -302,7 +330,10 @@ class LoginAuth(httpx.Auth):
     async def async_auth_flow(
         self, request: httpx.Request
     ) -> AsyncGenerator[httpx.Request, httpx.Response]:
-        self.alock = self.alock or asyncio.Lock()
+        # asyncio loaded on first use: the `sshapi` commands (sync) never need it.
+        from asyncio import Lock
+
+        self.alock = self.alock or Lock()
         async with self.alock:
             if self._stale():
                 self.login = load(self.path)

@@ -34,6 +34,8 @@ class Profile:
     client_id: str | None = None
     name: str | None = None  # the profile chosen, None: none
     file: Path | None = None  # the client configuration file
+    # Where `url` came from, for a message about a server that cannot be reached.
+    url_from: str = ""
 
 
 # The keys a profile of the client configuration file may have, and the type of each.
@@ -108,6 +110,7 @@ def load_profile(name: str | None = None, path: str | None = None) -> Profile:
             reason = exc.strerror if isinstance(exc, OSError) else exc
             raise SshapiError(f"token_file {token_file}: {reason}") from None
     env_url = os.environ.get("SSHAPI_URL") or None
+    url_from = "SSHAPI_URL" if env_url else f"the url of profile {wanted!r} in {file}"
     login: Path | None = None
     if env_token := os.environ.get("SSHAPI_TOKEN"):
         token, token_url, token_from = env_token, env_url, "SSHAPI_TOKEN"
@@ -117,9 +120,11 @@ def load_profile(name: str | None = None, path: str | None = None) -> Profile:
             # A login is for the server it was made for, as a profile's token is.
             login, token, token_url = kept, "", kept_url(kept)
             token_from = f"the login {kept}"
-            env_url = env_url or entry.get("url") or token_url
+            if not (env_url or entry.get("url")):
+                env_url, url_from = token_url, f"the login {kept}"
+    url = env_url or entry.get("url")
     return Profile(
-        url=env_url or entry.get("url"),
+        url=url,
         token=token,
         allow_http=entry.get("allow_http", False),
         token_url=token_url if token or login else None,
@@ -129,6 +134,7 @@ def load_profile(name: str | None = None, path: str | None = None) -> Profile:
         client_id=entry.get("client_id"),
         name=wanted,
         file=file,
+        url_from=url_from if url else "",
     )
 
 

@@ -4,21 +4,23 @@ setting or configuration file is one line saying what is wrong."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import get_args
+from typing import Any, get_args
 
 import httpx
 import jwt
 import pytest
+import typer
 from api_helpers import serve
 from typer.testing import CliRunner
 
 from api import cli
 from api.app import create_app
 from api.cli import app
-from api.client import base
 from api.settings import Settings
 from sshpool import ExecMode
 from sshpool.devhost import LocalHost
@@ -82,17 +84,48 @@ def test_the_cli_s_exec_modes_are_the_pool_s() -> None:
     assert get_args(cli.ExecMode) == get_args(ExecMode)
 
 
-def test_an_unreachable_server_is_named_with_where_its_url_comes_from(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(base._Base, "_delay", lambda *_: None)  # no retries: fail at once
+def test_an_unreachable_server_is_named_with_where_its_url_comes_from() -> None:
     env = {"SSHAPI_URL": "http://127.0.0.1:9", "SSHAPI_TOKEN": "t",
            "SSHAPI_CLIENT_CONFIG": "/nonexistent/client.toml"}  # fmt: skip
     result = CliRunner().invoke(app, ["jobs", "list"], env=env)
     assert result.exit_code == 255
-    first, second = result.stderr.splitlines()
+    first, came, how = result.stderr.splitlines()
     assert first.startswith("sshapi: GET http://127.0.0.1:9/v1/jobs: "), first
-    assert "SSHAPI_URL" in second and "profile" in second, second
+    assert came == "sshapi: http://127.0.0.1:9 came from SSHAPI_URL", came
+    assert "SSHAPI_URL" in how and "profile" in how, how
+
+
+def _commands(command: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
+    """The path of every command and group under `command` (typer's click), itself included."""
+    yield path
+    for name, sub in getattr(command, "commands", {}).items():
+        yield from _commands(sub, (*path, name))
+
+
+def test_help_wraps_at_the_terminal_s_width_never_where_the_source_broke_lines() -> None:
+    """Every command's and group's `--help` at 80 columns: a line of a description paragraph
+    ends only where the next word would not fit (the docstrings' own line breaks, mid-sentence,
+    never show: the issue saw them with typer's rich formatting), no line is wider than the
+    terminal, and a command list shows each command's first sentence whole (no `...`)."""
+    width = 78  # click's: the terminal's 80 columns less 2
+    paths = list(_commands(typer.main.get_command(app)))
+    assert len(paths) > 20 and ("files", "put") in paths
+    for path in paths:
+        result = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "80"})
+        assert result.exit_code == 0, (path, result.output)
+        lines = result.output.splitlines()
+        assert max(map(len, lines)) <= 80, (path, result.output)
+        # The description: after the usage line's blank, until the first section heading.
+        start = lines.index("") + 1
+        end = next((i for i, line in enumerate(lines) if line.endswith(":") and
+                    not line.startswith(" ") and i > start), len(lines))  # fmt: skip
+        description = lines[start:end]
+        for line, after in itertools.pairwise(description):
+            if line and after:
+                words = after.split()
+                assert len(line) + 1 + len(words[0]) > width, (path, line, after)
+        listed = lines[lines.index("Commands:") + 1 :] if "Commands:" in lines else []
+        assert not [line for line in listed if line.rstrip().endswith("...")], (path, listed)
 
 
 async def test_hosts_check_reports_each_host(config_file: Path, tuned_host: LocalHost) -> None:

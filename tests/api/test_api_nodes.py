@@ -6,6 +6,7 @@ state in /v1/hosts) hold across a restart."""
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from tests.api.api_helpers import (
     Api,
     Keys,
     config_toml,
+    eventually,
     make_settings,
     replicas,
     running_api,
@@ -170,6 +172,28 @@ async def test_a_drain_holds_on_every_replica(
         assert (await b.client.post(f"{b.url}{path}/undrain", headers=admin(b))).status_code == 200
 
         await until(a, "up")
+
+
+async def test_a_job_on_a_login_node_is_cancelled_through_another_replica(
+    nodes: LocalCluster, cluster_config: Path, secret: str, keys: Keys, tmp_path: Path
+) -> None:
+    """A job running on one login node, started by replica a, is cancelled through replica b:
+    b's kill reaches the node the job runs on (the job's group id means nothing on another), the
+    remote process ends and the job is `cancelled` on both replicas."""
+    word = f"node-cancel-{uuid.uuid4().hex[:10]}"
+    async with replicas(tmp_path, cluster_config, keys, secret) as (a, b):
+        body = {"host": NAME, "command": f"sleep 60 # {word}"}
+        r = await a.submit(body, sub="anyhost", wait=0)
+        assert r.status_code == 202, r.text
+        job_id = r.json()["id"]
+        running = await b.wait_state(job_id, ("running",), sub="anyhost")
+        assert running["node"] in nodes.addresses
+        assert nodes.nodes[0].processes(word)
+        r = await b.client.delete(f"{b.url}/v1/jobs/{job_id}", headers=b.auth("anyhost"))
+        assert r.status_code == 200, r.text
+        assert r.json()["state"] == "cancelled"
+        await eventually(lambda: not nodes.nodes[0].processes(word))
+        assert (await a.job(job_id, sub="anyhost"))["state"] == "cancelled"
 
 
 async def test_batch_jobs_are_cluster_wide(

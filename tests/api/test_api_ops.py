@@ -6,7 +6,9 @@ import re
 import tomllib
 from pathlib import Path
 
-from api_helpers import Api
+from api_helpers import Api, Keys, config_toml, make_settings, running_api
+
+from sshpool.devhost import LocalHost
 
 
 async def test_request_id_is_echoed_or_generated(api: Api) -> None:
@@ -93,3 +95,23 @@ async def test_unknown_route_is_a_problem(api: Api) -> None:
     r = await api.client.get(f"{api.url}/v2/nothing", headers=api.auth())
     assert r.status_code == 404
     assert r.headers["content-type"] == "application/problem+json"
+
+
+async def test_metrics_are_for_admins_by_default(
+    tuned_host: LocalHost, secret_file: Path, secret: str, keys: Keys, tmp_path: Path
+) -> None:
+    """With the shipped default (api.metrics_require_admin = true), /metrics without a token is
+    401, with a researcher's token 403, and an admin reads the pool's figures."""
+    config = tmp_path / "sshapi.toml"
+    text = config_toml(tuned_host, secret_file, keys)
+    assert "metrics_require_admin = false" in text
+    config.write_text(text.replace("metrics_require_admin = false", ""))
+    async with running_api(make_settings(tmp_path, config, "sqlite", None), keys, secret) as api:
+        r = await api.client.get(f"{api.url}/metrics")
+        assert r.status_code == 401
+        r = await api.client.get(f"{api.url}/metrics", headers=api.auth())
+        assert r.status_code == 403
+        assert r.json()["type"].endswith("insufficient-scope")
+        assert "sshpool_" not in r.text
+        r = await api.client.get(f"{api.url}/metrics", headers=api.auth("ops", "admin"))
+        assert r.status_code == 200 and "sshpool_" in r.text

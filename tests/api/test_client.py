@@ -8,6 +8,7 @@ import http.server
 import json
 import os
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -31,9 +32,11 @@ from api.client import (
     NotFound,
     RateLimited,
     SshapiError,
+    TransportError,
 )
 from api.client import models as client_models
 from api.client import profile as client_profile
+from loadtests.server import free_port
 
 FILES = "jobs:read jobs:write files:read files:write"
 
@@ -150,6 +153,53 @@ async def test_jobs_commands_list_show_and_logs(api: Api) -> None:
     assert (rc, out) == (0, b"logged\n")
     rc, _, err = await sshapi(api, "jobs", "show", str(uuid.uuid4()))
     assert rc == 255 and b"job-not-found" in err
+
+
+# What the `sshapi` commands a researcher runs most must not load: the server (a client-only
+# install has none of it), what httpx and httpcore bring when installed but no such command
+# uses, and asyncio (the commands use the sync client); each costs start-up (docs/benchmarks.md,
+# CLI start-up).
+SERVER_MODULES = ("fastapi", "starlette", "uvicorn", "sqlalchemy", "asyncssh", "sshpool", "jwt",
+                  "pydantic_settings", "api.settings", "api.config", "api.app")  # fmt: skip
+UNUSED_MODULES = ("trio", "click", "pygments", "httpx._main", "rich", "asyncio")
+
+
+async def test_the_researchers_commands_load_neither_the_server_nor_unused_packages(
+    api: Api, tmp_path: Path
+) -> None:
+    """`sshapi --help` and `sshapi jobs list` against the real API, run as the installed console
+    script (`runpy`, with an exit hook that writes the modules loaded): nothing of the server,
+    nor trio, click, pygments, httpx's own CLI, rich or asyncio (this venv has them all, so the
+    test fails when one comes back); `--help` not even httpx or pydantic."""
+    await api.submit({"host": "local", "argv": ["true"]}, wait=30)
+    report = tmp_path / "modules.json"
+    probe = (
+        "import atexit, json, runpy, sys\n"
+        "def report():\n"
+        "    loaded = [n for n, m in sys.modules.items() if m is not None]\n"
+        f"    open({str(report)!r}, 'w').write(json.dumps(loaded))\n"
+        "atexit.register(report)\n"
+        "sys.argv = sys.argv[1:]\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
+
+    async def loaded(*args: str) -> set[str]:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", probe, SSHAPI, *args, env=env_for(api),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        _, err = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode == 0, err
+        return set(json.loads(report.read_text()))
+
+    def found(modules: set[str], names: tuple[str, ...]) -> list[str]:
+        return sorted(m for m in modules for n in names if m == n or m.startswith(f"{n}."))
+
+    listed = await loaded("jobs", "list")
+    assert {"httpx", "api.client._sync", "api.client.models"} <= listed  # it did its work
+    assert found(listed, SERVER_MODULES + UNUSED_MODULES) == []
+    helped = await loaded("--help")
+    assert found(helped, SERVER_MODULES + UNUSED_MODULES + ("httpx", "pydantic")) == []
 
 
 async def test_client_run_returns_the_finished_job_and_raises_typed_errors(api: Api) -> None:
@@ -272,6 +322,8 @@ async def test_sshapi_files_name_the_side_make_directories_and_rm_goes_on(
     rc, _, err = await sshapi(api, "files", "put", "local", str(source), f"{top}/runs/r.csv")
     assert rc == 255 and f"local:{top}/runs/r.csv (remote): 404".encode() in err, err
     assert b"--parents" in err
+    rc, _, err = await sshapi(api, "files", "put", "local", f"{source}.missing", "r.csv")
+    assert rc == 2 and f"'source': file '{source}.missing' does not exist".encode() in err, err
     rc, _, err = await sshapi(
         api, "files", "put", "--parents", "local", str(source), f"{top}/runs/r.csv"
     )
@@ -391,7 +443,7 @@ class Listener:
     """A tiny HTTP server on a free loopback port that answers every GET with an empty job list
     and records the Authorization header of each request (None: none came)."""
 
-    def __init__(self) -> None:
+    def __init__(self, port: int = 0) -> None:
         seen: list[str | None] = []
         self.seen = seen
 
@@ -408,7 +460,7 @@ class Listener:
             def log_message(self, *args: Any) -> None:
                 pass
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
@@ -530,6 +582,107 @@ def test_a_loopback_server_is_reached_without_the_environment_s_proxy(
         with Client(server.url, "secret-token") as c:
             c.list()
     assert (proxy.seen, server.seen) == ([], ["Bearer secret-token"])
+
+
+def test_a_profile_s_static_token_file_keeps_working_beside_logins(
+    client_env: Path, tmp_path: Path
+) -> None:
+    """A profile's `token_file` (a static token, as before `sshapi login`) is sent, read afresh
+    by each client, and wins over a login file kept for the same profile."""
+    token_file = tmp_path / "dev.token"
+    token_file.write_text("static-token\n")
+    logins = client_env.parent / "logins"
+    logins.mkdir(mode=0o700)
+    (logins / "dev.json").write_text('{"access_token": "login-token"}')
+    (logins / "dev.json").chmod(0o600)
+    with Listener() as listener:
+        client_env.write_text(f'default = "dev"\n[profiles.dev]\nurl = "{listener.url}"\n'
+                              f'token_file = "{token_file}"\n')  # fmt: skip
+        result = CliRunner().invoke(app, ["jobs", "list"])
+        assert result.exit_code == 0, result.output
+        token_file.write_text("rotated-token\n")
+        with Client() as c:
+            c.list()
+    assert listener.seen == ["Bearer static-token", "Bearer rotated-token"]
+
+
+def test_a_wrong_url_is_said_at_once_naming_it_and_where_it_came_from(
+    client_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A port nobody listens on (a wrong SSHAPI_URL, a server not started): `sshapi jobs list`
+    exits 255 at once, naming the URL tried, where it came from and how to set it; the clients
+    and a follow of events give up at once too (before: 5 retries, 9 s, and `events` retried
+    for ever). Nothing was ever sent, so no retry could help."""
+    url = f"http://127.0.0.1:{free_port()}"
+    monkeypatch.setenv("SSHAPI_URL", url)
+    monkeypatch.setenv("SSHAPI_TOKEN", "secret-token")
+    started = time.monotonic()
+    result = CliRunner().invoke(app, ["jobs", "list"])
+    took = time.monotonic() - started
+    assert result.exit_code == 255, result.output
+    assert f"GET {url}/v1/jobs" in result.stderr and "Connection refused" in result.stderr
+    assert f"{url} came from SSHAPI_URL" in result.stderr, result.stderr
+    assert "profile" in result.stderr, result.stderr
+    assert took < 1.0, took
+    monkeypatch.delenv("SSHAPI_URL")
+    monkeypatch.delenv("SSHAPI_TOKEN")
+    client_env.write_text(f'default = "dev"\n[profiles.dev]\nurl = "{url}"\ntoken = "t"\n')
+    result = CliRunner().invoke(app, ["jobs", "list"])
+    assert f"{url} came from the url of profile 'dev' in {client_env}" in result.stderr
+
+    async def follow() -> None:
+        async with AsyncClient(url, "secret-token") as c:
+            async for _ in c.events("some-job"):
+                pass
+
+    started = time.monotonic()
+    with Client(url, "secret-token") as c, pytest.raises(TransportError, match=url):
+        c.list()
+    with pytest.raises(TransportError, match=url):
+        asyncio.run(asyncio.wait_for(follow(), 5))
+    assert time.monotonic() - started < 1.0
+
+
+def test_events_of_a_server_gone_for_good_end_once_the_retries_are_spent(
+    client_env: Path,
+) -> None:
+    """After the server answered, `events` reconnects through the retries but not for ever: a
+    server gone for good ends it with TransportError (before: it reconnected every 0.2 s for
+    ever, and `sshapi run`, which follows events, hung)."""
+    port = free_port()
+
+    async def follow() -> None:
+        async with AsyncClient(f"http://127.0.0.1:{port}", "secret-token", retries=2) as c:
+            with Listener(port):
+                await c.list()
+            async for _ in c.events("some-job"):
+                pass
+
+    started = time.monotonic()
+    with pytest.raises(TransportError, match="/events"):
+        asyncio.run(asyncio.wait_for(follow(), 20))
+    assert time.monotonic() - started < 5
+
+
+def test_a_server_that_answered_once_is_waited_for_through_a_restart(
+    client_env: Path,
+) -> None:
+    """Once the server has answered, a refused connection is a restart: the client retries
+    (its back-off) and the call goes through when the server is back, 0.5 s later."""
+    port = free_port()
+    with Client(f"http://127.0.0.1:{port}", "secret-token") as c:
+        with Listener(port) as first:
+            c.list()
+        back: list[Listener] = []
+        timer = threading.Timer(0.5, lambda: back.append(Listener(port).__enter__()))
+        timer.start()
+        try:
+            assert c.list() == []
+        finally:
+            timer.join()
+            for listener in back:
+                listener.__exit__()
+    assert first.seen == ["Bearer secret-token"] and back[0].seen == ["Bearer secret-token"]
 
 
 # ---- a resumed download continues the same file, or starts again (F13)

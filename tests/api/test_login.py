@@ -217,17 +217,55 @@ async def test_device_login_in_a_browser_follows_a_job_past_expiry_until_revoked
         assert (await c.get(job.id)).state == "succeeded"
     assert oauth.load(kept)["access_token"] != login["access_token"]
 
-    # The provider revokes the refresh token: the next renewal says to sign in again.
-    revoked = await asyncio.to_thread(
-        httpx.post,
-        f"{provider.issuer}/token/revocation",
-        data={"token": login["refresh_token"], "client_id": oidc.CLI_CLIENT},
-    )
-    assert revoked.status_code == 200
+    # `sshapi logout` revokes the refresh token at the provider and forgets the login: the
+    # provider refuses the token from then on, and a copy of the file kept from before (as a
+    # stolen one would be) fails its next renewal, saying to sign in again.
+    copy, refresh = kept.read_bytes(), oauth.load(kept)["refresh_token"]
+    code, out = await sshapi(environ, "logout")
+    assert code == 0 and not kept.exists(), out
+    with httpx.Client() as http:
+        token_url = oauth.discover(provider.issuer, http).token
+    form = {"grant_type": "refresh_token", "refresh_token": refresh, "client_id": oidc.CLI_CLIENT}
+    again = await asyncio.to_thread(httpx.post, token_url, data=form)
+    assert (again.status_code, again.json()["error"]) == (400, "invalid_grant"), again.text
+    kept.write_bytes(copy)
+    kept.chmod(0o600)
     await asyncio.sleep(TTL)
     code, out = await sshapi(environ, "jobs", "list")
     assert code == 255
     assert "invalid_grant: the login expired or was revoked; run `sshapi login` again" in out
+
+
+def test_a_token_naming_another_issuer_than_discovery_is_refused(
+    provider: oidc.Provider, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rig's real access token names its issuer; served by a provider whose discovery names
+    another (a proxy, Keycloak reached by another hostname), the login is refused naming both,
+    before the API would refuse every call with a bare 401. A token endpoint answering an HTML
+    error page is named with its status."""
+    monkeypatch.setenv("SSHAPI_CLIENT_SECRET", provider.ci_secret)
+    with httpx.Client() as http:
+        found = oauth.discover(provider.issuer, http)
+        real = oauth.client_credentials_login(found, oidc.CI_CLIENT, None, http)["access_token"]
+    assert oauth.token_issuer(real) == provider.issuer
+    public = "https://login.example.org/realms/hpc"
+
+    def proxy(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/.well-known/openid-configuration"):
+            return httpx.Response(200, json={"issuer": public, "token_endpoint": f"{public}/t"})
+        return httpx.Response(200, json={"access_token": real, "expires_in": 60})
+
+    with httpx.Client(transport=httpx.MockTransport(proxy)) as http:
+        found = oauth.discover(public, http)
+        named = f"names issuer '{provider.issuer}', but discovery names {public}"
+        with pytest.raises(SshapiError, match=named):
+            oauth.client_credentials_login(found, oidc.CI_CLIENT, None, http)
+    # A proxy's error page where the token answer should be: named, not a traceback.
+    page = httpx.MockTransport(lambda r: httpx.Response(502, text="<html>Bad Gateway</html>"))
+    with httpx.Client(transport=page) as http, pytest.raises(SshapiError, match="HTTP 502, not"):
+        oauth.client_credentials_login(found, oidc.CI_CLIENT, None, http)
+    assert oauth.token_issuer("opaque-token") is None
+    assert oauth.token_issuer("a.!!!.c") is None
 
 
 def test_a_provider_that_never_answers_fails_the_login_in_bounded_time(
@@ -240,3 +278,14 @@ def test_a_provider_that_never_answers_fails_the_login_in_bounded_time(
         with httpx.Client() as http, pytest.raises(SshapiError, match=issuer):
             oauth.discover(issuer, http)
         assert time.monotonic() - started < 5
+        # Its token and device endpoints the same: each grant gives up, naming the provider.
+        found = oauth.Endpoints(issuer, f"{issuer}/token", f"{issuer}/device", None)
+        monkeypatch.setenv("SSHAPI_CLIENT_SECRET", "s" * 32)
+        for grant in (
+            lambda http: oauth.client_credentials_login(found, "ci", None, http),
+            lambda http: oauth.device_login(found, "sshapi", http, print),
+        ):
+            started = time.monotonic()
+            with httpx.Client() as http, pytest.raises(SshapiError, match=issuer):
+                grant(http)
+            assert time.monotonic() - started < 5
