@@ -147,6 +147,14 @@ async def test_reuse_off_opens_one_connection_per_command() -> None:
     assert not any(c.alive for c in backend.conns)
 
 
+async def backlog_queued(pool: Pool, target: Target) -> None:
+    """Until more than 250 callers wait for a slot: the backlog has queued, the slots busy. (A
+    fixed 0.1 s was not always enough on a loaded box: 111 waiting in a whole run.)"""
+    async with asyncio.timeout(10):
+        while pool.stats().get(target, {}).get("waiters", 0) <= 250:  # noqa: ASYNC110 (a figure)
+            await asyncio.sleep(0.005)
+
+
 def started_since(order: list[str], before: int, mine: str) -> int:
     """How many commands the fake host started after index `before` of its `order`, ahead of
     the first line ending with `mine`: the other tenants' commands that went first."""
@@ -163,7 +171,7 @@ async def _backlog_and_singles(tenants: tuple[object, object]) -> tuple[list[int
     a, b = tenants
     async with Pool(backend) as pool:
         backlog = [asyncio.create_task(pool.run(t, ["a"], tenant=a)) for _ in range(300)]
-        await asyncio.sleep(0.1)  # the backlog is queued, the four slots busy
+        await backlog_queued(pool, t)
         ahead, queued = [], []
         for n in range(10):
             before = len(backend.order)
@@ -257,8 +265,7 @@ async def test_sftp_sessions_take_turns_with_commands_by_tenant() -> None:
             asyncio.create_task(session("alice") if n % 3 else pool.run(t, ["a"], tenant="alice"))
             for n in range(300)
         ]
-        await asyncio.sleep(0.1)  # the backlog is queued, the four slots busy
-        assert pool.stats()[t]["waiters"] > 250
+        await backlog_queued(pool, t)
         sessions, commands = [], []
         for n in range(5):
             sessions.append(await session("bob"))
