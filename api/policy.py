@@ -89,15 +89,35 @@ class Admission:
         return self.grant.target
 
 
+def _is_glob(pattern: str) -> bool:
+    return any(c in pattern for c in "*?[")
+
+
 class Policy:
     def __init__(self, config: Config) -> None:
         self.config = config
+        # The first rule of each literal (issuer, subject), and the glob rules in order, each
+        # with its position: a site with a rule per researcher (thousands) looked each request
+        # up through every rule with fnmatch (9 % of the API's busy CPU in py-spy's profile of
+        # a 1,000-account burst). The first matching rule still wins.
+        self._literal: dict[tuple[str, str], tuple[int, PolicyRule]] = {}
+        self._globs: list[tuple[int, PolicyRule]] = []
+        for i, rule in enumerate(config.policy):
+            if _is_glob(rule.issuer) or _is_glob(rule.subject):
+                self._globs.append((i, rule))
+            else:
+                self._literal.setdefault((rule.issuer, rule.subject), (i, rule))
 
     def rule_for(self, who: Principal) -> PolicyRule | None:
-        for rule in self.config.policy:
+        """The first rule whose issuer and subject patterns match the caller."""
+        literal = self._literal.get((who.issuer, who.subject))
+        first = literal[0] if literal else len(self.config.policy)
+        for i, rule in self._globs:
+            if i >= first:
+                break
             if fnmatchcase(who.issuer, rule.issuer) and fnmatchcase(who.subject, rule.subject):
                 return rule
-        return None
+        return literal[1] if literal else None
 
     def visible_hosts(self, who: Principal) -> list[str]:
         """Hosts the caller may use; admins see every host."""

@@ -17,8 +17,9 @@ key per account, each account's caller its own token, one job per request via PO
 Each reports the statuses, latency, handshakes made (sshd's "Accepted publickey" lines) and per
 second, evictions (the pool's count), SSH connections open at most (sampled from the kernel's
 socket table), the sshd log's "drop connection" lines (MaxStartups), sshd's processes and their
-memory (RSS) at the end, and CPU per job of the SSH client (the API process, or this one) and
-of sshd (the connections closed by the end). Run as root (the accounts are real). Prints one
+memory (RSS and PSS) at the end, and CPU per job of the SSH client (the API process, or this
+one), of this process (through the API: the generator) and of sshd (the connections closed by
+the end). Run as root (the accounts are real). Prints one
 JSON object per cell and a table.
 """
 
@@ -29,6 +30,7 @@ import asyncio
 import dataclasses
 import json
 import random
+import re
 import secrets
 import tempfile
 import time
@@ -36,6 +38,7 @@ from collections import Counter
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 from pydantic import SecretStr
@@ -52,20 +55,25 @@ MODES = ("budget", "per-account")
 SUBJECT = "researcher-{}"
 
 
-def sshd_memory(host: LocalHost) -> tuple[int, int]:
-    """(processes, RSS in MiB) of sshd's per-connection processes and what they run."""
+def sshd_memory(host: LocalHost) -> tuple[int, int, int]:
+    """(processes, RSS in MiB, PSS in MiB) of sshd's per-connection processes and what they
+    run. RSS counts every shared page (sshd's code and libraries, the listener's memory the fork
+    shares) once per process; PSS splits each among the processes sharing it, so the sum is
+    what they cost the host: 64 connections, 979 MiB RSS and 122 MiB PSS."""
     if host.pid is None:
-        return 0, 0
-    total = 0
+        return 0, 0, 0
+    rss = pss = 0
     found = children(host.pid)
     for pid in found:
         try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Rss:"):
+                    rss += int(line.split()[1])
+                elif line.startswith("Pss:"):
+                    pss += int(line.split()[1])
         except OSError:
             continue
-    return len(found), total // 1024
+    return len(found), rss // 1024, pss // 1024
 
 
 def log_count(host: LocalHost, offset: int, what: bytes) -> int:
@@ -81,19 +89,16 @@ def drops(host: LocalHost, offset: int) -> int:
 def connections(port: int) -> int:
     """TCP connections to `port` established now, as the kernel's socket table has them (the
     sshd's side of each: whoever opened them, handshakes included). The table is read in pages
-    while it changes: a socket may be counted twice (a few % over at a thousand)."""
-    local = f":{port:04X} "
-    count = 0
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split(None, 4)
-            if fields[3] == "01" and (fields[1] + " ").endswith(local):
-                count += 1
-    return count
+    while it changes: a socket may be counted twice (a few % over at a thousand). The sshd
+    listens on IPv4 loopback, so only /proc/net/tcp; scanned with one regular expression (a
+    thousand HTTP sockets beside it: parsing it line by line in Python ten times a second was
+    9 % of the generator's CPU in py-spy's profile of a 1,000-account burst)."""
+    pattern = rb"^ *\d+: [0-9A-F]{8}:%04X [0-9A-F]{8}:[0-9A-F]{4} 01 " % port
+    try:
+        table = Path("/proc/net/tcp").read_bytes()
+    except OSError:
+        return 0
+    return len(re.findall(pattern, table, re.MULTILINE))
 
 
 def config(host: LocalHost, accounts: list[Account], lim: Limits, deadline: float) -> Any:
@@ -103,7 +108,13 @@ def config(host: LocalHost, accounts: list[Account], lim: Limits, deadline: floa
 
     return {
         # The queue's deadline is the burst's; a job's answer waits for it and its run.
-        "api": {"queue_timeout": deadline, "wait_default": deadline + 30, "wait_max": 600},
+        "api": {
+            "queue_timeout": deadline,
+            "wait_default": deadline + 30,
+            "wait_max": 600,
+            # The benchmark reads the evictions from /metrics, without a token.
+            "metrics_require_admin": False,
+        },
         "issuers": [{"issuer": LOCAL_ISSUER, "audience": LOCAL_AUDIENCE, "algorithms": ["HS256"]}],
         "hosts": {
             "local": {
@@ -130,6 +141,30 @@ def config(host: LocalHost, accounts: list[Account], lim: Limits, deadline: floa
     }
 
 
+async def post(url: str, path: str, body: bytes, token: str) -> tuple[int, bytes]:
+    """POST a JSON `body` on a connection of its own (HTTP/1.1, closed after the answer):
+    (status, body). Not httpx: its connection pool scans every connection at each request and
+    each answer, so a thousand requests at once cost it about a second of CPU per hundred (60 %
+    of the generator's CPU in py-spy's profile of a 1,000-account burst, on the 2 cores the API
+    and sshd need)."""
+    where = urlsplit(url)
+    reader, writer = await asyncio.open_connection(where.hostname, where.port)
+    try:
+        writer.write(
+            f"POST {path} HTTP/1.1\r\nHost: {where.netloc}\r\n"
+            f"Authorization: Bearer {token}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+            + body
+        )
+        head = await reader.readuntil(b"\r\n\r\n")
+        answer = await reader.read()  # to the end: the server closes after its answer
+    except asyncio.IncompleteReadError as exc:
+        raise EOFError("the API closed the connection before its answer") from exc
+    finally:
+        writer.close()
+    return int(head.split(b" ", 2)[1]), answer
+
+
 class ViaPool:
     """Each command through a Pool of this process."""
 
@@ -154,8 +189,11 @@ class ViaPool:
         except SSHPoolError as exc:
             return type(exc).__name__
 
-    def evictions(self) -> int:
-        return sum(s["counters"].get("evicted", 0) for s in self.pool.stats().values())
+    def budget(self) -> tuple[int, int]:
+        """(evictions, connections held at most) as the pool's budget counts them."""
+        evicted = sum(s["counters"].get("evicted", 0) for s in self.pool.stats().values())
+        held = max((s["connections_max"] for s in self.pool.sshd_stats().values()), default=0)
+        return evicted, held
 
     def cpu(self) -> float:
         """CPU seconds of the SSH client so far: this process."""
@@ -183,7 +221,7 @@ class ViaApi:
         self.timeout = deadline + 60
 
     async def __aenter__(self) -> ViaApi:
-        self.proc, url = await asyncio.to_thread(
+        self.proc, self.url = await asyncio.to_thread(
             serve_config,
             self.config,
             backend="asyncssh",
@@ -191,36 +229,38 @@ class ViaApi:
             log=self.data / "api.log",
             env=self.env,
         )
-        self.http = httpx.AsyncClient(
-            base_url=url, timeout=self.timeout, limits=httpx.Limits(max_connections=None)
-        )
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self.http.aclose()
         await asyncio.to_thread(stop_api, self.proc)
 
     async def one(self, i: int) -> str:
-        body = {"host": "local", "argv": ["true"]}
-        headers = {"Authorization": f"Bearer {self.tokens[i]}"}
+        body = json.dumps({"host": "local", "argv": ["true"]}).encode()
         try:
-            resp = await self.http.post("/v1/jobs", json=body, headers=headers)
-        except httpx.HTTPError as exc:
+            status, answer = await asyncio.wait_for(
+                post(self.url, "/v1/jobs", body, self.tokens[i]), self.timeout
+            )
+        except (OSError, EOFError, ValueError, TimeoutError) as exc:
             return type(exc).__name__
-        if resp.status_code != 201:
-            return str(resp.status_code)
-        state = resp.json().get("state")
+        if status != 201:
+            return str(status)
+        state = json.loads(answer).get("state")
         return "ok" if state == "succeeded" else f"201 {state}"
 
     def cpu(self) -> float:
         """CPU seconds of the SSH client so far: the API process."""
         return tree_cpu(self.proc.pid)
 
-    def evictions(self) -> int:
-        url = str(self.http.base_url).rstrip("/") + "/metrics"
-        metrics = httpx.get(url, timeout=10).text
-        lines = [x for x in metrics.splitlines() if x.startswith("sshpool_sshd_evictions_total")]
-        return sum(int(float(x.split()[-1])) for x in lines)
+    def budget(self) -> tuple[int, int]:
+        """(evictions, connections held at most) as the API's pool counts them (/metrics)."""
+        resp = httpx.get(self.url + "/metrics", timeout=10)
+        resp.raise_for_status()  # a refused read is no figure, not 0 evictions
+
+        def total(name: str) -> int:
+            lines = [x for x in resp.text.splitlines() if x.startswith(name + "{")]
+            return sum(int(float(x.split()[-1])) for x in lines)
+
+        return total("sshpool_sshd_evictions_total"), total("sshpool_sshd_connections_max")
 
 
 async def cell(
@@ -248,7 +288,7 @@ async def cell(
 
         sampler = asyncio.create_task(sample())
         assert host.pid is not None
-        cpu0 = (via.cpu(), tree_cpu(host.pid))
+        cpu0 = (via.cpu(), tree_cpu(host.pid), own_cpu())
         t0 = time.perf_counter()
         if part == "burst":
             await asyncio.gather(*(timed(i, t0) for i in range(len(accounts))))
@@ -258,8 +298,8 @@ async def cell(
         sampler.cancel()
         memory = sshd_memory(host)
         # sshd's CPU: its listener's reaped children, so the connections closed by now.
-        cpu = (via.cpu() - cpu0[0], tree_cpu(host.pid) - cpu0[1])
-        evictions = await asyncio.to_thread(via.evictions)
+        cpu = (via.cpu() - cpu0[0], tree_cpu(host.pid) - cpu0[1], own_cpu() - cpu0[2])
+        evictions, held = await asyncio.to_thread(via.budget)
     handshakes = log_count(host, offset, b"Accepted publickey")
     p = hdr.percentiles(hist)
     return {
@@ -277,10 +317,17 @@ async def cell(
         "evictions": evictions,
         "client_cpu_ms_per_job": round(cpu[0] / max(1, hist.get_total_count()) * 1000, 2),
         "sshd_cpu_ms_per_job": round(cpu[1] / max(1, hist.get_total_count()) * 1000, 2),
+        # This process: through the API the generator (its share of the 2 cores), through the
+        # pool the SSH client again.
+        "generator_cpu_ms_per_job": round(cpu[2] / max(1, hist.get_total_count()) * 1000, 2),
         "connections_max": max_held,
+        # The budget's own count (held + closing, the kernel's sample above can count a
+        # socket twice while the table changes).
+        "budget_connections_max": held,
         "sshd_drop_lines": drops(host, offset),
         "sshd_processes": memory[0],
         "sshd_rss_mib": memory[1],
+        "sshd_pss_mib": memory[2],
     }
 
 
@@ -330,7 +377,7 @@ async def run_cells(
 def table(rows: list[dict[str, Any]]) -> str:
     head = (
         "mode        via  round part  accts failed  p50ms  p90ms  p99ms  make_s  hs/s evict "
-        "conn_max drops procs rss_MiB cli_ms sshd_ms"
+        "conn_max held drops procs rss_MiB pss_MiB cli_ms sshd_ms"
     )
     lines = [head]
     for r in rows:
@@ -338,8 +385,10 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{r['mode']:11} {r['via']:4} {r['round']:5} {r['part']:5} {r['accounts']:5} "
             f"{r['failed']:6} {r['p50_ms'] or 0:6.0f} {r['p90_ms'] or 0:6.0f} "
             f"{r['p99_ms'] or 0:6.0f} {r['makespan_s']:7.2f} {r['handshakes_per_s']:5} "
-            f"{r['evictions']:5} {r['connections_max']:8} {r['sshd_drop_lines']:5} "
-            f"{r['sshd_processes']:5} {r['sshd_rss_mib']:7} {r['client_cpu_ms_per_job']:6} "
+            f"{r['evictions']:5} {r['connections_max']:8} {r['budget_connections_max']:4} "
+            f"{r['sshd_drop_lines']:5} "
+            f"{r['sshd_processes']:5} {r['sshd_rss_mib']:7} {r['sshd_pss_mib']:7} "
+            f"{r['client_cpu_ms_per_job']:6} "
             f"{r['sshd_cpu_ms_per_job']:7}"
         )
     return "\n".join(lines)

@@ -2,21 +2,28 @@
 completes with k handshakes in flight, and the CPU each costs on either side.
 
     .venv/bin/python -m loadtests.handshakes --inflight 4 6 8 9 --duration 10
+    .venv/bin/python -m loadtests.handshakes --inflight 2 --phase tcp kex auth exec
 
 Per cell, k loops each: connect a researcher account (a fresh connection, key auth, through
-the pool's backend), run `true` on it, close it; the accounts taken in turn. Reports the
-handshakes completed per second, connects sshd dropped (MaxStartups) and its "drop connection"
-lines, p50/p99 of a connect, and CPU per handshake: this process (the client), sshd (the
-listener's reaped children: every connection's processes and what they ran), the whole box
-(/proc/stat, other work included) and the load average. Run as root (the accounts are real).
-This is the rate the per-sshd budget can reach at most (docs/pool.md, "One sshd, many
-accounts").
+the pool's backend), run `true` on it, close it; the accounts taken in turn. --phase stops
+earlier, to tell sshd's costs apart: `tcp` reads sshd's banner and closes (the listener's fork
+and the child's re-exec), `kex` makes the key exchange and is refused a login without a key,
+`auth` logs in and closes, `exec` (the default) runs `true` too. --kex names the key exchange
+asyncssh offers (default: its own list). --client openssh runs OpenSSH's `ssh ... true`
+instead (its default key exchange unless --kex; its CPU is that of the reaped `ssh`
+processes). Reports the handshakes completed per second, connects sshd dropped (MaxStartups)
+and its "drop connection" lines, p50/p99 of one connection (connect to close), and CPU per
+handshake: this process (the client), sshd (the listener's reaped children: every
+connection's processes and what they ran), the whole box (/proc/stat, other work included)
+and the load average. Run as root (the accounts are real). This is the rate the per-sshd
+budget can reach at most (docs/pool.md, "One sshd, many accounts").
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -26,14 +33,19 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import asyncssh
+
 from loadtests import hdr
 from sshpool import ConnectError, SSHPoolError, Target
 from sshpool.backends import load_backend
+from sshpool.backends.asyncssh import ENCRYPTION_ALGS
 from sshpool.command import Capture
 from sshpool.devhost import LocalHost
 from sshpool.devhost.accounts import ensure_accounts
 
 TICK = os.sysconf("SC_CLK_TCK")
+PHASES = ("tcp", "kex", "auth", "exec")
+BACKEND = load_backend("asyncssh")
 
 
 def own_cpu() -> float:
@@ -61,21 +73,102 @@ def box_busy() -> float:
     return (sum(cpu) - cpu[3] - cpu[4]) / TICK
 
 
-async def cell(host: LocalHost, targets: list[Target], inflight: int, duration: float) -> Any:
-    backend = load_backend("asyncssh")
+def _options(target: Target, kex: str | None, **extra: Any) -> dict[str, Any]:
+    """asyncssh's options for `target` as the pool's backend sets them, and `kex`."""
+    options: dict[str, Any] = {
+        "port": target.port,
+        "username": target.username,
+        "client_keys": list(target.client_keys),
+        "known_hosts": target.known_hosts,
+        "agent_path": None,
+        "config": None,
+        "preferred_auth": "publickey",
+        "password": None,
+        "encryption_algs": list(ENCRYPTION_ALGS),
+        **extra,
+    }
+    if kex:
+        options["kex_algs"] = [kex]
+    return options
+
+
+async def one(target: Target, phase: str, client: str, kex: str | None) -> None:
+    """One connection to `target`, as far as `phase`; ConnectError when sshd dropped it."""
+    if client == "openssh":
+        argv = ["ssh", "-F", "none", "-i", target.client_keys[0], "-p", str(target.port)]
+        for setting in (
+            "IdentitiesOnly=yes",
+            f"UserKnownHostsFile={target.known_hosts}",
+            "StrictHostKeyChecking=yes",
+            "BatchMode=yes",
+            *([f"KexAlgorithms={kex}"] if kex else []),
+        ):
+            argv += ["-o", setting]
+        proc = await asyncio.create_subprocess_exec(
+            *argv, f"{target.username}@{target.host}", "true", stderr=asyncio.subprocess.PIPE
+        )
+        _, err = await proc.communicate()
+        if proc.returncode != 0:
+            raise ConnectError(f"ssh exited {proc.returncode}: {err.decode().strip()}")
+        return
+    if phase == "tcp":
+        try:
+            reader, writer = await asyncio.open_connection(target.host, target.port)
+            if not await reader.readline():
+                raise ConnectError("closed before its banner")
+        except OSError as exc:
+            raise ConnectError(str(exc)) from exc
+        writer.close()
+        await writer.wait_closed()
+        return
+    if phase == "exec" and not kex:
+        conn = await BACKEND.connect(target)
+        try:
+            await conn.exec("true", None, Capture(4096), Capture(4096))
+        finally:
+            await conn.close()
+        return
+    try:
+        if phase == "kex":
+            with contextlib.suppress(asyncssh.PermissionDenied):
+                options = _options(target, kex, client_keys=[])
+                async with asyncssh.connect(target.host, **options):
+                    pass
+            return
+        async with asyncssh.connect(target.host, **_options(target, kex)) as ssh:
+            if phase == "exec":
+                await ssh.run("true")
+    except (asyncssh.Error, OSError) as exc:
+        raise ConnectError(str(exc)) from exc
+
+
+def children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+async def cell(
+    host: LocalHost,
+    targets: list[Target],
+    inflight: int,
+    duration: float,
+    phase: str = "exec",
+    client: str = "asyncssh",
+    kex: str | None = None,
+) -> Any:
     turn = itertools.cycle(targets)
     statuses: Counter[str] = Counter()
     hist = hdr.histogram()
     offset = host.log_path.stat().st_size
     assert host.pid is not None
-    before = (own_cpu(), tree_cpu(host.pid), box_busy(), time.perf_counter())
+    before = (own_cpu() + children_cpu(), tree_cpu(host.pid), box_busy(), time.perf_counter())
     stop = before[3] + duration
 
     async def loop() -> None:
         while time.perf_counter() < stop:
             t0 = time.perf_counter()
             try:
-                conn = await backend.connect(next(turn))
+                await one(next(turn), phase, client, kex)
             except ConnectError as exc:
                 statuses["dropped" if exc.retryable else type(exc).__name__] += 1
                 continue
@@ -83,27 +176,24 @@ async def cell(host: LocalHost, targets: list[Target], inflight: int, duration: 
                 statuses[type(exc).__name__] += 1
                 continue
             hist.record_value(max(1, int((time.perf_counter() - t0) * 1e6)))
-            try:
-                await conn.exec("true", None, Capture(4096), Capture(4096))
-                statuses["ok"] += 1
-            except SSHPoolError as exc:
-                statuses[type(exc).__name__] += 1
-            finally:
-                await conn.close()
+            statuses["ok"] += 1
 
     await asyncio.gather(*(loop() for _ in range(inflight)))
     elapsed = time.perf_counter() - before[3]
     await asyncio.sleep(1.0)  # let sshd reap the last connections' processes
-    after = (own_cpu(), tree_cpu(host.pid), box_busy())
+    after = (own_cpu() + children_cpu(), tree_cpu(host.pid), box_busy())
     ok = statuses["ok"] or 1
     p = hdr.percentiles(hist)
     return {
         "inflight": inflight,
+        "phase": phase,
+        "client": client,
+        "kex": kex or "default",
         "seconds": round(elapsed, 1),
         "statuses": dict(statuses),
         "handshakes_per_s": round(statuses["ok"] / elapsed, 1),
-        "connect_p50_ms": p["p50"],
-        "connect_p99_ms": p["p99"],
+        "p50_ms": p["p50"],
+        "p99_ms": p["p99"],
         "drop_lines": drop_lines(host, offset),
         "client_cpu_ms": round((after[0] - before[0]) / ok * 1000, 2),
         "sshd_cpu_ms": round((after[1] - before[1]) / ok * 1000, 2),
@@ -116,9 +206,11 @@ async def run(host: LocalHost, targets: list[Target], args: argparse.Namespace) 
     rows = []
     for _ in range(args.rounds):
         for k in args.inflight:
-            row = await cell(host, targets, k, args.duration)
-            print(json.dumps(row), flush=True)
-            rows.append(row)
+            for phase in args.phase:
+                for kex in args.kex or [None]:
+                    row = await cell(host, targets, k, args.duration, phase, args.client, kex)
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
     return rows
 
 
@@ -128,6 +220,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per cell")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--accounts", type=int, default=100)
+    parser.add_argument(
+        "--phase", nargs="+", choices=PHASES, default=["exec"], help="how far each connection goes"
+    )
+    parser.add_argument("--kex", nargs="+", help="key exchange algorithms to compare, in turn")
+    parser.add_argument("--client", choices=("asyncssh", "openssh"), default="asyncssh")
     parser.add_argument("--data-dir", default=".data-accounts")
     args = parser.parse_args(argv)
     data_dir = Path(args.data_dir).absolute()
@@ -135,12 +232,16 @@ def main(argv: list[str] | None = None) -> int:
     with LocalHost("accounts", "stock", data_dir=data_dir, researchers=True) as host:
         targets = [a.target(host) for a in accounts]
         rows = asyncio.run(run(host, targets, args))
-    head = "inflight  hs/s  p50ms  p99ms drops client_ms sshd_ms box_ms load"
+    head = (
+        "inflight phase client   kex                   hs/s  p50ms  p99ms drops client_ms "
+        "sshd_ms box_ms load"
+    )
     print(head)
     for r in rows:
         print(
-            f"{r['inflight']:8} {r['handshakes_per_s']:5} {r['connect_p50_ms']:6.1f} "
-            f"{r['connect_p99_ms']:6.1f} {r['drop_lines']:5} {r['client_cpu_ms']:9} "
+            f"{r['inflight']:8} {r['phase']:5} {r['client']:8} {r['kex'][:20]:20} "
+            f"{r['handshakes_per_s']:5} {r['p50_ms'] or 0:6.1f} "
+            f"{r['p99_ms'] or 0:6.1f} {r['drop_lines']:5} {r['client_cpu_ms']:9} "
             f"{r['sshd_cpu_ms']:7} {r['box_cpu_ms']:6} {r['load']:4}"
         )
     return 0

@@ -1,7 +1,7 @@
 """Soak: a steady open-model load for a long time, while watching what must stay flat.
 
     python -m loadtests.soak --rate 100 --minutes 10     # the issue's figure (about 11 minutes)
-    python -m loadtests.soak --rate 20 --minutes 0.75    # what the test suite runs
+    python -m loadtests.soak --rate 20 --minutes 0.25    # what the test suite runs
 
 It starts a local sshd (`tuned`) and the API (`loadtests.server.start_api`, a pooled pool), drives
 `POST /v1/jobs` with `locust -f loadtests/sustained.py --load-profile soak` rescaled to the rate

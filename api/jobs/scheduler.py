@@ -77,6 +77,14 @@ JOB_ID_RE = re.compile(r"^\d+$")
 # squeue --jobs takes a comma list; keep one argument well below any ARG_MAX.
 IDS_PER_SQUEUE = 5000
 
+# A job Slurm ends at its time limit is signalled: its exit code is the signal (0:15, or 0:9
+# after KillWait), or the script's own status if it caught TERM. slurmctld may clear the job's
+# COMPLETING flag before slurmstepd's report of the script's end reaches it; for that moment
+# `scontrol` says TIMEOUT with ExitCode 0:0, and the real code lands with the report. A tracker
+# holds such a status back this long (seconds), polling at its shortest interval, before it
+# reports it as it is: a script that caught TERM and exited 0 is reported that much later.
+EXIT_SETTLE = 5.0
+
 
 class SchedulerError(Exception):
     """A scheduler command failed: ``argv``, exit status and stderr say how."""
@@ -133,6 +141,11 @@ class JobStatus:
     @property
     def final(self) -> bool:
         return self.state in FINAL
+
+    @property
+    def exit_unsettled(self) -> bool:
+        """Ended at its time limit with no signal and status 0 read: maybe not yet reported."""
+        return self.state == "timed_out" and self.exit_code == 0 and self.signal is None
 
 
 def api_state(scheduler_state: str) -> State:
@@ -440,6 +453,8 @@ class Tracker:
         self.commands = 0
         self.polls = 0
         self._last: dict[str, JobStatus | None] = {}
+        # Jobs whose exit code may not be reported yet (`EXIT_SETTLE`): when first seen so.
+        self._unsettled: dict[str, float] = {}
         self._waiters: dict[str, list[asyncio.Future[JobStatus]]] = {}
         self._wake = asyncio.Event()
 
@@ -492,11 +507,19 @@ class Tracker:
         finally:
             self.commands += self.client.commands - before
             self.polls += 1
-        changed = [
-            status
-            for job_id, status in current.items()
-            if job_id in self._last and self._last[job_id] != status
-        ]
+        now = asyncio.get_running_loop().time()
+        held = False
+        changed = []
+        for job_id, status in current.items():
+            if job_id not in self._last or self._last[job_id] == status:
+                continue
+            if status.exit_unsettled:
+                first = self._unsettled.setdefault(job_id, now)
+                if now - first < EXIT_SETTLE:
+                    held = True
+                    continue
+            self._unsettled.pop(job_id, None)
+            changed.append(status)
         # Recorded before waiters wake, so a waiter reading the store sees the new state.
         for status in changed:
             if self.on_change is not None:
@@ -512,7 +535,8 @@ class Tracker:
                         future.set_result(status)
             else:
                 self._last[job_id] = status
-        self.interval = self.min_interval if changed else min(self.interval * 2, self.max_interval)
+        busy = changed or held
+        self.interval = self.min_interval if busy else min(self.interval * 2, self.max_interval)
         return changed
 
     async def run(self) -> None:

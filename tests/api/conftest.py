@@ -7,6 +7,7 @@ login host (`slurm_host`), shared by the batch tests of every module."""
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
@@ -167,6 +168,25 @@ def batch_server(
     settings = make_settings(folder, config, "sqlite", None)
     with server_process(settings) as (_, url):
         yield url, settings, load_config(config)
+
+
+@pytest.fixture(scope="session")
+def overtime_job(
+    batch_server: tuple[str, Settings, Config], secret: str, keys: Keys, workdir: str
+) -> str:
+    """A batch job past its one-minute time limit (`sleep 300`), submitted once per session as
+    early as a module asks for it: Slurm ends it 60-90 s after it started."""
+
+    async def submit() -> str:
+        url, settings, config = batch_server
+        async with httpx.AsyncClient(timeout=60) as client:
+            api = Api(url, client, secret, config, settings, keys)
+            body = {"script": "#!/bin/sh\nsleep 300\n", "workdir": workdir, "time_limit": 60}
+            r = await api.submit({"host": "local", "batch": body})
+            assert r.status_code == 202, r.text
+            return str(r.json()["id"])
+
+    return asyncio.run(submit())
 
 
 @pytest.fixture

@@ -31,9 +31,8 @@ from api_helpers import (
 from faults import figure
 
 from api.batchspec import BatchOptions
-from api.config import Config, load_config
+from api.config import load_config
 from api.jobs.scheduler import key_comment
-from api.settings import Settings
 from sshpool import Pool
 from sshpool.devhost import LocalHost, LocalSlurm
 
@@ -54,20 +53,10 @@ def batch(workdir: str, script: str, **options: Any) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def overtime_job(
-    batch_server: tuple[str, Settings, Config], secret: str, keys: Keys, workdir: str
-) -> str:
-    """A job past its one-minute limit, submitted first so Slurm's clock runs meanwhile."""
-
-    async def submit() -> str:
-        url, settings, config = batch_server
-        async with httpx.AsyncClient(timeout=60) as client:
-            api = Api(url, client, secret, config, settings, keys)
-            r = await api.submit(batch(workdir, "sleep 300\n", time_limit=60))
-            assert r.status_code == 202, r.text
-            return str(r.json()["id"])
-
-    return asyncio.run(submit())
+def _slurm_clock(overtime_job: str) -> None:
+    """The job past its time limit is submitted before this module's tests: Slurm's clock runs
+    while they do, and tests/api/test_batch_exit_settle.py, minutes later in a whole run,
+    finds it ended without waiting (alone it waits the 60-90 s)."""
 
 
 async def slurm_jobs(host: LocalHost, comment: str | None = None) -> list[str]:
@@ -521,11 +510,3 @@ async def test_one_remote_reader_per_batch_job_however_many_clients_follow_it(
     assert outputs1 == [expected] and outputs5 == [expected] * 5
     print(f"SSH commands while followed: 1 follower {one:.0f}, 5 followers {five:.0f}")
     assert five < 1.5 * one + 4  # five readers each would be ~5x
-
-
-async def test_time_limit_exceeded_is_timed_out(api: Api, overtime_job: str) -> None:
-    """Last in the module, so the tests before it run while Slurm's clock does: Slurm ends the
-    one-minute job 60-90 s after it started."""
-    job = await api.until_final(overtime_job, timeout=110)
-    assert (job["state"], job["scheduler"]["state"]) == ("timed_out", "TIMEOUT")
-    assert job["exit_signal"] == "TERM" and "time limit" in job["error"]

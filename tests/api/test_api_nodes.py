@@ -70,8 +70,11 @@ def admin(api: Api) -> dict[str, str]:
     return {"Authorization": f"Bearer {api.token('root', ADMIN)}"}
 
 
-async def run(api: Api, argv: list[str], key: str | None = None) -> dict[str, object]:
-    r = await api.submit({"host": NAME, "argv": argv}, sub="anyhost", wait=10, key=key)
+async def run(
+    api: Api, argv: list[str], key: str | None = None, wait: float = 10
+) -> dict[str, object]:
+    """The job's answer, waited for up to `wait` seconds (0: at once, whatever its state)."""
+    r = await api.submit({"host": NAME, "argv": argv}, sub="anyhost", wait=wait, key=key)
     assert r.status_code in (200, 201, 202), r.text
     return r.json()  # type: ignore[no-any-return]
 
@@ -91,7 +94,8 @@ async def test_a_job_says_its_node_and_hosts_show_each_node(api: Api) -> None:
 async def test_a_node_killed_under_a_job_ends_it_lost_and_the_key_runs_it_again(
     api: Api, nodes: LocalCluster
 ) -> None:
-    first = await run(api, ["sleep", "30"], key="k1")
+    # wait=0: a job that sleeps 30 s would hold the answer the whole wait (10 s) otherwise.
+    first = await run(api, ["sleep", "30"], key="k1", wait=0)
     job = await api.wait_state(str(first["id"]), ("running",), sub="anyhost")
     node = next(n for n in nodes.nodes if n.address == job["node"])
     node.stop(kill_sessions=True)
@@ -109,7 +113,7 @@ async def test_a_node_killed_under_a_job_ends_it_lost_and_the_key_runs_it_again(
         assert f'sshpool_node_state{{host="{NAME}",node="{n}",state="{state}"}} 1.0' in text
     assert f'sshpool_breaker_open{{host="{NAME}"}} 0.0' in text
     assert f'sshpool_node_routed_total{{host="{NAME}",node="{job["node"]}"}} 1.0' in text
-    again = await run(api, ["sleep", "30"], key="k1")
+    again = await run(api, ["sleep", "30"], key="k1", wait=0)
     assert again["id"] != first["id"]
     running = await api.wait_state(str(again["id"]), ("running",), sub="anyhost")
     assert running["node"] != job["node"]

@@ -9,6 +9,7 @@ import contextlib
 import time
 from datetime import UTC, datetime
 
+from api.batchspec import key_digest
 from api.config import Config
 from api.jobs import BatchJobs
 from api.jobs.scheduler import SlurmClient
@@ -16,6 +17,27 @@ from api.policy import Policy
 from api.store import JobRow
 from sshpool import Limits, Pool, Target
 from sshpool.devhost import FakeBackend
+
+# The host's channel slots in these tests. Counted in the fake host's `order` (event order, which
+# a loaded box does not change, where milliseconds stretch): of the other owner's commands, at
+# most those already given a freed slot but not yet begun when Bob asked (SLOTS), then one turn
+# (Bob joins the ring behind Alice), may start ahead of Bob's. Behind her backlog: ~290.
+SLOTS = 4
+FAIR_AHEAD = SLOTS + 1
+
+
+async def backlog_queued(pool: Pool, target: Target) -> None:
+    """Until more than 250 callers wait for a slot: the backlog has queued, the slots busy. (A
+    fixed 0.1 s was not always enough on a loaded box: 111 waiting in a whole run.)"""
+    async with asyncio.timeout(10):
+        while pool.stats().get(target, {}).get("waiters", 0) <= 250:  # noqa: ASYNC110 (a figure)
+            await asyncio.sleep(0.005)
+
+
+def started_since(order: list[str], before: int, mine: str) -> int:
+    """How many commands the fake host started after index `before` of its `order`, ahead of
+    the first line containing `mine`."""
+    return next(n for n, line in enumerate(order[before:]) if mine in line)
 
 
 async def test_one_owners_slurm_backlog_delays_another_owners_command_by_one_turn() -> None:
@@ -25,23 +47,31 @@ async def test_one_owners_slurm_backlog_delays_another_owners_command_by_one_tur
     backend = FakeBackend(exec_time=0.05)
     turn = backend.exec_time
     target = Target(
-        "fake", "user", ("key",), "known_hosts", limits=Limits(max_connections=1, max_sessions=4)
+        "fake",
+        "user",
+        ("key",),
+        "known_hosts",
+        limits=Limits(max_connections=1, max_sessions=SLOTS),
     )  # type: ignore[arg-type]
     async with Pool(backend) as pool:
         alice = SlurmClient(pool, target, tenant=("sshapi-local", "alice"))
         bob = SlurmClient(pool, target, tenant=("sshapi-local", "bob"))
         backlog = [asyncio.create_task(alice.cancel(str(n + 1))) for n in range(300)]
-        await asyncio.sleep(0.1)  # queued, the four slots busy
-        waited = []
+        await backlog_queued(pool, target)
+        ahead, waited = [], []
         for n in range(5):
-            t0 = time.perf_counter()
+            before, t0 = len(backend.order), time.perf_counter()
             await bob.cancel(str(1000 + n))
             waited.append(time.perf_counter() - t0)
+            ahead.append(started_since(backend.order, before, f"scancel {1000 + n}"))
         for task in backlog:
             task.cancel()
         await asyncio.gather(*backlog, return_exceptions=True)
-    # One turn waiting for a slot, one running, plus scheduling slack on a shared box.
-    assert max(waited) <= 2 * turn + 0.03, waited
+    print(
+        f"FIGURE bob_scancel: ahead {ahead}, max {max(waited) * 1000:.0f} ms, "
+        f"turn {turn * 1000:.0f} ms"
+    )
+    assert max(ahead) <= FAIR_AHEAD, ahead
 
 
 async def test_one_identitys_transfers_and_batch_polls_delay_anothers_commands_one_turn() -> None:
@@ -58,7 +88,11 @@ async def test_one_identitys_transfers_and_batch_polls_delay_anothers_commands_o
         {
             "issuers": [{"issuer": "sshapi-local", "audience": "a"}],
             "hosts": {
-                "h": {**host, "limits": {"max_connections": 1, "max_sessions": 4}, "scheduler": {}}
+                "h": {
+                    **host,
+                    "limits": {"max_connections": 1, "max_sessions": SLOTS},
+                    "scheduler": {},
+                }
             },
         }
     )
@@ -82,40 +116,43 @@ async def test_one_identitys_transfers_and_batch_polls_delay_anothers_commands_o
     async with Pool(backend) as pool:
         jobs = BatchJobs(config, Policy(config), None, pool, None)  # type: ignore[arg-type]
 
-        async def transfer(owner: str) -> float:
-            t0 = time.perf_counter()
+        async def transfer(owner: str) -> int:
+            before = len(backend.order)
             async with pool.sftp(target, tenant=("sshapi-local", owner)) as fs:
-                waited = time.perf_counter() - t0
+                # Every session is "sftp" in the order: those started since it asked but its
+                # own, including the few of Alice's given the other slots after its own.
+                started = len(backend.order) - before - 1
                 await fs.realpath(".")
                 await asyncio.sleep(turn)
-            return waited
+            return started
 
-        async def poll(row: JobRow) -> float:
-            t0 = time.perf_counter()
+        async def poll(row: JobRow) -> int:
+            before = len(backend.order)
             # The fake host's answer is no output file's: the poll fails after its turn.
             with contextlib.suppress(ValueError):
                 await jobs.read_bytes(row, "stdout", 0, 1024)
-            return time.perf_counter() - t0
+            return started_since(backend.order, before, key_digest(row.id)[:12])
 
         alice, bob = batch_job("alice"), batch_job("bob")
         backlog = [
             asyncio.create_task(transfer("alice") if n % 3 else poll(alice)) for n in range(300)
         ]
-        await asyncio.sleep(0.1)  # the backlog is queued, the four slots busy
-        assert pool.stats()[target]["waiters"] > 250
-        queued, polled = [], []
-        for _ in range(5):
-            result = await pool.run(target, ["b"], tenant=("sshapi-local", "bob"))
+        await backlog_queued(pool, target)
+        commands, sessions, polled, queued = [], [], [], []
+        for n in range(5):
+            before = len(backend.order)
+            result = await pool.run(target, [f"b{n}"], tenant=("sshapi-local", "bob"))
+            commands.append(started_since(backend.order, before, f"; b{n}"))
             queued.append(result.timings["queue"])
-            queued.append(await transfer("bob"))
+            sessions.append(await transfer("bob"))
             polled.append(await poll(bob))
         for task in backlog:
             task.cancel()
         await asyncio.gather(*backlog, return_exceptions=True)
     print(
-        f"FIGURE bystander_wait_ms: command or session max {max(queued) * 1000:.1f}, "
-        f"batch poll (with its run) max {max(polled) * 1000:.1f}, turn {turn * 1000:.0f}"
+        f"FIGURE bystander_ahead: command {commands}, session {sessions}, batch poll {polled}; "
+        f"command queue max {max(queued) * 1000:.1f} ms, turn {turn * 1000:.0f} ms"
     )
-    # One turn waiting (a poll: plus its own turn running), plus scheduling slack on a shared box.
-    assert max(queued) <= turn + 0.02, queued
-    assert max(polled) <= 2 * turn + 0.03, polled
+    assert max(commands) <= FAIR_AHEAD, commands
+    assert max(polled) <= FAIR_AHEAD, polled
+    assert max(sessions) <= FAIR_AHEAD + SLOTS - 1, sessions

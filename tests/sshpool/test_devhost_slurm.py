@@ -2,8 +2,8 @@
 
 One LocalSlurm for the session (``slurm``, 16 CPUs on one node, in tests/conftest.py) and one
 LocalHost whose sessions see its SLURM_CONF (``slurm_host``). A time limit exceeded (TIMEOUT ->
-timed_out, SIGTERM) is shown through the API, in tests/api/test_api_batch.py: Slurm needs 60-90 s
-for it, paid once.
+timed_out, SIGTERM) is shown through the API, in tests/api/test_batch_exit_settle.py: Slurm needs
+60-90 s for it, paid once (the job is submitted when tests/api/test_api_batch.py starts).
 """
 
 from __future__ import annotations
