@@ -196,12 +196,15 @@ class Client(_Base):
 
     def events(self, job_id: str, last_event_id: str | None = None) -> Iterator[Event]:
         """The job's Server-Sent Events until `end`, reconnecting with Last-Event-ID after a
-        cut-off or a dropped connection (no event lost or repeated). Reconnects after failures
-        take the retries (`_delay`), counted afresh after each event: a server gone for good
-        ends the stream with TransportError, as any call."""
+        cut-off or a dropped connection (no event lost or repeated). Reconnects after failures,
+        and after a stream that ended with no event, take the retries (`_delay`), counted afresh
+        after each event: a server gone for good, or one that keeps ending the stream empty,
+        ends it with TransportError, as any call."""
         attempt = 0
+        where = f"GET {self.url}/v1/jobs/{job_id}/events"
         while True:
             headers = {"Last-Event-ID": last_event_id} if last_event_id else {}
+            progressed = False
             try:
                 with self.http.stream(
                     "GET",
@@ -218,6 +221,7 @@ class Client(_Base):
                             continue
                         last_event_id = event.id or last_event_id
                         attempt = 0  # progress: the retries count afresh
+                        progressed = True
                         if event.event == "cutoff":
                             break
                         yield event
@@ -226,9 +230,19 @@ class Client(_Base):
             except httpx.TransportError as exc:
                 delay = self._delay(attempt, None, exc)
                 if delay is None:
-                    raise TransportError(f"GET {self.url}/v1/jobs/{job_id}/events: {exc}") from exc
+                    raise TransportError(f"{where}: {exc}") from exc
                 sleep(delay)
                 attempt += 1
+                continue
+            if progressed:
+                continue  # a cut-off, or a stream that ended after events: at once
+            # Not a stream of events (a proxy's empty answer, a server that closes at once):
+            # paced by the retries instead of reconnecting in a tight loop.
+            delay = self._delay(attempt, None)
+            if delay is None:
+                raise TransportError(f"{where}: the stream ended {attempt + 1} times with no event")
+            sleep(delay)
+            attempt += 1
 
     # ---- files (docs/files.md)
 

@@ -664,6 +664,27 @@ def test_events_of_a_server_gone_for_good_end_once_the_retries_are_spent(
     assert time.monotonic() - started < 5
 
 
+def test_events_from_a_server_that_ends_every_stream_empty_give_up_paced(
+    client_env: Path,
+) -> None:
+    """A server that answers /events with no event at all (a proxy's empty 200, a server closing
+    at once) is retried at the client's pace and then given up with TransportError (before:
+    `events` reconnected at once, in a tight loop, for ever)."""
+    with Listener() as server:
+
+        async def follow() -> None:
+            async with AsyncClient(server.url, "secret-token", retries=2) as c:
+                async for _ in c.events("some-job"):
+                    pass
+
+        started = time.monotonic()
+        with pytest.raises(TransportError, match="3 times with no event"):
+            asyncio.run(asyncio.wait_for(follow(), 10))
+        took = time.monotonic() - started
+    assert len(server.seen) == 3, server.seen  # the first try and two retries
+    assert 0.2 + 0.4 <= took < 5, took  # the retries' back-off, not a tight loop
+
+
 def test_a_server_that_answered_once_is_waited_for_through_a_restart(
     client_env: Path,
 ) -> None:
