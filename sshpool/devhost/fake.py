@@ -22,13 +22,16 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from sshpool.backends import Exit
 from sshpool.backends.base import DirEntry, FileAttrs, RemoteFile
 from sshpool.command import Capture
 from sshpool.errors import ChannelRefused, ConnectionLost, RemoteNotFound
 from sshpool.target import Target
+
+if TYPE_CHECKING:
+    from sshpool.pool import Pool
 
 # The process group id every fake command reports.
 FAKE_PGID = 4242
@@ -159,6 +162,12 @@ class FakeBackend:
     max_in_flight: int = 0
     max_alive: int = 0
 
+    def started_ahead(self, before: int, mine: str) -> int:
+        """How many commands this host started after index `before` of `order`, ahead of the
+        first line containing `mine`: in event order, which a loaded box does not change where
+        milliseconds stretch (the fair-share tests count turns with it)."""
+        return next(n for n, line in enumerate(self.order[before:]) if mine in line)
+
     async def connect(self, target: Target) -> FakeConnection:
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
@@ -172,3 +181,11 @@ class FakeBackend:
         self.conns.append(conn)
         self.max_alive = max(self.max_alive, sum(1 for c in self.conns if c.alive))
         return conn
+
+
+async def backlog_queued(pool: Pool, target: Target, waiting: int = 250) -> None:
+    """Until more than `waiting` callers wait for a slot of `target`: a backlog has queued and
+    the slots are busy (a fixed sleep is not enough on a loaded box)."""
+    async with asyncio.timeout(10):
+        while pool.stats().get(target, {}).get("waiters", 0) <= waiting:  # noqa: ASYNC110
+            await asyncio.sleep(0.005)

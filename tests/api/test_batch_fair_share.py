@@ -17,6 +17,7 @@ from api.policy import Policy
 from api.store import JobRow
 from sshpool import Limits, Pool, Target
 from sshpool.devhost import FakeBackend
+from sshpool.devhost.fake import backlog_queued
 
 # The host's channel slots in these tests. Counted in the fake host's `order` (event order, which
 # a loaded box does not change, where milliseconds stretch): of the other owner's commands, at
@@ -24,20 +25,6 @@ from sshpool.devhost import FakeBackend
 # (Bob joins the ring behind Alice), may start ahead of Bob's. Behind her backlog: ~290.
 SLOTS = 4
 FAIR_AHEAD = SLOTS + 1
-
-
-async def backlog_queued(pool: Pool, target: Target) -> None:
-    """Until more than 250 callers wait for a slot: the backlog has queued, the slots busy. (A
-    fixed 0.1 s was not always enough on a loaded box: 111 waiting in a whole run.)"""
-    async with asyncio.timeout(10):
-        while pool.stats().get(target, {}).get("waiters", 0) <= 250:  # noqa: ASYNC110 (a figure)
-            await asyncio.sleep(0.005)
-
-
-def started_since(order: list[str], before: int, mine: str) -> int:
-    """How many commands the fake host started after index `before` of its `order`, ahead of
-    the first line containing `mine`."""
-    return next(n for n, line in enumerate(order[before:]) if mine in line)
 
 
 async def test_one_owners_slurm_backlog_delays_another_owners_command_by_one_turn() -> None:
@@ -63,7 +50,7 @@ async def test_one_owners_slurm_backlog_delays_another_owners_command_by_one_tur
             before, t0 = len(backend.order), time.perf_counter()
             await bob.cancel(str(1000 + n))
             waited.append(time.perf_counter() - t0)
-            ahead.append(started_since(backend.order, before, f"scancel {1000 + n}"))
+            ahead.append(backend.started_ahead(before, f"scancel {1000 + n}"))
         for task in backlog:
             task.cancel()
         await asyncio.gather(*backlog, return_exceptions=True)
@@ -131,7 +118,7 @@ async def test_one_identitys_transfers_and_batch_polls_delay_anothers_commands_o
             # The fake host's answer is no output file's: the poll fails after its turn.
             with contextlib.suppress(ValueError):
                 await jobs.read_bytes(row, "stdout", 0, 1024)
-            return started_since(backend.order, before, key_digest(row.id)[:12])
+            return backend.started_ahead(before, key_digest(row.id)[:12])
 
         alice, bob = batch_job("alice"), batch_job("bob")
         backlog = [
@@ -142,7 +129,7 @@ async def test_one_identitys_transfers_and_batch_polls_delay_anothers_commands_o
         for n in range(5):
             before = len(backend.order)
             result = await pool.run(target, [f"b{n}"], tenant=("sshapi-local", "bob"))
-            commands.append(started_since(backend.order, before, f"; b{n}"))
+            commands.append(backend.started_ahead(before, f"; b{n}"))
             queued.append(result.timings["queue"])
             sessions.append(await transfer("bob"))
             polled.append(await poll(bob))

@@ -11,6 +11,7 @@ import pytest
 from sshpool import ConnectionLost, Limits, Pool, Target
 from sshpool.breaker import Breaker
 from sshpool.devhost import FakeBackend
+from sshpool.devhost.fake import backlog_queued
 from sshpool.errors import ConnectError, PoolFull, PoolTimeout
 
 
@@ -147,20 +148,6 @@ async def test_reuse_off_opens_one_connection_per_command() -> None:
     assert not any(c.alive for c in backend.conns)
 
 
-async def backlog_queued(pool: Pool, target: Target) -> None:
-    """Until more than 250 callers wait for a slot: the backlog has queued, the slots busy. (A
-    fixed 0.1 s was not always enough on a loaded box: 111 waiting in a whole run.)"""
-    async with asyncio.timeout(10):
-        while pool.stats().get(target, {}).get("waiters", 0) <= 250:  # noqa: ASYNC110 (a figure)
-            await asyncio.sleep(0.005)
-
-
-def started_since(order: list[str], before: int, mine: str) -> int:
-    """How many commands the fake host started after index `before` of its `order`, ahead of
-    the first line ending with `mine`: the other tenants' commands that went first."""
-    return next(n for n, line in enumerate(order[before:]) if line.endswith(mine))
-
-
 async def _backlog_and_singles(tenants: tuple[object, object]) -> tuple[list[int], list[float]]:
     """Tenant A queues 300 commands at once on 4 slots; tenant B then sends 10 single commands
     one after the other. Returns, for each of B's commands, how many of A's started while it
@@ -176,7 +163,7 @@ async def _backlog_and_singles(tenants: tuple[object, object]) -> tuple[list[int
         for n in range(10):
             before = len(backend.order)
             result = await pool.run(t, [f"b{n}"], tenant=b)
-            ahead.append(started_since(backend.order, before, f"; b{n}"))
+            ahead.append(backend.started_ahead(before, f"; b{n}"))
             queued.append(result.timings["queue"])
         for task in backlog:
             task.cancel()
@@ -271,7 +258,7 @@ async def test_sftp_sessions_take_turns_with_commands_by_tenant() -> None:
             sessions.append(await session("bob"))
             before = len(backend.order)
             await pool.run(t, [f"b{n}"], tenant="bob")
-            commands.append(started_since(backend.order, before, f"; b{n}"))
+            commands.append(backend.started_ahead(before, f"; b{n}"))
         for task in backlog:
             task.cancel()
         await asyncio.gather(*backlog, return_exceptions=True)
