@@ -44,7 +44,8 @@ import httpx
 from pydantic import SecretStr
 
 from loadtests import hdr
-from loadtests.handshakes import own_cpu, tree_cpu
+from loadtests.cpu import own_seconds
+from loadtests.handshakes import tree_cpu
 from loadtests.server import limits, serve_config, stop_api
 from sshpool import Limits, Pool, SSHPoolError
 from sshpool.devhost import LocalHost
@@ -197,7 +198,7 @@ class ViaPool:
 
     def cpu(self) -> float:
         """CPU seconds of the SSH client so far: this process."""
-        return own_cpu()
+        return own_seconds()
 
 
 class ViaApi:
@@ -288,7 +289,7 @@ async def cell(
 
         sampler = asyncio.create_task(sample())
         assert host.pid is not None
-        cpu0 = (via.cpu(), tree_cpu(host.pid), own_cpu())
+        cpu0 = (via.cpu(), tree_cpu(host.pid), own_seconds())
         t0 = time.perf_counter()
         if part == "burst":
             await asyncio.gather(*(timed(i, t0) for i in range(len(accounts))))
@@ -298,7 +299,7 @@ async def cell(
         sampler.cancel()
         memory = sshd_memory(host)
         # sshd's CPU: its listener's reaped children, so the connections closed by now.
-        cpu = (via.cpu() - cpu0[0], tree_cpu(host.pid) - cpu0[1], own_cpu() - cpu0[2])
+        cpu = (via.cpu() - cpu0[0], tree_cpu(host.pid) - cpu0[1], own_seconds() - cpu0[2])
         evictions, held = await asyncio.to_thread(via.budget)
     handshakes = log_count(host, offset, b"Accepted publickey")
     p = hdr.percentiles(hist)

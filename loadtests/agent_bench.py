@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import resource
 import shutil
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-from loadtests.cpu import tree_seconds
+from loadtests.cpu import own_seconds, reaped_children_seconds, tree_seconds
 from loadtests.server import limits
 from sshpool import ExecMode, Pool, Target
 
@@ -48,19 +47,10 @@ def spawn_floor(n: int) -> float:
     quiet = [(os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0)]
     # getrusage, not os.times: times() counts in clock ticks (10 ms), more than a few dozen
     # commands cost together (a short run measured a floor of 0).
-    before = _cpu_seconds()
+    before = own_seconds() + reaped_children_seconds()
     for _ in range(n):
         os.waitpid(os.posix_spawn(path, list(COMMAND), os.environ, file_actions=quiet), 0)
-    return (_cpu_seconds() - before) * 1000.0 / n
-
-
-def _cpu_seconds() -> float:
-    """User + system CPU of this process and its waited-for children."""
-    total = 0.0
-    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
-        usage = resource.getrusage(who)
-        total += usage.ru_utime + usage.ru_stime
-    return total
+    return (own_seconds() + reaped_children_seconds() - before) * 1000.0 / n
 
 
 async def sequential(pool: Pool, target: Target, n: int, sshd_pid: int | None) -> dict[str, Any]:

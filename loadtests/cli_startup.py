@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import os
-import resource
 import signal
 import statistics
 import subprocess
@@ -35,6 +34,7 @@ from pathlib import Path
 import httpx
 from packaging.requirements import Requirement
 
+from loadtests.cpu import reaped_children_seconds
 from loadtests.server import free_port, wait_ready
 
 HERE = Path(sys.executable).parent
@@ -105,12 +105,6 @@ def request(url: str, token: str) -> Callable[[], None]:
     return get
 
 
-def children_cpu() -> float:
-    """CPU seconds (user + system) of the child processes ended so far."""
-    used = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return used.ru_utime + used.ru_stime
-
-
 def timed(
     commands: dict[str, Callable[[], None]], runs: int
 ) -> dict[str, list[tuple[float, float]]]:
@@ -119,9 +113,9 @@ def timed(
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in commands}
     for _ in range(runs):
         for name, run in commands.items():
-            cpu, start = children_cpu(), time.perf_counter()
+            cpu, start = reaped_children_seconds(), time.perf_counter()
             run()
-            times[name].append((time.perf_counter() - start, children_cpu() - cpu))
+            times[name].append((time.perf_counter() - start, reaped_children_seconds() - cpu))
     return times
 
 

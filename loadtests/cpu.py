@@ -11,6 +11,7 @@ own time and of their reaped children's: a shell that ran and exited is in its p
 from __future__ import annotations
 
 import os
+import resource
 from dataclasses import dataclass
 
 import psutil
@@ -41,6 +42,18 @@ def machine_seconds() -> float:
     t = psutil.cpu_times()
     busy: float = sum(t) - t.idle - getattr(t, "iowait", 0.0)
     return busy
+
+
+def reaped_children_seconds() -> float:
+    """CPU seconds (user + system) of this process's children waited for so far."""
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
+
+
+def own_seconds() -> float:
+    """CPU seconds (user + system) of this process so far, its children aside."""
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    return used.ru_utime + used.ru_stime
 
 
 @dataclass(slots=True)

@@ -27,7 +27,6 @@ import contextlib
 import itertools
 import json
 import os
-import resource
 import time
 from collections import Counter
 from pathlib import Path
@@ -36,6 +35,7 @@ from typing import Any
 import asyncssh
 
 from loadtests import hdr
+from loadtests.cpu import machine_seconds, own_seconds, reaped_children_seconds
 from sshpool import ConnectError, SSHPoolError, Target
 from sshpool.backends import load_backend
 from sshpool.backends.asyncssh import ENCRYPTION_ALGS
@@ -46,11 +46,6 @@ from sshpool.devhost.accounts import ensure_accounts
 TICK = os.sysconf("SC_CLK_TCK")
 PHASES = ("tcp", "kex", "auth", "exec")
 BACKEND = load_backend("asyncssh")
-
-
-def own_cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def tree_cpu(pid: int) -> float:
@@ -65,12 +60,6 @@ def drop_lines(host: LocalHost, offset: int) -> int:
     with open(host.log_path, "rb") as f:
         f.seek(offset)
         return f.read().count(b"drop connection")
-
-
-def box_busy() -> float:
-    """CPU seconds the whole box was busy since boot (all cores, all processes)."""
-    cpu = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return (sum(cpu) - cpu[3] - cpu[4]) / TICK
 
 
 def _options(target: Target, kex: str | None, **extra: Any) -> dict[str, Any]:
@@ -142,11 +131,6 @@ async def one(target: Target, phase: str, client: str, kex: str | None) -> None:
         raise ConnectError(str(exc)) from exc
 
 
-def children_cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
 async def cell(
     host: LocalHost,
     targets: list[Target],
@@ -161,7 +145,12 @@ async def cell(
     hist = hdr.histogram()
     offset = host.log_path.stat().st_size
     assert host.pid is not None
-    before = (own_cpu() + children_cpu(), tree_cpu(host.pid), box_busy(), time.perf_counter())
+    before = (
+        own_seconds() + reaped_children_seconds(),
+        tree_cpu(host.pid),
+        machine_seconds(),
+        time.perf_counter(),
+    )
     stop = before[3] + duration
 
     async def loop() -> None:
@@ -181,7 +170,7 @@ async def cell(
     await asyncio.gather(*(loop() for _ in range(inflight)))
     elapsed = time.perf_counter() - before[3]
     await asyncio.sleep(1.0)  # let sshd reap the last connections' processes
-    after = (own_cpu() + children_cpu(), tree_cpu(host.pid), box_busy())
+    after = (own_seconds() + reaped_children_seconds(), tree_cpu(host.pid), machine_seconds())
     ok = statuses["ok"] or 1
     p = hdr.percentiles(hist)
     return {
