@@ -73,6 +73,19 @@ def log_since(host: LocalHost, offset: int) -> bytes:
         return f.read()
 
 
+def _burst_figures(done: list[tuple[Any, float]], makespan: float, log: bytes) -> dict[str, Any]:
+    """A burst's statuses, latency, makespan and what sshd's log says of its logins."""
+    pct = hdr.percentiles(hdr.histogram(ms for _, ms in done))
+    return {
+        "statuses": dict(Counter(s for s, _ in done)),
+        "p50_ms": pct["p50"],
+        "p99_ms": pct["p99"],
+        "makespan_s": round(makespan, 2),
+        "certificate_logins": log.count(b"ED25519-CERT"),
+        "refusing_certificate_lines": log.count(b"Refusing certificate"),
+    }
+
+
 async def burst(host: LocalHost, names: list[str], rounds: int, deadline: float) -> list[Any]:
     base = limits("pooled")
     targets = [
@@ -319,16 +332,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
-
-
-def _burst_figures(done: list[tuple[Any, float]], makespan: float, log: bytes) -> dict[str, Any]:
-    """A burst's statuses, latency, makespan and what sshd's log says of its logins."""
-    pct = hdr.percentiles(hdr.histogram(ms for _, ms in done))
-    return {
-        "statuses": dict(Counter(s for s, _ in done)),
-        "p50_ms": pct["p50"],
-        "p99_ms": pct["p99"],
-        "makespan_s": round(makespan, 2),
-        "certificate_logins": log.count(b"ED25519-CERT"),
-        "refusing_certificate_lines": log.count(b"Refusing certificate"),
-    }

@@ -14,6 +14,10 @@
 * The feature packages (`api/jobs`, `files`, `live`, `store`, `client`) are imported by the rest
   of api/ through their faces only (the names of their `__init__`'s `__all__`).
 * No module of api/ is over 600 lines.
+* A module's `if __name__ == "__main__":` block is its last statement: what follows it is not yet
+  defined when `python -m` runs the module (loadtests.certificates named a function defined
+  below it, and `python -m loadtests.certificates` failed with NameError while every test,
+  which imports the module, passed).
 """
 
 from __future__ import annotations
@@ -254,3 +258,16 @@ def test_every_task_of_the_api_has_an_owner() -> None:
             if isinstance(node, ast.Attribute) and node.attr in ("create_task", "ensure_future"):
                 found.append(f"{rel}:{node.lineno}: {node.attr}")
     assert found == []
+
+
+def test_a_script_block_is_the_last_statement_of_its_module() -> None:
+    late = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            body = ast.parse(path.read_text()).body
+            late += [
+                f"{path.relative_to(ROOT)}:{node.lineno}"
+                for node in body[:-1]
+                if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test)
+            ]
+    assert late == [], late
