@@ -23,7 +23,9 @@ Invariants of a cluster:
 - a drained node takes no new work; its running commands end as they would, and each of its
   connections closes when its last channel ends.
 
-State changes only in the synchronous methods of `Cluster`; the `Router` does the I/O.
+State changes only in the synchronous methods of `Cluster`; the `Router` does the I/O, through
+what it needs of the pool (`NodePools`, which `sshpool.pool.Pool` hands it), never the pool
+itself.
 """
 
 from __future__ import annotations
@@ -33,11 +35,12 @@ import contextlib
 import hashlib
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 from sshpool.backends.base import SFTPSession
+from sshpool.command import CommandResult
 from sshpool.errors import (
     AuthenticationFailed,
     CommandTimeout,
@@ -52,9 +55,6 @@ from sshpool.errors import (
     SSHPoolError,
 )
 from sshpool.target import Target
-
-if TYPE_CHECKING:
-    from sshpool.pool import Pool
 
 log = logging.getLogger("sshpool.cluster")
 
@@ -81,6 +81,41 @@ def rank(nodes: list[str], account: str) -> list[str]:
 def account_key(target: Target) -> str:
     """What an account is, for routing: its user name on the cluster."""
     return target.username
+
+
+class NodePools(Protocol):
+    """What the router needs of the pool: `Pool.run`, `Pool.sftp` and `Pool.stats` on one node's
+    target (`Target.node_target`), and the state of that target's host pool."""
+
+    def run(self, target: Target, *args: Any, **kw: Any) -> Awaitable[CommandResult]:
+        """`Pool.run` on `target`."""
+        ...
+
+    def sftp(
+        self, target: Target, *, acquire_timeout: float | None, tenant: Hashable
+    ) -> contextlib.AbstractAsyncContextManager[SFTPSession]:
+        """`Pool.sftp` on `target`."""
+        ...
+
+    def stats(self) -> dict[Target, dict[str, Any]]:
+        """`Pool.stats`."""
+        ...
+
+    def waiting(self, target: Target) -> int:
+        """Callers waiting for a slot of `target`."""
+        ...
+
+    def live(self, target: Target) -> bool:
+        """Does `target` hold a live connection?"""
+        ...
+
+    def may_connect(self, target: Target) -> bool:
+        """Would `target`'s breaker let a connect through now?"""
+        ...
+
+    def retire(self, target: Target, retired: bool) -> None:
+        """Take `target`'s pool out of service (a drained node: `HostPool.retire`) or back."""
+        ...
 
 
 @dataclass(slots=True)
@@ -156,7 +191,7 @@ class Cluster:
 class Router:
     """Runs a cluster target's commands and SFTP sessions on its nodes (module docstring)."""
 
-    def __init__(self, pool: Pool) -> None:
+    def __init__(self, pool: NodePools) -> None:
         self.pool = pool
         self.clusters: dict[tuple[tuple[str, ...], int], Cluster] = {}
         self._prober: asyncio.Task[None] | None = None

@@ -13,7 +13,7 @@
 * The HTTP schemas load nothing of the Slurm client or the jobs package.
 * The feature packages (`api/jobs`, `files`, `live`, `store`, `client`) are imported by the rest
   of api/ through their faces only (the names of their `__init__`'s `__all__`).
-* No module of api/ is over 600 lines.
+* No module of api/ or sshpool/ is over 600 lines, but the few named with their reasons.
 * A module's `if __name__ == "__main__":` block is its last statement: what follows it is not yet
   defined when `python -m` runs the module (loadtests.certificates named a function defined
   below it, and `python -m loadtests.certificates` failed with NameError while every test,
@@ -222,18 +222,31 @@ def test_feature_packages_are_imported_through_their_faces(feature: str) -> None
     assert found == []
 
 
-# The most lines a module of api/ may have (a generated module included): past it, a module
-# holds more than one thing and is split by what it does.
+# The most lines a module of api/ or sshpool/ may have (a generated module included): past it, a
+# module holds more than one thing and is split by what it does.
 MAX_MODULE_LINES = 600
+# The modules allowed past it, and why each is one thing however long.
+LONG_MODULES = {
+    "sshpool/backends/ssh2.py": "one backend: libssh2 driven non-blocking (exec, SFTP) is one "
+    "state machine over one session; its ctypes extras are apart (ssh2_extras.py)",
+    "sshpool/backends/paramiko.py": "one backend: paramiko's blocking calls run in threads of "
+    "its own, with what paramiko lacks (TCP_NODELAY, dead peers, exit signals), exec and SFTP",
+    "sshpool/devhost/host.py": "one rig: LocalHost makes, starts and stops a real sshd on "
+    "loopback with its keys, CA, account and profiles, what every test and benchmark logs into",
+}
 
 
-def test_no_module_of_api_is_over_the_size_limit() -> None:
-    """Every module of api/ keeps within MAX_MODULE_LINES lines."""
+@pytest.mark.parametrize("package", ["api", "sshpool"])
+def test_no_module_is_over_the_size_limit(package: str) -> None:
+    """Every module of api/ and sshpool/ keeps within MAX_MODULE_LINES lines, but the named
+    LONG_MODULES."""
     sizes = {
-        str(path.relative_to(ROOT)): len(path.read_text().splitlines())
-        for path in sorted((ROOT / "api").rglob("*.py"))
+        path.relative_to(ROOT).as_posix(): len(path.read_text().splitlines())
+        for path in sorted((ROOT / package).rglob("*.py"))
     }
-    assert {p: n for p, n in sizes.items() if n > MAX_MODULE_LINES} == {}
+    over = {p: n for p, n in sizes.items() if n > MAX_MODULE_LINES and p not in LONG_MODULES}
+    assert over == {}
+    assert [p for p in LONG_MODULES if p.startswith(f"{package}/") and p not in sizes] == []
 
 
 # Where api/ may start a task itself, and who awaits it (api/services.py's tables): everywhere

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-import sshpool.pool as pool_module
+import sshpool.connect as connect_module
 from sshpool import Limits, Pool, PoolTimeout, Target
 from sshpool.devhost import FakeBackend
 from sshpool.errors import AuthenticationFailed, ConnectError
@@ -36,7 +36,7 @@ async def test_a_storm_of_dropped_handshakes_logs_a_line_not_one_per_drop(
 ) -> None:
     """Per-account limits in a storm: 60 accounts' connects dropped twice each (so they fail)
     log one line, not 60; an auth failure is still logged."""
-    monkeypatch.setattr(pool_module, "_drop_log", pool_module._Throttle(60.0))
+    monkeypatch.setattr(connect_module, "drop_log", connect_module.Throttle(60.0))
     backend = FakeBackend()
     backend.connect_failures = [ConnectError("dropped", retryable=True) for _ in range(120)]
     targets = [account(i, per_sshd=False) for i in range(60)]
