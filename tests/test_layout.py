@@ -14,6 +14,8 @@
 * The feature packages (`api/jobs`, `files`, `live`, `store`, `client`) are imported by the rest
   of api/ through their faces only (the names of their `__init__`'s `__all__`).
 * No module of api/ or sshpool/ is over 600 lines, but the few named with their reasons.
+* No import circles in sshpool/, api/ or loadtests/: no two modules import each other, directly
+  or round about (`_import_graph` says what counts).
 * A module's `if __name__ == "__main__":` block is its last statement: what follows it is not yet
   defined when `python -m` runs the module (loadtests.certificates named a function defined
   below it, and `python -m loadtests.certificates` failed with NameError while every test,
@@ -284,3 +286,80 @@ def test_a_script_block_is_the_last_statement_of_its_module() -> None:
                 if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test)
             ]
     assert late == [], late
+
+
+def _module(path: Path) -> str:
+    """The dotted name of a source file of the tree (a package by its `__init__`)."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Each module of sshpool/, api/ and loadtests/ -> the modules of the tree it imports.
+
+    What counts: every `import` statement, wherever it stands: at module level, inside a
+    function (a lazy import still needs the other module when it runs) and under
+    `if TYPE_CHECKING:` (a type names the other module's design: the pool <-> cluster circle
+    was such an import). `from p import n` imports the module `p.n` when there is one, else `p`
+    (its `__init__`); relative imports are resolved. The parent packages Python runs first do
+    not count: every module would import its package's face."""
+    modules = {
+        _module(path): path for package in PACKAGES for path in (ROOT / package).rglob("*.py")
+    }
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names if alias.name in modules)
+            elif isinstance(node, ast.ImportFrom):
+                base = here[: len(here) - node.level + 1] if node.level else []
+                module = ".".join([*base, *([node.module] if node.module else [])])
+                for alias in node.names:
+                    if f"{module}.{alias.name}" in modules:
+                        found.add(f"{module}.{alias.name}")
+                    elif module in modules:
+                        found.add(module)
+        graph[name] = found - {name}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of modules that import each other, directly or round about (the strongly
+    connected components of more than one module: Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for other in sorted(graph[module]):
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            group = stack[stack.index(module) :]
+            del stack[stack.index(module) :]
+            if len(group) > 1:
+                circles.append(sorted(group))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return circles
+
+
+def test_no_import_circles() -> None:
+    """No two modules of sshpool/, api/ or loadtests/ import each other, directly or round
+    about (what counts as an import: `_import_graph`). A circle means neither can be read, or
+    changed, without the other: the shared part goes to a module of its own, or the lower one
+    states what it needs of the higher as a Protocol (`sshpool.budget.Member`,
+    `sshpool.cluster.NodePools`)."""
+    graph = _import_graph()
+    assert "sshpool.pool" in graph["sshpool"]  # the graph is built: a module's imports are seen
+    assert _circles(graph) == []

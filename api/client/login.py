@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from api.client.errors import SshapiError
-from api.client.profile import _loopback
+from api.client.tls import loopback
 
 if TYPE_CHECKING:
     import asyncio
@@ -60,7 +60,7 @@ def _endpoint(doc: dict[str, Any], key: str, issuer: str) -> str | None:
         return None
     url = httpx.URL(value) if isinstance(value, str) else None
     # Secrets go to these: https, or plain http to this machine only (the rig).
-    if url is None or not (url.scheme == "https" or (url.scheme == "http" and _loopback(url.host))):
+    if url is None or not (url.scheme == "https" or (url.scheme == "http" and loopback(url.host))):
         raise SshapiError(f"{issuer}: discovery gives no usable {key} ({value!r})")
     return str(value)
 
