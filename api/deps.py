@@ -48,7 +48,7 @@ async def authenticate(
     with stage("auth"):
         who = await svc.auth.authenticate(credentials.credentials)
     if svc.revocations.refused(who) is not None:
-        # Not 401: the token is valid; its holder has been cut off (api/revocations.py).
+        # Not 401: the token is valid; its holder has been cut off (api/admin/revocations.py).
         raise Problem(403, "identity-revoked", "Revoked", "an administrator revoked your access")
     return who
 

@@ -11,8 +11,10 @@
 * The client package (`api/client/`) imports nothing of `api` outside `api.client`: the server
   may use the client, never the reverse (issue 27), so `import api.client` loads no server.
 * The HTTP schemas load nothing of the Slurm client or the jobs package.
-* The feature packages (`api/jobs`, `files`, `live`, `store`, `client`) are imported by the rest
-  of api/ through their faces only (the names of their `__init__`'s `__all__`).
+* The feature packages (`api/jobs`, `files`, `live`, `store`, `client`, `admin`) are imported by
+  the rest of api/ through their faces only (the names of their `__init__`'s `__all__`).
+* The routes touch no store, pool or policy: they call a service (`JobService`, `FileService`,
+  `AdminService`).
 * No module of api/ or sshpool/ is over 600 lines, but the few named with their reasons.
 * No import circles in sshpool/, api/ or loadtests/: no two modules import each other, directly
   or round about (`_import_graph` says what counts).
@@ -201,7 +203,7 @@ def _imported_modules(path: Path) -> list[tuple[int, str]]:
 # The feature packages of api/ and their faces: what the rest of api/ may import from each.
 # `api.client.cli` is the client's second face, the researcher's commands that `sshapi`
 # registers (kept apart so that `import api.client` loads no CLI framework).
-FEATURES = ("jobs", "files", "live", "store", "client")
+FEATURES = ("jobs", "files", "live", "store", "client", "admin")
 EXTRA_FACES = {"api.client.cli"}
 
 
@@ -363,3 +365,28 @@ def test_no_import_circles() -> None:
     graph = _import_graph()
     assert "sshpool.pool" in graph["sshpool"]  # the graph is built: a module's imports are seen
     assert _circles(graph) == []
+
+
+# What the routes reach only through a service (api/jobs' JobService, api/files' FileService,
+# api/admin's AdminService): the objects a service holds, read off `Services` as attributes.
+BEHIND_SERVICES = ("store", "pool", "policy")
+# The one route that reads one itself, and why.
+ROUTE_READS = {("api/routes/ops.py", "store"): "/readyz pings the store: what the probe reports"}
+
+
+def test_routes_touch_no_store_pool_or_policy() -> None:
+    """No route module touches the store, the pool or the policy (`svc.store`, `svc.pool`,
+    `svc.policy`, or any `.store`, `.pool`, `.policy`): a route calls its service, so that
+    what it may do is what the service offers, and the service's checks are never skipped.
+    The admin, node-drain and host routes touched them at 14 places."""
+    found = []
+    for path in sorted((ROOT / "api" / "routes").glob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr in BEHIND_SERVICES
+                and (rel, node.attr) not in ROUTE_READS
+            ):
+                found.append(f"{rel}:{node.lineno}: .{node.attr}")
+    assert found == []
