@@ -66,18 +66,29 @@ class CertificateCredentials(Strict):
                 f"CA key {self.ca_key} is readable by others (mode {mode & 0o777:o}): chmod 600 "
                 "it (whoever reads it can log in as any account)"
             )
+        # Loaded now, so that a key that is not a CA key fails the start, not the first login.
+        self._ca = self._load_ca()
+
+    def _load_ca(self) -> UserCA:
         # The replica part of key ids is left to the minting process (host name and pid): the
-        # configuration is loaded before worker processes fork.
-        self._ca = UserCA(
+        # configuration is loaded before worker processes start.
+        return UserCA(
             self.ca_key,
             ttl=self.cert_ttl,
             source_address=self.source_address,
             permit_user_rc=self.permit_user_rc,
         )
 
+    def __getstate__(self) -> dict[Any, Any]:
+        """The configuration crosses into each worker process pickled (api/workers.py): the
+        loaded CA key cannot be pickled, and each process loads its own from `ca_key`."""
+        state = super().__getstate__()
+        return {**state, "__pydantic_private__": {**state["__pydantic_private__"], "_ca": None}}
+
     @property
     def ca(self) -> UserCA:
-        assert self._ca is not None
+        if self._ca is None:  # unpickled in a worker process
+            self._ca = self._load_ca()
         return self._ca
 
     def account_problem(self, name: str) -> str | None:
