@@ -164,7 +164,7 @@ def test_every_tuned_setting_is_commented() -> None:
             above -= 1
         assert above >= 0 and lines[above].startswith("#"), f"uncommented setting: {line!r}"
         # Only settings an operator can drop into sshd_config.d: no paths.
-        assert "/" not in line.split(None, 1)[1] or line.startswith("PerSourcePenaltyExemptList")
+        assert "/" not in line.split(None, 1)[1]
 
 
 def test_parse_rejects_match_blocks() -> None:
