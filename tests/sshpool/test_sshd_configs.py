@@ -61,13 +61,11 @@ def test_every_shipped_sshd_file_loads(sshd: str, tmp_path: Path) -> None:
     version = ".".join(map(str, sshd_version(sshd)))
     tuned = tmp_path / "tuned"
     tuned.write_text(f"HostKey {key}\n" + "".join(f.read_text() for f in files))
-    assert sshd_check(sshd, tuned).returncode == 0, (version, sshd_check(sshd, tuned).stderr)
     with_block = tmp_path / "with_block"
     with_block.write_text(tuned.read_text() + CERTIFICATES_CONFIG.read_text())
-    done = sshd_check(sshd, with_block)
-    assert done.returncode == 0, (version, done.stderr)
-    done = sshd_check(sshd, SSHAPI_CONF)
-    assert done.returncode == 0, (version, done.stderr)
+    for config in (tuned, with_block, SSHAPI_CONF):
+        done = sshd_check(sshd, config)
+        assert done.returncode == 0, (version, config.name, done.stderr)
 
 
 def test_drop_ins_follow_the_sshd_version() -> None:
