@@ -108,7 +108,9 @@ async def burst(host: LocalHost, names: list[str], rounds: int, deadline: float)
 async def connects(host: LocalHost, n: int) -> dict[str, Any]:
     """Fresh logins one after another, interleaved key / certificate."""
     backend = load_backend("asyncssh")
-    kinds = {"key": host.target(), "certificate": host.certificate_target("bench")}
+    # The host's service account takes only the API's own certificates (key id "sshapi/...":
+    # deploy/sshapi-principals), as on a site.
+    kinds = {"key": host.target(), "certificate": host.certificate_target("sshapi")}
     times: dict[str, list[float]] = {k: [] for k in kinds}
     for _ in range(n):
         for kind, target in kinds.items():
@@ -126,7 +128,7 @@ async def connects(host: LocalHost, n: int) -> dict[str, Any]:
 
 async def cpu_per_job(host: LocalHost, jobs: int, rounds: int) -> dict[str, Any]:
     """This process's CPU per `true` on a warm connection, interleaved rounds."""
-    kinds = {"key": host.target(), "certificate": host.certificate_target("bench-cpu")}
+    kinds = {"key": host.target(), "certificate": host.certificate_target("sshapi")}
     cpu: dict[str, list[float]] = {k: [] for k in kinds}
     async with Pool() as pool:
         for target in kinds.values():
