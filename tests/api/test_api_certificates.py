@@ -5,12 +5,14 @@ before any SSH work."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import pwd
 import re
 import shutil
 import tempfile
 import tomllib
 from collections.abc import AsyncIterator, Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +22,13 @@ from api_helpers import LOCAL_ISS, Api, Keys, config_toml, make_settings, runnin
 from pydantic import ValidationError
 
 from api.config import HostConfig, load_config
+from api.credentials import ACCOUNT_PATTERN, DENY_ACCOUNTS
 from api.doctor import Finding, check_host
 from api.settings import Settings
 from sshpool import Pool
 from sshpool.devhost import LocalHost
 from sshpool.devhost.accounts import ensure_accounts
+from sshpool.devhost.host import host_account
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -283,3 +287,216 @@ async def test_an_idle_researcher_connection_closes_and_the_next_login_mints_ane
         assert pool.stats()[quick]["counters"]["connects"] == 2
     ids = re.findall(r"ID idle-test/\S+/(\d+) ", stock_host.log_tail(200))
     assert len(set(ids)) >= 2, ids  # two certificates, two serials
+
+
+# ---- which accounts a claim may name (issue 38, C1)
+
+# Stands for the host in front of each command: counts (and, with a delay, slows) the
+# account lookups, one `S <command>` line as each starts and an `E` as it ends.
+LOOKUP_WRAPPER = """#!/bin/sh
+case "$SSH_ORIGINAL_COMMAND" in
+*getent*)
+  printf 'S %s\\n' "$(printf %s "$SSH_ORIGINAL_COMMAND" | tr '\\n' ' ')" >> {log}
+  sleep {delay}
+  (eval "$SSH_ORIGINAL_COMMAND"); s=$?
+  echo E >> {log}
+  exit $s;;
+esac
+eval "$SSH_ORIGINAL_COMMAND"
+"""
+
+
+@dataclass
+class Rig:
+    api: Api
+    host: LocalHost
+    lookups: Path  # the wrapper's log of account lookups
+    alice: str
+    bob: str
+
+    def looked_up(self, name: str) -> int:
+        """How many times the host was asked for `name`'s passwd entry."""
+        lines = self.lookups.read_text().splitlines()
+        return sum(1 for line in lines if re.search(rf"getent.* {name}\b", line))
+
+    def sshd_saw(self, since: int, *words: str) -> list[str]:
+        """The lines sshd logged since offset `since` that name any of `words`."""
+        text = self.host.log_path.read_bytes()[since:].decode(errors="replace")
+        return [line for line in text.splitlines() if any(w in line for w in words)]
+
+
+def lookup_wrapper(delay: float) -> tuple[Path, Path, Path]:
+    """A directory every account reaches with LOOKUP_WRAPPER and its log: (dir, log, wrapper)."""
+    where = Path(tempfile.mkdtemp(prefix="sshapi-lookups-"))
+    where.chmod(0o755)
+    log = where / "lookups.log"
+    log.touch()
+    log.chmod(0o666)  # every account's commands append to it
+    wrapper = where / "wrap.sh"
+    wrapper.write_text(LOOKUP_WRAPPER.format(log=log, delay=delay))
+    wrapper.chmod(0o755)
+    return where, log, wrapper
+
+
+@contextlib.asynccontextmanager
+async def researcher_rig(
+    make_host: Callable[..., LocalHost],
+    secret_file: Path,
+    secret: str,
+    keys: Keys,
+    tmp_path: Path,
+    delay: float = 0,
+    max_lookups: int | None = None,
+    extra_issuer: str = "",
+) -> AsyncIterator[Rig]:
+    """A root sshd logging in two researcher accounts (alice, bob: real Unix accounts), each
+    command through LOOKUP_WRAPPER; host `hpc` on it with certificates, and a policy rule that
+    maps subject `ops` to bob there."""
+    alice, bob = (a.name for a in ensure_accounts(2, data_dir=tmp_path / "accounts"))
+    where, log, wrapper = lookup_wrapper(delay)
+    host = make_host("stock", researchers=True, overrides={"ForceCommand": str(wrapper)})
+    ops = f"""[[policy]]
+issuer = "{LOCAL_ISS}"
+subject = "ops"
+hosts = ["hpc"]
+[policy.accounts.hpc]
+username = "{bob}"
+
+"""
+    lookups = f"max_lookups = {max_lookups}\n" if max_lookups is not None else ""
+    text = cert_config(host, secret_file, keys, lookups)
+    text = text.replace("[[policy]]", ops + "[[policy]]", 1)  # the first rule for `ops`
+    issuer = f'account_claim = "{CLAIM}"\n'
+    path = tmp_path / "sshapi.toml"
+    path.write_text(text.replace(issuer, issuer + extra_issuer, 1))
+    try:
+        async with running_api(make_settings(tmp_path, path, "sqlite", None), keys, secret) as api:
+            yield Rig(api, host, log, alice, bob)
+    finally:
+        shutil.rmtree(where)
+
+
+def refused_account(r: Any) -> None:
+    assert r.status_code == 403, r.text
+    assert r.json()["type"].endswith(":account-refused"), r.text
+
+
+async def test_claims_of_the_hosts_own_and_mapped_accounts_are_refused_without_ssh_work(
+    make_host: Callable[..., LocalHost],
+    secret_file: Path,
+    secret: str,
+    keys: Keys,
+    tmp_path: Path,
+) -> None:
+    """A claim naming the host's service account (`username`) or an account a policy rule maps
+    to someone else (bob, `ops`'s) is 403 account-refused: no lookup, no login for the caller;
+    `ops` still runs as bob through its rule."""
+    async with researcher_rig(make_host, secret_file, secret, keys, tmp_path) as rig:
+        before = rig.host.log_path.stat().st_size
+        for name in (rig.host.username, rig.bob):
+            refused_account(await run_as(rig.api, "mallory", ["id", "-un"], **{CLAIM: name}))
+            assert rig.looked_up(name) == 0
+        assert rig.sshd_saw(before, "mallory") == []
+        r = await run_as(rig.api, "ops", ["id", "-un"], **{CLAIM: rig.alice})
+        assert r.json()["stdout"].strip() == rig.bob, r.text  # the rule decides, not the claim
+
+
+def system_account() -> str:
+    """An account of this machine below uid 1000 that the fixed deny list does not name (avahi,
+    mysql, uuidd, tss...: each machine has some)."""
+    names = [
+        p.pw_name
+        for p in pwd.getpwall()
+        if 0 < p.pw_uid < 1000
+        and p.pw_name not in DENY_ACCOUNTS
+        and re.fullmatch(ACCOUNT_PATTERN, p.pw_name)
+    ]
+    if not names:
+        pytest.skip("no system account outside the deny list on this machine")
+    return names[0]
+
+
+async def test_claims_of_system_nologin_and_missing_accounts_are_refused_after_one_lookup(
+    make_host: Callable[..., LocalHost],
+    secret_file: Path,
+    secret: str,
+    keys: Keys,
+    tmp_path: Path,
+) -> None:
+    """A system account (uid < 1000, not in the deny list), an account with a nologin shell and
+    one that does not exist are each 403 account-refused before any certificate names them
+    (sshd sees no login of the caller); each is looked up on the host once, and the answer is
+    kept: asking again costs no lookup. A researcher's own account runs, looked up once too."""
+    nologin = host_account("/usr/sbin/nologin").name
+    async with researcher_rig(make_host, secret_file, secret, keys, tmp_path) as rig:
+        before = rig.host.log_path.stat().st_size
+        names = [system_account(), nologin, "sshapi-r9999"]
+        for name in names * 2:
+            r = await run_as(rig.api, "mallory", ["id", "-un"], **{CLAIM: name})
+            refused_account(r)
+            assert ":x:" not in r.text and "/bin" not in r.text  # never getent's output
+        assert rig.sshd_saw(before, "mallory", *(f"for {n} " for n in names)) == []
+        assert [rig.looked_up(n) for n in names] == [1, 1, 1]
+        for _ in range(2):
+            r = await run_as(rig.api, "alice-sub", ["id", "-un"], **{CLAIM: rig.alice})
+            assert r.json()["stdout"].strip() == rig.alice, r.text
+        assert rig.looked_up(rig.alice) == 1
+
+
+async def test_a_flood_of_made_up_names_runs_a_bounded_number_of_lookups(
+    make_host: Callable[..., LocalHost],
+    secret_file: Path,
+    secret: str,
+    keys: Keys,
+    tmp_path: Path,
+) -> None:
+    """24 tokens at once, each naming another account that does not exist, on a host whose
+    lookups take 2 s and run at most 2 at a time: never more than 2 `getent` run at once, each
+    answer is 403 account-refused (looked up) or 503 account-lookups-busy with Retry-After,
+    never a 500, never the host's output."""
+    async with researcher_rig(
+        make_host, secret_file, secret, keys, tmp_path, delay=2, max_lookups=2
+    ) as rig:
+        names = [f"sshapi-r{9000 + i}" for i in range(24)]
+        answers = await asyncio.gather(
+            *(run_as(rig.api, f"flood-{n}", ["true"], **{CLAIM: n}) for n in names)
+        )
+        kinds = [r.json()["type"].rpartition(":")[2] for r in answers]
+        assert set(kinds) <= {"account-refused", "account-lookups-busy"}, kinds
+        busy = [r for r in answers if r.status_code == 503]
+        assert busy and all(r.headers["Retry-After"] == "1" for r in busy), kinds
+        assert all(r.status_code == 403 for r in answers if r not in busy)
+        assert all(":x:" not in r.text for r in answers)
+        running, most = 0, 0
+        for line in rig.lookups.read_text().splitlines():
+            running += 1 if line.startswith("S ") else -1
+            most = max(most, running)
+        assert most <= 2
+        assert sum(rig.looked_up(n) for n in names) == len(answers) - len(busy)
+
+
+async def test_an_issuers_clients_list_refuses_tokens_of_other_clients(
+    make_host: Callable[..., LocalHost],
+    secret_file: Path,
+    secret: str,
+    keys: Keys,
+    tmp_path: Path,
+) -> None:
+    """With `clients = ["portal"]`, a token whose `azp` (or, without one, `client_id`) is
+    portal runs; another client's, or one naming none, is 401 before any SSH work."""
+    async with researcher_rig(
+        make_host, secret_file, secret, keys, tmp_path, extra_issuer='clients = ["portal"]\n'
+    ) as rig:
+        claims = {CLAIM: rig.alice}
+        for ok in ({"azp": "portal"}, {"client_id": "portal"}):
+            r = await run_as(rig.api, "alice-sub", ["id", "-un"], **claims, **ok)
+            assert r.json()["stdout"].strip() == rig.alice, r.text
+        for bad in (
+            {"azp": "cli"},
+            {"client_id": "cli"},
+            {},
+            {"azp": "cli", "client_id": "portal"},
+        ):
+            r = await run_as(rig.api, "alice-sub", ["id", "-un"], **claims, **bad)
+            assert r.status_code == 401, r.text
+            assert "client" in r.json()["detail"]
