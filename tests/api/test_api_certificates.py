@@ -443,7 +443,8 @@ async def test_claims_of_system_nologin_and_missing_accounts_are_refused_after_o
     """A system account (uid < 1000, not in the deny list), an account with a nologin shell and
     one that does not exist are each 403 account-refused before any certificate names them
     (sshd sees no login of the caller); each is looked up on the host once, and the answer is
-    kept: asking again costs no lookup. A researcher's own account runs, looked up once too."""
+    kept: asking again (a job, a file listing) costs no lookup. A researcher's own account runs,
+    looked up once too."""
     nologin = host_account("/usr/sbin/nologin").name
     async with researcher_rig(make_host, secret_file, secret, keys, tmp_path) as rig:
         before = rig.host.log_path.stat().st_size
@@ -452,6 +453,13 @@ async def test_claims_of_system_nologin_and_missing_accounts_are_refused_after_o
             r = await run_as(rig.api, "mallory", ["id", "-un"], **{CLAIM: name})
             refused_account(r)
             assert ":x:" not in r.text and "/bin" not in r.text  # never getent's output
+        token = rig.api.token("mallory", "files:read", **{CLAIM: names[-1]})
+        r = await rig.api.client.get(
+            f"{rig.api.url}/v1/hosts/hpc/files",
+            params={"path": "~"},
+            headers={"Authorization": f"Bearer {token}"},
+        )
+        refused_account(r)  # the files API too, from the same kept answer
         assert rig.sshd_saw(before, "mallory", *(f"for {n} " for n in names)) == []
         assert [rig.looked_up(n) for n in names] == [1, 1, 1]
         took = []
