@@ -158,6 +158,18 @@ username = "{bob}"
         shutil.rmtree(where)
 
 
+@pytest.fixture
+async def rig(
+    make_host: Callable[..., LocalHost],
+    secret_file: Path,
+    secret: str,
+    keys: Keys,
+    tmp_path: Path,
+) -> AsyncIterator[Rig]:
+    async with researcher_rig(make_host, secret_file, secret, keys, tmp_path) as running:
+        yield running
+
+
 def refused_account(r: Any) -> None:
     assert r.status_code == 403, r.text
     assert r.json()["type"].endswith(":account-refused"), r.text
@@ -173,22 +185,15 @@ async def run_as(api: Api, sub: str, argv: list[str], **claims: Any) -> Any:
     return r
 
 
-async def test_caller_runs_as_the_account_their_token_names(
-    make_host: Callable[..., LocalHost],
-    secret_file: Path,
-    secret: str,
-    keys: Keys,
-    tmp_path: Path,
-) -> None:
+async def test_caller_runs_as_the_account_their_token_names(rig: Rig) -> None:
     """`id -un` answers the account of the claim (a researcher's), and sshd's log names the
     caller in the key id of the certificate it accepted."""
-    async with researcher_rig(make_host, secret_file, secret, keys, tmp_path) as rig:
-        r = await run_as(rig.api, "researcher-7", ["id", "-un"], **{CLAIM: rig.alice})
-        assert r.status_code in (200, 201), r.text
-        job = r.json()
-        assert job["state"] == "succeeded", job
-        assert job["stdout"].strip() == rig.alice
-        log = rig.host.log_tail(200)
+    r = await run_as(rig.api, "researcher-7", ["id", "-un"], **{CLAIM: rig.alice})
+    assert r.status_code in (200, 201), r.text
+    job = r.json()
+    assert job["state"] == "succeeded", job
+    assert job["stdout"].strip() == rig.alice
+    log = rig.host.log_tail(200)
     assert re.search(rf"ID researcher-7@{LOCAL_ISS}/\S+/\d+ \(serial \d+\)", log), log[-2000:]
 
 
@@ -239,26 +244,19 @@ async def test_bad_account_claim_is_403_before_any_ssh_work(
     assert "mallory" not in stock_host.log_path.read_bytes()[before:].decode(errors="replace")
 
 
-async def test_token_for_another_account_never_runs_as_this_one(
-    make_host: Callable[..., LocalHost],
-    secret_file: Path,
-    secret: str,
-    keys: Keys,
-    tmp_path: Path,
-) -> None:
+async def test_token_for_another_account_never_runs_as_this_one(rig: Rig) -> None:
     """A token naming an account that passes the API's checks but that sshd refuses (a normal
     account outside sshd's AllowUsers) fails its job: it never falls back to the host's
     account; a researcher's own caller is unaffected."""
     other = host_account("/bin/bash").name  # uid >= 1000, a login shell, not allowed by sshd
-    async with researcher_rig(make_host, secret_file, secret, keys, tmp_path) as rig:
-        r = await run_as(rig.api, "bob", ["id", "-un"], **{CLAIM: other})
-        assert r.status_code in (200, 201, 502), r.text
-        if r.status_code != 502:
-            assert r.json()["state"] == "error", r.json()
-            assert rig.host.username not in (r.json().get("stdout") or "")
-        assert rig.looked_up(other) == 1
-        ok = await run_as(rig.api, "owner", ["id", "-un"], **{CLAIM: rig.alice})
-        assert ok.json()["stdout"].strip() == rig.alice, ok.text
+    r = await run_as(rig.api, "bob", ["id", "-un"], **{CLAIM: other})
+    assert r.status_code in (200, 201, 502), r.text
+    if r.status_code != 502:
+        assert r.json()["state"] == "error", r.json()
+        assert rig.host.username not in (r.json().get("stdout") or "")
+    assert rig.looked_up(other) == 1
+    ok = await run_as(rig.api, "owner", ["id", "-un"], **{CLAIM: rig.alice})
+    assert ok.json()["stdout"].strip() == rig.alice, ok.text
 
 
 def test_ca_key_readable_by_others_fails_the_start(
@@ -399,23 +397,18 @@ async def test_an_idle_researcher_connection_closes_and_the_next_login_mints_ane
 
 
 async def test_claims_of_the_hosts_own_and_mapped_accounts_are_refused_without_ssh_work(
-    make_host: Callable[..., LocalHost],
-    secret_file: Path,
-    secret: str,
-    keys: Keys,
-    tmp_path: Path,
+    rig: Rig,
 ) -> None:
     """A claim naming the host's service account (`username`) or an account a policy rule maps
     to someone else (bob, `ops`'s) is 403 account-refused: no lookup, no login for the caller;
     `ops` still runs as bob through its rule."""
-    async with researcher_rig(make_host, secret_file, secret, keys, tmp_path) as rig:
-        before = rig.host.log_path.stat().st_size
-        for name in (rig.host.username, rig.bob):
-            refused_account(await run_as(rig.api, "mallory", ["id", "-un"], **{CLAIM: name}))
-            assert rig.looked_up(name) == 0
-        assert rig.sshd_saw(before, "mallory") == []
-        r = await run_as(rig.api, "ops", ["id", "-un"], **{CLAIM: rig.alice})
-        assert r.json()["stdout"].strip() == rig.bob, r.text  # the rule decides, not the claim
+    before = rig.host.log_path.stat().st_size
+    for name in (rig.host.username, rig.bob):
+        refused_account(await run_as(rig.api, "mallory", ["id", "-un"], **{CLAIM: name}))
+        assert rig.looked_up(name) == 0
+    assert rig.sshd_saw(before, "mallory") == []
+    r = await run_as(rig.api, "ops", ["id", "-un"], **{CLAIM: rig.alice})
+    assert r.json()["stdout"].strip() == rig.bob, r.text  # the rule decides, not the claim
 
 
 def system_account() -> str:
@@ -434,11 +427,7 @@ def system_account() -> str:
 
 
 async def test_claims_of_system_nologin_and_missing_accounts_are_refused_after_one_lookup(
-    make_host: Callable[..., LocalHost],
-    secret_file: Path,
-    secret: str,
-    keys: Keys,
-    tmp_path: Path,
+    rig: Rig,
 ) -> None:
     """A system account (uid < 1000, not in the deny list), an account with a nologin shell and
     one that does not exist are each 403 account-refused before any certificate names them
@@ -446,30 +435,30 @@ async def test_claims_of_system_nologin_and_missing_accounts_are_refused_after_o
     kept: asking again (a job, a file listing) costs no lookup. A researcher's own account runs,
     looked up once too."""
     nologin = host_account("/usr/sbin/nologin").name
-    async with researcher_rig(make_host, secret_file, secret, keys, tmp_path) as rig:
-        before = rig.host.log_path.stat().st_size
-        names = [system_account(), nologin, "sshapi-r9999"]
-        for name in names * 2:
-            r = await run_as(rig.api, "mallory", ["id", "-un"], **{CLAIM: name})
-            refused_account(r)
-            assert ":x:" not in r.text and "/bin" not in r.text  # never getent's output
-        token = rig.api.token("mallory", "files:read", **{CLAIM: names[-1]})
-        r = await rig.api.client.get(
-            f"{rig.api.url}/v1/hosts/hpc/files",
-            params={"path": "~"},
-            headers={"Authorization": f"Bearer {token}"},
-        )
-        refused_account(r)  # the files API too, from the same kept answer
-        assert rig.sshd_saw(before, "mallory", *(f"for {n} " for n in names)) == []
-        assert [rig.looked_up(n) for n in names] == [1, 1, 1]
-        took = []
-        for _ in range(2):
-            start = time.perf_counter()
-            r = await run_as(rig.api, "alice-sub", ["id", "-un"], **{CLAIM: rig.alice})
-            took.append(time.perf_counter() - start)
-            assert r.json()["stdout"].strip() == rig.alice, r.text
-        assert rig.looked_up(rig.alice) == 1
-        print(f"first job as {rig.alice} {took[0]:.3f} s (with the lookup), next {took[1]:.3f} s")
+    before = rig.host.log_path.stat().st_size
+    names = [system_account(), nologin, "sshapi-r9999"]
+    for name in names * 2:
+        r = await run_as(rig.api, "mallory", ["id", "-un"], **{CLAIM: name})
+        refused_account(r)
+        assert ":x:" not in r.text and "/bin" not in r.text  # never getent's output
+    claims: dict[str, Any] = {CLAIM: names[-1]}
+    token = rig.api.token("mallory", "files:read", **claims)
+    r = await rig.api.client.get(
+        f"{rig.api.url}/v1/hosts/hpc/files",
+        params={"path": "~"},
+        headers={"Authorization": f"Bearer {token}"},
+    )
+    refused_account(r)  # the files API too, from the same kept answer
+    assert rig.sshd_saw(before, "mallory", *(f"for {n} " for n in names)) == []
+    assert [rig.looked_up(n) for n in names] == [1, 1, 1]
+    took = []
+    for _ in range(2):
+        start = time.perf_counter()
+        r = await run_as(rig.api, "alice-sub", ["id", "-un"], **{CLAIM: rig.alice})
+        took.append(time.perf_counter() - start)
+        assert r.json()["stdout"].strip() == rig.alice, r.text
+    assert rig.looked_up(rig.alice) == 1
+    print(f"first job as {rig.alice} {took[0]:.3f} s (with the lookup), next {took[1]:.3f} s")
 
 
 async def test_a_flood_of_made_up_names_runs_a_bounded_number_of_lookups(
