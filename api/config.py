@@ -135,6 +135,10 @@ class IssuerConfig(Strict):
     # whose credentials are certificates, the caller runs as that account unless their policy
     # rule maps a fixed one. Unset: no account from tokens of this issuer.
     account_claim: str | None = Field(default=None, min_length=1, max_length=64)
+    # The OAuth clients whose tokens are accepted (the token's `azp`, or RFC 9068's `client_id`
+    # when it has no `azp`): set, a token of another client, or one naming none, is a 401.
+    # Unset: any client of this issuer whose tokens carry the audience.
+    clients: list[Annotated[str, Field(min_length=1)]] | None = Field(default=None, min_length=1)
 
     @field_validator("scopes")
     @classmethod

@@ -51,6 +51,14 @@ class CertificateCredentials(Strict):
     deny_accounts: list[str] = Field(default_factory=lambda: list(DENY_ACCOUNTS))
     # A researcher's connection closes when idle this long (each account has its own).
     idle_timeout: float = Field(default=30.0, gt=0)
+    # A claimed account is looked up on the host (`getent passwd`, as `username`) before its
+    # first certificate: refused below this uid, with a nologin/false shell, or missing
+    # (api/accounts.py). Answers are kept lookup_ttl seconds, a missing account's
+    # lookup_negative_ttl; at most max_lookups run at once (503 + Retry-After beyond).
+    min_uid: int = Field(default=1000, ge=0)
+    lookup_ttl: float = Field(default=300.0, gt=0)
+    lookup_negative_ttl: float = Field(default=30.0, gt=0)
+    max_lookups: int = Field(default=4, ge=1, le=64)
     _ca: UserCA | None = PrivateAttr(default=None)
 
     @field_validator("account_pattern")
@@ -66,18 +74,29 @@ class CertificateCredentials(Strict):
                 f"CA key {self.ca_key} is readable by others (mode {mode & 0o777:o}): chmod 600 "
                 "it (whoever reads it can log in as any account)"
             )
+        # Loaded now, so that a key that is not a CA key fails the start, not the first login.
+        self._ca = self._load_ca()
+
+    def _load_ca(self) -> UserCA:
         # The replica part of key ids is left to the minting process (host name and pid): the
-        # configuration is loaded before worker processes fork.
-        self._ca = UserCA(
+        # configuration is loaded before worker processes start.
+        return UserCA(
             self.ca_key,
             ttl=self.cert_ttl,
             source_address=self.source_address,
             permit_user_rc=self.permit_user_rc,
         )
 
+    def __getstate__(self) -> dict[Any, Any]:
+        """The configuration crosses into each worker process pickled (api/workers.py): the
+        loaded CA key cannot be pickled, and each process loads its own from `ca_key`."""
+        state = super().__getstate__()
+        return {**state, "__pydantic_private__": {**state["__pydantic_private__"], "_ca": None}}
+
     @property
     def ca(self) -> UserCA:
-        assert self._ca is not None
+        if self._ca is None:  # unpickled in a worker process
+            self._ca = self._load_ca()
         return self._ca
 
     def account_problem(self, name: str) -> str | None:

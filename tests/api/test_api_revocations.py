@@ -4,9 +4,11 @@ replica, its running commands are killed and its pooled connections closed."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +27,39 @@ from api_helpers import (
 from test_api_certificates import CLAIM, cert_config
 
 from sshpool.devhost import LocalHost
+from sshpool.devhost.accounts import ensure_accounts
 
 pytestmark = pytest.mark.timeout(120)
 ADMIN = "jobs:read jobs:write admin"
 
 
-def rules(host: LocalHost) -> str:
+@dataclass
+class Rig:
+    """A root sshd logging in two researcher accounts: `user`, the one tokens name, and
+    `mapped`, the one a policy rule maps subject `mapped` to (a claim never names the host's own
+    account, nor one the policy maps)."""
+
+    host: LocalHost
+    user: str
+    mapped: str
+
+    def processes(self, pattern: str) -> list[int]:
+        """Pids of `user`'s processes whose command line matches `pattern`."""
+        done = subprocess.run(
+            ["pgrep", "-u", self.user, "-f", pattern], capture_output=True, text=True, timeout=10
+        )
+        return [int(pid) for pid in done.stdout.split()]
+
+
+@pytest.fixture
+def rig(make_host: Callable[..., LocalHost], tmp_path: Path) -> Rig:
+    user, mapped = (a.name for a in ensure_accounts(2, data_dir=tmp_path / "accounts"))
+    return Rig(make_host("stock", researchers=True), user, mapped)
+
+
+def rules(rig: Rig) -> str:
     """`root-admin` may use no host (so revoking an account never refuses them); `mapped` runs
-    on hpc as the host's account, fixed by their rule (their token names none)."""
+    on hpc as `rig.mapped`, fixed by their rule (their token names none)."""
     return f"""[[policy]]
 subject = "root-admin"
 issuer = "*"
@@ -43,17 +70,17 @@ subject = "mapped"
 issuer = "*"
 hosts = ["hpc"]
 [policy.accounts.hpc]
-username = "{host.username}"
+username = "{rig.mapped}"
 
 """
 
 
 @pytest.fixture
-def cert_config_file(stock_host: LocalHost, secret_file: Path, keys: Keys, tmp_path: Path) -> Path:
+def cert_config_file(rig: Rig, secret_file: Path, keys: Keys, tmp_path: Path) -> Path:
     path = tmp_path / "sshapi.toml"
-    text = cert_config(stock_host, secret_file, keys)
+    text = cert_config(rig.host, secret_file, keys)
     fallback = '[[policy]]\nsubject = "*"'
-    path.write_text(text.replace(fallback, rules(stock_host) + fallback, 1))
+    path.write_text(text.replace(fallback, rules(rig) + fallback, 1))
     return path
 
 
@@ -85,19 +112,19 @@ async def revoke(api: Api, body: dict[str, Any]) -> Any:
     )
 
 
-async def test_revoked_while_its_job_runs_and_lifted(api: Api, stock_host: LocalHost) -> None:
+async def test_revoked_while_its_job_runs_and_lifted(api: Api, rig: Rig) -> None:
     """The running job is cancelled and its remote process killed, the connection closed, the
     identity refused (403 identity-revoked) while the others go on; lifting lets it in again."""
     word = f"revoke-{uuid.uuid4().hex[:8]}"
-    user = stock_host.username
+    user = rig.user
     r = await submit(api, "carol", user, ["sh", "-c", f"sleep 60 # {word}"])
     job = r.json()
-    await eventually(lambda: stock_host.processes(word))
+    await eventually(lambda: rig.processes(word))
     done = await revoke(api, {"issuer": LOCAL_ISS, "subject": "carol"})
     assert done.status_code == 201, done.text
     body = done.json()
     assert (body["jobs_cancelled"], body["connections_closed"]) == (1, 1), body
-    await eventually(lambda: not stock_host.processes(word), timeout=10)
+    await eventually(lambda: not rig.processes(word), timeout=10)
     seen = await api.client.get(
         f"{api.url}/v1/jobs/{job['id']}", headers=headers(api, "root-admin", ADMIN)
     )
@@ -130,30 +157,31 @@ def revoked(r: Any) -> bool:
     return (r.status_code, r.json()["type"].split(":")[-1]) == (403, "identity-revoked")
 
 
-async def test_revoked_account_closes_its_idle_connection(api: Api, stock_host: LocalHost) -> None:
+async def test_revoked_account_closes_its_idle_connection(api: Api, rig: Rig) -> None:
     """Revoking an account closes the idle pooled connection its certificate opened (sshd
     checked the certificate at login only) and refuses, before any login, both the tokens
     naming that account and the callers a policy rule maps to it."""
-    user = stock_host.username
+    user = rig.user
     ok = await submit(api, "erin", user, ["true"], wait=10)
     assert ok.json()["state"] == "succeeded"
-    assert (await mapped_job(api, ["id", "-un"])).json()["stdout"].strip() == user
-    done = await revoke(api, {"account": user})
-    assert done.json()["connections_closed"] >= 1, done.text
-    before = stock_host.log_path.stat().st_size
+    assert (await mapped_job(api, ["id", "-un"])).json()["stdout"].strip() == rig.mapped
+    for account in (user, rig.mapped):
+        done = await revoke(api, {"account": account})
+        assert done.json()["connections_closed"] >= 1, done.text
+    before = rig.host.log_path.stat().st_size
     assert revoked(await submit(api, "frank", user, ["true"], wait=5))
     assert revoked(await mapped_job(api, ["true"]))
     assert revoked(await api.client.get(f"{api.url}/v1/jobs", headers=headers(api, "mapped")))
-    logged = stock_host.log_path.read_bytes()[before:].decode(errors="replace")
+    logged = rig.host.log_path.read_bytes()[before:].decode(errors="replace")
     assert "frank@" not in logged and "mapped@" not in logged, logged
 
 
-async def test_revoking_yourself_is_409(api: Api, stock_host: LocalHost) -> None:
+async def test_revoking_yourself_is_409(api: Api, rig: Rig) -> None:
     """An admin cannot revoke their own identity nor an account their rule maps them to (no
     one could lift it then, were they the only admin); another account they may revoke."""
     url, admin = f"{api.url}/v1/admin/revocations", headers(api, "mapped", ADMIN)
     for body, status in (
-        ({"account": stock_host.username}, 409),
+        ({"account": rig.mapped}, 409),
         ({"issuer": LOCAL_ISS, "subject": "mapped"}, 409),
         ({"account": "someone-else"}, 201),
     ):
@@ -192,11 +220,11 @@ async def test_revocations_need_the_admin_scope(api: Api) -> None:
 
 
 async def test_revocation_reaches_the_other_replica(
-    cert_config_file: Path, secret: str, keys: Keys, tmp_path: Path, stock_host: LocalHost
+    cert_config_file: Path, secret: str, keys: Keys, tmp_path: Path, rig: Rig
 ) -> None:
     """Revoked on replica a: b refuses the identity and closes its connection of it within
     the poll interval (1 s)."""
-    user = stock_host.username
+    user = rig.user
     async with replicas(tmp_path, cert_config_file, keys, secret) as (a, b):
         ok = await submit(b, "gina", user, ["true"], wait=10)
         assert ok.json()["state"] == "succeeded"
@@ -212,14 +240,14 @@ async def test_revocation_reaches_the_other_replica(
 
 
 async def test_live_streams_of_a_revoked_identity_end_on_both_replicas(
-    cert_config_file: Path, secret: str, keys: Keys, tmp_path: Path, stock_host: LocalHost
+    cert_config_file: Path, secret: str, keys: Keys, tmp_path: Path, rig: Rig
 ) -> None:
     """An admin, dave, follows carol's job on replica b (events) and on a (raw bytes); dave is
     revoked on a: a's stream ends at once, b's within its poll of the revocations with a
     final `revoked` event; carol's job goes on."""
     loop = ["sh", "-c", "while :; do echo tick; sleep 0.1; done"]
     async with replicas(tmp_path, cert_config_file, keys, secret) as (a, b):
-        job = (await submit(b, "carol", stock_host.username, loop)).json()
+        job = (await submit(b, "carol", rig.user, loop)).json()
         dave = headers(a, "dave", ADMIN)
         ended: dict[str, float] = {}
         last: list[dict[str, Any]] = []
@@ -250,7 +278,7 @@ async def test_live_streams_of_a_revoked_identity_end_on_both_replicas(
         print(f"streams ended {ended['a'] - start:.2f} s (a) {ended['b'] - start:.2f} s (b)")
         assert last[0]["event"] == "revoked", last
         assert ended["a"] - start < 1.0 and ended["b"] - start < 3.0, ended
-        carol = headers(b, "carol", **{CLAIM: stock_host.username})
+        carol = headers(b, "carol", **{CLAIM: rig.user})
         still = await b.client.get(f"{b.url}/v1/jobs/{job['id']}", headers=carol)
         assert still.json()["state"] == "running"
         await b.client.delete(f"{b.url}/v1/jobs/{job['id']}", headers=carol)
@@ -275,7 +303,7 @@ async def test_time_to_revoke_on_two_replicas(
     secret: str,
     keys: Keys,
     tmp_path: Path,
-    stock_host: LocalHost,
+    rig: Rig,
     redis_url: str | None,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -292,7 +320,7 @@ async def test_time_to_revoke_on_two_replicas(
         later += 1.0  # api.admin.revocations.POLL_INTERVAL
     else:
         monkeypatch.setattr("api.admin.revocations.POLL_INTERVAL", 30.0)
-    user = stock_host.username
+    user = rig.user
     async with replicas(tmp_path, cert_config_file, keys, secret, redis_url) as (a, b):
         admin = headers(a, "root-admin", ADMIN)
         figures = []
@@ -303,7 +331,7 @@ async def test_time_to_revoke_on_two_replicas(
                     await submit(api, "gina", user, ["sh", "-c", f"sleep 60 # {word}"])
                 ).is_success
             # Each job is its `sh -c` (and, for a moment, the login shell above it).
-            await eventually(lambda w=word: len(stock_host.processes(w)) >= 2)  # type: ignore[misc]
+            await eventually(lambda w=word: len(rig.processes(w)) >= 2)  # type: ignore[misc]
             at: dict[str, float] = {}
             start = time.perf_counter()
             posted = asyncio.create_task(
@@ -313,7 +341,7 @@ async def test_time_to_revoke_on_two_replicas(
                 for name, api in (("a", a), ("b", b)):
                     if name not in at and await connections(api) == 0:
                         at[name] = time.perf_counter() - start
-                if "killed" not in at and not stock_host.processes(word):
+                if "killed" not in at and not rig.processes(word):
                     at["killed"] = time.perf_counter() - start
                 await asyncio.sleep(0.01)
             done = await posted

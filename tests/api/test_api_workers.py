@@ -5,15 +5,21 @@ started again."""
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import psutil
+import pytest
 from api_helpers import Api, Keys, make_settings, server_process
+from test_api_certificates import CLAIM, cert_config, run_as
 
 from api.config import load_config
+from sshpool.devhost import LocalHost
+from sshpool.devhost.accounts import ensure_accounts
 
 
 def workers_of(pid: int) -> list[psutil.Process]:
@@ -85,3 +91,44 @@ async def test_a_killed_worker_is_started_again(
         proc.wait(5)
         _, running = psutil.wait_procs(alive, timeout=20)
         assert running == [], running
+
+
+@pytest.mark.parametrize("exec_mode", ["channel", "agent"])
+async def test_two_workers_with_certificates_run_each_researcher_as_their_account(
+    make_host: Callable[..., LocalHost],
+    secret_file: Path,
+    secret: str,
+    keys: Keys,
+    tmp_path: Path,
+    exec_mode: str,
+) -> None:
+    """SSHAPI_WORKERS=2 on a certificate host, in both exec modes: the server starts (each
+    worker loads its own CA from the configuration: a loaded key never crosses into a worker),
+    and jobs run as the account their token names on both workers (sshd's log names the
+    minting process in each certificate's key id)."""
+    accounts = [a.name for a in ensure_accounts(2, data_dir=tmp_path / "accounts")]
+    host = make_host("stock", researchers=True)
+    path = tmp_path / "sshapi.toml"
+    text = cert_config(host, secret_file, keys)
+    mode = f'exec_mode = "{exec_mode}"\n[hosts.hpc.credentials]'
+    path.write_text(text.replace("[hosts.hpc.credentials]", mode))
+    settings = make_settings(tmp_path, path, "sqlite", None).model_copy(update={"workers": 2})
+    with server_process(settings) as (proc, url):
+        pids = {str(p.pid) for p in workers_of(proc.pid)}
+        assert len(pids) == 2
+        # A new connection and a new identity per job: the kernel spreads the connections over
+        # both workers, and each identity's first job mints a certificate where it lands.
+        limits = httpx.Limits(max_keepalive_connections=0)
+        async with httpx.AsyncClient(timeout=30, limits=limits) as client:
+            api = Api(url, client, secret, load_config(path), settings, keys)
+            minted: set[str] = set()
+            for n in range(60):
+                account = accounts[n % 2]
+                r = await run_as(api, f"sub-{n}", ["id", "-un"], **{CLAIM: account})
+                assert r.json()["state"] == "succeeded", r.text
+                assert r.json()["stdout"].strip() == account
+                found = re.findall(r"ID sub-\d+@\S+/\S+\.(\d+)/\d+ \(serial", host.log_tail(400))
+                minted = set(found)
+                if minted == pids:
+                    break
+    assert minted == pids, f"certificates minted by {minted}, workers {pids}"
