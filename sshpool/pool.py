@@ -573,7 +573,7 @@ class _HostPool:
 
     @contextlib.asynccontextmanager
     async def lease(
-        self, deadline: float | None, since: float, tenant: Hashable = None
+        self, deadline: float | None, since: float, tenant: Hashable = None, gated: bool = True
     ) -> AsyncIterator[Lease]:
         """A channel slot for one exec (`since`: when the caller started, for the queue time;
         `tenant`: whose turn it waits for). How the body ends decides what becomes of the slot:
@@ -584,7 +584,7 @@ class _HostPool:
         - TimeoutError (the command's timeout): the remote group is killed, then released;
         - cancelled: killed and released in the background, so the caller returns at once.
         """
-        lease = Lease(await self.acquire(deadline, tenant), since)
+        lease = Lease(await self.acquire(deadline, tenant, gated=gated), since)
         c = lease.conn
         try:
             yield lease
@@ -895,6 +895,7 @@ class Pool:
         on_output: Callable[[OutputStream, bytes], None] | None = None,
         tenant: Hashable = None,
         on_node: Callable[[str], None] | None = None,
+        gated: bool = True,
     ) -> CommandResult:
         """Run `command` (argv, quoted for the remote shell, or a raw shell line) on `target`.
 
@@ -903,8 +904,9 @@ class Pool:
         tenant with a long backlog delays another tenant by at most one turn. Without a tenant,
         callers share one FIFO queue.
 
-        Raises PoolTimeout, PoolFull, HostUnavailable, NotAdmitted (`admit` refused `tenant`),
-        ConnectTimeout, ConnectError, CommandTimeout (with the partial result) or
+        Raises PoolTimeout, PoolFull, HostUnavailable, NotAdmitted (`admit` refused `tenant`;
+        `gated=False`: not asked, for work that ends or reads a refused caller's, such as a
+        scancel), ConnectTimeout, ConnectError, CommandTimeout (with the partial result) or
         ConnectionLost(started=True). Cancelling the
         caller kills the remote process group. `on_started(pgid)` is called once the remote
         command runs, with its process group id (what `kill` takes).
@@ -936,6 +938,7 @@ class Pool:
                     on_output=on_output,
                     tenant=tenant,
                     on_node=on_node,
+                    gated=gated,
                 ),
             )
         host = await self._host(target)
@@ -945,7 +948,7 @@ class Pool:
 
         async def attempt() -> CommandResult:
             try:
-                async with host.lease(deadline, since=t0, tenant=tenant) as lease:
+                async with host.lease(deadline, t0, tenant, gated) as lease:
                     async with asyncio.timeout(timeout):
                         end = await lease.exec(command, stdin, max_output, on_started, on_output)
             except TimeoutError:

@@ -467,7 +467,10 @@ async def test_end_running_on_two_replicas(
         assert (await admin_view(b, jobs["gina"]["id"]))["state"] == "running"
         start = time.perf_counter()
         ended = await revoke(a, {"issuer": LOCAL_ISS, "subject": "hal", "end_running": True})
-        assert ended.json()["jobs_cancelled"] == 1, ended.text
+        # Not its `jobs_cancelled`: a's kill and b's own cancel race, and a counts 0 when its
+        # kill failed before b recorded `cancelled` (seen once in 15 runs). The host and the
+        # job say what happened.
+        assert ended.status_code == 201, ended.text
         await eventually(lambda: not stock_host.processes(words["hal"]), timeout=10)
         killed = time.perf_counter() - start
         job = await final(b, jobs["hal"]["id"])
@@ -519,3 +522,46 @@ async def test_download_ends_when_revoked_on_the_other_replica(
         assert got < size // 2, got
         assert took < 5.0, took
         await job_on(a, "local", "erin", ["rm", "-f", name], wait=10)
+
+
+async def test_upload_under_way_is_refused_at_its_next_piece(api: Api) -> None:
+    """R2: dave uploads 64 MiB to `local`; revoked after 4 MiB, the upload is answered 403
+    identity-revoked long before its end, and no file lands (its temporary one removed)."""
+    size, piece = 64 << 20, 64 << 10
+    folder = f"up-{uuid.uuid4().hex[:8]}"
+    erin = headers(api, "erin", "files:read files:write")
+    made_dir = await api.client.post(
+        f"{api.url}/v1/hosts/local/files/mkdir", json={"path": folder}, headers=erin
+    )
+    assert made_dir.status_code == 201, made_dir.text
+    token = headers(api, "dave", "files:write files:read")["Authorization"]
+    address, port = api.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(address, int(port))
+    sent, posted = 0, None
+    try:
+        writer.write(
+            (
+                f"PUT /v1/hosts/local/files/content?path={folder}/f HTTP/1.1\r\nHost: {address}\r\n"
+                f"Authorization: {token}\r\nContent-Length: {size}\r\n\r\n"
+            ).encode()
+        )
+        answer = asyncio.create_task(reader.readline())
+        async with asyncio.timeout(60):
+            while not answer.done() and sent < size:
+                writer.write(b"\0" * piece)
+                await writer.drain()
+                sent += piece
+                if posted is None and sent >= 4 << 20:
+                    posted = await revoke(api, {"issuer": LOCAL_ISS, "subject": "dave"})
+                await asyncio.sleep(0.002)  # a client sending a few tens of MB/s
+            status = await answer
+    finally:
+        writer.close()
+    assert posted is not None and posted.status_code == 201
+    assert status.startswith(b"HTTP/1.1 403 "), status
+    assert sent < size // 2, sent
+    # Neither the file nor its temporary one.
+    listed = await api.client.get(
+        f"{api.url}/v1/hosts/local/files", params={"path": folder}, headers=erin
+    )
+    assert (listed.status_code, listed.json()["items"]) == (200, []), listed.text
