@@ -38,6 +38,7 @@ class RevocationRequest(BaseModel):
     account: str | None = Field(default=None, min_length=1, max_length=64, pattern=PRINTABLE)
     end_running: bool = Field(
         default=True,
+        strict=True,  # true or false, not "yes" or 1
         description="also end its running jobs on every replica (their process groups killed) "
         "and close its connections; false: they finish, nothing new starts",
     )

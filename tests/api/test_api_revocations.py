@@ -174,6 +174,9 @@ async def test_revoking_yourself_is_409(api: Api, stock_host: LocalHost) -> None
         {"account": "x" * 65},
         {"account": ["alice"]},
         {"issuer": "i" * 600, "subject": "s"},
+        {"account": "x", "end_running": "yes"},
+        {"account": "x", "end_running": 1},
+        {"account": "x", "end_running": None},
     ],
     ids=repr,
 )
