@@ -47,7 +47,6 @@ from sshpool.errors import (
     HostKeyMismatch,
     HostUnavailable,
     NodeFailed,
-    NotAdmitted,
     PoolFull,
     PoolTimeout,
     SSHPoolError,
@@ -308,10 +307,11 @@ class Router:
         node.counters["probes"] += 1
         try:
             async with asyncio.timeout(PROBE_TIMEOUT):
-                await self.pool.run(target, ["true"], timeout=PROBE_TIMEOUT, tenant=PROBE_TENANT)
-        except (HostUnavailable, PoolTimeout, PoolFull, NotAdmitted):
-            # Nothing tried (breaker open, the account revoked) or a busy node: as it was.
-            return not node.down
+                await self.pool.run(
+                    target, ["true"], timeout=PROBE_TIMEOUT, tenant=PROBE_TENANT, gated=False
+                )
+        except (HostUnavailable, PoolTimeout, PoolFull):
+            return not node.down  # nothing tried (breaker open) or a busy node: as it was
         except (AuthenticationFailed, HostKeyMismatch):
             return not node.down
         except (ConnectError, ConnectTimeout, ConnectionLost, CommandTimeout, TimeoutError) as exc:
