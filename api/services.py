@@ -240,6 +240,8 @@ async def running(
             nudge,
         )
         await revocations.refresh()
+        # Nothing admitted before a revocation starts after it (the pool asks before each start).
+        the_pool.admit = revocations.admits
         await batch.start(settings.replica)
         jobs.start(supervisor)
         drains = NodeDrains(config, the_store, the_pool)

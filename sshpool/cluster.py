@@ -307,7 +307,9 @@ class Router:
         node.counters["probes"] += 1
         try:
             async with asyncio.timeout(PROBE_TIMEOUT):
-                await self.pool.run(target, ["true"], timeout=PROBE_TIMEOUT, tenant=PROBE_TENANT)
+                await self.pool.run(
+                    target, ["true"], timeout=PROBE_TIMEOUT, tenant=PROBE_TENANT, gated=False
+                )
         except (HostUnavailable, PoolTimeout, PoolFull):
             return not node.down  # nothing tried (breaker open) or a busy node: as it was
         except (AuthenticationFailed, HostKeyMismatch):
