@@ -249,3 +249,34 @@ def test_a_host_has_a_hostname_or_well_formed_nodes(
     base = {"username": "u", "client_keys": ["k"], "known_hosts": "kh"}
     with pytest.raises(ValidationError, match=message):
         HostConfig.model_validate(base | fields)
+
+
+async def test_an_admin_re_probes_a_node_and_a_node_back_up_is_up_at_once(
+    api: Api, nodes: LocalCluster
+) -> None:
+    """`POST .../probe`: admin only, 404s as the drain's; a node killed answers `false` and is
+    down, started again it answers `true` and is up at once (the probe over the host's own
+    account, whatever the breakers of the accounts that failed there)."""
+    home = str((await run(api, ["true"]))["node"])
+    url = f"{api.url}/v1/admin/hosts/{NAME}/nodes/{home}/probe"
+    assert (await api.client.post(url, headers=api.auth("anyhost"))).status_code == 403
+    for wrong, kind in (
+        (url.replace(f"/hosts/{NAME}/", "/hosts/nope/"), "host-not-found"),
+        (url.replace(f"/nodes/{home}/", "/nodes/10.9.9.9/"), "node-not-found"),
+    ):
+        r = await api.client.post(wrong, headers=admin(api))
+        assert r.status_code == 404 and r.json()["type"].endswith(kind)
+    r = await api.client.post(url, headers=admin(api))
+    assert r.status_code == 200
+    assert r.json() == {"host": NAME, "node": home, "answered": True, "state": "up"}
+    victim = next(n for n in nodes.nodes if n.address == home)
+    victim.stop(kill_sessions=True)
+    # The next job finds the node dead and goes elsewhere; the node's probe says it is down.
+    assert (await run(api, ["true"]))["node"] != home
+    r = await api.client.post(url, headers=admin(api))
+    assert r.json()["answered"] is False and r.json()["state"] == "down"
+    victim.start()
+    await asyncio.sleep(1.1)  # past the last probe's spacing: this one is fresh
+    r = await api.client.post(url, headers=admin(api))
+    assert r.json() == {"host": NAME, "node": home, "answered": True, "state": "up"}
+    assert (await run(api, ["true"]))["node"] == home

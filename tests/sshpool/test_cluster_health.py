@@ -181,3 +181,13 @@ async def test_work_whose_start_was_never_reported_moves_off_a_failed_node(
         assert home not in ran_on
         assert len(started) == 6 and home.decode() not in started
         assert pool.nodes(target)[home.decode()]["state"] == "down"
+
+
+async def test_probes_asked_at_once_are_one_probe(cluster: LocalCluster) -> None:
+    """Ten re-probes of a node at once (an admin's retries, several admins): one probe."""
+    target = cluster.target()
+    node = target.nodes[0]
+    async with Pool() as pool:
+        answers = await asyncio.gather(*(pool.reprobe(target, node) for _ in range(10)))
+        assert answers == [True] * 10
+        assert pool.nodes(target)[node]["counters"]["probes"] == 1
