@@ -9,13 +9,16 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
 from api.config import HostConfig
 from sshpool.devhost import LocalCluster, LocalHost, LocalSlurm
+from sshpool.devhost.accounts import Account
 from tests.api.api_helpers import (
+    LOCAL_ISS,
     Api,
     Keys,
     config_toml,
@@ -24,6 +27,7 @@ from tests.api.api_helpers import (
     replicas,
     running_api,
 )
+from tests.sshpool.test_cluster_health import ATTACKS, OTHER_JOBS, TRIGGER, hostile_accounts
 
 NAME = "hpc"
 
@@ -280,3 +284,67 @@ async def test_an_admin_re_probes_a_node_and_a_node_back_up_is_up_at_once(
     r = await api.client.post(url, headers=admin(api))
     assert r.json() == {"host": NAME, "node": home, "answered": True, "state": "up"}
     assert (await run(api, ["true"]))["node"] == home
+
+
+@pytest.fixture
+def accounts(tmp_path: Path) -> Iterator[list[Account]]:
+    with hostile_accounts(tmp_path) as made:
+        yield made
+
+
+async def test_a_researchers_login_shell_takes_no_node_down_through_the_api(
+    accounts: list[Account],
+    tuned_host: LocalHost,
+    secret_file: Path,
+    secret: str,
+    keys: Keys,
+    tmp_path: Path,
+) -> None:
+    """Issue 38 N1 through the API: three login nodes, each researcher as their own account
+    (certificates); the attacker's `~/.bashrc` kills its own session on a trigger word and
+    stalls `true`. Its jobs fail, its own; the nodes are probed over the host's own account
+    and stay up; the other researchers' jobs all succeed."""
+    attacker, *others = (a.name for a in accounts)
+    with LocalCluster("cert", 3, "stock", data_dir=tmp_path / "rig", researchers=True) as c:
+        host = f"""
+[hosts.{NAME}]
+nodes = {list(c.addresses)!r}
+port = {c.port}
+username = "{c.username}"
+known_hosts = "{c.known_hosts}"
+[hosts.{NAME}.credentials]
+kind = "certificate"
+ca_key = "{c.nodes[0].user_ca_key}"
+""".replace("'", '"')
+        text = config_toml(tuned_host, secret_file, keys, host)
+        text = text.replace('hosts = ["local", "tiny", "down"]', f'hosts = ["local", "{NAME}"]')
+        issuer = f'[[issuers]]\nissuer = "{LOCAL_ISS}"\n'
+        text = text.replace(issuer, issuer + 'account_claim = "preferred_username"\n', 1)
+        path = tmp_path / "sshapi.toml"
+        path.write_text(text)
+        settings = make_settings(tmp_path, path, "sqlite", None)
+        async with running_api(settings, keys, secret) as api:
+
+            async def job(sub: str, account: str, argv: list[str]) -> dict[str, Any]:
+                token = api.token(sub, preferred_username=account)
+                r = await api.client.post(
+                    f"{api.url}/v1/jobs",
+                    json={"host": NAME, "argv": argv},
+                    headers={"Authorization": f"Bearer {token}", "Prefer": "wait=30"},
+                )
+                assert r.status_code in (200, 201), r.text
+                return r.json()  # type: ignore[no-any-return]
+
+            for _ in range(ATTACKS):
+                hit = await job("mallory", attacker, ["echo", TRIGGER])
+                assert hit["state"] in ("lost", "error"), hit
+            done = await asyncio.gather(
+                *(
+                    job(f"sub-{account}", account, ["echo", "ok"])
+                    for account in others
+                    for _ in range(OTHER_JOBS // 2)
+                )
+            )
+            assert [j["state"] for j in done] == ["succeeded"] * OTHER_JOBS
+            r = await api.client.get(f"{api.url}/v1/hosts/{NAME}", headers=admin(api))
+            assert [n["state"] for n in r.json()["nodes"]] == ["up"] * 3

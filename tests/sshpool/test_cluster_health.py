@@ -9,6 +9,7 @@ seen."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import subprocess
@@ -43,8 +44,8 @@ def _set_shell(name: str, shell: str) -> None:
     subprocess.run([usermod, "--shell", shell, name], check=True, capture_output=True)
 
 
-@pytest.fixture
-def accounts(tmp_path: Path) -> Iterator[list[Account]]:
+@contextlib.contextmanager
+def hostile_accounts(tmp_path: Path) -> Iterator[list[Account]]:
     """The attacker (bash, the crafted ~/.bashrc) and two other researchers (sh)."""
     made = ensure_accounts(3, data_dir=tmp_path / "accounts", first=FIRST)
     attacker = made[0]
@@ -57,6 +58,12 @@ def accounts(tmp_path: Path) -> Iterator[list[Account]]:
     finally:
         rc.unlink(missing_ok=True)
         _set_shell(attacker.name, "/bin/sh")
+
+
+@pytest.fixture
+def accounts(tmp_path: Path) -> Iterator[list[Account]]:
+    with hostile_accounts(tmp_path) as made:
+        yield made
 
 
 @pytest.fixture
