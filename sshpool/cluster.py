@@ -39,12 +39,14 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import os
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from sshpool.backends.base import SFTPSession
+from sshpool.backends.translate import describe
 from sshpool.errors import (
     AuthenticationFailed,
     CommandTimeout,
@@ -88,6 +90,11 @@ def rank(nodes: list[str], account: str) -> list[str]:
         return hashlib.blake2b(f"{node}\0{account}".encode(), digest_size=8).digest()
 
     return sorted(nodes, key=score, reverse=True)
+
+
+def _why(exc: OSError) -> str:
+    """A socket error as a probe reports it ("connection refused", not asyncio's wording)."""
+    return os.strerror(exc.errno).lower() if exc.errno else describe(exc)
 
 
 def account_key(target: Target) -> str:
@@ -388,7 +395,7 @@ class Router:
         try:
             reader, writer = await asyncio.open_connection(host, port)
         except OSError as exc:
-            raise ConnectError(f"{host}:{port}: {exc.strerror or exc}") from None
+            raise ConnectError(f"{host}:{port}: {_why(exc)}") from None
         try:
             seen = 0
             while seen < BANNER_MAX:
@@ -400,7 +407,7 @@ class Router:
                 seen += len(line)
             raise ConnectError(f"{host}:{port}: no SSH banner")
         except OSError as exc:
-            raise ConnectError(f"{host}:{port}: {exc.strerror or exc}") from None
+            raise ConnectError(f"{host}:{port}: {_why(exc)}") from None
         finally:
             writer.close()
             with contextlib.suppress(OSError):
