@@ -371,6 +371,10 @@ class Router:
             node.counters["probes_failed"] += 1
             cluster.mark_down(name, f"probe: {type(exc).__name__}: {exc}")
             return False
+        except SSHPoolError as exc:
+            # Anything else (the executor refused `true`): the node answered; as it was.
+            log.warning("probe of login node %s: %s", name, exc)
+            return not node.down
         finally:
             node.probe_ended = loop.time()
         cluster.mark_up(name)
