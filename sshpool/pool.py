@@ -1049,6 +1049,18 @@ class Pool:
         its connections close), or with drained=False take it back. KeyError: no such node."""
         self._router.drain(target, node, drained)
 
+    def probe_with(self, target: Target) -> None:
+        """Judge the health of `target`'s cluster's nodes over `target`'s account (the host's
+        own service account, never a researcher's): `true` over its pooled connection. Without
+        it, a node is probed at its SSH banner (no login)."""
+        self._router.probe_with(target)
+
+    async def reprobe(self, target: Target, node: str) -> bool:
+        """Probe `node` of `target`'s cluster now: True when it answered (a node down is then
+        up again at once). One probe per node at a time: callers asking meanwhile, or within
+        a second of its end, share its answer. KeyError: no such node."""
+        return await self._router.reprobe(target, node)
+
     def nodes(self, target: Target) -> dict[str, dict[str, Any]]:
         """Per node of `target`'s cluster: state ("up", "down", "draining", "drained"), why it
         is down, accounts, connections, channels in use and waiters."""
