@@ -137,10 +137,12 @@ HOSTNAME = ["sh", "-c", "echo $SSH_CONNECTION"]
 
 @pytest.fixture
 def slow_account(tmp_path: Path) -> Iterator[Account]:
-    """A researcher whose ~/.ssh/rc (run by sshd before each command) notes its start in
-    ~/rc-log, then takes 3 s: its commands wait there with their channel open, not started."""
+    """A researcher whose login shell, bash, reads a ~/.bashrc that notes each session in
+    ~/rc-log, then takes 3 s: its commands wait there with their channel open, not started.
+    (Not ~/.ssh/rc: the rig's root sshd has the shipped `PermitUserRC no`.)"""
     (account,) = ensure_accounts(1, data_dir=tmp_path / "accounts", first=FIRST + 3)
-    rc, log = account.home / ".ssh" / "rc", account.home / "rc-log"
+    rc, log = account.home / ".bashrc", account.home / "rc-log"
+    _set_shell(account.name, "/bin/bash")
     rc.write_text(f'echo started >> "{log}"\nsleep 3\n')
     os.chown(rc, account.uid, account.gid)
     log.unlink(missing_ok=True)
@@ -149,6 +151,7 @@ def slow_account(tmp_path: Path) -> Iterator[Account]:
     finally:
         rc.unlink(missing_ok=True)
         log.unlink(missing_ok=True)
+        _set_shell(account.name, "/bin/sh")
 
 
 async def test_work_whose_start_was_never_reported_moves_off_a_failed_node(
