@@ -239,8 +239,14 @@ async def running(
             nudge,
         )
         await revocations.refresh()
+        # Nothing admitted before a revocation starts after it (the pool asks before each start).
+        the_pool.admit = revocations.admits
         await batch.start(settings.replica)
         jobs.start(supervisor)
+        for host in config.hosts.values():
+            if host.nodes:
+                # A node's health is judged over the host's own account, never a researcher's.
+                the_pool.probe_with(host.target())
         drains = NodeDrains(config, the_store, the_pool)
         await drains.refresh()  # a drain survives the restart before any job is taken
         tasks = [

@@ -1,5 +1,5 @@
-"""The connect path as plain I/O: the handshake, retried after sshd drops it (paced, while
-callers still wait for it), and the executor's start on a new connection (agent mode).
+"""The connect path as plain I/O (`connect`): the handshake, retried after sshd drops it (paced,
+while callers still wait for it), and the executor's start on a new connection (agent mode).
 
 Nothing here keeps a host pool's state: the host pool (`sshpool.host.HostPool`) counts its
 connects, decides what a failure means for its breaker and waiters, and turns itself to
@@ -15,6 +15,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from sshpool.agent import AgentConnection, start_agent
 from sshpool.backends import Backend, Connection
@@ -112,3 +113,37 @@ async def start_executor(conn: Connection, target: Target) -> AgentConnection:
             agent.preamble[:200],
         )
     return agent
+
+
+@dataclass(frozen=True, slots=True)
+class Connected:
+    """What `connect` made: the connection (its executor's in agent mode) and the commands it
+    may run at once; `no_agent`, why the executor could not start (the host has no usable
+    python3: the host pool turns to channel mode)."""
+
+    conn: Connection
+    slots: int
+    no_agent: str | None = None
+
+
+async def connect(
+    backend: Backend,
+    target: Target,
+    agent: Callable[[], bool],
+    wanted: Callable[[], bool],
+    counters: Counter[str],
+) -> Connected:
+    """One new connection to `target`: the handshake (`handshake`, retried while `wanted()`),
+    then, while `agent()` (the host pool is in agent mode), its executor (`start_executor`,
+    counted in `counters["agents_started"]`). A host without a usable python3 gives the
+    connection as it is, for channels, with the reason; a connection lost meanwhile is a failed
+    connect."""
+    conn = await handshake(backend, target, wanted, counters)
+    if not agent():
+        return Connected(conn, target.limits.max_sessions)
+    try:
+        executor = await start_executor(conn, target)
+    except AgentUnavailable as exc:
+        return Connected(conn, target.limits.max_sessions, str(exc))
+    counters["agents_started"] += 1
+    return Connected(executor, target.limits.agent_max_commands)

@@ -1,33 +1,10 @@
 """One target's pool (`HostPool`: its connections, their channel slots, the callers waiting for
-one, its leases, kills and SFTP sessions); `sshpool.pool.Pool` keeps one per Target and its
-docstring tells how a command goes through it.
+one, its leases, kills and SFTP sessions); `sshpool.pool.Pool` keeps one per Target, and its
+docstring tells how a command goes through it and the invariants kept here.
 
 All mutable state lives here and changes only in synchronous methods (`_dispatch`,
 `_maybe_grow`, `_release`, ...), so no two coroutines interleave inside a state change. I/O
 (connect, exec, close) happens outside them; the connect path's is `sshpool.connect`'s.
-
-Invariants of a host pool:
-- 0 <= conn.in_use <= conn.capacity <= limits.max_sessions for every pooled connection
-  (limits.agent_max_commands on an executor's);
-- on an executor's connection, 0 <= conn.sftp <= conn.sftp_capacity <= limits.max_sessions - 1:
-  with the executor's own channel, at most max_sessions channels, however many commands run;
-- len(conns) + connecting <= limits.max_connections;
-- a connection is opened only when the sshd grants it (`start_connect`): the handshake gate
-  (max_handshakes; stock MaxStartups drops from 10) and max_total_connections are the sshd's;
-- a connection to keep min_connections open is asked for only while the sshd has spare room
-  (no other account's closed for it, none queued needing it); waiters' connections may make
-  room;
-- waiters take turns by tenant (`Pool.run(..., tenant=...)`, `Pool.sftp(..., tenant=...)`):
-  each tenant's waiters are served in FIFO order, and tenants with waiters are served round
-  robin, one slot each per turn (a command or an SFTP session alike), so one tenant's backlog
-  delays another's command by at most one turn (`Waiters`);
-  callers without a tenant share one queue (plain FIFO among them);
-- a new caller never takes a free slot while others wait;
-- len(waiters) <= limits.max_waiters, counted over all tenants;
-- an expired or dead connection takes no new lease and is closed once it has none;
-- every connection made is reported closed to the sshd once its close is done;
-- a handshake sshd drops (MaxStartups) is retried, paced, while callers still wait for it:
-  they get PoolTimeout at their deadline, never the drop.
 """
 
 from __future__ import annotations
@@ -39,22 +16,22 @@ import functools
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Coroutine, Hashable
+from collections.abc import AsyncIterator, Callable, Coroutine, Hashable
 from typing import Any
 
 from sshpool.agent import AgentConnection
-from sshpool.backends import Backend, Connection
+from sshpool.backends import Backend
 from sshpool.backends.base import SFTPSession
 from sshpool.breaker import Breaker
 from sshpool.budget import Sshd
-from sshpool.connect import handshake, log_connect_failure, start_executor
+from sshpool.connect import connect, log_connect_failure
 from sshpool.errors import (
-    AgentUnavailable,
     AuthenticationFailed,
     ChannelRefused,
     ConnectionLost,
     HostKeyMismatch,
     HostUnavailable,
+    NotAdmitted,
     PoolFull,
     PoolTimeout,
     RemoteFileError,
@@ -73,8 +50,15 @@ KILL_TIMEOUT = 5.0
 
 
 class HostPool:
-    def __init__(self, target: Target, backend: Backend, sshd: Sshd) -> None:
+    def __init__(
+        self,
+        target: Target,
+        backend: Backend,
+        sshd: Sshd,
+        admit: Callable[[Target, Hashable], bool] = lambda target, tenant: True,
+    ) -> None:
         self.target = target
+        self.admit = admit
         self.limits = target.limits
         self.backend = backend
         self.sshd = sshd
@@ -312,8 +296,9 @@ class HostPool:
         """Open one connection (the caller counted it in `connecting`); returns the error."""
         start = time.perf_counter()
         try:
-            conn = await handshake(self.backend, self.target, self._wanted, self.counters)
-            conn, slots = await self._with_agent(conn)
+            made = await connect(
+                self.backend, self.target, lambda: self.agent, self._wanted, self.counters
+            )
         except SSHPoolError as exc:
             self.connecting -= 1
             self.sshd.connected(False)
@@ -343,9 +328,17 @@ class HostPool:
         self.counters["connects"] += 1
         self.breaker.success()
         self.trusted = True
+        if made.no_agent is not None and self.agent:
+            # No usable python3 on this host: its commands run as channels, for good.
+            self.agent, self.agent_error = False, made.no_agent
+            log.warning(
+                "%s: %s; this host's commands run as channels instead", self.target, made.no_agent
+            )
         # Beside an executor's channel, the SFTP sessions' (at least one: see ssh_budget).
-        sftp = max(1, self.limits.max_sessions - 1) if isinstance(conn, AgentConnection) else None
-        self.conns.append(PooledConn(conn, slots, now, time.perf_counter() - start, sftp))
+        sftp = (
+            max(1, self.limits.max_sessions - 1) if isinstance(made.conn, AgentConnection) else None
+        )
+        self.conns.append(PooledConn(made.conn, made.slots, now, time.perf_counter() - start, sftp))
         self._connected(None)
         return None
 
@@ -353,29 +346,23 @@ class HostPool:
         """Do callers still wait for a connection (a dropped handshake is tried again)?"""
         return bool(self.waiters or self.connect_watchers)
 
-    async def _with_agent(self, conn: Connection) -> tuple[Connection, int]:
-        """In agent mode, `conn` with its executor started, and the commands it may run at
-        once. A host without a usable python3 turns this pool to channel mode, with one log
-        line; a connection lost meanwhile is a failed connect."""
-        if not self.agent:
-            return conn, self.limits.max_sessions
-        try:
-            agent = await start_executor(conn, self.target)
-        except AgentUnavailable as exc:
-            if self.agent:
-                self.agent = False
-                self.agent_error = str(exc)
-                log.warning(
-                    "%s: %s; this host's commands run as channels instead", self.target, exc
-                )
-            return conn, self.limits.max_sessions
-        self.counters["agents_started"] += 1
-        return agent, self.limits.agent_max_commands
+    def _admitted(self, tenant: Hashable) -> None:
+        if not self.admit(self.target, tenant):
+            self.counters["refused_gate"] += 1
+            raise NotAdmitted(f"{self.target}: refused by the gate")
 
     async def acquire(
-        self, deadline: float | None, tenant: Hashable = None, sftp: bool = False
+        self,
+        deadline: float | None,
+        tenant: Hashable = None,
+        sftp: bool = False,
+        gated: bool = True,
     ) -> PooledConn:
-        """A slot (`sftp`: for an SFTP session, which needs a channel too), in `tenant`'s turn."""
+        """A slot (`sftp`: for an SFTP session, which needs a channel too), in `tenant`'s turn.
+        `gated`: the gate is asked now and once the slot is granted (NotAdmitted, the slot
+        given back); the pool's own kills are not gated (a revoked caller's command must die)."""
+        if gated:
+            self._admitted(tenant)
         if self.retired:
             raise HostUnavailable(f"{self.target}: node drained", 1.0)
         if not self.waiters:
@@ -399,7 +386,7 @@ class HostPool:
         try:
             async with asyncio.timeout_at(deadline):
                 # Shielded: on timeout or cancel we decide what happens to the waiter below.
-                return await asyncio.shield(fut)
+                c = await asyncio.shield(fut)
         except BaseException as exc:
             self.sftp_waiters.discard(fut)
             if not fut.done():
@@ -415,10 +402,17 @@ class HostPool:
                 self.counters["timeouts_queue"] += 1
                 raise PoolTimeout(f"{self.target}: no channel free before the deadline") from None
             raise
+        if gated and not self.admit(self.target, tenant):
+            # Refused while it waited: nothing starts; the slot goes to the next waiter.
+            if sftp:
+                self._end_sftp(c)
+            self._release(c)
+            self._admitted(tenant)
+        return c
 
     @contextlib.asynccontextmanager
     async def lease(
-        self, deadline: float | None, since: float, tenant: Hashable = None
+        self, deadline: float | None, since: float, tenant: Hashable = None, gated: bool = True
     ) -> AsyncIterator[Lease]:
         """A channel slot for one exec (`since`: when the caller started, for the queue time;
         `tenant`: whose turn it waits for). How the body ends decides what becomes of the slot:
@@ -429,7 +423,7 @@ class HostPool:
         - TimeoutError (the command's timeout): the remote group is killed, then released;
         - cancelled: killed and released in the background, so the caller returns at once.
         """
-        lease = Lease(await self.acquire(deadline, tenant), since)
+        lease = Lease(await self.acquire(deadline, tenant, gated=gated), since)
         c = lease.conn
         try:
             yield lease
@@ -458,7 +452,7 @@ class HostPool:
                         # (max_sessions < MaxSessions).
                         await kill_group(c.conn, pgid)
                     except (ChannelRefused, ConnectionLost):
-                        other = await self.acquire(None)
+                        other = await self.acquire(None, gated=False)
                         try:
                             await kill_group(other.conn, pgid)
                         finally:
@@ -472,7 +466,7 @@ class HostPool:
 
     async def kill(self, pgid: int) -> None:
         """Kill a process group started elsewhere, on a slot of its own, within KILL_TIMEOUT."""
-        c = await self.acquire(self.loop.time() + KILL_TIMEOUT)
+        c = await self.acquire(self.loop.time() + KILL_TIMEOUT, gated=False)
         try:
             async with asyncio.timeout(KILL_TIMEOUT):
                 await kill_group(c.conn, pgid)

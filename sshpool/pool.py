@@ -1,12 +1,12 @@
 """The connection pool (`Pool`), the package's face: keeps SSH connections open per Target and
 multiplexes commands as channels.
 
-`Pool` maps each Target to its host pool (`sshpool.host.HostPool`: the per-target state
-machine, its invariants in that module's docstring), resolves which sshd a target reaches and
-shares that sshd's budget among its accounts (`sshpool.budget.Sshd`), runs the maintenance
-task, and hands a cluster's targets to `sshpool.cluster.Router`, which depends on the pool
-through `sshpool.cluster.NodePools` only. A host pool's connect path (the handshake, retried
-after drops, and the executor's start) is `sshpool.connect`'s plain I/O.
+`Pool` maps each Target to its host pool (`sshpool.host.HostPool`, the per-target state machine:
+its state changes only in synchronous methods, its I/O outside them), resolves which sshd a
+target reaches and shares that sshd's budget among its accounts (`sshpool.budget.Sshd`), runs
+the maintenance task, and hands a cluster's targets to `sshpool.cluster.Router`, which depends
+on the pool through `sshpool.cluster.NodePools` only. A host pool's connect path (the
+handshake, retried after drops, and the executor's start) is `sshpool.connect`'s plain I/O.
 
 A command holds a lease (`async with host.lease(deadline)`), one channel slot on one
 connection (an SFTP session holds one the same way while open: `Pool.sftp`; on an executor's
@@ -23,6 +23,31 @@ the same address and port): it asks it for each new connection, and the sshd gra
 in turns, within its gate and its connection budget, closing other accounts' idle connections
 for room.
 
+Invariants of a host pool (`sshpool.host.HostPool` keeps them):
+- 0 <= conn.in_use <= conn.capacity <= limits.max_sessions for every pooled connection
+  (limits.agent_max_commands on an executor's);
+- on an executor's connection, 0 <= conn.sftp <= conn.sftp_capacity <= limits.max_sessions - 1:
+  with the executor's own channel, at most max_sessions channels, however many commands run;
+- len(conns) + connecting <= limits.max_connections;
+- a connection is opened only when the sshd grants it (`start_connect`): the handshake gate
+  (max_handshakes; stock MaxStartups drops from 10) and max_total_connections are the sshd's;
+- a connection to keep min_connections open is asked for only while the sshd has spare room
+  (no other account's closed for it, none queued needing it); waiters' connections may make
+  room;
+- waiters take turns by tenant (`Pool.run(..., tenant=...)`, `Pool.sftp(..., tenant=...)`):
+  each tenant's waiters are served in FIFO order, and tenants with waiters are served round
+  robin, one slot each per turn (a command or an SFTP session alike), so one tenant's backlog
+  delays another's command by at most one turn (`Waiters`);
+  callers without a tenant share one queue (plain FIFO among them);
+- a new caller never takes a free slot while others wait;
+- a caller the application's gate (`Pool.admit`) refuses starts nothing: it is asked when the
+  caller comes and again when its slot is granted, right before the channel opens (the
+  executor's START, the SFTP session); the pool's own work (kills, probes) is not asked;
+- len(waiters) <= limits.max_waiters, counted over all tenants;
+- an expired or dead connection takes no new lease and is closed once it has none;
+- every connection made is reported closed to the sshd once its close is done;
+- a handshake sshd drops (MaxStartups) is retried, paced, while callers still wait for it:
+  they get PoolTimeout at their deadline, never the drop.
 """
 
 from __future__ import annotations
@@ -83,6 +108,11 @@ class Pool:
         self._closed = False
         # Targets with `nodes` (login-node clusters) are routed to one node's target each.
         self._router = Router(_Nodes(self, self._hosts))
+        # The application's gate: may `tenant` (what the caller passed) start SSH work on
+        # `target` now? Asked before every command and SFTP session starts (the host pool's
+        # invariants, sshpool.host); the API refuses a revoked identity or account this way
+        # (api/admin/revocations.py).
+        self.admit: Callable[[Target, Hashable], bool] = lambda target, tenant: True
 
     async def __aenter__(self) -> Pool:
         return self
@@ -117,7 +147,9 @@ class Pool:
         name = target.backend or self.backend.name
         if name not in self._backends:
             self._backends[name] = load_backend(name)
-        host = self._hosts[target] = HostPool(target, self._backends[name], sshd)
+        host = self._hosts[target] = HostPool(
+            target, self._backends[name], sshd, lambda t, tenant: self.admit(t, tenant)
+        )
         lim = target.limits
         sshd.join(host, lim.max_handshakes, lim.max_total_connections)
         return host
@@ -172,6 +204,7 @@ class Pool:
         on_output: Callable[[OutputStream, bytes], None] | None = None,
         tenant: Hashable = None,
         on_node: Callable[[str], None] | None = None,
+        gated: bool = True,
     ) -> CommandResult:
         """Run `command` (argv, quoted for the remote shell, or a raw shell line) on `target`.
 
@@ -180,8 +213,10 @@ class Pool:
         tenant with a long backlog delays another tenant by at most one turn. Without a tenant,
         callers share one FIFO queue.
 
-        Raises PoolTimeout, PoolFull, HostUnavailable, ConnectTimeout, ConnectError,
-        CommandTimeout (with the partial result) or ConnectionLost(started=True). Cancelling the
+        Raises PoolTimeout, PoolFull, HostUnavailable, NotAdmitted (`admit` refused `tenant`;
+        `gated=False`: not asked, for work that ends or reads a refused caller's, such as a
+        scancel), ConnectTimeout, ConnectError, CommandTimeout (with the partial result) or
+        ConnectionLost(started=True). Cancelling the
         caller kills the remote process group. `on_started(pgid)` is called once the remote
         command runs, with its process group id (what `kill` takes).
 
@@ -212,6 +247,7 @@ class Pool:
                     on_output=on_output,
                     tenant=tenant,
                     on_node=on_node,
+                    gated=gated,
                 ),
             )
         host = await self._host(target)
@@ -221,7 +257,7 @@ class Pool:
 
         async def attempt() -> CommandResult:
             try:
-                async with host.lease(deadline, since=t0, tenant=tenant) as lease:
+                async with host.lease(deadline, t0, tenant, gated) as lease:
                     async with asyncio.timeout(timeout):
                         end = await lease.exec(command, stdin, max_output, on_started, on_output)
             except TimeoutError:
@@ -246,8 +282,9 @@ class Pool:
         ```
 
         The session takes one channel slot through the same admission as `run` (max_sessions,
-        the handshake gate, the queue with its deadline, the breaker): PoolTimeout, PoolFull,
-        HostUnavailable, ConnectTimeout, ConnectError as there. It waits in `tenant`'s turns
+        the handshake gate, the queue with its deadline, the breaker, the gate `admit`):
+        PoolTimeout, PoolFull, HostUnavailable, NotAdmitted, ConnectTimeout, ConnectError as
+        there. It waits in `tenant`'s turns
         with that tenant's commands (the API passes the caller's identity, as for its jobs): a
         tenant's backlog of sessions and commands delays another tenant by one turn at most.
         A refused channel is retried like a command's; a connection lost before the session
@@ -320,6 +357,18 @@ class Pool:
         """Stop new work on `node` of `target`'s cluster (its running commands finish, then
         its connections close), or with drained=False take it back. KeyError: no such node."""
         self._router.drain(target, node, drained)
+
+    def probe_with(self, target: Target) -> None:
+        """Judge the health of `target`'s cluster's nodes over `target`'s account (the host's
+        own service account, never a researcher's): `true` over its pooled connection. Without
+        it, a node is probed at its SSH banner (no login)."""
+        self._router.probe_with(target)
+
+    async def reprobe(self, target: Target, node: str) -> bool:
+        """Probe `node` of `target`'s cluster now: True when it answered (a node down is then
+        up again at once). One probe per node at a time: callers asking meanwhile, or within
+        a second of its end, share its answer. KeyError: no such node."""
+        return await self._router.reprobe(target, node)
 
     def nodes(self, target: Target) -> dict[str, dict[str, Any]]:
         """Per node of `target`'s cluster: state ("up", "down", "draining", "drained"), why it

@@ -1,9 +1,11 @@
-"""`AdminService`: what the admin routes (revocations, login-node drains) and the host listing
-call. It holds the store, the pool and the policy for them, so that no route touches either."""
+"""`AdminService`: what the admin routes (revocations, login-node drains and probes) and the
+host listing call. It holds the store, the pool and the policy for them, so that no route
+touches them."""
 
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from api.admin.nodes import NodeDrains
@@ -12,13 +14,23 @@ from api.auth import Principal
 from api.config import Config, HostConfig
 from api.policy import Policy
 from api.problems import Problem
-from api.schemas import HostInfo, NodeInfo
+from api.schemas import HostInfo, NodeInfo, NodeProbe
 from api.store import Revocation, Store, new_id, utcnow
 from sshpool import Pool
 
 # Revocations are for people cut off now, lifted later: a few. Every replica reads them all
 # each second, and every request is checked against them.
 MAX_REVOCATIONS = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class Revoked:
+    """A revocation made: its row, what it did here, and whether the API knew whom it revoked
+    (`AdminService.known`)."""
+
+    revocation: Revocation
+    effect: Effect
+    known: bool
 
 
 class AdminService:
@@ -45,10 +57,16 @@ class AdminService:
     # ---- revocations (api/admin/revocations.py)
 
     async def revoke(
-        self, who: Principal, issuer: str | None, subject: str | None, account: str | None
-    ) -> tuple[Revocation, Effect]:
-        """Revoke an identity (`issuer` and `subject`) or an account at once, on every replica:
-        409 past MAX_REVOCATIONS, or when it would refuse `who` too."""
+        self,
+        who: Principal,
+        issuer: str | None,
+        subject: str | None,
+        account: str | None,
+        end_running: bool,
+    ) -> Revoked:
+        """Revoke an identity (`issuer` and `subject`) or an account at once, on every replica,
+        ending its running jobs too (`end_running`): 409 past MAX_REVOCATIONS, or when it would
+        refuse `who` too."""
         if len(self.revocations.known) >= MAX_REVOCATIONS:
             raise Problem(
                 409, "too-many-revocations", "Too many revocations", f"at most {MAX_REVOCATIONS}"
@@ -61,6 +79,7 @@ class AdminService:
             created_at=utcnow(),
             created_by_iss=who.issuer,
             created_by_sub=who.subject,
+            end_running=end_running,
         )
         if refusing([revocation], who, self.policy) is not None:
             # Else the last admin who may lift it could lock themselves out.
@@ -71,7 +90,22 @@ class AdminService:
                 "this revocation would refuse you too; another admin may make it",
             )
         await self.store.revoke(revocation)
-        return revocation, await self.revocations.apply(revocation)
+        effect = await self.revocations.apply(revocation)
+        return Revoked(revocation, effect, await self.known(revocation))
+
+    async def known(self, revocation: Revocation) -> bool:
+        """Whether the API knows whom it revoked (a name misspelt, or not yet used: recorded all
+        the same, an admin may revoke ahead): an account the configuration names (a host's or a
+        policy rule's) or one a job ran as; an identity that submitted a job. Within the job
+        store's retention: an identity whose jobs were all pruned is unknown again."""
+        if revocation.account is not None:
+            names = {t.username for h in self.config.hosts for t in self.policy.targets(h)}
+            if revocation.account in names:
+                return True
+        owner = None
+        if revocation.issuer is not None and revocation.subject is not None:
+            owner = (revocation.issuer, revocation.subject)
+        return await self.store.seen(owner, revocation.account)
 
     async def revocations_in_force(self) -> list[Revocation]:
         return await self.store.revocations()
@@ -109,6 +143,15 @@ class AdminService:
         await self.drains.refresh()  # here at once; the other replicas within a second
         state = self.pool.nodes(config.target())[node]
         return NodeInfo(host=host, node=node, drained=drained, state=state["state"])
+
+    async def probe(self, host: str, node: str) -> NodeProbe:
+        """Probe a login node now on this replica (over the host's service account: one probe
+        per node at a time, shared by the callers asking meanwhile, `Pool.reprobe`): 404 for a
+        host or node not configured."""
+        target = self._node(host, node).target()
+        answered = await self.pool.reprobe(target, node)
+        state = self.pool.nodes(target)[node]["state"]
+        return NodeProbe(host=host, node=node, answered=answered, state=state)
 
     # ---- hosts
 

@@ -30,6 +30,12 @@ class RevocationRequest(BaseModel):
         default=None, min_length=1, max_length=MAX_SUBJECT, pattern=PRINTABLE
     )
     account: str | None = Field(default=None, min_length=1, max_length=64, pattern=PRINTABLE)
+    end_running: bool = Field(
+        default=True,
+        strict=True,  # true or false, not "yes" or 1
+        description="also end its running jobs on every replica (their process groups killed) "
+        "and close its connections; false: they finish, nothing new starts",
+    )
 
     @model_validator(mode="after")
     def _one_form(self) -> RevocationRequest:
@@ -45,6 +51,7 @@ class RevocationOut(BaseModel):
     issuer: str | None
     subject: str | None
     account: str | None
+    end_running: bool
     created_at: datetime
     created_by: str
 
@@ -52,6 +59,10 @@ class RevocationOut(BaseModel):
 class RevocationDone(RevocationOut):
     jobs_cancelled: int = Field(description="active jobs of the identity cancelled (all replicas)")
     connections_closed: int = Field(description="pooled connections closed by this replica")
+    known: bool = Field(
+        description="the API knows it: the job store holds a job of the identity (or run as the "
+        "account), or the configuration names the account; false: recorded all the same"
+    )
 
 
 def _out(r: Revocation) -> RevocationOut:
@@ -61,6 +72,7 @@ def _out(r: Revocation) -> RevocationOut:
         issuer=r.issuer,
         subject=r.subject,
         account=r.account,
+        end_running=r.end_running,
         created_at=r.created_at,
         created_by=by,
     )
@@ -68,11 +80,12 @@ def _out(r: Revocation) -> RevocationOut:
 
 @router.post("/revocations", status_code=201, summary="Revoke an identity or an account")
 async def revoke(body: RevocationRequest, svc: Svc, who: Admin) -> RevocationDone:
-    revocation, effect = await svc.admin.revoke(who, body.issuer, body.subject, body.account)
+    revoked = await svc.admin.revoke(who, body.issuer, body.subject, body.account, body.end_running)
     return RevocationDone(
-        **_out(revocation).model_dump(),
-        jobs_cancelled=effect.jobs_cancelled,
-        connections_closed=effect.connections_closed,
+        **_out(revoked.revocation).model_dump(),
+        jobs_cancelled=revoked.effect.jobs_cancelled,
+        connections_closed=revoked.effect.connections_closed,
+        known=revoked.known,
     )
 
 
