@@ -31,14 +31,19 @@ ACCOUNT_NUMBER = 9801
 @pytest.fixture
 def researcher(tmp_path: Path) -> Iterator[Account]:
     """The test's own account, with bash as its login shell (bash reads ~/.bashrc for every
-    command sshd runs); its home as found afterwards."""
+    command sshd runs); its home as found afterwards (what the test made removed, its .bashrc
+    put back)."""
     account = ensure_accounts(1, data_dir=tmp_path / "accounts", first=ACCOUNT_NUMBER)[0]
     subprocess.run(["usermod", "-s", "/bin/bash", account.name], check=True, capture_output=True)
     kept = {p.name for p in account.home.iterdir()}
+    rc = account.home / ".bashrc"
+    bashrc = rc.read_bytes() if rc.is_file() else None
     yield account
     for p in account.home.iterdir():
         if p.name not in kept:
             shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+    if bashrc is not None:
+        rc.write_bytes(bashrc)
 
 
 def plant(account: Account, path: Path, text: str) -> None:
