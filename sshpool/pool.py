@@ -194,6 +194,8 @@ class _HostPool:
         # Agent mode until a connection finds no usable python3 (then channels, for good).
         self.agent = target.exec_mode == "agent"
         self.agent_error: str | None = None
+        # Why this host's executors are not undumpable (no prctl there), once seen; logged once.
+        self.agent_exposed: str | None = None
         # A drained login node (sshpool.cluster): no new lease, no new connection.
         self.retired = False
 
@@ -503,6 +505,15 @@ class _HostPool:
                 "the login printed %d bytes before the executor started (not output): %r",
                 len(agent.preamble),
                 agent.preamble[:200],
+            )
+        exposed = agent.hello.get("exposed")
+        if exposed and self.agent_exposed is None:
+            self.agent_exposed = str(exposed)[:300]
+            log.warning(
+                "%s: the executor could not make itself undumpable (%s): commands of this "
+                "account can open its channel through /proc",
+                self.target,
+                self.agent_exposed,
             )
         self.counters["agents_started"] += 1
         return agent, n
