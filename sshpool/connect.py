@@ -1,10 +1,10 @@
 """The connect path as plain I/O (`connect`): the handshake, retried after sshd drops it (paced,
 while callers still wait for it), and the executor's start on a new connection (agent mode).
 
-Nothing here keeps a host pool's state: the host pool (`sshpool.host.HostPool`) counts its
-connects, decides what a failure means for its breaker and waiters, and turns itself to
-channel mode when a host has no usable python3; these functions only do the I/O and say how it
-went (a connection, or the error).
+The host pool (`sshpool.host.HostPool`) keeps its own state: it counts its connects and
+decides what a failure means for its breaker and waiters. The one state kept here is a host
+pool's agent mode (`AgentMode`), which the executor's start alone changes, in synchronous
+methods like the host pool's.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from sshpool.agent import AgentConnection, start_agent
 from sshpool.backends import Backend, Connection
@@ -115,35 +114,54 @@ async def start_executor(conn: Connection, target: Target) -> AgentConnection:
     return agent
 
 
-@dataclass(frozen=True, slots=True)
-class Connected:
-    """What `connect` made: the connection (its executor's in agent mode) and the commands it
-    may run at once; `no_agent`, why the executor could not start (the host has no usable
-    python3: the host pool turns to channel mode)."""
+class AgentMode:
+    """A host pool's agent mode: on (Target.exec_mode "agent") until a connection finds no
+    usable python3, then off for good (`error` says why); `exposed`, why its executors could
+    not make themselves undumpable, once seen. Each is logged once."""
 
-    conn: Connection
-    slots: int
-    no_agent: str | None = None
+    def __init__(self, target: Target) -> None:
+        self.target = target
+        self.on = target.exec_mode == "agent"
+        self.error: str | None = None
+        self.exposed: str | None = None
+
+    def unavailable(self, exc: AgentUnavailable) -> None:
+        if self.on:
+            self.on, self.error = False, str(exc)
+            log.warning("%s: %s; this host's commands run as channels instead", self.target, exc)
+
+    def started(self, agent: AgentConnection) -> None:
+        exposed = agent.hello.get("exposed")
+        if exposed and self.exposed is None:
+            self.exposed = str(exposed)[:300]
+            log.warning(
+                "%s: the executor could not make itself undumpable (%s): commands of this "
+                "account can open its channel through /proc",
+                self.target,
+                self.exposed,
+            )
 
 
 async def connect(
     backend: Backend,
     target: Target,
-    agent: Callable[[], bool],
+    agent: AgentMode,
     wanted: Callable[[], bool],
     counters: Counter[str],
-) -> Connected:
-    """One new connection to `target`: the handshake (`handshake`, retried while `wanted()`),
-    then, while `agent()` (the host pool is in agent mode), its executor (`start_executor`,
-    counted in `counters["agents_started"]`). A host without a usable python3 gives the
-    connection as it is, for channels, with the reason; a connection lost meanwhile is a failed
-    connect."""
+) -> tuple[Connection, int]:
+    """One new connection to `target` and the commands it may run at once: the handshake
+    (`handshake`, retried while `wanted()`), then, while `agent` is on, its executor
+    (`start_executor`, counted in `counters["agents_started"]`). A host without a usable
+    python3 turns `agent` off and gives the connection as it is, for channels; a connection
+    lost meanwhile is a failed connect."""
     conn = await handshake(backend, target, wanted, counters)
-    if not agent():
-        return Connected(conn, target.limits.max_sessions)
+    if not agent.on:
+        return conn, target.limits.max_sessions
     try:
         executor = await start_executor(conn, target)
     except AgentUnavailable as exc:
-        return Connected(conn, target.limits.max_sessions, str(exc))
+        agent.unavailable(exc)
+        return conn, target.limits.max_sessions
+    agent.started(executor)
     counters["agents_started"] += 1
-    return Connected(executor, target.limits.agent_max_commands)
+    return executor, target.limits.agent_max_commands

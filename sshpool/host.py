@@ -24,7 +24,7 @@ from sshpool.backends import Backend
 from sshpool.backends.base import SFTPSession
 from sshpool.breaker import Breaker
 from sshpool.budget import Sshd
-from sshpool.connect import connect, log_connect_failure
+from sshpool.connect import AgentMode, connect, log_connect_failure
 from sshpool.errors import (
     AuthenticationFailed,
     ChannelRefused,
@@ -85,8 +85,7 @@ class HostPool:
         self.tasks: set[asyncio.Task[Any]] = set()
         self.loop = asyncio.get_running_loop()
         # Agent mode until a connection finds no usable python3 (then channels, for good).
-        self.agent = target.exec_mode == "agent"
-        self.agent_error: str | None = None
+        self.agent = AgentMode(target)
         # A drained login node (sshpool.cluster): no new lease, no new connection.
         self.retired = False
 
@@ -146,7 +145,7 @@ class HostPool:
         max_sessions - 1 SFTP channels beside the executor's."""
         lim = self.limits
         waiting = len(self.waiters)
-        if not self.agent:
+        if not self.agent.on:
             return -(-waiting // lim.max_sessions)
         sftp = len(self.sftp_waiters)
         return max(
@@ -296,8 +295,8 @@ class HostPool:
         """Open one connection (the caller counted it in `connecting`); returns the error."""
         start = time.perf_counter()
         try:
-            made = await connect(
-                self.backend, self.target, lambda: self.agent, self._wanted, self.counters
+            conn, slots = await connect(
+                self.backend, self.target, self.agent, self._wanted, self.counters
             )
         except SSHPoolError as exc:
             self.connecting -= 1
@@ -328,17 +327,9 @@ class HostPool:
         self.counters["connects"] += 1
         self.breaker.success()
         self.trusted = True
-        if made.no_agent is not None and self.agent:
-            # No usable python3 on this host: its commands run as channels, for good.
-            self.agent, self.agent_error = False, made.no_agent
-            log.warning(
-                "%s: %s; this host's commands run as channels instead", self.target, made.no_agent
-            )
         # Beside an executor's channel, the SFTP sessions' (at least one: see ssh_budget).
-        sftp = (
-            max(1, self.limits.max_sessions - 1) if isinstance(made.conn, AgentConnection) else None
-        )
-        self.conns.append(PooledConn(made.conn, made.slots, now, time.perf_counter() - start, sftp))
+        sftp = max(1, self.limits.max_sessions - 1) if isinstance(conn, AgentConnection) else None
+        self.conns.append(PooledConn(conn, slots, now, time.perf_counter() - start, sftp))
         self._connected(None)
         return None
 
@@ -579,8 +570,8 @@ class HostPool:
         return {
             "target": str(self.target),
             "backend": self.backend.name,
-            "exec_mode": "agent" if self.agent else "channel",
-            "agent_error": self.agent_error,
+            "exec_mode": "agent" if self.agent.on else "channel",
+            "agent_error": self.agent.error,
             "connections": len(live),
             "channels_in_use": sum(c.in_use for c in self.conns),
             "capacity": sum(c.capacity for c in live if not c.expired),

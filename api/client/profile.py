@@ -66,7 +66,7 @@ def load_profile(name: str | None = None, path: str | None = None) -> Profile:
     """
     import tomllib
 
-    from api.client.login import kept_url, login_path
+    from api.client.login import kept_url, login_path, private
 
     file = Path(
         path
@@ -85,6 +85,8 @@ def load_profile(name: str | None = None, path: str | None = None) -> Profile:
         profiles = data.get("profiles", {})
         if not isinstance(profiles, dict):
             raise SshapiError(f"{file}: `profiles` must be tables [profiles.NAME]")
+        if any(isinstance(p, dict) and "token" in p for p in profiles.values()):
+            private(file, f"replace its tokens, then chmod 600 {file}")
         wanted = name or os.environ.get("SSHAPI_PROFILE") or data.get("default")
         if wanted is not None:
             if not isinstance(wanted, str) or wanted not in profiles:
@@ -149,7 +151,14 @@ def _origin(url: str) -> tuple[str, str, int | None]:
 def paired(found: Profile, url: str | None) -> str | None:
     """The configured token for a request to `url`, or an SshapiError when it was configured for
     another server (a profile's token with SSHAPI_URL set, SSHAPI_TOKEN with another URL given):
-    a token goes to the server it was set up with, never on to another one."""
+    a token goes to the server it was set up with, never on to another one. A login that
+    names no server is refused for every one."""
+    if found.login is not None and found.token_url is None:
+        # Made by `sshapi login` before it required a server: it is for none, so for no one.
+        raise SshapiError(
+            f"the login {found.login} names no server, so its tokens go nowhere: sign in again "
+            "with the server named (SSHAPI_URL or the profile's url, then `sshapi login`)"
+        )
     if found.token is None or found.token_url is None or url is None:
         return found.token
     if _origin(found.token_url) != _origin(url):
