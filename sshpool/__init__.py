@@ -9,10 +9,12 @@ backends', in `sshpool.backends.base`).
 The modules, from the face down (no two import each other, directly or round about:
 tests/test_layout.py):
 
-    pool         `Pool`, the face: targets to host pools, sshd resolution, maintenance, clusters
+    pool         `Pool`, the face: targets to host pools, sshd resolution, maintenance,
+                 clusters; the host pool's invariants in its docstring
     cluster      login-node clusters (`Router`), seeing the pool through `NodePools` only
-    host         `HostPool`, one target's state machine: leases, kills, SFTP, its invariants
+    host         `HostPool`, one target's state machine: leases, kills, SFTP, the gate
     connect      the connect path as plain I/O: handshake retried after drops, executor start
+                 (and a host's agent mode, `AgentMode`)
     lease        a pooled connection, a slot's exec, the one kill and the one retry policy
     budget       one sshd's handshake gate and connection budget, shared by its accounts
     waiters      the tenants' turns
