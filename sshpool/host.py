@@ -427,8 +427,13 @@ class HostPool:
             self.spawn(self._kill(c, lease.pgid))
             raise
         except BaseException as exc:
+            if isinstance(exc, ConnectionLost) and lease.t_started is None and not c.served:
+                self.breaker.lost_before_start(self.loop.time())
             self._failed(c, exc)
             raise
+        if not c.served:
+            c.served = True
+            self.breaker.served()
         self._regrow(c)
         self._release(c)
 

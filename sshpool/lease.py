@@ -53,6 +53,7 @@ class PooledConn:
         "in_use",
         "leases",
         "noisy_login",
+        "served",
         "sftp",
         "sftp_capacity",
         "sftp_ceiling",
@@ -84,6 +85,8 @@ class PooledConn:
         self.for_room = False
         self.leases = 0
         self.clean_opens = 0
+        # A command ran to its end here (the account's login shell lets commands through).
+        self.served = False
         # Something printed before our marker line (warned once per connection).
         self.noisy_login = False
 
