@@ -8,6 +8,7 @@ backends', in `sshpool.backends.base`).
 """
 
 from sshpool.backends.base import DirEntry, FileAttrs, FileType, RemoteFile, SFTPSession
+from sshpool.budget import Coordinator, Sshd, StaticShare, static_share
 from sshpool.certificates import Credentials, UserCA
 from sshpool.command import CommandResult, OutputStream
 from sshpool.errors import (
@@ -41,6 +42,7 @@ __all__ = [
     "ConnectError",
     "ConnectTimeout",
     "ConnectionLost",
+    "Coordinator",
     "Credentials",
     "DirEntry",
     "ExecMode",
@@ -63,6 +65,9 @@ __all__ = [
     "RemoteUnsupported",
     "SFTPSession",
     "SSHPoolError",
+    "Sshd",
+    "StaticShare",
     "Target",
     "UserCA",
+    "static_share",
 ]

@@ -69,7 +69,7 @@ from sshpool.agent import AgentConnection, start_agent
 from sshpool.backends import Backend, Connection, load_backend
 from sshpool.backends.base import SFTPSession
 from sshpool.breaker import Breaker, Penalties
-from sshpool.budget import Sshd
+from sshpool.budget import Coordinator, Sshd
 from sshpool.cluster import Router
 from sshpool.command import (
     Capture,
@@ -302,9 +302,10 @@ class _HostPool:
         c.in_use -= 1
         if c.in_use == 0:
             c.idle_since = self.loop.time()
-        if not c.expired and self.sshd.owes_room(self) and self._open_conns() > 1:
+        if not c.expired and self.sshd.owes_room(self, self._open_conns()):
             # Another account waits for its turn at a full sshd: this account's connections
-            # beyond its first go to it (drained, then closed) instead of to its own backlog.
+            # beyond its first go to it (drained, then closed) instead of to its own backlog;
+            # or this process holds more than its share of the sshd (`Sshd.allow`).
             c.expired = c.for_room = True
             self.sshd.yielded()
         self._dispatch()
@@ -755,8 +756,13 @@ class Pool:
     ```
     """
 
-    def __init__(self, backend: str | Backend = "asyncssh") -> None:
+    def __init__(
+        self, backend: str | Backend = "asyncssh", coordinator: Coordinator | None = None
+    ) -> None:
         self.backend = load_backend(backend) if isinstance(backend, str) else backend
+        # Shares each sshd's gate and budget with other processes (`sshpool.budget`); None:
+        # this process has them all.
+        self.coordinator = coordinator
         self._backends: dict[str, Backend] = {self.backend.name: self.backend}
         self._hosts: dict[Target, _HostPool] = {}
         # (address, port) -> its budget; host name and port -> the address it resolved to.
@@ -828,6 +834,8 @@ class Pool:
             where = f"[{address}]:{target.port}" if ":" in address else f"{address}:{target.port}"
             sshd = self._sshds[key] = Sshd(where, lim.max_handshakes, lim.max_total_connections)
             sshd.penalties = Penalties(lim.penalty_per_failure, lim.penalty_threshold)
+            if self.coordinator is not None:
+                sshd.coordinate(self.coordinator)
         return sshd
 
     async def _maintain(self) -> None:
