@@ -12,18 +12,16 @@ import json
 import os
 import secrets
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+from api.sshd_budget import RedisBudget
 from sshpool import Limits, Pool, Target
 from sshpool.devhost import FakeBackend
 from sshpool.devhost.accounts import ensure_accounts
 from sshpool.devhost.host import LocalHost
-
-from api.sshd_budget import RedisBudget
 from tests.api.api_helpers import REDIS_URL, eventually, free_port
 
 MakeHost = Callable[..., LocalHost]
@@ -165,14 +163,14 @@ async def test_a_killed_process_frees_its_leases_within_10_s(make_host: MakeHost
         "known_hosts": target.known_hosts,
         "n": 8,
     }
-    doomed = subprocess.Popen(
-        [sys.executable, "-c", SCRIPT, json.dumps(spec)],
-        stdout=subprocess.PIPE,
+    doomed = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-c", SCRIPT, json.dumps(spec)),
+        stdout=asyncio.subprocess.PIPE,
         cwd=Path(__file__).parents[2],
     )
     try:
         assert doomed.stdout is not None
-        line = await asyncio.wait_for(asyncio.to_thread(doomed.stdout.readline), 60)
+        line = await asyncio.wait_for(doomed.stdout.readline(), 60)
         assert line == b"running\n"
         budget = RedisBudget(REDIS_URL, 2, "survivor", prefix=prefix)
         pool = Pool(coordinator=budget)
@@ -201,10 +199,9 @@ async def test_a_killed_process_frees_its_leases_within_10_s(make_host: MakeHost
             await pool.close()
             await budget.close()
     finally:
-        doomed.kill()
-        doomed.wait()
-        if doomed.stdout is not None:
-            doomed.stdout.close()
+        with contextlib.suppress(ProcessLookupError):
+            doomed.kill()
+        await doomed.wait()
     assert before["connections_max"] == 0 and before["handshakes_in_flight"] == 0
     assert freed <= 10.0, freed
     assert all(r.ok for r in results)
