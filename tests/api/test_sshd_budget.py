@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 from api.sshd_budget import RedisBudget
 from sshpool import Limits, Pool, Target
@@ -226,3 +227,79 @@ async def test_without_redis_each_process_keeps_its_static_share() -> None:
     assert backend.max_alive <= 8 and backend.max_in_flight <= 6
     assert [(s["share_mode"], s["share_connections"]) for s in stats] == [("fallback", 4)] * 2
     assert all(s["connections_max"] <= 4 for s in stats)
+
+
+async def start_redis(port: int, tmp_path: Path) -> asyncio.subprocess.Process:
+    """A private Redis on `port` (nothing on disk), answering."""
+    proc = await asyncio.create_subprocess_exec(
+        *("redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", ""),
+        *("--appendonly", "no", "--dir", str(tmp_path)),
+        stdout=asyncio.subprocess.DEVNULL,
+    )
+
+    async def answers() -> bool:
+        with contextlib.suppress(OSError):
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.close()
+            return True
+        return False
+
+    async with asyncio.timeout(30):
+        while not await answers():
+            await asyncio.sleep(0.05)
+    return proc
+
+
+async def test_redis_killed_mid_burst_static_shares_then_leases_again(tmp_path: Path) -> None:
+    """Two processes busy on one sshd (budget 8) when their Redis is SIGKILLed: never more
+    than 8 connections in all, no command fails; Redis restarted (empty): within 5 s a
+    process alone holds more than its static share again."""
+    backend = FakeBackend(connect_time=0.02, exec_time=0.05)
+    port = free_port()
+    redis = await start_redis(port, tmp_path)
+    targets = [
+        Target("fake", f"u{i}", ("k",), "kh", limits=Limits(max_total_connections=8))
+        for i in range(20)
+    ]
+    stop = asyncio.Event()
+
+    async def stream(pool: Pool) -> int:
+        ran = 0
+        while not stop.is_set():
+            results = await asyncio.gather(
+                *(pool.run(t, ["true"], acquire_timeout=30) for t in targets)
+            )
+            ran += sum(1 for r in results if r.ok)
+        return ran
+
+    try:
+        async with shared_pools(2, backend, url=f"redis://127.0.0.1:{port}/0") as pools:
+            streams = [asyncio.create_task(stream(p)) for p in pools]
+            await asyncio.sleep(1.0)
+            redis.kill()
+            await redis.wait()
+            await eventually(
+                lambda: all(s["share_mode"] == "fallback" for s in sshd_stats(pools)), 10
+            )
+            await asyncio.sleep(1.0)
+            redis = await start_redis(port, tmp_path)
+            back = time.monotonic()
+            stop.set()
+            ran = await asyncio.gather(*streams)
+            max_during = backend.max_alive
+            stop.clear()
+            alone = asyncio.create_task(stream(pools[0]))
+            await eventually(lambda: sshd_stats(pools)[0]["share_connections"] > 4, 30)
+            regained = time.monotonic() - back
+            stop.set()
+            await alone
+    finally:
+        redis.kill()
+        await redis.wait()
+    assert max_during <= 8 and backend.max_alive <= 8
+    assert all(n > 0 for n in ran)
+    assert regained <= 5.0, regained
+
+
+def sshd_stats(pools: list[Pool]) -> list[dict[str, Any]]:
+    return [p.sshd_stats()["fake:22"] for p in pools]
