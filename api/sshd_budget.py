@@ -272,8 +272,8 @@ class RedisBudget:
         self._leases[sshd.key] = (lease_h, lease_c)
         sshd.penalties.merge(float(reply[4]), asyncio.get_running_loop().time())
         sshd.shared = {
-            "connections_leased": int(reply[5]),
-            "handshakes_leased": int(reply[6]),
+            "leased_connections": int(reply[5]),
+            "leased_handshakes": int(reply[6]),
             "processes": int(reply[7]),
         }
         now = time.monotonic()

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import secrets
 import signal
 import sys
@@ -18,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+from api.metrics import Metrics
 from api.sshd_budget import RedisBudget
 from sshpool import Limits, Pool, Target
 from sshpool.devhost import FakeBackend
@@ -112,17 +114,25 @@ async def test_two_processes_share_one_stock_sshds_budget_of_8(
                 )
             )
         stats = [p.sshd_stats()[f"{host.address}:{host.port}"] for p in pools]
+        metrics = Metrics()
+        metrics.watch_sshds(lambda: {"h": list(pools[0].sshd_stats().values())})
+        text = metrics.render().decode()
     names = [r.stdout.decode().strip() for r in results]
     assert names == [a.name for a in accounts] * 2
     assert ours.most <= 8 and k.most <= 8, (ours.most, k.most)
     assert "drop connection" not in host.log_path.read_text()
     assert all(s["counters"]["handshakes_granted"] >= 1 for s in stats)
     assert all(s["share_mode"] == "redis" for s in stats)
+    # /metrics: this process's share, and what all the processes lease of the sshd.
+    assert re.search(r'sshpool_sshd_share_connections\{host="h"\} [0-8]\.0', text)
+    assert re.search(r'sshpool_sshd_leased_connections\{host="h"\} [0-8]\.0', text)
+    assert 'sshpool_sshd_processes{host="h"} 2.0' in text
 
 
 SCRIPT = """
 import asyncio, json, sys
 from sshpool import Pool, Target, Limits
+from api.metrics import Metrics
 from api.sshd_budget import RedisBudget
 
 async def main():
@@ -245,7 +255,7 @@ async def start_redis(port: int, tmp_path: Path) -> asyncio.subprocess.Process:
         return False
 
     async with asyncio.timeout(30):
-        while not await answers():
+        while not await answers():  # noqa: ASYNC110 (a server starting: nothing to await)
             await asyncio.sleep(0.05)
     return proc
 
