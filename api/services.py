@@ -93,7 +93,7 @@ from api.problems import Problem
 from api.quota import Quota, make_quota
 from api.revocations import RedisNudge, Revocations
 from api.settings import Settings
-from api.sshd_budget import RedisBudget, make_coordinator
+from api.sshd_budget import RedisBudget, budgets, make_coordinator
 from api.store import JobRow, Store
 from api.tasks import OnDeath, Supervisor
 from sshpool import Pool, SSHPoolError
@@ -208,8 +208,8 @@ async def running(
             # they share each sshd's budget through Redis (api/sshd_budget.py). Counted over the
             # host's sshd: every account the policy maps to it, under any name.
             accounts = len(policy.sshd_targets(name))
-            pools = 1 if settings.redis_url else processes
-            for problem in host.ssh_budget(pools, accounts):
+            shared = budgets(settings.redis_url, processes, host.limits.max_handshakes)
+            for problem in host.ssh_budget(shared, accounts):
                 log.warning("SSH budget of host %s: %s", name, problem)
 
         def pools_by_host() -> dict[str, list[dict[str, Any]]]:

@@ -353,3 +353,11 @@ def make_coordinator(
     if redis_url:
         return RedisBudget(redis_url, processes, name)
     return StaticShare(processes) if processes > 1 else None
+
+
+def budgets(redis_url: str | None, processes: int, gate: int) -> int:
+    """How many times its gate `processes` may have in flight to one sshd, for the start
+    check and `sshapi doctor` (HostConfig.ssh_budget): once, shared through Redis or split in
+    static shares; but each process keeps one handshake at least, so more processes than the
+    gate's handshakes count once each."""
+    return 1 if redis_url or processes <= gate else processes
