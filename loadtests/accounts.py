@@ -6,6 +6,7 @@ of 4 per account: the behaviour before it), interleaved in one run.
     .venv/bin/python -m loadtests.accounts --accounts 200 --rounds 2
     .venv/bin/python -m loadtests.accounts --accounts 1000 --rate 50 --duration 300
     .venv/bin/python -m loadtests.accounts --via pool --accounts 1000
+    .venv/bin/python -m loadtests.accounts --accounts 400 --workers 2 --redis-url redis://127.0.0.1:6379/0
 
 --via api (the default): `sshapi serve` (a fresh API per cell) with one `[[policy]]` rule and
 key per account, each account's caller its own token, one job per request via POST /v1/jobs.
@@ -202,9 +203,19 @@ class ViaPool:
 
 
 class ViaApi:
-    """Each command a POST /v1/jobs to a fresh API (`sshapi serve`), as its account's caller."""
+    """Each command a POST /v1/jobs to a fresh API (`sshapi serve`, `workers` processes sharing
+    each sshd's budget: through Redis at `redis_url`, else in static shares), as its account's
+    caller."""
 
-    def __init__(self, host: LocalHost, accounts: list[Account], lim: Limits, deadline: float):
+    def __init__(
+        self,
+        host: LocalHost,
+        accounts: list[Account],
+        lim: Limits,
+        deadline: float,
+        workers: int = 1,
+        redis_url: str | None = None,
+    ):
         from api.config import Config
         from api.local import local_token
         from api.settings import Settings
@@ -212,7 +223,13 @@ class ViaApi:
         self.data = Path(tempfile.mkdtemp(prefix="accounts-api-"))
         secret = secrets.token_urlsafe(32)
         self.config = config(host, accounts, lim, deadline)
-        self.env = {"SSHAPI_JWT_SECRET": secret, "SSHAPI_LOG_LEVEL": "error"}
+        self.env = {
+            "SSHAPI_JWT_SECRET": secret,
+            "SSHAPI_LOG_LEVEL": "error",
+            "SSHAPI_WORKERS": str(workers),
+        }
+        if redis_url:
+            self.env["SSHAPI_REDIS_URL"] = redis_url
         parsed = Config.model_validate(self.config)
         settings = Settings(jwt_secret=SecretStr(secret), data_dir=self.data)
         scopes = ["jobs:read", "jobs:write"]
@@ -270,7 +287,11 @@ async def cell(
     offset = host.log_path.stat().st_size
     statuses: Counter[str] = Counter()
     hist = hdr.histogram()
-    via = (ViaApi if args.via == "api" else ViaPool)(host, accounts, lim, args.deadline)
+    via: ViaApi | ViaPool
+    if args.via == "api":
+        via = ViaApi(host, accounts, lim, args.deadline, args.workers, args.redis_url)
+    else:
+        via = ViaPool(host, accounts, lim, args.deadline)
     max_held = 0
     async with via:
 
@@ -415,8 +436,19 @@ def main(argv: list[str] | None = None) -> int:
         default=Limits().max_total_connections,
         help="the budget's connections to the sshd",
     )
+    parser.add_argument(
+        "--workers", type=int, default=1, help="--via api: API processes (SSHAPI_WORKERS)"
+    )
+    parser.add_argument(
+        "--redis-url",
+        default=None,
+        help="--via api: SSHAPI_REDIS_URL (the workers lease each sshd's budget; else static "
+        "shares)",
+    )
     parser.add_argument("--data-dir", default=".data-accounts")
     args = parser.parse_args(argv)
+    if args.via == "pool" and args.workers != 1:
+        parser.error("--workers needs --via api")
     data_dir = Path(args.data_dir).absolute()
     accounts = ensure_accounts(args.accounts, data_dir=data_dir)
     with LocalHost("accounts", "stock", data_dir=data_dir, researchers=True) as host:
