@@ -19,9 +19,11 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from api.metrics import Metrics
 from api.sshd_budget import RedisBudget
-from sshpool import Limits, Pool, Target
+from sshpool import AuthenticationFailed, Limits, Pool, PoolTimeout, Target
 from sshpool.devhost import FakeBackend
 from sshpool.devhost.accounts import ensure_accounts
 from sshpool.devhost.host import LocalHost
@@ -313,3 +315,23 @@ async def test_redis_killed_mid_burst_static_shares_then_leases_again(tmp_path: 
 
 def sshd_stats(pools: list[Pool]) -> list[dict[str, Any]]:
     return [p.sshd_stats()["fake:22"] for p in pools]
+
+
+async def test_refused_logins_in_one_process_hold_back_the_others_risky_logins() -> None:
+    """Process A's three accounts are refused (3 x 5 s of sshd's penalty, threshold 15): process
+    B, which learns the penalty through Redis, holds back the login of an account it never
+    logged in (one more refusal would lock the address out), while its known-good account
+    keeps running. Each with its own penalty count, B would log the new account in at once."""
+    backend = FakeBackend(connect_time=0.01)
+    async with shared_pools(2, backend) as (a, b):
+        good = Target("fake", "good", ("k",), "kh")
+        assert (await b.run(good, ["true"], acquire_timeout=10)).ok
+        backend.connect_failures = [AuthenticationFailed("denied") for _ in range(3)]
+        for bad in ("bad1", "bad2", "bad3"):
+            with pytest.raises(AuthenticationFailed):
+                await a.run(Target("fake", bad, ("k",), "kh"), ["true"], acquire_timeout=10)
+        sshd = b._sshds[("fake", 22)]
+        await eventually(lambda: sshd.penalties.score(asyncio.get_running_loop().time()) > 12)
+        with pytest.raises(PoolTimeout):
+            await b.run(Target("fake", "new", ("k",), "kh"), ["true"], acquire_timeout=1.0)
+        assert (await b.run(good, ["true"], acquire_timeout=10)).ok
