@@ -16,7 +16,9 @@ its lease:
   it, a process above the level is told to come down to it: its share (`cap`) drops at once,
   the sshd closes its idle connections (least recently used first) and its busy ones yield;
   its lease follows as they close (a lease never drops below what the process holds);
-- a lease above what a process wants is given back (down to what it holds).
+- a lease above what a process wants is kept while no other process wants more (the next
+  handshake or connection then needs no call), and given back (down to what it holds) when
+  one does.
 
 So at every moment the leases sum to at most the total, and each process holds at most its
 lease. The refused-login penalty of the sshd (`Penalties`) is kept there too: each process
@@ -38,6 +40,7 @@ static share, while the other processes, still on theirs, register theirs again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import secrets
@@ -51,7 +54,7 @@ log = logging.getLogger("sshapi.sshd_budget")
 
 TTL = 8.0  # seconds a lease outlives its process's last call
 RENEW = 1.0  # the longest pause between a process's calls
-GAP = 0.01  # the shortest pause between calls (coalescing every change meanwhile)
+GAP = 0.05  # the shortest pause between calls (coalescing every change meanwhile)
 RETRY = 1.0  # while Redis is lost: how often it is tried again
 RETURN_GRACE = 3.0  # after Redis is back: seconds within the static share
 NUDGE_EVERY = 0.2  # at most one nudge per sshd per this many seconds
@@ -112,9 +115,11 @@ local function share(kleases, kwants, total, floor, want)
     cap = new
   elseif deficit > free and mine > target then
     new, cap = target, target
-  else
+  elseif others_want then
     new = math.min(mine, want)
     cap = new
+  else
+    new, cap = mine, mine
   end
   if new < floor then new = floor end
   if cap > new then cap = new end
@@ -341,8 +346,9 @@ class RedisBudget:
                     await pipe.execute()
         except Exception as exc:
             log.info("could not give the sshd leases back (%s): they lapse in %g s", exc, self.ttl)
-        await self._redis.aclose()
-        await self._sub.aclose()
+        for client in (self._redis, self._sub):
+            with contextlib.suppress(Exception):  # a slow close must not fail the shutdown
+                await client.aclose()
 
 
 def make_coordinator(
