@@ -55,8 +55,8 @@ log = logging.getLogger("sshapi.sshd_budget")
 TTL = 8.0  # seconds a lease outlives its process's last call
 RENEW = 1.0  # the longest pause between a process's calls
 GAP = 0.05  # the shortest pause between calls (coalescing every change meanwhile)
-RETRY = 1.0  # while Redis is lost: how often it is tried again
-RETURN_GRACE = 3.0  # after Redis is back: seconds within the static share
+RETRY = 0.5  # while Redis is lost: how often it is tried again
+RETURN_GRACE = 2.0  # after Redis is back: seconds within the static share (> RETRY + a timeout)
 NUDGE_EVERY = 0.2  # at most one nudge per sshd per this many seconds
 
 # The keys of one sshd (after the prefix and the sshd's address:port), in LEASE's order.

@@ -248,6 +248,12 @@ class Sshd:
         if self.coordinator is not None:
             self.coordinator.changed(self)
 
+    def idle(self) -> None:
+        """A connection's last channel ended: accounts waiting for a turn at a full sshd may
+        have its room now (else they would wait for the next grant, close or maintenance)."""
+        if self.ring:
+            self.dispatch()
+
     def yielded(self) -> None:
         """A member retires a connection for room (see `owes_room`)."""
         self.evicting += 1

@@ -309,6 +309,8 @@ class _HostPool:
             c.expired = c.for_room = True
             self.sshd.yielded()
         self._dispatch()
+        if c.in_use == 0:
+            self.sshd.idle()
 
     def _open_conns(self) -> int:
         return sum(1 for c in self.conns if not c.expired)
