@@ -40,7 +40,7 @@ SERVICES_DIR ?= /tmp/sshapi-services-$(shell id -u)
 OPENSSH10_DIR ?= /tmp/sshapi-openssh10-$(shell id -u)
 OPENSSH10_APT ?= apt-get
 
-.PHONY: run test lint unasync python-venv sshd slurm services deploy-tools shells browser node openssh10
+.PHONY: run test test-fast lint unasync python-venv sshd slurm services deploy-tools shells browser node openssh10
 
 # Create or refresh .venv whenever pyproject.toml changes. An existing .venv keeps the interpreter
 # it was made with: remove it to move to another one.
@@ -136,6 +136,12 @@ lint: $(STAMP)
 # after editing _async.py; tests/test_unasync.py fails while the two disagree.
 unasync: $(STAMP)
 	$(VENV)/bin/python scripts/gen_sync_client.py
+
+# The fast tier: lint, then the pool, the API and the client against the rig's sshd, PostgreSQL
+# and Redis; no Slurm, browser, deploy, docs, load-suite or install tests (their markers:
+# tests/conftest.py). For the edit-test loop; `make test` (CI) runs everything.
+test-fast: $(STAMP) sshd shells services openssh10 lint
+	$(VENV)/bin/pytest -m "not full" --basetemp="$$(mktemp -d /tmp/sshapi-tests.XXXXXX)"
 
 # The whole suite: lint, then every test (SSH, API, fault and slow ones included). Each run gets
 # its own temp dir: pytest prunes /tmp/pytest-of-$USER to 3 runs, which would delete the sshd

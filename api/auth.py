@@ -265,6 +265,13 @@ class Authenticator:
             # Stored with every job and used in keys: NUL, control characters and lone
             # surrogates cannot go into PostgreSQL text or UTF-8 (they were 500s).
             raise unauthorized(f"invalid subject (printable, at most {MAX_SUBJECT} characters)")
+        if issuer.clients is not None:
+            # A token issued to another client of the same IdP (a portal's, a CLI's) is not
+            # one for this API: 401, as for a wrong audience (RFC 6750 invalid_token: the
+            # caller needs another token, not other rights).
+            client = claims.get("azp", claims.get("client_id"))
+            if not isinstance(client, str) or client not in issuer.clients:
+                raise unauthorized("token issued to a client not allowed here (azp)")
         # An issuer grants only the scopes its entry lists: another IdP cannot mint admins.
         scopes = scopes_of(claims) & frozenset(issuer.scopes)
         account = None

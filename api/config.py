@@ -26,8 +26,10 @@ NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 # everything under it. `.ssh/` holds rc (run by sshd before every command when PermitUserRC is
 # on, OpenSSH's default), authorized_keys and environment; the rest are the start-up and logout
 # files of bash, sh, zsh, csh/tcsh, ksh and fish, what Debian's and Fedora's .bashrc source
-# (.bash_aliases, .bashrc.d/), PAM's and the user manager's environment, and the files that
-# grant logins or forward mail to a program (.rhosts, .shosts, .k5login, .k5users, .forward).
+# (.bash_aliases, .bashrc.d/), PAM's and the user manager's environment, the files that
+# grant logins or forward mail to a program (.rhosts, .shosts, .k5login, .k5users, .forward),
+# and Python's user site directories (.local/lib/pythonX.Y/site-packages, every version: a
+# usercustomize.py or a .pth file there runs in every python3 the account starts).
 PROTECTED_PATHS = (
     ".ssh",
     ".bashrc",
@@ -57,6 +59,7 @@ PROTECTED_PATHS = (
     ".shosts",
     ".k5login",
     ".k5users",
+    ".local/lib",
 )
 PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 # The scopes a token can carry (api/auth.py keeps only these).
@@ -135,6 +138,10 @@ class IssuerConfig(Strict):
     # whose credentials are certificates, the caller runs as that account unless their policy
     # rule maps a fixed one. Unset: no account from tokens of this issuer.
     account_claim: str | None = Field(default=None, min_length=1, max_length=64)
+    # The OAuth clients whose tokens are accepted (the token's `azp`, or RFC 9068's `client_id`
+    # when it has no `azp`): set, a token of another client, or one naming none, is a 401.
+    # Unset: any client of this issuer whose tokens carry the audience.
+    clients: list[Annotated[str, Field(min_length=1)]] | None = Field(default=None, min_length=1)
 
     @field_validator("scopes")
     @classmethod

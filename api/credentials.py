@@ -51,6 +51,14 @@ class CertificateCredentials(Strict):
     deny_accounts: list[str] = Field(default_factory=lambda: list(DENY_ACCOUNTS))
     # A researcher's connection closes when idle this long (each account has its own).
     idle_timeout: float = Field(default=30.0, gt=0)
+    # A claimed account is looked up on the host (`getent passwd`, as `username`) before its
+    # first certificate: refused below this uid, with a nologin/false shell, or missing
+    # (api/accounts.py). Answers are kept lookup_ttl seconds, a missing account's
+    # lookup_negative_ttl; at most max_lookups run at once (503 + Retry-After beyond).
+    min_uid: int = Field(default=1000, ge=0)
+    lookup_ttl: float = Field(default=300.0, gt=0)
+    lookup_negative_ttl: float = Field(default=30.0, gt=0)
+    max_lookups: int = Field(default=4, ge=1, le=64)
     _ca: UserCA | None = PrivateAttr(default=None)
 
     @field_validator("account_pattern")

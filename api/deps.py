@@ -12,7 +12,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.routing import BaseRoute
 
 from api.auth import Principal
-from api.problems import Problem
+from api.problems import Problem, revoked
 from api.services import Services
 from api.timing import stage
 
@@ -47,10 +47,14 @@ async def authenticate(
         )
     with stage("auth"):
         who = await svc.auth.authenticate(credentials.credentials)
-    if svc.revocations.refused(who) is not None:
-        # Not 401: the token is valid; its holder has been cut off (api/revocations.py).
-        raise Problem(403, "identity-revoked", "Revoked", "an administrator revoked your access")
+    refuse_revoked(svc, who)
     return who
+
+
+def refuse_revoked(svc: Services, who: Principal) -> None:
+    """403 `identity-revoked` when a revocation refuses `who`."""
+    if svc.revocations.refused(who) is not None:
+        raise revoked()
 
 
 async def get_principal(
@@ -62,6 +66,9 @@ async def get_principal(
     (`needs_token`): that is the one place deciding which paths are public."""
     known = request.scope.get("state", {}).get(PRINCIPAL)
     if isinstance(known, Principal):
+        # Verified by api/gate.py when the headers came; FastAPI has read the body since:
+        # a revocation made meanwhile refuses it here, before the route does anything.
+        refuse_revoked(svc, known)
         return known
     return await authenticate(svc, credentials)
 

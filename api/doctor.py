@@ -102,11 +102,13 @@ def _auth_advice(name: str, host: HostConfig) -> str:
         f"sshd refused a fresh certificate for {host.username!r} (sshd's log says which of "
         f"these): the CA is not trusted (TrustedUserCAKeys must hold the public key of "
         f"{certs.ca_key}, fingerprint {certs.ca.fingerprint}); the principal is refused (the "
-        f"account {host.username!r} must exist and AuthorizedPrincipalsFile, if set, must list "
-        f"it); the clocks differ by more than 60 s (certificates are back-dated 60 s and valid "
-        f"{certs.cert_ttl:g} s: run NTP on both); source-address {certs.source_address or 'any'}"
-        " does not include this machine; or the API's address is penalised after failed logins "
-        "(OpenSSH >= 9.8 PerSourcePenalties: exempt it with PerSourcePenaltyExemptList)"
+        f"account {host.username!r} must exist, and the AuthorizedPrincipalsCommand of "
+        f"deploy/sshd_config.certificates must name it as the service account); the clocks "
+        f"differ by more than 60 s (certificates are back-dated 60 s and valid "
+        f"{certs.cert_ttl:g} s: run NTP on both); source-address "
+        f"{certs.source_address or 'any'} does not include this machine; or the API's address "
+        "is penalised after failed logins (OpenSSH >= 9.8 PerSourcePenalties: exempt it with "
+        "PerSourcePenaltyExemptList, sshd_config.tuned-9.8)"
     )
 
 

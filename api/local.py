@@ -152,7 +152,7 @@ def local_certificate_host_config(
         credentials=CertificateCredentials(kind="certificate", ca_key=Path(ca_key)),
         description="The local HPC host, each researcher as their own account (certificates)",
         limits=LOCAL_LIMITS,
-        sshd=SshdLimits(max_startups=30, per_source_max_startups=16, max_sessions=16),
+        sshd=SshdLimits(max_startups=30, max_sessions=16),
     )
 
 
@@ -175,7 +175,7 @@ def local_host_config(
         known_hosts=host.known_hosts,
         description="The embedded local HPC host (OpenSSH sshd on loopback, tuned profile)",
         limits=LOCAL_LIMITS,
-        sshd=SshdLimits(max_startups=30, per_source_max_startups=16, max_sessions=16),
+        sshd=SshdLimits(max_startups=30, max_sessions=16),
         scheduler=SchedulerConfig() if slurm else None,
     )
 

@@ -52,7 +52,7 @@ def key_id_identity(issuer: str, subject: str) -> str:
     return text
 
 
-def _account_refused(detail: str) -> Problem:
+def account_refused(detail: str) -> Problem:
     return Problem(403, "account-refused", "No account for you on this host", detail)
 
 
@@ -64,6 +64,9 @@ class Grant:
     host: HostConfig
     rule: PolicyRule
     target: Target
+    # The account is the token's claim (a certificate host), not the configuration's: it is
+    # looked up on the host before its first SSH work (api/accounts.py).
+    claimed: bool = False
 
     @property
     def shell(self) -> bool:
@@ -107,6 +110,14 @@ class Policy:
                 self._globs.append((i, rule))
             else:
                 self._literal.setdefault((rule.issuer, rule.subject), (i, rule))
+        # Per certificate host, the accounts the configuration names: its own (`username`:
+        # probes, the scheduler's tracker) and each one a rule maps. A token's claim never
+        # names them: they are the API's or the rules' to give, not the caller's to take.
+        self._configured = {
+            name: frozenset(t.username for t in self.targets(name))
+            for name, host in config.hosts.items()
+            if host.certificates is not None
+        }
 
     def rule_for(self, who: Principal) -> PolicyRule | None:
         """The first rule whose issuer and subject patterns match the caller."""
@@ -146,14 +157,18 @@ class Policy:
         # rule maps a fixed one, checked here, before any SSH work.
         if account is None:
             if who.account is None:
-                raise _account_refused(
+                raise account_refused(
                     f"host {host_name!r} runs each caller as their own account, and your token "
                     "names none (your identity provider's account claim is missing)"
                 )
             problem = certs.account_problem(who.account)
+            if problem is None and who.account in self._configured[host_name]:
+                problem = "an account this host's configuration reserves"
             if problem is not None:
-                raise _account_refused(f"the account your token names: {problem}")
-            account = Account(username=who.account)
+                raise account_refused(f"the account your token names: {problem}")
+            identity = key_id_identity(who.issuer, who.subject)
+            target = host.target(Account(username=who.account), identity)
+            return Grant(host_name, host, rule, target, claimed=True)
         identity = key_id_identity(who.issuer, who.subject)
         return Grant(host_name, host, rule, host.target(account, identity))
 

@@ -26,6 +26,7 @@ from sshpool import (
     HostKeyMismatch,
     HostUnavailable,
     NodeFailed,
+    NotAdmitted,
     PoolFull,
     PoolTimeout,
     RemoteFileFailure,
@@ -115,6 +116,12 @@ def unauthorized(detail: str, *, error: str = "invalid_token") -> Problem:
 STORE_RETRY_AFTER = 5
 
 
+def revoked() -> Problem:
+    """403 `identity-revoked`: not 401, the token is valid; its holder has been cut off
+    (api/revocations.py)."""
+    return Problem(403, "identity-revoked", "Revoked", "an administrator revoked your access")
+
+
 def store_is_down(exc: Exception) -> bool:
     """The job store cannot take the request: unreachable (refused, reset, gone) or saturated
     (SQLite "database is locked", no free store connection), as opposed to a query bug. The
@@ -143,6 +150,8 @@ SSH_ERRORS: dict[type[SSHPoolError], tuple[int, str, str]] = {
     ConnectError: (502, "connect-failed", "Could not connect to the host"),
     NodeFailed: (502, "node-failed", "The login node failed while the command ran there"),
     ConnectionLost: (502, "connection-lost", "The SSH connection dropped before the command ran"),
+    # The pool's gate (api/revocations.py `admits`): revoked after the request was admitted.
+    NotAdmitted: (403, "identity-revoked", "Revoked"),
     SSHPoolError: (502, "ssh-error", "SSH failed"),
     # Files (api/files/): the host answered an SFTP request with an error.
     RemoteNotFound: (404, "file-not-found", "No such file or directory"),

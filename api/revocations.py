@@ -13,6 +13,13 @@ account on some host (their token names it, or a policy rule maps them to it); t
 output streams end then too (`stops`: the replica wakes its followers).
 sshd cannot revoke an open connection: its certificate was checked at login. Closing the
 connections is what makes a revocation reach the host.
+
+What was admitted before a revocation starts nothing after it: the pool asks `admits` (its
+gate, `Pool.admit`) before every command and SFTP session starts, on every replica as soon as it
+knows the revocation; the request itself is checked again once its body is read
+(api/deps.py), and a transfer under way at each piece it moves (api/routes/files.py). With
+`end_running` false, the identity's running jobs are left to finish (and their connections
+open: nothing new starts on them, they close when idle).
 """
 
 from __future__ import annotations
@@ -29,6 +36,10 @@ from api.policy import Policy, key_id_identity
 from api.quota import PREFIX, REDIS_TIMEOUT
 from api.store import JobRow, Revocation, Store
 from sshpool import Pool, Target
+
+# At most this many of a revocation's jobs are being ended at once (each a kill over SSH, up to
+# the cancel wait): an account revocation may cover many identities' jobs.
+CANCELS_AT_ONCE = 16
 
 log = logging.getLogger("sshapi.revocations")
 
@@ -142,6 +153,30 @@ class Revocations:
         self._heard = asyncio.Event()
         self.known: dict[str, Revocation] = {}
         self.generation = 0  # counts the revocations that came: `stops` asks again after one
+        # What the pool's gate asks, from `known` (`_index`): revoked accounts, identities
+        # (issuer, subject) and certificate key ids.
+        self._accounts: frozenset[str] = frozenset()
+        self._identities: frozenset[tuple[str, str]] = frozenset()
+        self._key_ids: frozenset[str] = frozenset()
+
+    def _index(self) -> None:
+        """`known` changed: what the gate asks, again."""
+        revocations = self.known.values()
+        self._accounts = frozenset(r.account for r in revocations if r.account is not None)
+        self._identities = frozenset(
+            (r.issuer, r.subject)
+            for r in revocations
+            if r.issuer is not None and r.subject is not None
+        )
+        self._key_ids = frozenset(key_id_identity(*identity) for identity in self._identities)
+
+    def admits(self, target: Target, tenant: object) -> bool:
+        """The pool's gate (`Pool.admit`): may work for `tenant` (the API passes the caller's
+        identity, `Principal.key`) start on `target` now? No when the account it would run as
+        is revoked, or the identity it runs for (the tenant, or a certificate's key id)."""
+        if target.username in self._accounts or tenant in self._identities:
+            return False
+        return target.ca is None or target.identity not in self._key_ids
 
     def refused(self, who: Principal) -> Revocation | None:
         """The revocation that refuses `who`, if any."""
@@ -182,28 +217,44 @@ class Revocations:
         return closed
 
     async def _cancel_jobs(self, revocation: Revocation, everywhere: bool) -> int:
-        """Cancel the active jobs the revocation covers: all replicas', or this one's."""
+        """Cancel the active jobs the revocation covers: all replicas', or this one's;
+        CANCELS_AT_ONCE at a time."""
         owner = None
         if revocation.issuer is not None and revocation.subject is not None:
             owner = (revocation.issuer, revocation.subject)
         rows = await self.store.active_of(owner, revocation.account)
         if not everywhere:
             rows = [row for row in rows if row.replica == self.replica]
-        return sum(await asyncio.gather(*(self.cancel(row) for row in rows)))
+        turns = asyncio.Semaphore(CANCELS_AT_ONCE)
+
+        async def cancel(row: JobRow) -> bool:
+            async with turns:
+                return await self.cancel(row)
+
+        return sum(await asyncio.gather(*(cancel(row) for row in rows)))
+
+    async def _end(self, revocation: Revocation, everywhere: bool) -> Effect:
+        """Kill the jobs, then close the connections; neither when its running jobs are to
+        finish (the gate already keeps anything new from starting)."""
+        if not revocation.end_running:
+            return Effect(0, 0)
+        cancelled = await self._cancel_jobs(revocation, everywhere)
+        return Effect(cancelled, await self.close_connections(revocation))
 
     async def apply(self, revocation: Revocation) -> Effect:
         """Refuse at once here and nudge the other replicas, kill the identity's active jobs
         (all replicas': one may be down or not nudged), then close this replica's connections
         of it."""
         self.known[revocation.id] = revocation
+        self._index()
         self._came()
         if self.nudge is not None:
             await self.nudge.send()
-        cancelled = await self._cancel_jobs(revocation, everywhere=True)
-        return Effect(cancelled, await self.close_connections(revocation))
+        return await self._end(revocation, everywhere=True)
 
     async def lifted(self, revocation_id: str) -> None:
         self.known.pop(revocation_id, None)
+        self._index()
         if self.nudge is not None:
             await self.nudge.send()
 
@@ -215,17 +266,17 @@ class Revocations:
         new = [r for r in current.values() if r.id not in self.known]
         # One `apply` made during the read stays (the read may predate its row).
         self.known = {**{k: r for k, r in self.known.items() if k not in before}, **current}
+        self._index()
         if new:
             self._came()
         for revocation in new:
-            cancelled = await self._cancel_jobs(revocation, everywhere=False)
-            closed = await self.close_connections(revocation)
-            if cancelled or closed:
+            effect = await self._end(revocation, everywhere=False)
+            if effect.jobs_cancelled or effect.connections_closed:
                 log.info(
                     "revocation %s: cancelled %d job(s), closed %d connection(s)",
                     revocation.id,
-                    cancelled,
-                    closed,
+                    effect.jobs_cancelled,
+                    effect.connections_closed,
                 )
 
     def heard(self) -> None:

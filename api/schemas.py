@@ -317,3 +317,15 @@ class NodeInfo(BaseModel):
         description="`draining`: drained, commands still running there; `drained`: no "
         "connection left."
     )
+
+
+class NodeProbe(BaseModel):
+    """A login node after a probe asked by an admin."""
+
+    host: str
+    node: str
+    answered: bool = Field(
+        description="The node answered the probe (over the host's service account): a node "
+        "that was down is up again."
+    )
+    state: Literal["up", "down", "draining", "drained"]

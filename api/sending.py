@@ -36,11 +36,16 @@ class ClientStalled(Exception):
     """The client took nothing for `send_timeout` seconds."""
 
 
+class Stopped(Exception):
+    """`stop()` said so (the client's identity was revoked)."""
+
+
 class DeadlineResponse(StreamingResponse):
     """A streaming response whose client must take each SLICE within `send_timeout` seconds,
     else it ends there (see the module docstring); the body iterator is closed whatever way
     the answer ends, and `release` awaited, so what the answer holds is let go of at once (also
-    when its body never started: a generator closed before its first step runs no `finally`)."""
+    when its body never started: a generator closed before its first step runs no `finally`).
+    `stop()`, asked before each SLICE, ends it there too (a revocation: api/revocations.py)."""
 
     def __init__(
         self,
@@ -49,6 +54,7 @@ class DeadlineResponse(StreamingResponse):
         release: Callable[[], Awaitable[Any]],
         send_timeout: float,
         what: str,
+        stop: Callable[[], bool] = lambda: False,
         **kw: Any,
     ) -> None:
         super().__init__(body, **kw)
@@ -56,8 +62,11 @@ class DeadlineResponse(StreamingResponse):
         self._release = release
         self.send_timeout = send_timeout
         self.what = what
+        self._stop = stop
 
     async def _send(self, send: Send, message: dict[str, Any]) -> None:
+        if self._stop():
+            raise Stopped
         try:
             async with asyncio.timeout(self.send_timeout):
                 await send(message)
@@ -93,3 +102,6 @@ class DeadlineResponse(StreamingResponse):
             log.warning(
                 "%s: the client took nothing for %g s; answer ended", self.what, self.send_timeout
             )
+        except Stopped:
+            # Ended short of its length the same way: the identity was revoked meanwhile.
+            log.info("%s: revoked; answer ended", self.what)

@@ -4,9 +4,9 @@ every long-lived task, owned by one supervisor (api/tasks.py: one `asyncio.TaskG
 Built, in this order (closed in the reverse): the data directory's permissions, the supervisor,
 the store (its writer a task of the supervisor's; the jobs a previous run of this replica left
 active marked `lost`), the HTTP client (JWKS), the pool, the policy, the quota (Redis or local),
-the live relay, batch jobs, the job service, the file service, the pool and tracker metrics,
-then the tasks below. Objects handed in (a test's pool or store) stay the caller's to start and
-close.
+the live relay, batch jobs, the claimed accounts' lookups, the job service, the file service,
+the pool and tracker metrics, then the tasks below. Objects handed in (a test's pool or store)
+stay the caller's to start and close.
 
 The supervisor's tasks and what their death means (a death is an exception other than
 cancellation; every one is logged with its traceback):
@@ -57,6 +57,7 @@ cancels and awaits when it closes, each failure logged:
 | `job-<id>`, `batch-<id>`   | api/jobs/runner.py `Runner`: closed after the grace             |
 | a job's command and marker | awaited by the job's runner task                                |
 | `cancel-<id>`              | api/jobs/cancel.py `Cancels`                                    |
+| `account-lookup-<account>` | api/accounts.py `AccountLookups`: closed after the job service  |
 | `resolve-<id>`             | api/jobs/batch.py `BatchJobs`                                   |
 | `pub-<id>`, `live-<id>`    | api/live/hub.py `LiveHub`                                       |
 | request-scoped tasks       | the request that starts them (api/routes/files.py, api/files/)  |
@@ -80,6 +81,7 @@ from typing import Any
 
 import httpx
 
+from api.accounts import AccountLookups
 from api.auth import Authenticator, Principal
 from api.client import tls_context
 from api.config import Config, HostConfig
@@ -198,11 +200,22 @@ async def running(
         batch = BatchJobs(config, policy, the_store, the_pool, metrics, quota)
         # The relay is closed by the job service's live feeds (api/live/hub.py `LiveHub.close`).
         relay = make_relay(settings.redis_url, settings.replica)
+        lookups = AccountLookups(the_pool)
+        stack.push_async_callback(lookups.close)
         jobs = JobService(
-            config, policy, the_store, the_pool, metrics, settings.replica, batch, quota, relay
+            config,
+            policy,
+            the_store,
+            the_pool,
+            metrics,
+            settings.replica,
+            batch,
+            lookups,
+            quota,
+            relay,
         )
         stack.push_async_callback(jobs.close, settings.shutdown_grace)
-        files = FileService(config, policy, the_pool, quota, metrics)
+        files = FileService(config, policy, the_pool, quota, metrics, lookups)
         for name, host in config.hosts.items():
             # Every worker of every replica has its own pool: the host sees all of them, unless
             # they share each sshd's budget through Redis (api/sshd_budget.py). Counted over the
@@ -244,8 +257,14 @@ async def running(
             nudge,
         )
         await revocations.refresh()
+        # Nothing admitted before a revocation starts after it (the pool asks before each start).
+        the_pool.admit = revocations.admits
         await batch.start(settings.replica)
         jobs.start(supervisor)
+        for host in config.hosts.values():
+            if host.nodes:
+                # A node's health is judged over the host's own account, never a researcher's.
+                the_pool.probe_with(host.target())
         drains = NodeDrains(config, the_store, the_pool)
         await drains.refresh()  # a drain survives the restart before any job is taken
         tasks = [

@@ -12,7 +12,8 @@ What a certificate says (sshd enforces all of it):
   seconds after now: sshd checks it only when a connection authenticates, so an expiry never
   closes an open connection; the pool's max_lifetime and idle_timeout do;
 - key id `<identity>/<replica>/<serial>`: sshd logs it with every login, which ties the login
-  to the person the caller named;
+  to the person the caller named; the serial is random (64 bits, never 0), so that it names one
+  certificate across processes, replicas and restarts (a KRL revokes by serial);
 - no pty, no port, agent or X11 forwarding; `permit-user-rc` only when asked for (off: a user's
   `~/.ssh/rc` cannot run before our commands);
 - `source-address` when given: sshd accepts the certificate only from those addresses.
@@ -22,9 +23,9 @@ The signing is asyncssh's (`SSHKey.generate_user_certificate`): no hand-written 
 
 from __future__ import annotations
 
-import itertools
 import os
 import re
+import secrets
 import socket
 import time
 from collections.abc import Sequence
@@ -99,7 +100,6 @@ class UserCA:
         self.source_address = tuple(source_address)
         self.permit_user_rc = permit_user_rc
         self.replica = replica
-        self._serials = itertools.count(1)
 
     @property
     def public_key(self) -> str:
@@ -123,7 +123,7 @@ class UserCA:
         `identity` (free text without spaces or '/', e.g. a token's subject)."""
         self.check_identity(identity)
         now = time.time() if now is None else now
-        serial = next(self._serials)
+        serial = secrets.randbits(64) or 1
         # Unnamed: this process, named when it mints (a CA made before worker processes fork
         # names each worker, and their serials, apart).
         replica = self.replica or f"{socket.gethostname()}.{os.getpid()}"

@@ -12,14 +12,21 @@ Invariants of a cluster:
   fourth node to three);
 - spill: while the home node's queue for the account holds `spill_waiters` callers or more,
   a command goes to the next node in the account's ranking with a shorter queue;
-- a node is down from the failure that showed it (a connect failure, or a connection lost
-  while a probe could not reach it) until a probe succeeds; one probe per node at a time, over
-  a pooled connection of an account that uses the node (`true`, every `probe_interval` while
-  the node is up and in use; while it is down, as often as that account's breaker lets a
-  connect through): never a probe per account or per command;
-- a command that had not started (waiting for a connection or a channel) when its node failed
-  moves to another node within its deadline; one that had started ends `NodeFailed` (its
-  outcome is unknown: never re-run);
+- a node's health is judged only by its probe, never from a researcher's account: over the
+  host's own service account when one is registered (`Pool.probe_with`: `true` over its
+  pooled connection), otherwise at the SSH banner (a TCP connect that reads ``SSH-2.0-``, no
+  login). An account's failure on a node (a connect or handshake failure, a connection lost
+  before or while its command ran) only asks for a probe; whatever happens after a login is
+  that account's own (its login shell, its files) and never takes the node down for others;
+- a node is down from the probe that failed until the first probe that succeeds; one probe
+  per node at a time (callers asking meanwhile share its answer): every `probe_interval`
+  while the node is up and in use, every PROBE_TICK while it is down (at the banner while
+  the service account's breaker there lets no connect through), and when an admin asks
+  (`Pool.reprobe`, answered from the last probe when it ended less than REPROBE_SPACING ago);
+- a command that had not started (waiting for a connection or a channel, or on a channel
+  that had not reported its start yet: no marker line, no STARTED) when its node failed moves
+  to another node within its deadline; one that had reported its start ends `NodeFailed`
+  (its outcome is unknown: never re-run);
 - a drained node takes no new work; its running commands end as they would, and each of its
   connections closes when its last channel ends.
 
@@ -32,12 +39,14 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import os
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from sshpool.backends.base import SFTPSession
+from sshpool.backends.translate import describe
 from sshpool.errors import (
     AuthenticationFailed,
     CommandTimeout,
@@ -51,7 +60,7 @@ from sshpool.errors import (
     PoolTimeout,
     SSHPoolError,
 )
-from sshpool.target import Target
+from sshpool.target import Target, split_node
 
 if TYPE_CHECKING:
     from sshpool.pool import Pool
@@ -67,6 +76,11 @@ PROBE_TICK = 0.5
 PROBE_TIMEOUT = 5.0
 # The probe's tenant: its own turn on a busy node, never behind a backlog.
 PROBE_TENANT = ("sshpool", "probe")
+# An admin's re-probe within this long of the last probe's end gets that probe's answer.
+REPROBE_SPACING = 1.0
+# The most a banner probe reads before the SSH identification line (RFC 4253 allows lines
+# before it; sshd sends none).
+BANNER_MAX = 8192
 
 
 def rank(nodes: list[str], account: str) -> list[str]:
@@ -76,6 +90,11 @@ def rank(nodes: list[str], account: str) -> list[str]:
         return hashlib.blake2b(f"{node}\0{account}".encode(), digest_size=8).digest()
 
     return sorted(nodes, key=score, reverse=True)
+
+
+def _why(exc: OSError) -> str:
+    """A socket error as a probe reports it ("connection refused", not asyncio's wording)."""
+    return os.strerror(exc.errno).lower() if exc.errno else describe(exc)
 
 
 def account_key(target: Target) -> str:
@@ -89,11 +108,11 @@ class Node:
     down: bool = False
     drained: bool = False
     why_down: str = ""
-    # Node targets of the accounts that used this node, oldest first (probes and drains).
+    # Node targets of the accounts that used this node, oldest first (drains, "in use").
     members: dict[Target, None] = field(default_factory=dict)
-    # The account that last failed here: the probe of a down node goes through its pool.
-    probe_target: Target | None = None
+    # When the last probe started and ended (loop time).
     last_probe: float = 0.0
+    probe_ended: float = 0.0
     probe: asyncio.Future[bool] | None = None
     # routed (work sent here), spilled (of it, from a longer queue at the account's home),
     # failovers (work that failed here before it started and moved on), downs, probes,
@@ -104,7 +123,9 @@ class Node:
 class Cluster:
     """The nodes of one cluster (its node list and port) and their health and drain state."""
 
-    def __init__(self, nodes: tuple[str, ...]) -> None:
+    def __init__(self, nodes: tuple[str, ...], port: int = 22) -> None:
+        # What the Router keys it by: its node list and the port of nodes without one.
+        self.key = (nodes, port)
         self.nodes = {name: Node(name) for name in nodes}
         # no_node: work refused because no node was up and not drained.
         self.counters: Counter[str] = Counter()
@@ -132,9 +153,8 @@ class Cluster:
         self.nodes[best].counters["routed"] += 1
         return best
 
-    def mark_down(self, name: str, target: Target, why: str) -> None:
+    def mark_down(self, name: str, why: str) -> None:
         node = self.nodes[name]
-        node.probe_target = target
         if not node.down:
             node.down, node.why_down = True, why
             node.counters["downs"] += 1
@@ -159,6 +179,8 @@ class Router:
     def __init__(self, pool: Pool) -> None:
         self.pool = pool
         self.clusters: dict[tuple[tuple[str, ...], int], Cluster] = {}
+        # Per cluster, the service account its nodes are probed over (`probe_with`).
+        self.probers: dict[tuple[tuple[str, ...], int], Target] = {}
         self._prober: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -166,7 +188,7 @@ class Router:
         key = (target.nodes, target.port)
         cluster = self.clusters.get(key)
         if cluster is None:
-            cluster = self.clusters[key] = Cluster(target.nodes)
+            cluster = self.clusters[key] = Cluster(*key)
         if self._prober is None:
             self._prober = asyncio.create_task(self._probe_loop())
         return cluster
@@ -214,14 +236,14 @@ class Router:
                 return await attempt(node, nt, left)
             except (AuthenticationFailed, HostKeyMismatch):
                 raise  # the account's or the site's to fix: not a node failure to hide
-            except (ConnectError, ConnectTimeout) as exc:
-                cluster.mark_down(node, nt, f"{type(exc).__name__}: {exc}")
-                failed: SSHPoolError = exc
-            except ConnectionLost as exc:
-                if exc.started:
+            except (ConnectError, ConnectTimeout, ConnectionLost) as exc:
+                if isinstance(exc, ConnectionLost) and exc.started:
                     raise
-                cluster.mark_down(node, nt, f"connection lost: {exc}")
-                failed = exc
+                # Nothing ran: it moves on, and the node's own probe says whether it is down
+                # (this account's failure alone never takes it down for the others).
+                if not cluster.nodes[node].down:
+                    self._probe(cluster, node)
+                failed: SSHPoolError = exc
             except (HostUnavailable, PoolFull) as exc:
                 failed = exc  # this account's breaker or queue there: the node may be fine
             tried.add(node)
@@ -237,7 +259,11 @@ class Router:
         cluster = self.cluster(target)
 
         async def attempt(node: str, nt: Target, left: float | None) -> Any:
+            reported = False
+
             def started(pgid: int) -> None:
+                nonlocal reported
+                reported = True
                 if on_node is not None:
                     on_node(node)
                 if on_started is not None:
@@ -248,6 +274,10 @@ class Router:
             except ConnectionLost as exc:
                 if not exc.started or not await self.node_failed(cluster, node, nt):
                     raise
+                if not reported:
+                    # Its node failed before the command reported its start (the marker line,
+                    # the executor's STARTED): it moves on as work that never started.
+                    raise ConnectionLost(str(exc), started=False) from exc
                 lost = NodeFailed(
                     f"{target}: login node {node} failed while the command ran there", node
                 )
@@ -280,12 +310,34 @@ class Router:
             await ctx.__aexit__(None, None, None)
 
     async def node_failed(self, cluster: Cluster, node: str, nt: Target) -> bool:
-        """After a started command lost its connection: is its node down? One probe answers
-        every command lost there at once."""
-        cluster.nodes[node].probe_target = nt
+        """After a started command lost its connection: is its node down? Its probe answers
+        (one for every command lost there at once), never the account that lost it."""
         return not await self._probe(cluster, node)
 
     # ---- probes
+
+    def probe_with(self, target: Target) -> None:
+        """Probe the nodes of `target`'s cluster over `target`'s account (the host's own
+        service account: `true` over its pooled connection) instead of at the SSH banner."""
+        self.cluster(target)
+        self.probers[(target.nodes, target.port)] = target
+
+    async def reprobe(self, target: Target, node: str) -> bool:
+        """Probe `node` of `target`'s cluster now (the probe under way, or the last one's
+        answer when it ended less than REPROBE_SPACING ago): True when it answered. A node
+        down comes back at once when it did. KeyError: no such node."""
+        cluster = self.cluster(target)
+        if node not in cluster.nodes:
+            raise KeyError(node)
+        last = cluster.nodes[node].probe
+        now = asyncio.get_running_loop().time()
+        if (
+            last is not None
+            and last.done()
+            and now - cluster.nodes[node].probe_ended < (REPROBE_SPACING)
+        ):
+            return last.result()
+        return await self._probe(cluster, node)
 
     def _probe(self, cluster: Cluster, name: str) -> asyncio.Future[bool]:
         """The node's probe under way, or a new one: True when the node answered."""
@@ -296,32 +348,80 @@ class Router:
             node.probe.add_done_callback(self._tasks.discard)
         return node.probe
 
+    def _service(self, cluster: Cluster, name: str) -> Target | None:
+        """The service account's target on node `name`, when one is registered."""
+        service = self.probers.get(cluster.key)
+        return None if service is None else service.node_target(name)
+
     async def _probe_once(self, cluster: Cluster, name: str) -> bool:
         node = cluster.nodes[name]
-        node.last_probe = asyncio.get_running_loop().time()
-        target = node.probe_target if node.down else self._in_use(node)
-        if target is None:
-            target = node.probe_target or next(iter(node.members), None)
-        if target is None:
-            return not node.down
+        loop = asyncio.get_running_loop()
+        node.last_probe = loop.time()
         node.counters["probes"] += 1
         try:
             async with asyncio.timeout(PROBE_TIMEOUT):
-                await self.pool.run(target, ["true"], timeout=PROBE_TIMEOUT, tenant=PROBE_TENANT)
-        except (HostUnavailable, PoolTimeout, PoolFull):
-            return not node.down  # nothing tried (breaker open) or a busy node: as it was
-        except (AuthenticationFailed, HostKeyMismatch):
+                await self._ask(cluster, name)
+        except (PoolTimeout, PoolFull):
+            return not node.down  # a busy node: as it was
+        except (AuthenticationFailed, HostKeyMismatch) as exc:
+            # The node's sshd answered; the service account's login is the site's to fix.
+            log.warning("probe of login node %s: %s", name, exc)
             return not node.down
         except (ConnectError, ConnectTimeout, ConnectionLost, CommandTimeout, TimeoutError) as exc:
             node.counters["probes_failed"] += 1
-            cluster.mark_down(name, target, f"probe: {type(exc).__name__}: {exc}")
+            cluster.mark_down(name, f"probe: {type(exc).__name__}: {exc}")
             return False
+        except SSHPoolError as exc:
+            # Anything else (the executor refused `true`): the node answered; as it was.
+            log.warning("probe of login node %s: %s", name, exc)
+            return not node.down
+        finally:
+            node.probe_ended = loop.time()
         cluster.mark_up(name)
         return True
 
-    def _in_use(self, node: Node) -> Target | None:
-        """An account's target with a live connection to the node, if any (probe over it)."""
-        return next((t for t in node.members if self.pool.live(t)), None)
+    async def _ask(self, cluster: Cluster, name: str) -> None:
+        """One probe: `true` over the service account, or the SSH banner without one or while
+        the service account's breaker there lets no connect through."""
+        service = self._service(cluster, name)
+        if service is not None and (self.pool.live(service) or self.pool.may_connect(service)):
+            try:
+                await self.pool.run(
+                    service, ["true"], timeout=PROBE_TIMEOUT, tenant=PROBE_TENANT, gated=False
+                )
+                return
+            except HostUnavailable:
+                pass  # its breaker opened meanwhile: the banner says
+        await self._banner(cluster, name)
+
+    async def _banner(self, cluster: Cluster, name: str) -> None:
+        """The node's sshd sends its identification line (``SSH-2.0-...``): no login. Raises
+        ConnectError (refused, closed, not SSH) or TimeoutError."""
+        host, port = split_node(name, cluster.key[1])
+        try:
+            reader, writer = await asyncio.open_connection(host, port)
+        except OSError as exc:
+            raise ConnectError(f"{host}:{port}: {_why(exc)}") from None
+        try:
+            seen = 0
+            while seen < BANNER_MAX:
+                line = await reader.readline()
+                if not line:
+                    raise ConnectError(f"{host}:{port}: closed before the SSH banner")
+                if line.startswith((b"SSH-2.0-", b"SSH-1.99-")):
+                    return
+                seen += len(line)
+            raise ConnectError(f"{host}:{port}: no SSH banner")
+        except OSError as exc:
+            raise ConnectError(f"{host}:{port}: {_why(exc)}") from None
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+    def _in_use(self, node: Node) -> bool:
+        """Does an account hold a live connection to the node?"""
+        return any(self.pool.live(t) for t in node.members)
 
     async def _probe_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -329,15 +429,15 @@ class Router:
             await asyncio.sleep(PROBE_TICK)
             now = loop.time()
             for cluster in list(self.clusters.values()):
+                service = self.probers.get(cluster.key)
                 for node in cluster.nodes.values():
                     if node.drained or (node.probe is not None and not node.probe.done()):
                         continue
-                    if node.down and node.probe_target is not None:
-                        if self.pool.may_connect(node.probe_target):
-                            self._probe(cluster, node.name)
-                    elif not node.down and node.members:
-                        interval = next(iter(node.members)).limits.probe_interval
-                        if now - node.last_probe >= interval and self._in_use(node):
+                    if node.down:
+                        self._probe(cluster, node.name)
+                    elif node.members and self._in_use(node):
+                        limits = (service or next(iter(node.members))).limits
+                        if now - node.last_probe >= limits.probe_interval:
                             self._probe(cluster, node.name)
 
     # ---- drain

@@ -14,6 +14,7 @@ SSHPoolError
 ├── ConnectionLost     the connection dropped; `started` says whether the command may have run
 │   └── NodeFailed     a cluster's login node failed while the command ran there (started)
 ├── AgentUnavailable   agent mode: the host has no usable python3 (the pool falls back to channels)
+├── NotAdmitted        the application's gate (`Pool.admit`) refused the caller: nothing started
 └── RemoteFileError    an SFTP operation failed on the host; the connection is fine
     ├── RemoteNotFound          no such file or directory
     ├── RemotePermissionDenied  the account may not do that there
@@ -23,8 +24,9 @@ SSHPoolError
 ```
 
 The API maps PoolTimeout, PoolFull and HostUnavailable to 503 + Retry-After, ConnectTimeout to 504,
-ConnectError to 502, CommandTimeout to the job state `timed_out`, and ConnectionLost after start to
-the job state `lost`. The API maps the RemoteFileError family to 404, 403, 507, 501 and 409.
+ConnectError to 502, CommandTimeout to the job state `timed_out`, ConnectionLost after start to
+the job state `lost`, and NotAdmitted to 403 (the caller was revoked). The API maps the
+RemoteFileError family to 404, 403, 507, 501 and 409.
 """
 
 from __future__ import annotations
@@ -107,6 +109,11 @@ class ConnectionLost(SSHPoolError):
         self.started = started
         self.remote_pgid: int | None = None
         self.remote_killed = False
+
+
+class NotAdmitted(SSHPoolError):
+    """The application's gate (`Pool.admit`) refused this caller on this target, before the
+    connect, the channel, the executor's START or the SFTP session: nothing ran."""
 
 
 class NodeFailed(ConnectionLost):

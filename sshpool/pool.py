@@ -36,6 +36,9 @@ Invariants of a host pool:
   delays another's command by at most one turn (`Waiters`);
   callers without a tenant share one queue (plain FIFO among them);
 - a new caller never takes a free slot while others wait;
+- a caller the application's gate (`Pool.admit`) refuses starts nothing: it is asked when the
+  caller comes and again when its slot is granted, right before the channel opens (the
+  executor's START, the SFTP session); the pool's own work (kills, probes) is not asked;
 - len(waiters) <= limits.max_waiters, counted over all tenants;
 - an expired or dead connection takes no new lease and is closed once it has none;
 - every connection made is reported closed to the sshd once its close is done;
@@ -87,6 +90,7 @@ from sshpool.errors import (
     ConnectionLost,
     HostKeyMismatch,
     HostUnavailable,
+    NotAdmitted,
     PoolFull,
     PoolTimeout,
     RemoteFileError,
@@ -153,8 +157,15 @@ async def _kill_exec(conn: Connection, pgid: int) -> None:
 
 
 class _HostPool:
-    def __init__(self, target: Target, backend: Backend, sshd: Sshd) -> None:
+    def __init__(
+        self,
+        target: Target,
+        backend: Backend,
+        sshd: Sshd,
+        admit: Callable[[Target, Hashable], bool] = lambda target, tenant: True,
+    ) -> None:
         self.target = target
+        self.admit = admit
         self.limits = target.limits
         self.backend = backend
         self.sshd = sshd
@@ -183,6 +194,8 @@ class _HostPool:
         # Agent mode until a connection finds no usable python3 (then channels, for good).
         self.agent = target.exec_mode == "agent"
         self.agent_error: str | None = None
+        # Why this host's executors are not undumpable (no prctl there), once seen; logged once.
+        self.agent_exposed: str | None = None
         # A drained login node (sshpool.cluster): no new lease, no new connection.
         self.retired = False
 
@@ -496,13 +509,35 @@ class _HostPool:
                 len(agent.preamble),
                 agent.preamble[:200],
             )
+        exposed = agent.hello.get("exposed")
+        if exposed and self.agent_exposed is None:
+            self.agent_exposed = str(exposed)[:300]
+            log.warning(
+                "%s: the executor could not make itself undumpable (%s): commands of this "
+                "account can open its channel through /proc",
+                self.target,
+                self.agent_exposed,
+            )
         self.counters["agents_started"] += 1
         return agent, n
 
+    def _admitted(self, tenant: Hashable) -> None:
+        if not self.admit(self.target, tenant):
+            self.counters["refused_gate"] += 1
+            raise NotAdmitted(f"{self.target}: refused by the gate")
+
     async def acquire(
-        self, deadline: float | None, tenant: Hashable = None, sftp: bool = False
+        self,
+        deadline: float | None,
+        tenant: Hashable = None,
+        sftp: bool = False,
+        gated: bool = True,
     ) -> PooledConn:
-        """A slot (`sftp`: for an SFTP session, which needs a channel too), in `tenant`'s turn."""
+        """A slot (`sftp`: for an SFTP session, which needs a channel too), in `tenant`'s turn.
+        `gated`: the gate is asked now and once the slot is granted (NotAdmitted, the slot
+        given back); the pool's own kills are not gated (a revoked caller's command must die)."""
+        if gated:
+            self._admitted(tenant)
         if self.retired:
             raise HostUnavailable(f"{self.target}: node drained", 1.0)
         if not self.waiters:
@@ -526,7 +561,7 @@ class _HostPool:
         try:
             async with asyncio.timeout_at(deadline):
                 # Shielded: on timeout or cancel we decide what happens to the waiter below.
-                return await asyncio.shield(fut)
+                c = await asyncio.shield(fut)
         except BaseException as exc:
             self.sftp_waiters.discard(fut)
             if not fut.done():
@@ -542,10 +577,17 @@ class _HostPool:
                 self.counters["timeouts_queue"] += 1
                 raise PoolTimeout(f"{self.target}: no channel free before the deadline") from None
             raise
+        if gated and not self.admit(self.target, tenant):
+            # Refused while it waited: nothing starts; the slot goes to the next waiter.
+            if sftp:
+                self._end_sftp(c)
+            self._release(c)
+            self._admitted(tenant)
+        return c
 
     @contextlib.asynccontextmanager
     async def lease(
-        self, deadline: float | None, since: float, tenant: Hashable = None
+        self, deadline: float | None, since: float, tenant: Hashable = None, gated: bool = True
     ) -> AsyncIterator[Lease]:
         """A channel slot for one exec (`since`: when the caller started, for the queue time;
         `tenant`: whose turn it waits for). How the body ends decides what becomes of the slot:
@@ -556,7 +598,7 @@ class _HostPool:
         - TimeoutError (the command's timeout): the remote group is killed, then released;
         - cancelled: killed and released in the background, so the caller returns at once.
         """
-        lease = Lease(await self.acquire(deadline, tenant), since)
+        lease = Lease(await self.acquire(deadline, tenant, gated=gated), since)
         c = lease.conn
         try:
             yield lease
@@ -585,7 +627,7 @@ class _HostPool:
                         # (max_sessions < MaxSessions).
                         await _kill_exec(c.conn, pgid)
                     except (ChannelRefused, ConnectionLost):
-                        other = await self.acquire(None)
+                        other = await self.acquire(None, gated=False)
                         try:
                             await _kill_exec(other.conn, pgid)
                         finally:
@@ -599,7 +641,7 @@ class _HostPool:
 
     async def kill(self, pgid: int) -> None:
         """Kill a process group started elsewhere, on a slot of its own, within KILL_TIMEOUT."""
-        c = await self.acquire(self.loop.time() + KILL_TIMEOUT)
+        c = await self.acquire(self.loop.time() + KILL_TIMEOUT, gated=False)
         try:
             async with asyncio.timeout(KILL_TIMEOUT):
                 await _kill_exec(c.conn, pgid)
@@ -777,6 +819,10 @@ class Pool:
         self._closed = False
         # Targets with `nodes` (login-node clusters) are routed to one node's target each.
         self._router = Router(self)
+        # The application's gate: may `tenant` (what the caller passed) start SSH work on
+        # `target` now? Asked before every command and SFTP session starts (see the module's
+        # invariants); the API refuses a revoked identity or account this way (api/revocations.py).
+        self.admit: Callable[[Target, Hashable], bool] = lambda target, tenant: True
 
     async def __aenter__(self) -> Pool:
         return self
@@ -811,7 +857,9 @@ class Pool:
         name = target.backend or self.backend.name
         if name not in self._backends:
             self._backends[name] = load_backend(name)
-        host = self._hosts[target] = _HostPool(target, self._backends[name], sshd)
+        host = self._hosts[target] = _HostPool(
+            target, self._backends[name], sshd, lambda t, tenant: self.admit(t, tenant)
+        )
         lim = target.limits
         sshd.join(host, lim.max_handshakes, lim.max_total_connections)
         return host
@@ -868,6 +916,7 @@ class Pool:
         on_output: Callable[[OutputStream, bytes], None] | None = None,
         tenant: Hashable = None,
         on_node: Callable[[str], None] | None = None,
+        gated: bool = True,
     ) -> CommandResult:
         """Run `command` (argv, quoted for the remote shell, or a raw shell line) on `target`.
 
@@ -876,8 +925,10 @@ class Pool:
         tenant with a long backlog delays another tenant by at most one turn. Without a tenant,
         callers share one FIFO queue.
 
-        Raises PoolTimeout, PoolFull, HostUnavailable, ConnectTimeout, ConnectError,
-        CommandTimeout (with the partial result) or ConnectionLost(started=True). Cancelling the
+        Raises PoolTimeout, PoolFull, HostUnavailable, NotAdmitted (`admit` refused `tenant`;
+        `gated=False`: not asked, for work that ends or reads a refused caller's, such as a
+        scancel), ConnectTimeout, ConnectError, CommandTimeout (with the partial result) or
+        ConnectionLost(started=True). Cancelling the
         caller kills the remote process group. `on_started(pgid)` is called once the remote
         command runs, with its process group id (what `kill` takes).
 
@@ -908,6 +959,7 @@ class Pool:
                     on_output=on_output,
                     tenant=tenant,
                     on_node=on_node,
+                    gated=gated,
                 ),
             )
         host = await self._host(target)
@@ -917,7 +969,7 @@ class Pool:
 
         async def attempt() -> CommandResult:
             try:
-                async with host.lease(deadline, since=t0, tenant=tenant) as lease:
+                async with host.lease(deadline, t0, tenant, gated) as lease:
                     async with asyncio.timeout(timeout):
                         end = await lease.exec(command, stdin, max_output, on_started, on_output)
             except TimeoutError:
@@ -942,8 +994,9 @@ class Pool:
         ```
 
         The session takes one channel slot through the same admission as `run` (max_sessions,
-        the handshake gate, the queue with its deadline, the breaker): PoolTimeout, PoolFull,
-        HostUnavailable, ConnectTimeout, ConnectError as there. It waits in `tenant`'s turns
+        the handshake gate, the queue with its deadline, the breaker, the gate `admit`):
+        PoolTimeout, PoolFull, HostUnavailable, NotAdmitted, ConnectTimeout, ConnectError as
+        there. It waits in `tenant`'s turns
         with that tenant's commands (the API passes the caller's identity, as for its jobs): a
         tenant's backlog of sessions and commands delays another tenant by one turn at most.
         A refused channel is retried like a command's; a connection lost before the session
@@ -1016,6 +1069,18 @@ class Pool:
         """Stop new work on `node` of `target`'s cluster (its running commands finish, then
         its connections close), or with drained=False take it back. KeyError: no such node."""
         self._router.drain(target, node, drained)
+
+    def probe_with(self, target: Target) -> None:
+        """Judge the health of `target`'s cluster's nodes over `target`'s account (the host's
+        own service account, never a researcher's): `true` over its pooled connection. Without
+        it, a node is probed at its SSH banner (no login)."""
+        self._router.probe_with(target)
+
+    async def reprobe(self, target: Target, node: str) -> bool:
+        """Probe `node` of `target`'s cluster now: True when it answered (a node down is then
+        up again at once). One probe per node at a time: callers asking meanwhile, or within
+        a second of its end, share its answer. KeyError: no such node."""
+        return await self._router.reprobe(target, node)
 
     def nodes(self, target: Target) -> dict[str, dict[str, Any]]:
         """Per node of `target`'s cluster: state ("up", "down", "draining", "drained"), why it

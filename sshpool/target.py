@@ -59,8 +59,8 @@ class Limits:
     agent_start_timeout: float = 30.0
     # Login-node clusters (Target.nodes; sshpool.cluster): an account moves off its node for a
     # command while that node's queue for it holds this many waiters; a node in use is probed
-    # (`true` over a pooled connection) this often, a node marked down as soon as its breaker
-    # lets a connect through.
+    # this often (over the host's service account, `Pool.probe_with`, or at its SSH banner),
+    # a node marked down every half second.
     spill_waiters: int = 16
     probe_interval: float = 5.0
 

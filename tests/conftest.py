@@ -32,6 +32,53 @@ from sshpool.devhost import (
 )
 
 MakeHost = Callable[..., LocalHost]
+
+# The tiers. `make test-fast` runs the tests marked with none of these (the pool, the API and
+# the client against the rig's sshd); `make test`, what CI runs, runs every test. Each marker is
+# set here by rule, so a new test lands in its tier without a word: `slurm` (it uses the
+# single-node Slurm), `browser` (Chromium), `deploy` (nginx, systemd units, the deploy guide),
+# `docs` (every documented command, most a subprocess), `load` (the load suite's programs and
+# benchmarks), `install` (the Makefile's install recipes), and `slow`, set by hand on long
+# fault and load tests. `full` is added to each of them: `-m "not full"` is the fast tier.
+TIERS = {
+    "slurm": "uses the single-node Slurm (batch jobs)",
+    "browser": "renders a page in headless Chromium",
+    "deploy": "nginx, systemd units or the deploy guide",
+    "docs": "checks the commands and links of the docs",
+    "load": "runs the load suite's programs or benchmarks",
+    "install": "runs the Makefile's install recipes",
+    "slow": "a long fault or load test",
+}
+TIER_PATHS = {
+    "tests/deploy/": "deploy",
+    "tests/docs/": "docs",
+    "tests/loadtests/": "load",
+    "tests/test_makefile.py": "install",
+    "tests/api/test_api_docs_browser.py": "browser",
+}
+SLURM_FIXTURES = {"slurm", "slurm_host", "workdir"}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for name, what in TIERS.items():
+        config.addinivalue_line("markers", f"{name}: full tier: {what}")
+    config.addinivalue_line("markers", "full: in `make test` only, not in `make test-fast`")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    root = Path(str(config.rootpath))
+    for item in items:
+        where = item.path.relative_to(root).as_posix()
+        tiers = {tier for path, tier in TIER_PATHS.items() if where.startswith(path)}
+        if SLURM_FIXTURES & set(getattr(item, "fixturenames", ())):
+            tiers.add("slurm")
+        tiers.update(m.name for m in item.iter_markers() if m.name in TIERS)
+        for tier in sorted(tiers):
+            item.add_marker(getattr(pytest.mark, tier))
+        if tiers:
+            item.add_marker(pytest.mark.full)
+
+
 SLURM_CPUS = 16
 # The Makefile's OPENSSH10_DIR.
 OPENSSH10_DIR = Path(os.environ.get("OPENSSH10_DIR", f"/tmp/sshapi-openssh10-{os.getuid()}"))

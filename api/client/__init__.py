@@ -21,6 +21,7 @@ problem's fields on it.
     SshapiError
     ├── TransportError      the server could not be reached or dropped the connection (after
     │                       the retries; at once when it has never answered this client)
+    ├── UnexpectedAnswer    the server answered JSON of another shape than this client reads
     └── ProblemError        the API answered a problem: .status .type .title .detail .job_id
         ├── Unauthorized    401: no token, or not valid (expired, wrong audience...)
         ├── Forbidden       403: scope, host, raw shell line or template not allowed
@@ -75,6 +76,7 @@ if TYPE_CHECKING:
         TransportError,
         Unauthorized,
         Unavailable,
+        UnexpectedAnswer,
         raise_for_problem,
     )
     from api.client.files import (
@@ -115,7 +117,8 @@ _MODULES = {
     "errors": [
         "BY_STATUS", "Conflict", "Forbidden", "InsecureHTTPWarning", "InvalidRequest",
         "JobFailed", "NotFound", "ProblemError", "RateLimited", "SshapiError", "SSHFailed",
-        "TransportError", "Unauthorized", "Unavailable", "raise_for_problem",
+        "TransportError", "Unauthorized", "Unavailable", "UnexpectedAnswer",
+        "raise_for_problem",
     ],
     "files": ["CHUNK", "SETTLED", "Partial", "Progress", "files_path", "resumable", "settled"],
     "models": ["FINAL", "BatchOptions", "Job", "SchedulerInfo", "State", "Stream", "exit_code"],
@@ -168,6 +171,7 @@ __all__ = [
     "TransportError",
     "Unauthorized",
     "Unavailable",
+    "UnexpectedAnswer",
     "exit_code",
     "files_path",
     "job_body",

@@ -15,7 +15,20 @@ from typing import Any
 
 import httpx
 
-from api.client.base import WAIT, Event, SSEParser, _Base, _fresh, job_body
+from api.client.base import (
+    WAIT,
+    Event,
+    SSEParser,
+    _Base,
+    _fresh,
+    a_job,
+    a_listing,
+    an_object,
+    an_upload,
+    job_body,
+    jobs,
+    read_answer,
+)
 from api.client.errors import (
     Conflict,
     InvalidRequest,
@@ -119,7 +132,7 @@ class AsyncClient(_Base):
         body = job_body(host, argv, **options)
         headers = self._post_headers(idempotency_key, wait)
         response = await self.request("POST", "/v1/jobs", json=body, headers=headers)
-        return Job.model_validate(response.json())
+        return read_answer(response, a_job)
 
     async def run(
         self, host: str, argv: Sequence[str] | None = None, *, check: bool = False, **options: Any
@@ -145,18 +158,18 @@ class AsyncClient(_Base):
 
     async def get(self, job_id: str) -> Job:
         response = await self.request("GET", f"/v1/jobs/{job_id}")
-        return Job.model_validate(response.json())
+        return read_answer(response, a_job)
 
     async def list(
         self, *, state: str | None = None, host: str | None = None, limit: int = 50
     ) -> list[Job]:
         params = {k: v for k, v in {"state": state, "host": host, "limit": limit}.items() if v}
         response = await self.request("GET", "/v1/jobs", params=params)
-        return [Job.model_validate(i) for i in response.json()["items"]]
+        return read_answer(response, jobs)
 
     async def cancel(self, job_id: str) -> Job:
         response = await self.request("DELETE", f"/v1/jobs/{job_id}")
-        return Job.model_validate(response.json())
+        return read_answer(response, a_job)
 
     async def output(self, job_id: str, stream: Stream = "stdout", offset: int = 0) -> bytes:
         """A byte range of the output from `offset` (the server's read limit)."""
@@ -192,9 +205,10 @@ class AsyncClient(_Base):
                     raise TransportError(f"GET {self.url}/v1/jobs/{job_id}/output: {exc}") from exc
                 await sleep(0.2)  # dropped: resume from the offset reached
             except InvalidRequest as exc:
-                if exc.kind != "output-not-kept":
+                resume = exc.body.get("next_offset")
+                if exc.kind != "output-not-kept" or not isinstance(resume, int):
                     raise
-                offset = int(exc.body["next_offset"])
+                offset = resume
                 continue
             if final and got == 0:
                 return
@@ -259,8 +273,8 @@ class AsyncClient(_Base):
         pages = self.list_pages(host, path)
         answer = await anext(pages)
         async for more in pages:
-            answer["items"] += more["items"]
-            answer["next_cursor"] = more["next_cursor"]
+            answer.setdefault("items", []).extend(more.get("items", []))
+            answer["next_cursor"] = more.get("next_cursor")
         return answer
 
     async def list_pages(self, host: str, path: str = "~") -> AsyncIterator[dict[str, Any]]:
@@ -269,7 +283,7 @@ class AsyncClient(_Base):
         params: dict[str, Any] = {"path": path, "limit": 1000}
         while True:
             response = await self.request("GET", files_path(host), params=params)
-            answer: dict[str, Any] = response.json()
+            answer = read_answer(response, a_listing)
             yield answer
             if not answer.get("next_cursor"):
                 return
@@ -280,7 +294,8 @@ class AsyncClient(_Base):
         `mode`, `mtime`."""
         params = {"path": path, "limit": 1}
         response = await self.request("GET", files_path(host), params=params)
-        return {k: v for k, v in response.json().items() if k not in ("items", "next_cursor")}
+        entry = read_answer(response, a_listing)
+        return {k: v for k, v in entry.items() if k not in ("items", "next_cursor")}
 
     async def download(
         self,
@@ -384,8 +399,7 @@ class AsyncClient(_Base):
                 raise
             await self.mkdir(host, parent, parents=True)
             response = await self.request("PUT", files_path(host, "/content"), **put)
-        result: dict[str, Any] = response.json()
-        return result
+        return read_answer(response, an_upload)
 
     async def mkdir(self, host: str, path: str, *, parents: bool = False) -> dict[str, Any]:
         """Create a directory (409 Conflict if it exists, 404 NotFound if its parent does not).
@@ -406,8 +420,7 @@ class AsyncClient(_Base):
             if entry.get("type") != "dir":
                 raise
             return {**entry, "path": path}
-        result: dict[str, Any] = response.json()
-        return result
+        return read_answer(response, an_object)
 
     async def delete_file(self, host: str, path: str) -> None:
         """Delete a file, a symlink (not its target) or an empty directory."""

@@ -10,7 +10,20 @@ from typing import Any
 
 import httpx
 
-from api.client.base import WAIT, Event, SSEParser, _Base, _fresh, job_body
+from api.client.base import (
+    WAIT,
+    Event,
+    SSEParser,
+    _Base,
+    _fresh,
+    a_job,
+    a_listing,
+    an_object,
+    an_upload,
+    job_body,
+    jobs,
+    read_answer,
+)
 from api.client.errors import (
     Conflict,
     InvalidRequest,
@@ -114,7 +127,7 @@ class Client(_Base):
         body = job_body(host, argv, **options)
         headers = self._post_headers(idempotency_key, wait)
         response = self.request("POST", "/v1/jobs", json=body, headers=headers)
-        return Job.model_validate(response.json())
+        return read_answer(response, a_job)
 
     def run(
         self, host: str, argv: Sequence[str] | None = None, *, check: bool = False, **options: Any
@@ -140,18 +153,18 @@ class Client(_Base):
 
     def get(self, job_id: str) -> Job:
         response = self.request("GET", f"/v1/jobs/{job_id}")
-        return Job.model_validate(response.json())
+        return read_answer(response, a_job)
 
     def list(
         self, *, state: str | None = None, host: str | None = None, limit: int = 50
     ) -> list[Job]:
         params = {k: v for k, v in {"state": state, "host": host, "limit": limit}.items() if v}
         response = self.request("GET", "/v1/jobs", params=params)
-        return [Job.model_validate(i) for i in response.json()["items"]]
+        return read_answer(response, jobs)
 
     def cancel(self, job_id: str) -> Job:
         response = self.request("DELETE", f"/v1/jobs/{job_id}")
-        return Job.model_validate(response.json())
+        return read_answer(response, a_job)
 
     def output(self, job_id: str, stream: Stream = "stdout", offset: int = 0) -> bytes:
         """A byte range of the output from `offset` (the server's read limit)."""
@@ -185,9 +198,10 @@ class Client(_Base):
                     raise TransportError(f"GET {self.url}/v1/jobs/{job_id}/output: {exc}") from exc
                 sleep(0.2)  # dropped: resume from the offset reached
             except InvalidRequest as exc:
-                if exc.kind != "output-not-kept":
+                resume = exc.body.get("next_offset")
+                if exc.kind != "output-not-kept" or not isinstance(resume, int):
                     raise
-                offset = int(exc.body["next_offset"])
+                offset = resume
                 continue
             if final and got == 0:
                 return
@@ -252,8 +266,8 @@ class Client(_Base):
         pages = self.list_pages(host, path)
         answer = next(pages)
         for more in pages:
-            answer["items"] += more["items"]
-            answer["next_cursor"] = more["next_cursor"]
+            answer.setdefault("items", []).extend(more.get("items", []))
+            answer["next_cursor"] = more.get("next_cursor")
         return answer
 
     def list_pages(self, host: str, path: str = "~") -> Iterator[dict[str, Any]]:
@@ -262,7 +276,7 @@ class Client(_Base):
         params: dict[str, Any] = {"path": path, "limit": 1000}
         while True:
             response = self.request("GET", files_path(host), params=params)
-            answer: dict[str, Any] = response.json()
+            answer = read_answer(response, a_listing)
             yield answer
             if not answer.get("next_cursor"):
                 return
@@ -273,7 +287,8 @@ class Client(_Base):
         `mode`, `mtime`."""
         params = {"path": path, "limit": 1}
         response = self.request("GET", files_path(host), params=params)
-        return {k: v for k, v in response.json().items() if k not in ("items", "next_cursor")}
+        entry = read_answer(response, a_listing)
+        return {k: v for k, v in entry.items() if k not in ("items", "next_cursor")}
 
     def download(
         self,
@@ -377,8 +392,7 @@ class Client(_Base):
                 raise
             self.mkdir(host, parent, parents=True)
             response = self.request("PUT", files_path(host, "/content"), **put)
-        result: dict[str, Any] = response.json()
-        return result
+        return read_answer(response, an_upload)
 
     def mkdir(self, host: str, path: str, *, parents: bool = False) -> dict[str, Any]:
         """Create a directory (409 Conflict if it exists, 404 NotFound if its parent does not).
@@ -399,8 +413,7 @@ class Client(_Base):
             if entry.get("type") != "dir":
                 raise
             return {**entry, "path": path}
-        result: dict[str, Any] = response.json()
-        return result
+        return read_answer(response, an_object)
 
     def delete_file(self, host: str, path: str) -> None:
         """Delete a file, a symlink (not its target) or an empty directory."""

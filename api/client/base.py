@@ -6,14 +6,18 @@ from __future__ import annotations
 import json
 import random
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
+from pydantic import ValidationError
 
-from api.client.errors import _retry_after
+from api.client.errors import UnexpectedAnswer, _retry_after
+from api.client.models import Job
 from api.client.profile import _env_flag, _loopback, load_profile, paired, server_url
+
+T = TypeVar("T")
 
 RETRY_STATUS = (429, 503)
 # A connection that could not be made: nothing was sent.
@@ -57,6 +61,74 @@ def job_body(
     return body
 
 
+# The fields the client reads of each kind of event, and their types (the others it passes on).
+EVENT_FIELDS: dict[str, dict[str, type]] = {
+    "output": {"stream": str, "text": str},
+    "gap": {"stream": str, "offset": int, "next_offset": int},
+}
+
+
+def _why(exc: Exception) -> str:
+    """What is wrong with an answer, in a few words (never its content)."""
+    if isinstance(exc, ValidationError):
+        first = exc.errors()[0]
+        return f"{'.'.join(map(str, first['loc'])) or 'the answer'}: {first['msg']}"
+    if isinstance(exc, json.JSONDecodeError):
+        return "not JSON"
+    if isinstance(exc, KeyError):
+        return f"no {exc}"
+    return str(exc)[:200] or type(exc).__name__
+
+
+def read_answer(response: httpx.Response, read: Callable[[Any], T]) -> T:
+    """What `read` makes of an answer's JSON; a body of another shape (not JSON, a field
+    missing or of another type) is an UnexpectedAnswer naming the call, in one line."""
+    try:
+        return read(response.json())
+    except (ValueError, TypeError, KeyError) as exc:  # pydantic's ValidationError included
+        request = response.request
+        raise UnexpectedAnswer(
+            f"{request.method} {request.url}: {response.status_code} with an answer this "
+            f"client does not read ({_why(exc)})"
+        ) from None
+
+
+def an_object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise TypeError("not a JSON object")
+    return body
+
+
+def a_job(body: Any) -> Job:
+    return Job.model_validate(body)
+
+
+def jobs(body: Any) -> list[Job]:
+    items = an_object(body)["items"]
+    if not isinstance(items, list):
+        raise TypeError("items: not a list")
+    return [Job.model_validate(item) for item in items]
+
+
+def a_listing(body: Any) -> dict[str, Any]:
+    """A page of a directory (`items`) or one entry: each entry an object with a `type`."""
+    answer = an_object(body)
+    entries = answer.get("items", [answer])
+    if not isinstance(entries, list) or not all(
+        isinstance(e, dict) and isinstance(e.get("type"), str) for e in entries
+    ):
+        raise TypeError("not a list of entries, each with a type")
+    return answer
+
+
+def an_upload(body: Any) -> dict[str, Any]:
+    answer = an_object(body)
+    for key, kind in (("path", str), ("size", int), ("sha256", str)):
+        if not isinstance(answer.get(key), kind):
+            raise TypeError(f"{key}: not a {kind.__name__}")
+    return answer
+
+
 class SSEParser:
     """Server-Sent Events from text lines, one line at a time (comments, keep-alives skipped)."""
 
@@ -73,7 +145,16 @@ class SSEParser:
         fields, self.fields = self.fields, {}
         if "data" not in fields:
             return None
-        return Event(fields.get("event", "message"), json.loads(fields["data"]), fields.get("id"))
+        kind = fields.get("event", "message")
+        try:
+            data = an_object(json.loads(fields["data"]))
+            for key, type_ in EVENT_FIELDS.get(kind, {}).items():
+                if not isinstance(data.get(key), type_):
+                    raise TypeError(f"{key}: not a {type_.__name__}")
+        except (ValueError, TypeError) as exc:
+            why = _why(exc)
+            raise UnexpectedAnswer(f"a {kind!r} event this client does not read ({why})") from None
+        return Event(kind, data, fields.get("id"))
 
 
 def _fresh(kw: dict[str, Any]) -> dict[str, Any]:

@@ -334,7 +334,7 @@ def files_ls(
         # Each page printed as it comes: a big directory shows its first entries at once.
         for answer in c.list_pages(host, path):
             for entry in answer.get("items", [answer]):
-                name = entry.get("name") or entry["path"]
+                name = str(entry.get("name") or entry.get("path") or "")
                 if entry.get("target"):
                     name += f" -> {entry['target']}"
                 mode, size, mtime = (str(entry.get(k) or "") for k in ("mode", "size", "mtime"))
@@ -504,6 +504,11 @@ def login(
 
     try:
         found = load_profile(profile)
+        if not found.url:
+            raise SshapiError(
+                "no server URL: a login is kept for one server and its tokens go to no other; "
+                "name it first: export SSHAPI_URL=https://... (or the profile's url)"
+            )
         issuer = issuer or found.issuer
         if not issuer:
             raise SshapiError("no issuer: give --issuer, SSHAPI_ISSUER or the profile's issuer")

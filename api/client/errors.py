@@ -19,6 +19,11 @@ class TransportError(SshapiError):
     """The server could not be reached, or dropped the connection, after the retries."""
 
 
+class UnexpectedAnswer(SshapiError):
+    """The server answered, but not with the JSON this client reads (not JSON, another shape:
+    a proxy's page, another version of the API)."""
+
+
 class InsecureHTTPWarning(UserWarning):
     """A token goes over plain HTTP to another host than this one, as opted in to."""
 

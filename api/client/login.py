@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from api.client.errors import SshapiError
-from api.client.profile import _loopback
+from api.client.profile import _loopback, private
 
 if TYPE_CHECKING:
     import asyncio
@@ -264,12 +264,7 @@ def save(path: Path, login: dict[str, Any]) -> None:
 def load(path: Path) -> dict[str, Any]:
     """The login kept at `path`; refused when others may read it (as ssh refuses such a key)."""
     try:
-        mode = path.stat().st_mode
-        if mode & 0o077:
-            raise SshapiError(
-                f"{path} is readable by others (mode {mode & 0o777:o}): its tokens may have "
-                f"leaked; run `sshapi logout`, then `sshapi login` (or chmod 600 {path})"
-            )
+        private(path, f"run `sshapi logout`, then `sshapi login` (or chmod 600 {path})")
         login = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise SshapiError(f"{path}: not a login ({exc}); run `sshapi login`") from None

@@ -85,6 +85,8 @@ def load_profile(name: str | None = None, path: str | None = None) -> Profile:
         profiles = data.get("profiles", {})
         if not isinstance(profiles, dict):
             raise SshapiError(f"{file}: `profiles` must be tables [profiles.NAME]")
+        if any(isinstance(p, dict) and "token" in p for p in profiles.values()):
+            private(file, f"replace its tokens, then chmod 600 {file}")
         wanted = name or os.environ.get("SSHAPI_PROFILE") or data.get("default")
         if wanted is not None:
             if not isinstance(wanted, str) or wanted not in profiles:
@@ -138,6 +140,17 @@ def load_profile(name: str | None = None, path: str | None = None) -> Profile:
     )
 
 
+def private(path: Path, remedy: str) -> None:
+    """An SshapiError when others than its owner may read `path`, a file holding tokens (as
+    ssh refuses such a private key); `remedy` says what to do."""
+    mode = path.stat().st_mode
+    if mode & 0o077:
+        raise SshapiError(
+            f"{path} is readable by others (mode {mode & 0o777:o}): its tokens may have "
+            f"leaked; {remedy}"
+        )
+
+
 def _origin(url: str) -> tuple[str, str, int | None]:
     try:
         parsed = httpx.URL(url)
@@ -149,7 +162,14 @@ def _origin(url: str) -> tuple[str, str, int | None]:
 def paired(found: Profile, url: str | None) -> str | None:
     """The configured token for a request to `url`, or an SshapiError when it was configured for
     another server (a profile's token with SSHAPI_URL set, SSHAPI_TOKEN with another URL given):
-    a token goes to the server it was set up with, never on to another one."""
+    a token goes to the server it was set up with, never on to another one. A login that
+    names no server is refused for every one."""
+    if found.login is not None and found.token_url is None:
+        # Made by `sshapi login` before it required a server: it is for none, so for no one.
+        raise SshapiError(
+            f"the login {found.login} names no server, so its tokens go nowhere: sign in again "
+            "with the server named (SSHAPI_URL or the profile's url, then `sshapi login`)"
+        )
     if found.token is None or found.token_url is None or url is None:
         return found.token
     if _origin(found.token_url) != _origin(url):

@@ -14,6 +14,7 @@ import uuid
 from collections.abc import AsyncIterable, AsyncIterator
 from fnmatch import fnmatchcase
 
+from api.accounts import AccountLookups
 from api.auth import Principal
 from api.config import Config
 from api.files import checksum as checksums
@@ -52,10 +53,17 @@ TRANSFER_TTL = 24 * 3600.0
 
 class FileService:
     def __init__(
-        self, config: Config, policy: Policy, pool: Pool, quota: Quota, metrics: Metrics
+        self,
+        config: Config,
+        policy: Policy,
+        pool: Pool,
+        quota: Quota,
+        metrics: Metrics,
+        accounts: AccountLookups,
     ) -> None:
         self.config = config
         self.policy = policy
+        self.accounts = accounts
         self.pool = pool
         self.quota = quota
         self.metrics = metrics
@@ -81,6 +89,7 @@ class FileService:
         and during become their problems (RemoteFileError: 404/403/507/409, connection: 502)."""
         grant, roots = self.grant(who, host)
         await self.spend(who, grant)
+        await self.accounts.check(grant)
         try:
             async with self.pool.sftp(
                 grant.target,

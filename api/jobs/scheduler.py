@@ -191,8 +191,15 @@ class SlurmClient:
         self.commands = 0
 
     async def _run(
-        self, argv: str | Sequence[str], *, stdin: bytes | None = None, max_output: int = 1 << 20
+        self,
+        argv: str | Sequence[str],
+        *,
+        stdin: bytes | None = None,
+        max_output: int = 1 << 20,
+        starts: bool = False,
     ) -> CommandResult:
+        """`starts`: the command starts the owner's work (sbatch), so the pool's gate is asked
+        (a revoked owner's is refused); the others read or end it (squeue, scancel, output)."""
         self.commands += 1
         return await self.pool.run(
             self.target,
@@ -202,6 +209,7 @@ class SlurmClient:
             acquire_timeout=self.acquire_timeout,
             max_output=max_output,
             tenant=self.tenant,
+            gated=starts,
         )
 
     # ---- submit
@@ -231,7 +239,7 @@ class SlurmClient:
         argv = self._sbatch_argv(options, key)
         for attempt in (1, 2):
             try:
-                result = await self._run(argv, stdin=script.encode())
+                result = await self._run(argv, stdin=script.encode(), starts=True)
             except (ConnectionLost, CommandTimeout) as exc:
                 if isinstance(exc, ConnectionLost) and not exc.started:
                     raise  # the pool retried once already; sbatch never ran

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 
 from sqlalchemy.exc import IntegrityError
 
+from api.accounts import AccountLookups
 from api.auth import Principal
 from api.config import Config, PolicyRule
 from api.jobs.batch import BatchJobs, hold_ttl, owner_of
@@ -53,6 +54,7 @@ class JobService:
         metrics: Metrics,
         replica: str,
         batch: BatchJobs,
+        accounts: AccountLookups,
         quota: Quota | None = None,
         relay: Relay | None = None,
     ) -> None:
@@ -63,6 +65,7 @@ class JobService:
         self.quota = quota or LocalQuota()
         # Built and started by api/services.py, whose supervisor runs its trackers.
         self.batch = batch
+        self.accounts = accounts
         self.live = LiveHub(
             store.get, batch.read_bytes, self.quota, config.api.max_followers, relay
         )
@@ -156,6 +159,7 @@ class JobService:
         rule = grant.rule
         owner = who.key
         await self.quota.take(owner, rule.rate, rule.burst)
+        await self.accounts.check(grant)  # after the rate token: lookups cost the caller
         batch = body.batch.model_dump() if body.batch is not None else None
         job_id = new_id()
         # Counted before the insert so concurrent submissions see it; never active for longer

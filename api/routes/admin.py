@@ -15,6 +15,7 @@ from api.auth import MAX_SUBJECT, Principal
 from api.deps import Svc, require
 from api.problems import Problem
 from api.revocations import refusing
+from api.services import Services
 from api.store import Revocation, new_id, utcnow
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"])
@@ -35,6 +36,12 @@ class RevocationRequest(BaseModel):
         default=None, min_length=1, max_length=MAX_SUBJECT, pattern=PRINTABLE
     )
     account: str | None = Field(default=None, min_length=1, max_length=64, pattern=PRINTABLE)
+    end_running: bool = Field(
+        default=True,
+        strict=True,  # true or false, not "yes" or 1
+        description="also end its running jobs on every replica (their process groups killed) "
+        "and close its connections; false: they finish, nothing new starts",
+    )
 
     @model_validator(mode="after")
     def _one_form(self) -> RevocationRequest:
@@ -50,6 +57,7 @@ class RevocationOut(BaseModel):
     issuer: str | None
     subject: str | None
     account: str | None
+    end_running: bool
     created_at: datetime
     created_by: str
 
@@ -57,6 +65,10 @@ class RevocationOut(BaseModel):
 class RevocationDone(RevocationOut):
     jobs_cancelled: int = Field(description="active jobs of the identity cancelled (all replicas)")
     connections_closed: int = Field(description="pooled connections closed by this replica")
+    known: bool = Field(
+        description="the API knows it: the job store holds a job of the identity (or run as the "
+        "account), or the configuration names the account; false: recorded all the same"
+    )
 
 
 def _out(r: Revocation) -> RevocationOut:
@@ -66,6 +78,7 @@ def _out(r: Revocation) -> RevocationOut:
         issuer=r.issuer,
         subject=r.subject,
         account=r.account,
+        end_running=r.end_running,
         created_at=r.created_at,
         created_by=by,
     )
@@ -85,6 +98,7 @@ async def revoke(body: RevocationRequest, svc: Svc, who: Admin) -> RevocationDon
         created_at=utcnow(),
         created_by_iss=who.issuer,
         created_by_sub=who.subject,
+        end_running=body.end_running,
     )
     if refusing([revocation], who, svc.policy) is not None:
         # Else the last admin who may lift it could lock themselves out.
@@ -100,7 +114,23 @@ async def revoke(body: RevocationRequest, svc: Svc, who: Admin) -> RevocationDon
         **_out(revocation).model_dump(),
         jobs_cancelled=effect.jobs_cancelled,
         connections_closed=effect.connections_closed,
+        known=await _known(svc, revocation),
     )
+
+
+async def _known(svc: Services, revocation: Revocation) -> bool:
+    """Whether the API knows whom it revoked (a name misspelt, or not yet used: recorded all
+    the same, an admin may revoke ahead): an account the configuration names (a host's or a
+    policy rule's) or one a job ran as; an identity that submitted a job. Within the job
+    store's retention: an identity whose jobs were all pruned is unknown again."""
+    if revocation.account is not None:
+        names = {t.username for h in svc.config.hosts for t in svc.policy.targets(h)}
+        if revocation.account in names:
+            return True
+    owner = None
+    if revocation.issuer is not None and revocation.subject is not None:
+        owner = (revocation.issuer, revocation.subject)
+    return await svc.store.seen(owner, revocation.account)
 
 
 @router.get("/revocations", summary="The revocations in force")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, Header, Query, Request, Response
@@ -16,7 +16,7 @@ from starlette.requests import ClientDisconnect
 from api.deps import FileReader, FileWriter, Svc
 from api.files import MAX_PATH
 from api.numbers import read_count
-from api.problems import MEDIA_TYPE, Problem
+from api.problems import MEDIA_TYPE, Problem, revoked
 from api.sending import DeadlineResponse
 
 router = APIRouter(prefix="/v1/hosts/{host}/files", tags=["files"])
@@ -96,6 +96,8 @@ async def download(
         release=download.aclose,
         send_timeout=svc.settings.send_timeout,
         what="download",
+        # A revocation ends it before its next piece, on whichever replica serves it.
+        stop=svc.revocations.stops(who),
         status_code=download.status,
         headers=download.headers,
         media_type="application/octet-stream",
@@ -127,18 +129,20 @@ async def upload(
 ) -> dict[str, Any]:
     # Read from the request, not declared as a parameter: the server validated it already.
     declared = read_count(request.headers.get("content-length", ""), saturate=True)
-    uploaded = await svc.files.upload(
-        who, host, path, _body(request), declared, if_match, if_none_match
-    )
+    body = _body(request, svc.revocations.stops(who))
+    uploaded = await svc.files.upload(who, host, path, body, declared, if_match, if_none_match)
     response.status_code = 200 if uploaded.replaced else 201
     response.headers["ETag"] = uploaded.etag
     return {"path": path, "size": uploaded.size, "sha256": uploaded.sha256}
 
 
-async def _body(request: Request) -> AsyncIterator[bytes]:
-    """The request's body as it arrives; a client that goes away midway is a 400."""
+async def _body(request: Request, stop: Callable[[], bool]) -> AsyncIterator[bytes]:
+    """The request's body as it arrives; a client that goes away midway is a 400, one revoked
+    midway (`stop`) a 403 at its next piece (the temporary file is removed: nothing lands)."""
     try:
         async for data in request.stream():
+            if stop():
+                raise revoked()
             yield data
     except ClientDisconnect:
         raise Problem(400, "client-disconnected", "The upload was cut off") from None

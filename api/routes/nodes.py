@@ -1,6 +1,10 @@
 """Admin: drain a login node of a host with several (`POST /v1/admin/hosts/{host}/nodes/{node}/
 drain`) and take it back (`.../undrain`). A drained node takes no new work on any replica; its
-running commands end as they would and its connections close as their last channel ends."""
+running commands end as they would and its connections close as their last channel ends.
+`.../probe` probes the node now on this replica (over the host's service account): a node down
+is up again when it answers. One probe per node at a time: concurrent asks, and asks within a
+second of its end, share its answer (sshpool's `Pool.reprobe`), so the endpoint never adds
+logins to the node's sshd faster than that."""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ from api.auth import Principal
 from api.config import HostConfig
 from api.deps import Svc, require
 from api.problems import Problem
-from api.schemas import NodeInfo
+from api.schemas import NodeInfo, NodeProbe
 from api.services import Services
 
 router = APIRouter(prefix="/v1/admin/hosts", tags=["admin"])
@@ -53,3 +57,13 @@ async def drain(host: HostName, node: NodeName, who: Admin, svc: Svc) -> NodeInf
 )
 async def undrain(host: HostName, node: NodeName, who: Admin, svc: Svc) -> NodeInfo:
     return await _set(svc, who, host, node, False)
+
+
+@router.post(
+    "/{host}/nodes/{node}/probe", response_model=NodeProbe, summary="Probe a login node now"
+)
+async def probe(host: HostName, node: NodeName, who: Admin, svc: Svc) -> NodeProbe:
+    target = _node(svc, host, node).target()
+    answered = await svc.pool.reprobe(target, node)
+    state = svc.pool.nodes(target)[node]["state"]
+    return NodeProbe(host=host, node=node, answered=answered, state=state)

@@ -31,6 +31,7 @@ from sqlalchemy import (
     Table,
     Text,
     UniqueConstraint,
+    true,
 )
 
 from api.states import ACTIVE
@@ -118,6 +119,8 @@ REVOCATIONS = Table(
     # Who revoked: the admin's issuer and subject.
     Column("created_by_iss", String(512), nullable=False),
     Column("created_by_sub", String(512), nullable=False),
+    # Whether every replica also ends its running jobs (false: they finish; nothing new starts).
+    Column("end_running", Boolean, nullable=False, server_default=true()),
 )
 
 
@@ -132,6 +135,7 @@ class Revocation:
     created_at: datetime
     created_by_iss: str
     created_by_sub: str
+    end_running: bool = True
 
 
 # Login nodes an admin drained (POST /v1/admin/hosts/{host}/nodes/{node}/drain): no new work

@@ -397,13 +397,15 @@ class Store:
 
     async def active_of(self, owner: tuple[str, str] | None, account: str | None) -> list[JobRow]:
         """Active jobs of an identity, or run as an account (their target is `account@...`)."""
-        c = JOBS.c
-        query = select(*LISTED).where(c.state.in_(ACTIVE))
-        if owner is not None:
-            query = query.where(c.owner_iss == owner[0], c.owner_sub == owner[1])
-        if account is not None:
-            query = query.where(c.target.startswith(f"{account}@", autoescape=True))
+        query = select(*LISTED).where(JOBS.c.state.in_(ACTIVE), *_of(owner, account))
         return await self._rows(query)
+
+    async def seen(self, owner: tuple[str, str] | None, account: str | None) -> bool:
+        """Whether the store holds any job (in any state, within its retention) of an
+        identity, or run as an account."""
+        query = select(JOBS.c.id).where(*_of(owner, account)).limit(1)
+        async with self._started().connect() as conn:
+            return (await conn.execute(query)).first() is not None
 
     # ---- drained login nodes (rare writes: outside the job writer, one statement each)
 
@@ -430,6 +432,17 @@ class Store:
         query = select(NODE_DRAINS.c.host, NODE_DRAINS.c.node)
         async with self._started().connect() as conn:
             return {(r.host, r.node) for r in await conn.execute(query)}
+
+
+def _of(owner: tuple[str, str] | None, account: str | None) -> list[Any]:
+    """The conditions on JOBS of an identity's jobs, or of those run as an account."""
+    c = JOBS.c
+    conditions: list[Any] = []
+    if owner is not None:
+        conditions += [c.owner_iss == owner[0], c.owner_sub == owner[1]]
+    if account is not None:
+        conditions.append(c.target.startswith(f"{account}@", autoescape=True))
+    return conditions
 
 
 def _fields(revocation: Revocation) -> dict[str, Any]:

@@ -57,11 +57,20 @@ SOURCE = resources.files(__package__).joinpath("executor.py").read_bytes()
 # Read exactly the executor's source (its length is argv[1]) and run it. The pool sends nothing
 # else until the executor's HELLO, so the buffered read takes no byte of a frame.
 BOOTSTRAP = "import sys;exec(sys.stdin.buffer.read(int(sys.argv[1])))"
+# Isolated (-I: no PYTHON* variables, no user site, not the home directory on sys.path; 3.4+)
+# and without site (-S: no sitecustomize, usercustomize or .pth file): nothing the account's
+# files hold runs in the executor, whatever a token with only files scopes wrote there.
+ISOLATED = ("-I", "-S")
+
+
+def launch_argv(python: str, max_jobs: int) -> list[str]:
+    """The executor's command line: the bootstrap under `python`, isolated."""
+    return [python, *ISOLATED, "-c", BOOTSTRAP, str(len(SOURCE)), str(max_jobs)]
 
 
 def launch_line(python: str, max_jobs: int) -> str:
-    """The line the login shell runs: the bootstrap under `python`, in place of the shell."""
-    return "exec " + command_line([python, "-c", BOOTSTRAP, str(len(SOURCE)), str(max_jobs)])
+    """The line the login shell runs: the executor, in place of the shell."""
+    return "exec " + command_line(launch_argv(python, max_jobs))
 
 
 class _Job:

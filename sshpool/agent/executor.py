@@ -19,7 +19,12 @@
 # - a malformed or oversized frame is answered with a PROTO frame and skipped; the executor
 #   never trusts a length it has not bounded and never dies of a bad request;
 # - when its channel closes (EOF or error on stdin, TERM or HUP), it kills every group it
-#   started and exits.
+#   started and exits;
+# - it runs isolated (`python3 -I -S`: no site, no user site, no PYTHON* variables, not the
+#   home directory on sys.path), so no file the account's files hold runs inside it, and it
+#   makes itself undumpable first thing, so the account's commands cannot open its stdin and
+#   stdout through /proc/<pid>/fd (nor ptrace it); their own programs are dumpable again
+#   after execve, as the kernel resets the flag there.
 import errno
 import json
 import os
@@ -45,6 +50,7 @@ OUTBUF_HIGH = 1 << 20  # stop reading commands while this much waits for the cha
 STDIN_MAX = 64 << 20  # stdin buffered for one command that does not read it
 GRACE = 1.0  # seconds between TERM and KILL
 LINGER = 0.5  # after KILL, seconds until pipes held open by a detached process are closed
+PR_SET_DUMPABLE = 4  # linux/prctl.h
 
 
 class Job(object):
@@ -70,8 +76,9 @@ class Job(object):
 
 
 class Executor(object):
-    def __init__(self, max_jobs):
+    def __init__(self, max_jobs, exposed=None):
         self.max_jobs = max_jobs
+        self.exposed = exposed
         self.sel = selectors.DefaultSelector()
         self.jobs = {}
         self.by_fd = {}
@@ -405,6 +412,7 @@ class Executor(object):
                 "window": WINDOW,
                 "max_frame": MAX_FRAME,
                 "python": sys.version.split()[0],
+                "exposed": self.exposed,
             },
         )
         while not self.closing:
@@ -487,6 +495,20 @@ def drain(fd):
         pass
 
 
+def undumpable():
+    """Make this process undumpable (Linux: /proc/<pid>/fd then belongs to root and ptrace is
+    refused to the account); None when done, else why not (another kernel, no ctypes)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+            return "prctl: %s" % os.strerror(ctypes.get_errno())
+    except (ImportError, OSError, AttributeError) as exc:
+        return "prctl unavailable: %s" % (exc,)
+    return None
+
+
 def login_shell():
     try:
         shell = pwd.getpwuid(os.getuid()).pw_shell
@@ -496,8 +518,9 @@ def login_shell():
 
 
 def main():
+    exposed = undumpable()
     max_jobs = int(sys.argv[2]) if len(sys.argv) > 2 else 32
-    Executor(max_jobs).run()
+    Executor(max_jobs, exposed).run()
 
 
 if __name__ == "__main__":

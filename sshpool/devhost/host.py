@@ -37,7 +37,11 @@ this package), minus keywords the installed sshd is too old to know.
 
 ``researchers=True`` (root only) runs sshd as root, as a site's is, so that it logs in the host
 account and the rig's researcher accounts too (``sshpool.devhost.accounts``: ``sshapi-r0001``...,
-each with its key in its own ``~/.ssh/authorized_keys``): one sshd, many accounts.
+each with its key in its own ``~/.ssh/authorized_keys``): one sshd, many accounts. Its
+certificates are trusted through the shipped Match block (``CERTIFICATES_CONFIG``:
+deploy/sshd_config.certificates, line for line, with the rig's addresses, CA file, principals
+command and account put in: ``certificate_block``), so what is tested is what sites get. An
+unprivileged sshd (logging in only its own account) trusts the CA for that account, globally.
 
 ``stop()`` ends only the sshd listener, as ``systemctl restart ssh`` does: established connections
 and their commands live on (each is its own sshd process) until the client closes them.
@@ -70,8 +74,20 @@ from sshpool.target import Limits, Target
 Profile = Literal["stock", "tuned"]
 
 # The tuned profile's settings, shipped inside the package (a symlink to the repository's
-# top-level sshd_config.tuned in a checkout, the file itself in a wheel).
+# top-level sshd_config.tuned in a checkout, the file itself in a wheel). Its drop-ins for newer
+# sshd sit beside it as `sshd_config.tuned-X.Y`, applied when sshd >= X.Y.
 TUNED_CONFIG = Path(__file__).with_name("sshd_config.tuned")
+# The certificate Match block sites append to sshd_config, and its principals command (symlinks
+# to deploy/ in a checkout, like TUNED_CONFIG).
+CERTIFICATES_CONFIG = Path(__file__).with_name("sshd_config.certificates")
+PRINCIPALS_COMMAND = Path(__file__).with_name("sshapi-principals")
+# The service account CERTIFICATES_CONFIG names, replaced by the host's.
+EXAMPLE_SERVICE_ACCOUNT = "svc-sshapi"
+# Where a root sshd of the rig runs PRINCIPALS_COMMAND from: sshd runs it only from a path whose
+# every directory only root may write (not /tmp, where data dirs usually are).
+PRINCIPALS_INSTALLED = Path("/run/sshapi-devhost/sshapi-principals")
+# The API's addresses as the rig's certificate block names them: the API runs on this machine.
+RIG_API_ADDRESSES = "127.0.0.0/8,::1"
 # The account sshd runs as (and logs in) when we are root.
 ACCOUNT = "sshapi-hpc"
 ACCOUNT_SHELL = "/bin/sh"
@@ -149,21 +165,69 @@ def parse_sshd_config(text: str) -> list[tuple[str, str]]:
     return settings
 
 
+def tuned_files(version: tuple[int, int], path: Path = TUNED_CONFIG) -> list[Path]:
+    """``path`` and, in version order, its drop-ins ``<name>-X.Y`` that sshd ``version`` is new
+    enough for (sshd refuses to start on a keyword it does not know)."""
+    dropins: list[tuple[tuple[int, int], Path]] = []
+    for dropin in path.parent.glob(f"{path.name}-*"):
+        match = re.fullmatch(r"(\d+)\.(\d+)", dropin.name.removeprefix(f"{path.name}-"))
+        if match is not None:
+            dropins.append(((int(match.group(1)), int(match.group(2))), dropin))
+    return [path, *(dropin for since, dropin in sorted(dropins) if version >= since)]
+
+
 def tuned_settings(
     version: tuple[int, int] | None = None, path: Path = TUNED_CONFIG
 ) -> tuple[list[tuple[str, str]], list[str]]:
-    """The settings of the tuned config ``path`` that sshd ``version`` (default: the installed
-    sshd's) knows, and the keywords left out."""
+    """The settings of the tuned config ``path`` and its drop-ins that sshd ``version``
+    (default: the installed sshd's) knows, and the keywords left out."""
     current = version if version is not None else sshd_version()
     kept: list[tuple[str, str]] = []
     skipped: list[str] = []
-    for keyword, args in parse_sshd_config(path.read_text()):
+    text = "".join(f.read_text() for f in tuned_files(current, path))
+    for keyword, args in parse_sshd_config(text):
         needed = KEYWORD_MIN_VERSION.get(keyword.lower())
         if needed is not None and current < needed:
             skipped.append(keyword)
         else:
             kept.append((keyword, args))
     return kept, skipped
+
+
+def certificate_block(
+    *, addresses: str, ca_keys: str, command: str, service: str, path: Path = CERTIFICATES_CONFIG
+) -> list[str]:
+    """The setting lines of the shipped certificate Match block ``path`` (comments dropped),
+    with a site's values put in: the API's ``addresses``, the CA's public key file ``ca_keys``,
+    the principals ``command``'s path and the ``service`` account. Every other word as shipped."""
+    lines: list[str] = []
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        keyword, *words = line.split()
+        match keyword.lower():
+            case "match":
+                words = ["Address", addresses]
+            case "trustedusercakeys":
+                words = [ca_keys]
+            case "authorizedprincipalscommand":
+                args = (service if w == EXAMPLE_SERVICE_ACCOUNT else w for w in words[1:])
+                words = [command, *args]
+        lines.append(" ".join([keyword, *words]))
+    return lines
+
+
+def install_principals_command(target: Path = PRINCIPALS_INSTALLED) -> Path:
+    """PRINCIPALS_COMMAND copied where a root sshd runs it (root-owned, 0755), atomically: rig
+    processes running side by side write the same bytes."""
+    target.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    os.chmod(target.parent, 0o755)
+    staging = target.with_name(f".{target.name}.{os.getpid()}")
+    staging.write_bytes(PRINCIPALS_COMMAND.read_bytes())
+    os.chmod(staging, 0o755)
+    os.replace(staging, target)
+    return target
 
 
 # --------------------------------------------------------------------------------------------
@@ -402,6 +466,11 @@ class LocalHost:
         return str(self._client_dir / "user_ca")
 
     @property
+    def ca_keys_path(self) -> Path:
+        """The user CA's public key as sshd reads it (TrustedUserCAKeys)."""
+        return self._sshd_dir / "trusted_user_ca_keys"
+
+    @property
     def host_pattern(self) -> str:
         """How known_hosts names this host: ``[address]:port`` unless the port is 22."""
         return self._address if self._port == 22 else f"[{self._address}]:{self._port}"
@@ -493,8 +562,10 @@ class LocalHost:
         else:
             put("AuthorizedKeysFile", str(sshd / "authorized_keys"))
             put("AllowUsers", self.username)
-        # Certificates of the rig's user CA, principals = the account (no principals file).
-        put("TrustedUserCAKeys", str(sshd / "trusted_user_ca_keys"))
+        if not self.researchers:
+            # Certificates of the rig's user CA, principals = the account (no principals file);
+            # a root sshd trusts them through the shipped Match block (render_config).
+            put("TrustedUserCAKeys", str(self.ca_keys_path))
         put("PubkeyAuthentication", "yes")
         put("PasswordAuthentication", "no")
         put("KbdInteractiveAuthentication", "no")
@@ -542,7 +613,19 @@ class LocalHost:
                 f"{', '.join(self.skipped_settings)}"
             )
         lines += [f"{keyword} {value}" for keyword, value in self.settings()]
+        if self.researchers:
+            # Last: a Match block lasts to the end of the file.
+            lines += self.certificate_lines()
         return "\n".join(lines) + "\n"
+
+    def certificate_lines(self) -> list[str]:
+        """The shipped certificate Match block as this host runs it (``researchers`` hosts)."""
+        return certificate_block(
+            addresses=RIG_API_ADDRESSES,
+            ca_keys=str(self.ca_keys_path),
+            command=str(PRINCIPALS_INSTALLED),
+            service=self.username,
+        )
 
     def effective_config(self) -> dict[str, str]:
         """sshd's own view of the configuration (``sshd -T``), keywords lower-case. Keywords
@@ -750,7 +833,7 @@ class LocalHost:
         os.chmod(user_ca, 0o600)
 
         (self._sshd_dir / "authorized_keys").write_text(_public_key(client_key) + "\n")
-        (self._sshd_dir / "trusted_user_ca_keys").write_text(_public_key(user_ca) + "\n")
+        self.ca_keys_path.write_text(_public_key(user_ca) + "\n")
         if not self._known_hosts_has_entry():
             self._write_known_hosts()
         self.config_path.write_text(self.render_config())
@@ -758,6 +841,7 @@ class LocalHost:
         if self.researchers:
             # A root sshd's privilege separation directory (systemd's unit makes it on a host).
             Path(PRIVSEP_DIR).mkdir(mode=0o755, exist_ok=True)
+            install_principals_command()
         self._chown_sshd_files()
         self._make_traversable()
 

@@ -177,7 +177,7 @@ def startup_files(tuned_host: LocalHost) -> Iterator[Path]:
     """The account's home, its start-up files as found put back afterwards (whatever a broken
     API did to them), and whatever a test created among them removed."""
     home = Path(tuned_host.account.home)
-    watched = [".ssh", ".bashrc", ".profile", ".config"]
+    watched = [".ssh", ".bashrc", ".profile", ".config", ".local"]
     saved = {n: (home / n).read_bytes() for n in watched if (home / n).is_file()}
     absent = [n for n in watched if not (home / n).exists() and not (home / n).is_symlink()]
     try:
@@ -246,6 +246,29 @@ async def test_a_templates_only_identity_cannot_plant_startup_files(
     # What is not a start-up file stays writable (the root is the whole home).
     assert (await tpl.put(f"{tpl.dir}/notes.txt", b"ok")).status_code == 201
     assert (await tpl.put(f"{tpl.dir}/.bashrc", b"not the home's")).status_code == 201
+
+
+async def test_a_files_only_token_cannot_plant_code_in_pythons_user_site(
+    tpl: Caller, startup_files: Path
+) -> None:
+    """A token with files scopes only and the whole home as its root cannot put a
+    usercustomize.py or a .pth file into a Python user site (any version: each would run in
+    every python3 the account starts), neither directly, nor by making the directories, nor by
+    moving a directory that brings them: 403 `protected-path`; ~/.local beside it stays
+    writable."""
+    home = startup_files
+    for version in ("3.6", "3.11", "3.13"):
+        site = f"~/.local/lib/python{version}/site-packages"
+        assert refused(await tpl.put(f"{site}/usercustomize.py", HARMLESS)), version
+        assert refused(await tpl.put(f"{site}/sshapi.pth", HARMLESS)), version
+    assert refused(await tpl.mkdir("~/.local/lib"))
+    assert (await tpl.mkdir(f"{tpl.dir}/local")).status_code == 201
+    assert (await tpl.mkdir(f"{tpl.dir}/local/lib")).status_code == 201
+    assert refused(await tpl.move(f"{tpl.dir}/local", "~/.local"))
+    assert (await tpl.mkdir("~/.local")).status_code in (201, 409)
+    assert refused(await tpl.move(f"{tpl.dir}/local/lib", "~/.local/lib"))
+    assert not list(home.glob(".local/lib/python3.*/site-packages/usercustomize.py"))
+    assert (await tpl.put("~/.local/notes.txt", b"ok")).status_code == 201
 
 
 async def test_move_and_delete_never_widen_or_remove_a_root(

@@ -9,13 +9,16 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
 from api.config import HostConfig
 from sshpool.devhost import LocalCluster, LocalHost, LocalSlurm
+from sshpool.devhost.accounts import Account
 from tests.api.api_helpers import (
+    LOCAL_ISS,
     Api,
     Keys,
     config_toml,
@@ -24,6 +27,7 @@ from tests.api.api_helpers import (
     replicas,
     running_api,
 )
+from tests.sshpool.test_cluster_health import ATTACKS, OTHER_JOBS, TRIGGER, hostile_accounts
 
 NAME = "hpc"
 
@@ -249,3 +253,98 @@ def test_a_host_has_a_hostname_or_well_formed_nodes(
     base = {"username": "u", "client_keys": ["k"], "known_hosts": "kh"}
     with pytest.raises(ValidationError, match=message):
         HostConfig.model_validate(base | fields)
+
+
+async def test_an_admin_re_probes_a_node_and_a_node_back_up_is_up_at_once(
+    api: Api, nodes: LocalCluster
+) -> None:
+    """`POST .../probe`: admin only, 404s as the drain's; a node killed answers `false` and is
+    down, started again it answers `true` and is up at once (the probe over the host's own
+    account, whatever the breakers of the accounts that failed there)."""
+    home = str((await run(api, ["true"]))["node"])
+    url = f"{api.url}/v1/admin/hosts/{NAME}/nodes/{home}/probe"
+    assert (await api.client.post(url, headers=api.auth("anyhost"))).status_code == 403
+    for wrong, kind in (
+        (url.replace(f"/hosts/{NAME}/", "/hosts/nope/"), "host-not-found"),
+        (url.replace(f"/nodes/{home}/", "/nodes/10.9.9.9/"), "node-not-found"),
+    ):
+        r = await api.client.post(wrong, headers=admin(api))
+        assert r.status_code == 404 and r.json()["type"].endswith(kind)
+    r = await api.client.post(url, headers=admin(api))
+    assert r.status_code == 200
+    assert r.json() == {"host": NAME, "node": home, "answered": True, "state": "up"}
+    victim = next(n for n in nodes.nodes if n.address == home)
+    victim.stop(kill_sessions=True)
+    # The next job finds the node dead and goes elsewhere; the node's probe says it is down.
+    assert (await run(api, ["true"]))["node"] != home
+    r = await api.client.post(url, headers=admin(api))
+    assert r.json()["answered"] is False and r.json()["state"] == "down"
+    victim.start()
+    await asyncio.sleep(1.1)  # past the last probe's spacing: this one is fresh
+    r = await api.client.post(url, headers=admin(api))
+    assert r.json() == {"host": NAME, "node": home, "answered": True, "state": "up"}
+    assert (await run(api, ["true"]))["node"] == home
+
+
+@pytest.fixture
+def accounts(tmp_path: Path) -> Iterator[list[Account]]:
+    with hostile_accounts(tmp_path) as made:
+        yield made
+
+
+async def test_a_researchers_login_shell_takes_no_node_down_through_the_api(
+    accounts: list[Account],
+    tuned_host: LocalHost,
+    secret_file: Path,
+    secret: str,
+    keys: Keys,
+    tmp_path: Path,
+) -> None:
+    """Issue 38 N1 through the API: three login nodes, each researcher as their own account
+    (certificates); the attacker's `~/.bashrc` kills its own session on a trigger word and
+    stalls `true`. Its jobs fail, its own; the nodes are probed over the host's own account
+    and stay up; the other researchers' jobs all succeed."""
+    attacker, *others = (a.name for a in accounts)
+    with LocalCluster("cert", 3, "stock", data_dir=tmp_path / "rig", researchers=True) as c:
+        host = f"""
+[hosts.{NAME}]
+nodes = {list(c.addresses)!r}
+port = {c.port}
+username = "{c.username}"
+known_hosts = "{c.known_hosts}"
+[hosts.{NAME}.credentials]
+kind = "certificate"
+ca_key = "{c.nodes[0].user_ca_key}"
+""".replace("'", '"')
+        text = config_toml(tuned_host, secret_file, keys, host)
+        text = text.replace('hosts = ["local", "tiny", "down"]', f'hosts = ["local", "{NAME}"]')
+        issuer = f'[[issuers]]\nissuer = "{LOCAL_ISS}"\n'
+        text = text.replace(issuer, issuer + 'account_claim = "preferred_username"\n', 1)
+        path = tmp_path / "sshapi.toml"
+        path.write_text(text)
+        settings = make_settings(tmp_path, path, "sqlite", None)
+        async with running_api(settings, keys, secret) as api:
+
+            async def job(sub: str, account: str, argv: list[str]) -> dict[str, Any]:
+                token = api.token(sub, preferred_username=account)
+                r = await api.client.post(
+                    f"{api.url}/v1/jobs",
+                    json={"host": NAME, "argv": argv},
+                    headers={"Authorization": f"Bearer {token}", "Prefer": "wait=30"},
+                )
+                assert r.status_code in (200, 201), r.text
+                return r.json()  # type: ignore[no-any-return]
+
+            for _ in range(ATTACKS):
+                hit = await job("mallory", attacker, ["echo", TRIGGER])
+                assert hit["state"] in ("lost", "error"), hit
+            done = await asyncio.gather(
+                *(
+                    job(f"sub-{account}", account, ["echo", "ok"])
+                    for account in others
+                    for _ in range(OTHER_JOBS // 2)
+                )
+            )
+            assert [j["state"] for j in done] == ["succeeded"] * OTHER_JOBS
+            r = await api.client.get(f"{api.url}/v1/hosts/{NAME}", headers=admin(api))
+            assert [n["state"] for n in r.json()["nodes"]] == ["up"] * 3

@@ -31,8 +31,10 @@ from api.client import (
     InsecureHTTPWarning,
     NotFound,
     RateLimited,
+    SSEParser,
     SshapiError,
     TransportError,
+    UnexpectedAnswer,
 )
 from api.client import models as client_models
 from api.client import profile as client_profile
@@ -440,22 +442,24 @@ async def test_async_client_lists_reads_output_follows_and_moves_files(
 
 
 class Listener:
-    """A tiny HTTP server on a free loopback port that answers every GET with an empty job list
-    and records the Authorization header of each request (None: none came)."""
+    """A tiny HTTP server on a free loopback port that answers every request with `body` (an
+    empty job list) and records the Authorization header of each request (None: none came)."""
 
-    def __init__(self, port: int = 0) -> None:
+    def __init__(self, port: int = 0, body: bytes = b'{"items": []}') -> None:
         seen: list[str | None] = []
         self.seen = seen
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self) -> None:
                 seen.append(self.headers.get("Authorization"))
-                body = b'{"items": []}'
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
+
+            do_POST = do_PUT = do_DELETE = do_GET
 
             def log_message(self, *args: Any) -> None:
                 pass
@@ -475,10 +479,12 @@ class Listener:
 
 @pytest.fixture
 def client_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
-    """No URL, token, profile or opt-in from the environment; the configuration file to write."""
+    """No URL, token, profile or opt-in from the environment; the configuration file to write
+    (empty, mode 0600, which writing it keeps: a file holding a token must be private)."""
     for name in ("SSHAPI_URL", "SSHAPI_TOKEN", "SSHAPI_PROFILE", "SSHAPI_ALLOW_HTTP"):
         monkeypatch.delenv(name, raising=False)
     config = tmp_path / "client.toml"
+    config.touch(mode=0o600)
     monkeypatch.setenv("SSHAPI_CLIENT_CONFIG", str(config))
     return config
 
@@ -604,6 +610,116 @@ def test_a_profile_s_static_token_file_keeps_working_beside_logins(
         with Client() as c:
             c.list()
     assert listener.seen == ["Bearer static-token", "Bearer rotated-token"]
+
+
+def test_a_login_is_made_and_used_only_for_a_named_server(
+    client_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`sshapi login` with no server named stops before asking any provider (before: it signed
+    in and kept `"url": null`); a login kept with no server (as it did) sends its token to no
+    URL named later, from the commands or Client() (before: to any)."""
+    with Listener() as provider, Listener() as elsewhere:
+        result = CliRunner().invoke(app, ["login", "--issuer", provider.url])
+        assert result.exit_code == 255, result.output
+        assert "no server URL" in result.stderr and "SSHAPI_URL" in result.stderr
+        logins = client_env.parent / "logins"
+        assert provider.seen == [] and not logins.exists()
+        logins.mkdir(mode=0o700)
+        kept = logins / "default.json"
+        login = {"access_token": "login-token", "url": None, "expires_at": time.time() + 3600}
+        kept.write_text(json.dumps(login))
+        kept.chmod(0o600)
+        monkeypatch.setenv("SSHAPI_URL", elsewhere.url)
+        result = CliRunner().invoke(app, ["jobs", "list"])
+        assert result.exit_code == 255, result.output
+        assert f"the login {kept} names no server" in result.stderr, result.stderr
+        with pytest.raises(SshapiError, match="names no server"):
+            Client(elsewhere.url)
+    assert elsewhere.seen == []
+
+
+def test_a_client_configuration_holding_a_token_others_may_read_is_refused(
+    client_env: Path, tmp_path: Path
+) -> None:
+    """A client.toml with a token in it, readable by others (mode 644): refused, as an exposed
+    login file is, with nothing sent (before: used without a word); once 600 it is used. One
+    without a token (its token in a token_file) may stay 644."""
+    with Listener() as listener:
+        client_env.write_text(f'default = "dev"\n[profiles.dev]\nurl = "{listener.url}"\n'
+                              'token = "profile-token"\n')  # fmt: skip
+        client_env.chmod(0o644)
+        result = CliRunner().invoke(app, ["jobs", "list"])
+        assert result.exit_code == 255, result.output
+        assert f"{client_env} is readable by others (mode 644)" in result.stderr
+        assert f"chmod 600 {client_env}" in result.stderr
+        with pytest.raises(SshapiError, match="readable by others"):
+            Client()
+        assert listener.seen == []
+        client_env.chmod(0o600)
+        assert CliRunner().invoke(app, ["jobs", "list"]).exit_code == 0
+        token_file = tmp_path / "dev.token"
+        token_file.write_text("file-token\n")
+        client_env.write_text(f'default = "dev"\n[profiles.dev]\nurl = "{listener.url}"\n'
+                              f'token_file = "{token_file}"\n')  # fmt: skip
+        client_env.chmod(0o644)
+        assert CliRunner().invoke(app, ["jobs", "list"]).exit_code == 0
+    assert listener.seen == ["Bearer profile-token", "Bearer file-token"]
+
+
+# Answers of another shape than the client reads, each to the commands that read it.
+JOB_ID = "01933c4e-8a5b-7c1e-9f00-2b6d5e1a7c3d"
+ODD_ANSWERS: list[tuple[bytes, list[str]]] = [
+    (b'{"items": "x"}', ["jobs", "list"]),
+    (b'{"items": [{"id": 1}]}', ["jobs", "list"]),
+    (b"[]", ["jobs", "list"]),
+    (b"<html>a proxy's page</html>", ["jobs", "list"]),
+    (b"{}", ["jobs", "list"]),
+    (b'{"id": "x"}', ["jobs", "show", JOB_ID]),
+    (b"null", ["jobs", "cancel", JOB_ID]),
+    (b'{"items": [1]}', ["files", "ls", "local"]),
+    (b'{"items": {"a": 1}}', ["files", "ls", "--json", "local"]),
+    (b'{"path": "x"}', ["files", "put", "local", "SOURCE", "x"]),
+    (b'{"items": []}', ["run", "local", "--", "true"]),
+]
+
+
+@pytest.mark.parametrize(("body", "args"), ODD_ANSWERS, ids=lambda v: repr(v)[:40])
+def test_an_answer_of_another_shape_is_one_line_and_exit_255(
+    client_env: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, body: bytes, args: list[str]
+) -> None:
+    """A server (a proxy's page, another version) answering JSON of another shape, or no JSON:
+    each command says so in one line naming the call and exits 255 (before: a traceback)."""
+    source = tmp_path / "source.txt"
+    source.write_text("data")
+    args = [str(source) if a == "SOURCE" else a for a in args]
+    with Listener(body=body) as server:
+        monkeypatch.setenv("SSHAPI_URL", server.url)
+        monkeypatch.setenv("SSHAPI_TOKEN", "secret-token")
+        result = CliRunner().invoke(app, args)
+    assert result.exit_code == 255, (result.output, result.exception)
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("sshapi: "), lines
+    assert "client does not read" in lines[0] and server.url in lines[0], lines
+
+
+def test_an_event_of_another_shape_is_an_unexpected_answer() -> None:
+    """The events a command reads (`output`, `gap`) are checked as they come: not JSON, not an
+    object, a field missing or of another type is UnexpectedAnswer; others pass."""
+    for kind, data in (
+        ("output", "not json"),
+        ("output", "[]"),
+        ("output", '{"stream": "stdout"}'),
+        ("gap", '{"stream": "stdout", "offset": "0", "next_offset": 5}'),
+    ):
+        parser = SSEParser()
+        parser.feed(f"event: {kind}")
+        parser.feed(f"data: {data}")
+        with pytest.raises(UnexpectedAnswer, match=f"a '{kind}' event"):
+            parser.feed("")
+    parser = SSEParser()
+    for line in ("event: state", 'data: {"state": "running", "extra": [1]}', ""):
+        event = parser.feed(line)
+    assert event is not None and event.data["extra"] == [1]
 
 
 def test_a_wrong_url_is_said_at_once_naming_it_and_where_it_came_from(

@@ -12,6 +12,7 @@ import random
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -139,7 +140,8 @@ def site(tuned_host: LocalHost) -> Iterator[dict[str, str]]:
 def test_the_deploy_page_runs_as_written(site: dict[str, str], tuned_host: LocalHost) -> None:
     """Every block succeeds in order; then doctor passed (0 failures) and the job sent through
     nginx over TLS answered `deployed`; the replicas listen on the ports the page gave them;
-    /metrics through nginx wants an admin token."""
+    /metrics through nginx wants an admin token; the backups (the secrets' tarball, the job
+    dump) are root's alone although the blocks ran under umask 022."""
     variables, *steps = bash_blocks()
     env = {**os.environ, **site, "PATH": f"{site['PREFIX']}/bin:{os.environ['PATH']}"}
     outputs = []
@@ -147,7 +149,8 @@ def test_the_deploy_page_runs_as_written(site: dict[str, str], tuned_host: Local
     for n, block in enumerate(steps, 1):
         started = time.monotonic()
         done = subprocess.run(
-            ["bash", "-euo", "pipefail", "-c", f"{variables}\n{block}"],
+            # Root's usual umask: what the blocks write must not depend on it.
+            ["bash", "-euo", "pipefail", "-c", f"umask 022\n{variables}\n{block}"],
             cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert done.returncode == 0, (
@@ -180,3 +183,6 @@ def test_the_deploy_page_runs_as_written(site: dict[str, str], tuned_host: Local
         capture_output=True, text=True,
     )  # fmt: skip
     assert metrics.stdout == "401"
+    backups = Path(site["PREFIX"], "var/backups/sshapi")
+    made = {p.name.split("-")[0]: stat.S_IMODE(p.stat().st_mode) for p in backups.iterdir()}
+    assert (stat.S_IMODE(backups.stat().st_mode), made) == (0o700, {"jobs": 0o600, "etc": 0o600})

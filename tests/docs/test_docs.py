@@ -29,15 +29,19 @@ docs and RELIABILITY.md resolves. A failure names file:line and the command.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import os
 import re
+import runpy
 import shlex
 import signal
 import socket
 import subprocess
 import sys
 import tomllib
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -197,12 +201,43 @@ def check_sshapi(command: Command, args: list[str], tmp_path: Path) -> None:
         assert claims["sub"] == args[args.index("--sub") + 1], f"{command}\n  printed {token!r}"
 
 
+def module_help(module: str, args: list[str]) -> tuple[int, str, str]:
+    """`python -m MODULE ARGS --help` in this process: (exit status, stdout, stderr). The
+    module runs as `__main__` with that argv, as `python -m` would, and argparse exits at
+    --help after parsing the values before it; in-process, the libraries the load suite
+    imports (matplotlib, SQLAlchemy, asyncssh) load once for all the commands, not once each."""
+    out, err = io.StringIO(), io.StringIO()
+    argv, columns = sys.argv, os.environ.get("COLUMNS")
+    sys.argv = [module, *args, "--help"]
+    os.environ["COLUMNS"] = HELP_ENV["COLUMNS"]
+    code: int | str | None = 0
+    try:
+        with (
+            contextlib.redirect_stdout(out),
+            contextlib.redirect_stderr(err),
+            warnings.catch_warnings(),
+        ):
+            # A module another test imported runs again as `__main__`: a second copy, to parse
+            # its arguments and print its help, which is all `--help` does.
+            warnings.filterwarnings("ignore", "'.*' found in sys.modules", RuntimeWarning)
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as exc:
+        code = exc.code
+    finally:
+        sys.argv = argv
+        if columns is None:
+            os.environ.pop("COLUMNS", None)
+        else:
+            os.environ["COLUMNS"] = columns
+    return (code if isinstance(code, int) else 1 if code else 0), out.getvalue(), err.getvalue()
+
+
 def check_module(command: Command, argv: list[str]) -> None:
     assert argv[1] == "-m", f"{command}\n  only `python -m MODULE` commands are checked"
     module, args = argv[2], argv[3:]
-    done = run([sys.executable, "-m", module, *args, "--help"])
-    assert done.returncode == 0, f"{command}\n  `--help` failed: {done.stderr.strip()}"
-    assert_listed(command, options(args), done.stdout)
+    code, stdout, stderr = module_help(module, args)
+    assert code == 0, f"{command}\n  `--help` failed: {stderr.strip()}"
+    assert_listed(command, options(args), stdout)
 
 
 def check_locust(command: Command, args: list[str]) -> None:
@@ -218,6 +253,24 @@ def check_make(command: Command, args: list[str]) -> None:
         assert done.returncode == 0, f"{command}\n  make -n {target}: {done.stderr.strip()}"
 
 
+def check_pytest(command: Command, args: list[str], config: pytest.Config) -> None:
+    """Each test path exists; each marker a `-m` expression names is declared (a misspelt tier
+    would select nothing, silently)."""
+    paths, expressions = [], []
+    values = iter(args)
+    for a in values:
+        if a in ("-m", "-k"):
+            (expressions if a == "-m" else []).append(next(values, ""))
+        elif not a.startswith("-"):
+            paths.append(a)
+    missing = [a for a in paths if not (ROOT / a).exists()]
+    assert not missing, f"{command}\n  no such test paths: {missing}"
+    declared = {line.split(":", 1)[0] for line in config.getini("markers")}
+    for expression in expressions:
+        names = set(re.findall(r"[A-Za-z_]\w*", expression)) - {"and", "or", "not"}
+        assert names <= declared, f"{command}\n  undeclared markers: {names - declared}"
+
+
 def check_pip(command: Command, args: list[str]) -> None:
     assert args[0] == "install", f"{command}\n  only `pip install` is checked"
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
@@ -229,7 +282,7 @@ def check_pip(command: Command, args: list[str]) -> None:
 
 
 @pytest.mark.parametrize("command", [c for c in ALL if not is_curl(c)], ids=lambda c: c.where)
-def test_command(command: Command, tmp_path: Path) -> None:
+def test_command(command: Command, tmp_path: Path, pytestconfig: pytest.Config) -> None:
     if command.path.name == "deploy.md":
         # Run for real, in order, as root: tests/deploy/test_deploy_doc.py.
         assert (ROOT / "tests" / "deploy" / "test_deploy_doc.py").is_file()
@@ -246,8 +299,7 @@ def test_command(command: Command, tmp_path: Path) -> None:
     elif program == "locust":
         check_locust(command, args)
     elif program == "pytest":
-        missing = [a for a in args if not a.startswith("-") and not (ROOT / a).exists()]
-        assert not missing, f"{command}\n  no such test paths: {missing}"
+        check_pytest(command, args, pytestconfig)
     elif program == "pip":
         check_pip(command, args)
     else:

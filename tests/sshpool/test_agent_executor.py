@@ -90,7 +90,7 @@ class Agent:
 async def agent() -> AsyncIterator[Agent]:
     source = SOURCE_TEXT.encode()
     proc = await asyncio.create_subprocess_exec(
-        "python3", "-c", client.BOOTSTRAP, str(len(source)), "4",
+        *client.launch_argv("python3", 4),
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
     )  # fmt: skip
     assert proc.stdin is not None

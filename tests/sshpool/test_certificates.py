@@ -41,8 +41,9 @@ def test_certificate_names_the_account_only_and_grants_nothing_else(ca_key: Path
     first, second = ca.mint("alice", "alice@idp", now=now), ca.mint("alice", "alice@idp")
     text = describe(first.certificate)
     assert "Principals: \n                alice\n" in text
-    assert 'Key ID: "alice@idp/api-1/1"' in text and "Serial: 1" in text
-    assert second.key_id == "alice@idp/api-1/2"
+    serial = first.key_id.rsplit("/", 1)[1]
+    assert f'Key ID: "alice@idp/api-1/{serial}"' in text and f"Serial: {serial}\n" in text
+    assert second.key_id.startswith("alice@idp/api-1/") and second.key_id != first.key_id
     start = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(int(now - 60)))
     end = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(int(now + 120) + 1))
     assert f"Valid: from {start} to {end}" in text
@@ -50,6 +51,21 @@ def test_certificate_names_the_account_only_and_grants_nothing_else(ca_key: Path
     assert extensions.split() == ["(none)"]  # no permit-pty, -*-forwarding, -user-rc
     assert "Critical Options: (none)" in text
     assert first.private_key != second.private_key  # a fresh key pair each time
+
+
+def test_serials_are_unique_across_processes_and_replicas(ca_key: Path) -> None:
+    """Two CAs on the same key, as two worker processes or replicas hold (before: each counted
+    from 1, so sshd logged `serial 1` for certificates of both and a KRL revoking one serial
+    revoked the other's too): 500 certificates each, 1000 serials, all distinct and nonzero,
+    each the certificate's own (ssh-keygen -L) and its key id's last part."""
+    serials = []
+    for replica in ("api-1", "api-2"):
+        ca = UserCA(ca_key, replica=replica)
+        for _ in range(500):
+            creds = ca.mint("alice", "alice@idp")
+            serials.append(int(creds.key_id.rsplit("/", 1)[1]))
+    assert len(set(serials)) == 1000 and all(0 < s < 1 << 64 for s in serials)
+    assert f"Serial: {serials[-1]}\n" in describe(creds.certificate)
 
 
 def test_user_rc_and_source_address_only_when_asked(ca_key: Path) -> None:

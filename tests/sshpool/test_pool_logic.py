@@ -12,7 +12,7 @@ from sshpool import ConnectionLost, Limits, Pool, Target
 from sshpool.breaker import Breaker
 from sshpool.devhost import FakeBackend
 from sshpool.devhost.fake import backlog_queued
-from sshpool.errors import ConnectError, PoolFull, PoolTimeout
+from sshpool.errors import ConnectError, NotAdmitted, PoolFull, PoolTimeout
 
 
 def target(**limits: object) -> Target:
@@ -271,3 +271,31 @@ async def test_sftp_sessions_take_turns_with_commands_by_tenant() -> None:
     assert max(sessions) <= FAIR_AHEAD + SLOTS - 1, sessions
     assert backend.order.count("sftp") >= 5
     assert stats["channels_in_use"] == 0
+
+
+async def test_the_gate_refuses_before_a_start_and_again_when_a_waiter_is_served() -> None:
+    """`Pool.admit` refusing a tenant: a new command raises NotAdmitted and runs nothing; one
+    already waiting when the gate turns runs nothing either, its slot goes to the next waiter;
+    gated=False (a kill, a scancel) and other tenants still run."""
+    backend = FakeBackend(exec_time=0.3)
+    t = target(max_connections=1, max_sessions=1)
+    refused: set[object] = set()
+    async with Pool(backend) as pool:
+        pool.admit = lambda target, tenant: tenant not in refused
+        first = asyncio.create_task(pool.run(t, ["echo", "first"], tenant="bob"))
+        await asyncio.sleep(0.1)  # bob holds the one slot
+        waiting = asyncio.create_task(pool.run(t, ["echo", "waiting"], tenant="eve"))
+        after = asyncio.create_task(pool.run(t, ["echo", "after"], tenant="bob"))
+        await asyncio.sleep(0)
+        refused.add("eve")
+        with pytest.raises(NotAdmitted):
+            await pool.run(t, ["echo", "new"], tenant="eve")
+        with pytest.raises(NotAdmitted):
+            await waiting
+        assert (await first).ok and (await after).ok
+        assert (await pool.run(t, ["echo", "ungated"], tenant="eve", gated=False)).ok
+        with pytest.raises(NotAdmitted):
+            async with pool.sftp(t, tenant="eve"):
+                pass
+    ran = [line.split(" $$; ", 1)[1] for line in backend.order]
+    assert ran == ["echo first", "echo after", "echo ungated"], ran
