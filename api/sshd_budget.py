@@ -147,7 +147,8 @@ return {c[1], c[2], h[1], h[2], tostring(score), c[3], h[3],
 
 class RedisBudget:
     """The sshds of this process's pool, their shares leased from Redis (see the module
-    docstring); `loop` and `listen` are the supervisor's tasks (api/services.py)."""
+    docstring); `loop` and `listen` are the supervisor's tasks (api/services.py). One per pool:
+    it leases under one name for the process."""
 
     def __init__(
         self, url: str, processes: int, name: str, prefix: str = PREFIX, ttl: float = TTL
