@@ -7,6 +7,7 @@ of 4 per account: the behaviour before it), interleaved in one run.
     .venv/bin/python -m loadtests.accounts --accounts 1000 --rate 50 --duration 300
     .venv/bin/python -m loadtests.accounts --via pool --accounts 1000
     .venv/bin/python -m loadtests.accounts --accounts 400 --workers 2 --redis-url redis://127.0.0.1:6379/0
+    .venv/bin/python -m loadtests.accounts --accounts 400 --workers 2 --fault redis
 
 --via api (the default): `sshapi serve` (a fresh API per cell) with one `[[policy]]` rule and
 key per account, each account's caller its own token, one job per request via POST /v1/jobs.
@@ -47,7 +48,7 @@ from pydantic import SecretStr
 from loadtests import hdr
 from loadtests.cpu import own_seconds
 from loadtests.handshakes import tree_cpu
-from loadtests.server import limits, serve_config, stop_api
+from loadtests.server import free_port, limits, serve_config, stop_api
 from sshpool import Limits, Pool, SSHPoolError
 from sshpool.devhost import LocalHost
 from sshpool.devhost.accounts import Account, ensure_accounts
@@ -165,6 +166,49 @@ async def post(url: str, path: str, body: bytes, token: str) -> tuple[int, bytes
     finally:
         writer.close()
     return int(head.split(b" ", 2)[1]), answer
+
+
+class PrivateRedis:
+    """A Redis of this run's own on a free port, nothing on disk (`--fault redis` kills it)."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.port = free_port()
+        self.dir = data_dir
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> None:
+        self.proc = await asyncio.create_subprocess_exec(
+            *("redis-server", "--port", str(self.port), "--bind", "127.0.0.1"),
+            *("--save", "", "--appendonly", "no", "--dir", str(self.dir)),
+            stdout=asyncio.subprocess.DEVNULL,
+        )
+        async with asyncio.timeout(30):
+            while True:
+                try:
+                    _, writer = await asyncio.open_connection("127.0.0.1", self.port)
+                except OSError:
+                    await asyncio.sleep(0.05)
+                    continue
+                writer.close()
+                return
+
+    async def kill(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.kill()
+            await self.proc.wait()
+
+
+async def redis_fault(redis: PrivateRedis, at: float, down: float) -> tuple[float, float]:
+    """SIGKILL `redis` `at` s into the cell, start it again (empty) `down` s later: (killed,
+    back) in seconds from the cell's start."""
+    t0 = time.perf_counter()
+    await asyncio.sleep(at)
+    await redis.kill()
+    killed = time.perf_counter() - t0
+    await asyncio.sleep(down)
+    await redis.start()
+    return round(killed, 2), round(time.perf_counter() - t0, 2)
 
 
 class ViaPool:
@@ -288,6 +332,11 @@ async def cell(
     statuses: Counter[str] = Counter()
     hist = hdr.histogram()
     via: ViaApi | ViaPool
+    redis: PrivateRedis | None = None
+    if args.fault == "redis":
+        redis = PrivateRedis(Path(tempfile.mkdtemp(prefix="accounts-redis-")))
+        await redis.start()
+        args.redis_url = redis.url
     if args.via == "api":
         via = ViaApi(host, accounts, lim, args.deadline, args.workers, args.redis_url)
     else:
@@ -312,16 +361,22 @@ async def cell(
         assert host.pid is not None
         cpu0 = (via.cpu(), tree_cpu(host.pid), own_seconds())
         t0 = time.perf_counter()
+        fault = None
+        if redis is not None:
+            fault = asyncio.create_task(redis_fault(redis, args.fault_at, args.fault_down))
         if part == "burst":
             await asyncio.gather(*(timed(i, t0) for i in range(len(accounts))))
         else:
             await open_model(timed, len(accounts), args.rate, args.duration, t0)
         makespan = time.perf_counter() - t0
         sampler.cancel()
+        redis_killed = None if fault is None else await fault
         memory = sshd_memory(host)
         # sshd's CPU: its listener's reaped children, so the connections closed by now.
         cpu = (via.cpu() - cpu0[0], tree_cpu(host.pid) - cpu0[1], own_seconds() - cpu0[2])
         evictions, held = await asyncio.to_thread(via.budget)
+    if redis is not None:
+        await redis.kill()
     handshakes = log_count(host, offset, b"Accepted publickey")
     p = hdr.percentiles(hist)
     return {
@@ -347,6 +402,8 @@ async def cell(
         # socket twice while the table changes).
         "budget_connections_max": held,
         "sshd_drop_lines": drops(host, offset),
+        # --fault redis: when its Redis was SIGKILLed and when it answered again (s into it).
+        "redis_killed_back_s": redis_killed,
         "sshd_processes": memory[0],
         "sshd_rss_mib": memory[1],
         "sshd_pss_mib": memory[2],
@@ -445,6 +502,16 @@ def main(argv: list[str] | None = None) -> int:
         help="--via api: SSHAPI_REDIS_URL (the workers lease each sshd's budget; else static "
         "shares)",
     )
+    parser.add_argument(
+        "--fault",
+        choices=("redis",),
+        default=None,
+        help="redis: each cell with a Redis of its own, SIGKILLed --fault-at s into the cell and "
+        "started again (empty) --fault-down s later (the workers' budget falls back to static "
+        "shares, then leases again)",
+    )
+    parser.add_argument("--fault-at", type=float, default=1.0)
+    parser.add_argument("--fault-down", type=float, default=1.0)
     parser.add_argument("--data-dir", default=".data-accounts")
     args = parser.parse_args(argv)
     if args.via == "pool" and args.workers != 1:
