@@ -31,9 +31,11 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import os
 import random
 import re
 import secrets
+import signal
 import tempfile
 import time
 from collections import Counter
@@ -211,6 +213,27 @@ async def redis_fault(redis: PrivateRedis, at: float, down: float) -> tuple[floa
     return round(killed, 2), round(time.perf_counter() - t0, 2)
 
 
+def kill_a_worker(api_pid: int) -> bool:
+    """SIGKILL one worker of the API at `api_pid` (its supervisor starts another)."""
+    for pid in children(api_pid):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"spawn" in cmdline:
+            os.kill(pid, signal.SIGKILL)
+            return True
+    return False
+
+
+async def worker_fault(api_pid: int, at: float) -> list[float]:
+    """`kill_a_worker` `at` s into the cell: [seconds into the cell], or [] when it found none."""
+    t0 = time.perf_counter()
+    await asyncio.sleep(at)
+    killed = await asyncio.to_thread(kill_a_worker, api_pid)
+    return [round(time.perf_counter() - t0, 2)] if killed else []
+
+
 class ViaPool:
     """Each command through a Pool of this process."""
 
@@ -361,16 +384,18 @@ async def cell(
         assert host.pid is not None
         cpu0 = (via.cpu(), tree_cpu(host.pid), own_seconds())
         t0 = time.perf_counter()
-        fault = None
+        fault: asyncio.Task[Any] | None = None
         if redis is not None:
             fault = asyncio.create_task(redis_fault(redis, args.fault_at, args.fault_down))
+        elif args.fault == "worker" and isinstance(via, ViaApi):
+            fault = asyncio.create_task(worker_fault(via.proc.pid, args.fault_at))
         if part == "burst":
             await asyncio.gather(*(timed(i, t0) for i in range(len(accounts))))
         else:
             await open_model(timed, len(accounts), args.rate, args.duration, t0)
         makespan = time.perf_counter() - t0
         sampler.cancel()
-        redis_killed = None if fault is None else await fault
+        killed = None if fault is None else await fault
         memory = sshd_memory(host)
         # sshd's CPU: its listener's reaped children, so the connections closed by now.
         cpu = (via.cpu() - cpu0[0], tree_cpu(host.pid) - cpu0[1], own_seconds() - cpu0[2])
@@ -402,8 +427,9 @@ async def cell(
         # socket twice while the table changes).
         "budget_connections_max": held,
         "sshd_drop_lines": drops(host, offset),
-        # --fault redis: when its Redis was SIGKILLed and when it answered again (s into it).
-        "redis_killed_back_s": redis_killed,
+        # --fault redis: when its Redis was SIGKILLed and when it answered again (s into it);
+        # --fault worker: when a worker was SIGKILLed.
+        "fault_s": killed,
         "sshd_processes": memory[0],
         "sshd_rss_mib": memory[1],
         "sshd_pss_mib": memory[2],
@@ -504,18 +530,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--fault",
-        choices=("redis",),
+        choices=("redis", "worker"),
         default=None,
         help="redis: each cell with a Redis of its own, SIGKILLed --fault-at s into the cell and "
         "started again (empty) --fault-down s later (the workers' budget falls back to static "
-        "shares, then leases again)",
+        "shares, then leases again); worker: one API worker SIGKILLed --fault-at s into the "
+        "cell (its leases lapse; its jobs are lost)",
     )
     parser.add_argument("--fault-at", type=float, default=1.0)
     parser.add_argument("--fault-down", type=float, default=1.0)
     parser.add_argument("--data-dir", default=".data-accounts")
     args = parser.parse_args(argv)
-    if args.via == "pool" and args.workers != 1:
-        parser.error("--workers needs --via api")
+    if args.via == "pool" and (args.workers != 1 or args.fault == "worker"):
+        parser.error("--workers and --fault worker need --via api")
     data_dir = Path(args.data_dir).absolute()
     accounts = ensure_accounts(args.accounts, data_dir=data_dir)
     with LocalHost("accounts", "stock", data_dir=data_dir, researchers=True) as host:

@@ -59,5 +59,5 @@ def test_two_workers_lose_their_redis_mid_burst_and_fail_nothing(tmp_path: Path)
     assert row["statuses"] == {"ok": 30}, row
     assert row["sshd_drop_lines"] == 0
     assert row["connections_max"] <= 4, row  # both workers, through the loss and the return
-    killed, back = row["redis_killed_back_s"]
+    killed, back = row["fault_s"]
     assert 0.2 <= killed < back, row
