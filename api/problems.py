@@ -118,7 +118,7 @@ STORE_RETRY_AFTER = 5
 
 def revoked() -> Problem:
     """403 `identity-revoked`: not 401, the token is valid; its holder has been cut off
-    (api/revocations.py)."""
+    (api/admin/revocations.py)."""
     return Problem(403, "identity-revoked", "Revoked", "an administrator revoked your access")
 
 
@@ -150,7 +150,7 @@ SSH_ERRORS: dict[type[SSHPoolError], tuple[int, str, str]] = {
     ConnectError: (502, "connect-failed", "Could not connect to the host"),
     NodeFailed: (502, "node-failed", "The login node failed while the command ran there"),
     ConnectionLost: (502, "connection-lost", "The SSH connection dropped before the command ran"),
-    # The pool's gate (api/revocations.py `admits`): revoked after the request was admitted.
+    # The pool's gate (api/admin/revocations.py `admits`): revoked after the request was admitted.
     NotAdmitted: (403, "identity-revoked", "Revoked"),
     SSHPoolError: (502, "ssh-error", "SSH failed"),
     # Files (api/files/): the host answered an SFTP request with an error.

@@ -45,7 +45,8 @@ class DeadlineResponse(StreamingResponse):
     else it ends there (see the module docstring); the body iterator is closed whatever way
     the answer ends, and `release` awaited, so what the answer holds is let go of at once (also
     when its body never started: a generator closed before its first step runs no `finally`).
-    `stop()`, asked before each SLICE, ends it there too (a revocation: api/revocations.py)."""
+    `stop()`, asked before each SLICE, ends it there too (a revocation:
+    api/admin/revocations.py)."""
 
     def __init__(
         self,

@@ -5,8 +5,8 @@ Built, in this order (closed in the reverse): the data directory's permissions, 
 the store (its writer a task of the supervisor's; the jobs a previous run of this replica left
 active marked `lost`), the HTTP client (JWKS), the pool, the policy, the quota (Redis or local),
 the live relay, batch jobs, the claimed accounts' lookups, the job service, the file service,
-the pool and tracker metrics, then the tasks below. Objects handed in (a test's pool or store)
-stay the caller's to start and close.
+the pool and tracker metrics, the revocations, the drains and the admin service, then the tasks
+below. Objects handed in (a test's pool or store) stay the caller's to start and close.
 
 The supervisor's tasks and what their death means (a death is an exception other than
 cancellation; every one is logged with its traceback):
@@ -27,13 +27,13 @@ cancellation; every one is logged with its traceback):
 |                     | entries (api/quota.py)             |         | and the cap undercounts   |
 | `revocations`       | reads the revocations each second  | restart | lost, revocations made on |
 |                     | or when nudged; enforces new ones  |         | other replicas do not     |
-|                     | (api/revocations.py)               |         | reach this one            |
+|                     | (api/admin/revocations.py)         |         | reach this one            |
 | `revocations-nudge` | with Redis: the nudge of a new     | restart | lost, the poll remains    |
 |                     | revocation or lift                 |         |                           |
 | `node-drains`       | hosts with login nodes: reads the  | restart | lost, a drain or undrain  |
 |                     | drained nodes each second, so a    |         | made on another replica   |
 |                     | drain holds on every replica       |         | never reaches this one    |
-|                     | (api/nodes.py)                     |         |                           |
+|                     | (api/admin/nodes.py)               |         |                           |
 | `prewarm-<host>`    | opens the host's `min_connections` | once    | best effort: jobs connect |
 |                     | at start                           |         | on demand anyway          |
 | `sshd-budget`       | with Redis: takes, renews and      | restart | lost, the leases lapse    |
@@ -82,6 +82,7 @@ from typing import Any
 import httpx
 
 from api.accounts import AccountLookups
+from api.admin import AdminService, NodeDrains, RedisNudge, Revocations
 from api.auth import Authenticator, Principal
 from api.client import tls_context
 from api.config import Config, HostConfig
@@ -89,11 +90,9 @@ from api.files import FileService
 from api.jobs import BatchJobs, JobService
 from api.live import make_relay
 from api.metrics import Metrics
-from api.nodes import NodeDrains
 from api.policy import Policy
 from api.problems import Problem
 from api.quota import Quota, make_quota
-from api.revocations import RedisNudge, Revocations
 from api.settings import Settings
 from api.sshd_budget import RedisBudget, budgets, make_coordinator
 from api.store import JobRow, Store
@@ -121,7 +120,7 @@ class Services:
     batch: BatchJobs
     revocations: Revocations
     supervisor: Supervisor
-    drains: NodeDrains
+    admin: AdminService
     accepting: bool = False
 
     @property
@@ -297,7 +296,7 @@ async def running(
             batch=batch,
             revocations=revocations,
             supervisor=supervisor,
-            drains=drains,
+            admin=AdminService(config, policy, the_store, the_pool, revocations, drains),
             accepting=True,
         )
         try:

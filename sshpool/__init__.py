@@ -5,6 +5,27 @@ type the pool hands to its callers is exported here, so callers import nothing o
 submodules: the errors, the command result, the certificate credentials, and the SFTP session
 `Pool.sftp` yields with the files and attributes it returns (its interface lives with the
 backends', in `sshpool.backends.base`).
+
+The modules, from the face down (no two import each other, directly or round about:
+tests/test_layout.py):
+
+    pool         `Pool`, the face: targets to host pools, sshd resolution, maintenance,
+                 clusters; the host pool's invariants in its docstring
+    cluster      login-node clusters (`Router`), seeing the pool through `NodePools` only
+    host         `HostPool`, one target's state machine: leases, kills, SFTP, the gate
+    connect      the connect path as plain I/O: handshake retried after drops, executor start
+                 (and a host's agent mode, `AgentMode`)
+    lease        a pooled connection, a slot's exec, the one kill and the one retry policy
+    budget       one sshd's handshake gate and connection budget, shared by its accounts
+    waiters      the tenants' turns
+    breaker      the circuit breaker and the sshd's login penalties
+    command      the command line, its wrapper and captures, the result
+    target       `Target` and `Limits`
+    certificates short-lived user certificates minted per connection
+    errors       the error tree
+    agent/       agent mode (the executor and its client)
+    backends/    the SSH libraries behind one interface
+    devhost/     the development rig: never loaded by `import sshpool`
 """
 
 from sshpool.backends.base import DirEntry, FileAttrs, FileType, RemoteFile, SFTPSession

@@ -39,6 +39,9 @@ class Breaker:
         self._backoff = backoff
         self._open_until = 0.0
         self._trial_in_flight = False
+        # Connections lost after their login but before any command ran on them, in a row
+        # (`lost_before_start`); only a command that ran resets it (`served`).
+        self.lost = 0
 
     def allow(self, now: float) -> bool:
         """May a connect attempt start now? Moving to half-open lets exactly one through."""
@@ -67,11 +70,32 @@ class Breaker:
         return max(0.0, self._open_until - now)
 
     def success(self) -> None:
+        """A login succeeded. The back-off starts again from its base only when the account's
+        connections also serve commands: an account whose connections are lost before any
+        command runs keeps its growing back-off (`lost_before_start`)."""
         self.state = "closed"
         self.failures = 0
-        self._backoff = self.base
+        if not self.lost:
+            self._backoff = self.base
         self._auth_backoff = self.auth_base
         self._trial_in_flight = False
+
+    def served(self) -> None:
+        """A command ran on one of the account's connections: its logins are healthy."""
+        if self.lost:
+            self.lost = 0
+            self._backoff = self.base
+
+    def lost_before_start(self, now: float) -> None:
+        """A connection that logged in was lost before any command ran on it: the account's
+        login shell or rc killed it (a `~/.bashrc` can), or the host failed. `threshold` of
+        them in a row, with no command run between, open the breaker as connect failures do:
+        a successful login proves nothing here, since such an account logs in every time. The
+        account's failure, never its node's (sshpool.cluster judges nodes by its own probe)."""
+        self.lost += 1
+        self._trial_in_flight = False
+        if self.lost >= self.threshold:
+            self._open(now)
 
     def auth_failure(self, now: float) -> None:
         """sshd refused the login: open at once for the auth back-off, doubling to its cap."""
@@ -85,10 +109,13 @@ class Breaker:
         self.failures += 1
         self._trial_in_flight = False
         if self.state == "half_open" or self.failures >= self.threshold:
-            self.state = "open"
-            # Full jitter in [backoff/2, backoff] so several replicas don't retry in step.
-            self._open_until = now + self._backoff * random.uniform(0.5, 1.0)
-            self._backoff = min(self._backoff * 2, self.backoff_max)
+            self._open(now)
+
+    def _open(self, now: float) -> None:
+        self.state = "open"
+        # Full jitter in [backoff/2, backoff] so several replicas don't retry in step.
+        self._open_until = now + self._backoff * random.uniform(0.5, 1.0)
+        self._backoff = min(self._backoff * 2, self.backoff_max)
 
 
 class Penalties:

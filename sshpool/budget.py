@@ -3,7 +3,7 @@ accounts").
 
 sshd's admission limits are per daemon (`MaxStartups`) or per source address, never per
 account, so the pool counts handshakes and connections per sshd: the resolved address and port
-connected to, whatever account or host name reaches it. The host pools (`sshpool.pool`, one per
+connected to, whatever account or host name reaches it. The host pools (`sshpool.host`, one per
 Target) ask their sshd for a handshake when they need one more connection, and the sshd grants
 them in turns.
 
@@ -45,7 +45,7 @@ from sshpool.breaker import Penalties
 
 
 class Member(Protocol):
-    """What the budget needs of a host pool (`sshpool.pool._HostPool`)."""
+    """What the budget needs of a host pool (`sshpool.host.HostPool`)."""
 
     def wants_connection(self) -> bool:
         """True while the account needs one more connection and may open it (its own

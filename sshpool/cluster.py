@@ -30,7 +30,9 @@ Invariants of a cluster:
 - a drained node takes no new work; its running commands end as they would, and each of its
   connections closes when its last channel ends.
 
-State changes only in the synchronous methods of `Cluster`; the `Router` does the I/O.
+State changes only in the synchronous methods of `Cluster`; the `Router` does the I/O, through
+what it needs of the pool (`NodePools`, which `sshpool.pool.Pool` hands it), never the pool
+itself.
 """
 
 from __future__ import annotations
@@ -41,12 +43,13 @@ import hashlib
 import logging
 import os
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 from sshpool.backends.base import SFTPSession
 from sshpool.backends.translate import describe
+from sshpool.command import CommandResult
 from sshpool.errors import (
     AuthenticationFailed,
     CommandTimeout,
@@ -61,9 +64,6 @@ from sshpool.errors import (
     SSHPoolError,
 )
 from sshpool.target import Target, split_node
-
-if TYPE_CHECKING:
-    from sshpool.pool import Pool
 
 log = logging.getLogger("sshpool.cluster")
 
@@ -100,6 +100,41 @@ def _why(exc: OSError) -> str:
 def account_key(target: Target) -> str:
     """What an account is, for routing: its user name on the cluster."""
     return target.username
+
+
+class NodePools(Protocol):
+    """What the router needs of the pool: `Pool.run`, `Pool.sftp` and `Pool.stats` on one node's
+    target (`Target.node_target`), and the state of that target's host pool."""
+
+    def run(self, target: Target, *args: Any, **kw: Any) -> Awaitable[CommandResult]:
+        """`Pool.run` on `target`."""
+        ...
+
+    def sftp(
+        self, target: Target, *, acquire_timeout: float | None, tenant: Hashable
+    ) -> contextlib.AbstractAsyncContextManager[SFTPSession]:
+        """`Pool.sftp` on `target`."""
+        ...
+
+    def stats(self) -> dict[Target, dict[str, Any]]:
+        """`Pool.stats`."""
+        ...
+
+    def waiting(self, target: Target) -> int:
+        """Callers waiting for a slot of `target`."""
+        ...
+
+    def live(self, target: Target) -> bool:
+        """Does `target` hold a live connection?"""
+        ...
+
+    def may_connect(self, target: Target) -> bool:
+        """Would `target`'s breaker let a connect through now?"""
+        ...
+
+    def retire(self, target: Target, retired: bool) -> None:
+        """Take `target`'s pool out of service (a drained node: `HostPool.retire`) or back."""
+        ...
 
 
 @dataclass(slots=True)
@@ -176,7 +211,7 @@ class Cluster:
 class Router:
     """Runs a cluster target's commands and SFTP sessions on its nodes (module docstring)."""
 
-    def __init__(self, pool: Pool) -> None:
+    def __init__(self, pool: NodePools) -> None:
         self.pool = pool
         self.clusters: dict[tuple[tuple[str, ...], int], Cluster] = {}
         # Per cluster, the service account its nodes are probed over (`probe_with`).

@@ -1,16 +1,19 @@
 """A pooled connection (`PooledConn`) and one channel slot on it held for one exec (`Lease`):
-the bookkeeping `sshpool.pool` keeps per connection, and how one command runs on a slot (a
+the bookkeeping the host pool keeps per connection, and how one command runs on a slot (a
 channel behind the login shell's marker line, or argv on agent mode's executor) with its
-captures and stage timings. State changes stay in the host pool (`sshpool.pool._HostPool`);
-nothing here decides what becomes of a slot.
+captures and stage timings; the one kill of a process group (`kill_group`) and the one retry
+policy of a slot's use (`retried`). State changes stay in the host pool
+(`sshpool.host.HostPool`); nothing here decides what becomes of a slot.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
 
 from sshpool.agent import AgentConnection
 from sshpool.backends import Connection, Exit
@@ -19,12 +22,19 @@ from sshpool.command import (
     CommandResult,
     OutputStream,
     command_line,
+    kill_group_line,
     new_marker,
     wrap,
 )
-from sshpool.errors import ConnectionLost
+from sshpool.errors import ChannelRefused, ConnectionLost
+from sshpool.target import Target
 
 log = logging.getLogger("sshpool")
+
+T = TypeVar("T")
+
+# A lease refused this many times in a row gives up (sshd refuses even a lone channel).
+MAX_REFUSALS = 20
 
 
 class PooledConn:
@@ -43,6 +53,7 @@ class PooledConn:
         "in_use",
         "leases",
         "noisy_login",
+        "served",
         "sftp",
         "sftp_capacity",
         "sftp_ceiling",
@@ -74,6 +85,8 @@ class PooledConn:
         self.for_room = False
         self.leases = 0
         self.clean_opens = 0
+        # A command ran to its end here (the account's login shell lets commands through).
+        self.served = False
         # Something printed before our marker line (warned once per connection).
         self.noisy_login = False
 
@@ -84,7 +97,7 @@ class PooledConn:
 
 
 class Lease:
-    """One channel slot on a pooled connection, held for one exec (see `_HostPool.lease`), with
+    """One channel slot on a pooled connection, held for one exec (see `HostPool.lease`), with
     that exec's captures and stage timings."""
 
     __slots__ = ("conn", "err", "out", "t_leased", "t_started", "timings")
@@ -176,3 +189,32 @@ class Lease:
             "exec": t_end - t_started,
         }
         return result
+
+
+async def kill_group(conn: Connection, pgid: int) -> None:
+    """The one kill: TERM the remote process group, KILL it after a grace period."""
+    await conn.exec(kill_group_line(pgid), None, Capture(4096), Capture(4096))
+
+
+async def retried(target: Target, attempt: Callable[[], Awaitable[T]]) -> T:
+    """`attempt()` (take a slot of `target`, open a channel on it, use it), again while it
+    fails before anything ran: after a refused channel (the connection already shrunk) with a
+    growing pause, up to MAX_REFUSALS in a row; after a connection lost before the start
+    (ConnectionLost(started=False), the connection already discarded) once, on a fresh
+    connection. The one retry policy of commands and SFTP sessions alike."""
+    refusals = 0
+    lost_retried = False
+    while True:
+        try:
+            return await attempt()
+        except ChannelRefused:
+            refusals += 1
+            if refusals >= MAX_REFUSALS:
+                raise ConnectionLost(
+                    f"{target}: sshd refused {refusals} channels in a row", started=False
+                ) from None
+            await asyncio.sleep(0.005 * refusals)
+        except ConnectionLost as exc:
+            if exc.started or lost_retried:
+                raise
+            lost_retried = True  # it never ran: once more, on a fresh connection

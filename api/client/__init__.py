@@ -45,7 +45,8 @@ The package (its face is this module: import from `api.client`, not from its mod
     _async.py    `AsyncClient`: the one source of both clients
     _sync.py     `Client`, generated from _async.py by unasync (`make unasync`): never edited
     localfile.py local file I/O, the one difference: in a thread (async), plain calls (sync)
-    tls.py       the one TLS context of the process (the server's httpx clients use it too)
+    tls.py       the one TLS context of the process (the server's httpx clients use it too),
+                 `loopback`: the one host plain HTTP may carry a secret to
     cli.py       the `sshapi run|jobs|batch|files` commands (registered by api/cli.py)
 
 It may import nothing of `api` outside `api.client` (tests/test_layout.py): the server may use

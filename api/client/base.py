@@ -15,7 +15,8 @@ from pydantic import ValidationError
 
 from api.client.errors import UnexpectedAnswer, _retry_after
 from api.client.models import Job
-from api.client.profile import _env_flag, _loopback, load_profile, paired, server_url
+from api.client.profile import _env_flag, load_profile, paired, server_url
+from api.client.tls import loopback
 
 T = TypeVar("T")
 
@@ -198,7 +199,7 @@ class _Base:
         # A proxy from the environment (HTTP_PROXY, common on login nodes) would carry a request
         # for this machine's loopback, token in clear, to another machine, and on to the proxy's
         # own loopback. Only for other servers does the environment pick a proxy.
-        self.trust_env = not _loopback(httpx.URL(self.url).host)
+        self.trust_env = not loopback(httpx.URL(self.url).host)
         self.retries = retries
         self.max_retry_wait = max_retry_wait
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}

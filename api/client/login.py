@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from api.client.errors import SshapiError
-from api.client.profile import _loopback, private
+from api.client.tls import loopback
 
 if TYPE_CHECKING:
     import asyncio
@@ -60,7 +60,7 @@ def _endpoint(doc: dict[str, Any], key: str, issuer: str) -> str | None:
         return None
     url = httpx.URL(value) if isinstance(value, str) else None
     # Secrets go to these: https, or plain http to this machine only (the rig).
-    if url is None or not (url.scheme == "https" or (url.scheme == "http" and _loopback(url.host))):
+    if url is None or not (url.scheme == "https" or (url.scheme == "http" and loopback(url.host))):
         raise SshapiError(f"{issuer}: discovery gives no usable {key} ({value!r})")
     return str(value)
 
@@ -259,6 +259,17 @@ def save(path: Path, login: dict[str, Any]) -> None:
     with os.fdopen(fd, "w") as out:
         json.dump(login, out)
     os.replace(temporary, path)
+
+
+def private(path: Path, remedy: str) -> None:
+    """An SshapiError when others than its owner may read `path`, a file holding tokens (as
+    ssh refuses such a private key); `remedy` says what to do."""
+    mode = path.stat().st_mode
+    if mode & 0o077:
+        raise SshapiError(
+            f"{path} is readable by others (mode {mode & 0o777:o}): its tokens may have "
+            f"leaked; {remedy}"
+        )
 
 
 def load(path: Path) -> dict[str, Any]:

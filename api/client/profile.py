@@ -3,7 +3,6 @@ configuration file's profiles, and the rules that keep a token from going where 
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import warnings
 from dataclasses import dataclass
@@ -13,6 +12,7 @@ from typing import Any
 import httpx
 
 from api.client.errors import InsecureHTTPWarning, SshapiError
+from api.client.tls import loopback
 
 # Where `sshapi dev` listens: only ever a suggestion in an error message, and the URL of a client
 # made without a token (nothing to leak). A token is sent only to a URL somebody wrote down.
@@ -66,7 +66,7 @@ def load_profile(name: str | None = None, path: str | None = None) -> Profile:
     """
     import tomllib
 
-    from api.client.login import kept_url, login_path
+    from api.client.login import kept_url, login_path, private
 
     file = Path(
         path
@@ -140,17 +140,6 @@ def load_profile(name: str | None = None, path: str | None = None) -> Profile:
     )
 
 
-def private(path: Path, remedy: str) -> None:
-    """An SshapiError when others than its owner may read `path`, a file holding tokens (as
-    ssh refuses such a private key); `remedy` says what to do."""
-    mode = path.stat().st_mode
-    if mode & 0o077:
-        raise SshapiError(
-            f"{path} is readable by others (mode {mode & 0o777:o}): its tokens may have "
-            f"leaked; {remedy}"
-        )
-
-
 def _origin(url: str) -> tuple[str, str, int | None]:
     try:
         parsed = httpx.URL(url)
@@ -180,15 +169,6 @@ def paired(found: Profile, url: str | None) -> str | None:
     return found.token
 
 
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def server_url(url: str | None, token: str | None, allow_http: bool = False) -> str:
     """The base URL to talk to, or an SshapiError when a token would go where nobody chose.
 
@@ -210,7 +190,7 @@ def server_url(url: str | None, token: str | None, allow_http: bool = False) -> 
         raise SshapiError(f"{url!r}: not a URL ({exc})") from None
     if parsed.scheme not in ("http", "https") or not parsed.host:
         raise SshapiError(f"{url!r}: not an http:// or https:// URL (SSHAPI_URL, --profile)")
-    if parsed.scheme == "http" and token and not _loopback(parsed.host):
+    if parsed.scheme == "http" and token and not loopback(parsed.host):
         if not allow_http:
             raise SshapiError(
                 f"{url}: the token is not sent over plain HTTP to another machine (anyone on "

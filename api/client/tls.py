@@ -1,9 +1,11 @@
-"""The TLS verification context every httpx client of the process uses (the client's and the
-server's: the server imports it from here), built once per process."""
+"""What the client trusts on the wire: the TLS verification context every httpx client of the
+process uses (the client's and the server's: the server imports it from here), built once per
+process, and the one host a secret may reach over plain HTTP, this machine (`loopback`)."""
 
 from __future__ import annotations
 
 import functools
+import ipaddress
 import ssl
 
 import httpx
@@ -28,3 +30,15 @@ def verify_for(url: str) -> ssl.SSLContext:
     if url.startswith("https:"):
         return tls_context()
     return ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+
+
+def loopback(host: str) -> bool:
+    """Is `host` this machine (localhost, 127.0.0.0/8, ::1)? A token goes over plain HTTP only
+    there unless the caller opts in (`allow_http`), a provider's secret only there, and no
+    proxy of the environment stands between the client and it."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -146,7 +146,7 @@ class Runner:
                 on_node=job.on_node,
                 on_output=job.feed.append,
                 # A saturated host serves identities in turns: one caller's backlog never
-                # holds another's single command behind it (sshpool/pool.py `_Waiters`).
+                # holds another's single command behind it (sshpool/waiters.py `Waiters`).
                 tenant=owner,
             )
         )

@@ -106,8 +106,8 @@ JOBS = Table(
 )
 
 # Identities (issuer and subject) or accounts whose requests are refused at once, on every
-# replica (api/revocations.py); deleting the row lifts it. A few rows: every replica reads them
-# all each second.
+# replica (api/admin/revocations.py); deleting the row lifts it. A few rows: every replica reads
+# them all each second.
 REVOCATIONS = Table(
     "sshapi_revocations",
     METADATA,

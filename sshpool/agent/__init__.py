@@ -5,7 +5,7 @@
 * `client.py`: `start_agent` and `AgentConnection`, a `Connection` over the executor's channel.
 
 This package imports the sshpool core (`backends.base`, `command`, `errors`), nothing of
-`sshpool.pool` nor the dev rig.
+the pool (`sshpool.pool`, `host`, `connect`) nor the dev rig.
 """
 
 from sshpool.agent.client import AgentConnection, start_agent

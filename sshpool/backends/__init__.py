@@ -3,8 +3,9 @@
 * `base.py`: the interface (`Backend`, `Connection`, `Exit`), the contract in docstrings.
 * `translate.py`: the rules all backends share (connect errors, known_hosts names, host key
   preference, dead peers); each backend keeps only its own library's table.
-* `asyncssh.py` (the default), `paramiko.py`, `ssh2.py`: one backend each, imported only when
-  chosen, so an optional library that is not installed costs nothing until it is asked for.
+* `asyncssh.py` (the default), `paramiko.py`, `ssh2.py` (with `ssh2_extras.py`, the libssh2
+  calls ssh2-python lacks, through ctypes): one backend each, imported only when chosen, so an
+  optional library that is not installed costs nothing until it is asked for.
 
 ```python
 from sshpool.backends import load_backend
@@ -12,7 +13,7 @@ backend = load_backend("paramiko")   # ImportError naming the extra when paramik
 ```
 
 This package imports the sshpool core (`target`, `errors`, `command`) and its libraries, nothing
-of `sshpool.pool` nor the dev rig.
+of the pool (`sshpool.pool`, `host`, `connect`) nor the dev rig.
 """
 
 from __future__ import annotations

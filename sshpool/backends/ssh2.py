@@ -26,7 +26,8 @@ SFTP (`sftp()`) is libssh2's, on a channel of the same session, driven the same 
 wraps neither readlink nor posix-rename (SFTP v3 rename never replaces), and its close calls
 cannot be repeated after EAGAIN: those few libssh2 calls are made through ctypes on the libssh2
 ssh2-python loaded, with the SFTP and handle pointers read from its objects after checking their
-layout (see `_Extras`). Without them, `sftp()` raises RemoteUnsupported (the API's 501).
+layout (`sshpool.backends.ssh2_extras`). Without them, `sftp()` raises RemoteUnsupported (the
+API's 501).
 
 Limitation: ssh2-python's get_exit_signal loses the signal name, so a command whose shell was
 killed by a signal reports exit status 0 and no signal (libssh2's default) with this backend.
@@ -48,10 +49,11 @@ import socket
 import time
 import weakref
 from collections.abc import AsyncGenerator, Callable, Iterator
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 from sshpool.backends import translate
 from sshpool.backends.base import DirEntry, Exit, FileAttrs
+from sshpool.backends.ssh2_extras import READLINK, forget_pointer, lib_pointer, load_extras
 from sshpool.backends.translate import describe
 from sshpool.command import Capture, Feed
 from sshpool.errors import (
@@ -90,6 +92,10 @@ except ImportError as exc:
     raise ImportError("the ssh2 SSH backend needs ssh2-python: pip install 'sshapi[ssh2]'") from exc
 
 T = TypeVar("T")
+
+# libssh2's calls ssh2-python lacks (SFTP readlink, posix-rename, repeatable closes): None when
+# the libssh2 ssh2-python loaded (just above) has not got them.
+_EXTRAS = load_extras()
 
 EAGAIN: int = LIBSSH2_ERROR_EAGAIN
 STDERR = 1  # SSH_EXTENDED_DATA_STDERR
@@ -501,7 +507,7 @@ class Ssh2Connection:
             raise
         if sftp is None:  # libssh2 gave no handle and no error: the subsystem was refused
             raise RemoteFileFailure("the host has no sftp subsystem")
-        pointer = _lib_pointer(sftp, self._session)
+        pointer = lib_pointer(sftp, self._session)
         if pointer is None:
             raise RemoteUnsupported("this ssh2-python build's SFTP object is not the one known")
         return Ssh2SFTP(self, sftp, pointer)
@@ -539,75 +545,8 @@ class Ssh2Connection:
 # SFTP: libssh2's SFTP on a channel of the session, driven non-blocking like exec
 
 
-class _Extras(NamedTuple):
-    readlink: Any
-    posix_rename: Any
-    close_handle: Any
-    shutdown: Any
-
-
-def _load_extras() -> _Extras | None:
-    """libssh2 functions ssh2-python does not wrap: readlink (`libssh2_sftp_symlink_ex` with
-    LIBSSH2_SFTP_READLINK), posix-rename@openssh.com (`libssh2_sftp_posix_rename_ex`, libssh2
-    >= 1.11: SFTP v3's rename never replaces, and rename_ex's overwrite flags are only sent to
-    v5 servers), and `libssh2_sftp_close_handle` and `libssh2_sftp_shutdown`, which must be
-    repeated until they stop answering EAGAIN: ssh2-python calls them once (its close marks
-    the handle closed even on EAGAIN) or when the object is freed, in whatever order the
-    garbage collector picks. Taken from the very libssh2 the process has loaded for
-    ssh2-python; None when that is not found."""
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "/libssh2" in line}
-    except OSError:
-        return None
-    for path in sorted(paths):
-        try:
-            lib = ctypes.CDLL(path)
-            extras = _Extras(
-                lib.libssh2_sftp_symlink_ex,
-                lib.libssh2_sftp_posix_rename_ex,
-                lib.libssh2_sftp_close_handle,
-                lib.libssh2_sftp_shutdown,
-            )
-        except (OSError, AttributeError):
-            continue
-        p, s, u = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_uint
-        extras.readlink.argtypes = [p, s, u, s, u, ctypes.c_int]
-        extras.posix_rename.argtypes = [p, s, ctypes.c_size_t, s, ctypes.c_size_t]
-        extras.close_handle.argtypes = [p]
-        extras.shutdown.argtypes = [p]
-        for fn in extras:
-            fn.restype = ctypes.c_int
-        return extras
-    return None
-
-
-_EXTRAS = _load_extras()
-LIBSSH2_SFTP_READLINK = 1
 LIBSSH2_ERROR_SFTP_PROTOCOL = -31
 SFTP_FAILURE = 4  # SSH_FX_FAILURE
-# The object layouts of ssh2.sftp.SFTP and ssh2.sftp_handle.SFTPHandle (their .pxd): the
-# Python object header, the libssh2 pointer, then the owner (`Session _session`, `SFTP
-# _sftp`). Checked before use: the owner slot must hold the owner, or the extras are not used.
-_PYOBJECT_HEAD = object.__basicsize__
-_PTR = ctypes.sizeof(ctypes.c_void_p)
-
-
-def _lib_pointer(obj: Any, owner: Any) -> int | None:
-    """The libssh2 pointer inside an ssh2-python SFTP or SFTPHandle, after checking the
-    layout (the owner's address follows it)."""
-    if type(obj).__basicsize__ < _PYOBJECT_HEAD + 2 * _PTR:
-        return None
-    if ctypes.c_void_p.from_address(id(obj) + _PYOBJECT_HEAD + _PTR).value != id(owner):
-        return None
-    return ctypes.c_void_p.from_address(id(obj) + _PYOBJECT_HEAD).value
-
-
-def _forget_pointer(obj: Any) -> None:
-    """NULL the libssh2 pointer of an SFTP or SFTPHandle we closed (or gave up on), so that
-    ssh2-python's own close and __dealloc__ find nothing to free (libssh2 answers NULL with
-    LIBSSH2_ERROR_BAD_USE): freed twice, or after its owner in a garbage cycle, it crashes."""
-    ctypes.c_void_p.from_address(id(obj) + _PYOBJECT_HEAD).value = None
 
 
 def _attrs(a: Any) -> FileAttrs:
@@ -729,11 +668,11 @@ class Ssh2SFTP:
             pass  # answered: freed all the same
         finally:
             if self._broken is None:
-                _forget_pointer(handle)
+                forget_pointer(handle)
                 self._handles.pop(pointer, None)
 
     def _handle(self, handle: Any) -> int:
-        pointer = _lib_pointer(handle, self._sftp)
+        pointer = lib_pointer(handle, self._sftp)
         if pointer is None:
             raise RemoteUnsupported("this ssh2-python build's SFTP handle is not the one known")
         self._handles[pointer] = handle
@@ -760,9 +699,7 @@ class Ssh2SFTP:
         assert _EXTRAS is not None  # sftp() refuses without them
         raw = path.encode()
         buf = ctypes.create_string_buffer(4096)
-        n = await self.op(
-            path, _EXTRAS.readlink, self._ptr, raw, len(raw), buf, len(buf), LIBSSH2_SFTP_READLINK
-        )
+        n = await self.op(path, _EXTRAS.readlink, self._ptr, raw, len(raw), buf, len(buf), READLINK)
         return buf.raw[:n].decode(errors="replace")
 
     async def listdir(self, path: str) -> list[DirEntry]:
@@ -862,9 +799,9 @@ class Ssh2SFTP:
         finally:
             if self._broken is not None:
                 for handle in self._handles.values():
-                    _forget_pointer(handle)
+                    forget_pointer(handle)
                 self._handles.clear()
-            _forget_pointer(self._sftp)
+            forget_pointer(self._sftp)
 
 
 # --------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+import sshpool.connect as connect_module
 import sshpool.pool as pool_module
 from sshpool import Limits, Pool, PoolTimeout, Target
 from sshpool.devhost import FakeBackend
@@ -36,7 +37,7 @@ async def test_a_storm_of_dropped_handshakes_logs_a_line_not_one_per_drop(
 ) -> None:
     """Per-account limits in a storm: 60 accounts' connects dropped twice each (so they fail)
     log one line, not 60; an auth failure is still logged."""
-    monkeypatch.setattr(pool_module, "_drop_log", pool_module._Throttle(60.0))
+    monkeypatch.setattr(connect_module, "drop_log", connect_module.Throttle(60.0))
     backend = FakeBackend()
     backend.connect_failures = [ConnectError("dropped", retryable=True) for _ in range(120)]
     targets = [account(i, per_sshd=False) for i in range(60)]

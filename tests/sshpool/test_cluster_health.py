@@ -99,9 +99,15 @@ async def test_one_researcher_takes_no_login_node_down(
         results = await asyncio.gather(*jobs, return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException) or not r.ok]
         nodes = pool.nodes(service)
+        stats = pool.stats()
+        attacked = {t.host: stats[t]["breaker"] for t in stats if t.username == attacker.username}
     assert failed == []
     assert {n: s["state"] for n, s in nodes.items()} == dict.fromkeys(service.nodes, "up")
     assert sum(s["counters"].get("downs", 0) for s in nodes.values()) == 0
+    # The attacker's own breaker is open on every node it tried: its connections were lost
+    # after login, before any command ran, again and again, so its next jobs there are refused
+    # without a login until the back-off has passed.
+    assert attacked and "closed" not in attacked.values(), attacked
 
 
 @pytest.mark.parametrize("probe", ["service account", "banner"])

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 
 import psutil
@@ -332,15 +332,20 @@ class _LoseAfterSbatch(SlurmClient):
         self.lost = 0
 
     async def _run(
-        self, argv: str | list[str], *, stdin: bytes | None = None, max_output: int = 1 << 20
+        self,
+        argv: str | Sequence[str],
+        *,
+        stdin: bytes | None = None,
+        max_output: int = 1 << 20,
+        starts: bool = False,
     ) -> CommandResult:
         is_sbatch = not isinstance(argv, str) and "sbatch" in argv
         if is_sbatch and self.lost == 0:
             self.lost += 1
             if self.run_first:
-                await super()._run(argv, stdin=stdin, max_output=max_output)
+                await super()._run(argv, stdin=stdin, max_output=max_output, starts=starts)
             raise ConnectionLost("connection dropped after sbatch started", started=True)
-        return await super()._run(argv, stdin=stdin, max_output=max_output)
+        return await super()._run(argv, stdin=stdin, max_output=max_output, starts=starts)
 
 
 async def test_unknown_outcome_after_sbatch_ran_adopts_the_job(
