@@ -1,7 +1,8 @@
 """Redis pub/sub between the replicas (SSHAPI_REDIS_URL): the one listener loop every nudge
 channel uses (revocations, api/admin/revocations.py; live output's interest,
-api/live/relay.py). Pub/sub delivers only to whoever listens at that instant, so each use keeps
-a way to do without it (a poll); the loop only has to come back after a failure, paced."""
+api/live/relay.py; the sshd budget's nudges, api/sshd_budget.py). Pub/sub delivers only to
+whoever listens at that instant, so each use keeps a way to do without it (a poll, a renewal);
+the loop only has to come back after a failure, paced."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from typing import Any
 
 from api.quota import REDIS_TIMEOUT
 
-# After a failure of Redis's the listener subscribes again this long after, doubling to MAX_RETRY
-# seconds, and from FIRST_RETRY again once subscribed.
+# After a failure of Redis's the listener subscribes again this long after (unless its caller
+# says otherwise), doubling to MAX_RETRY seconds, and from the first pause again once
+# subscribed.
 FIRST_RETRY = 0.25
 MAX_RETRY = 10.0
 
@@ -31,16 +33,17 @@ async def listen(
     on_message: Callable[[bytes], None],
     on_failure: Callable[[Exception], None],
     on_subscribed: Callable[[], None] | None = None,
+    first_retry: float = FIRST_RETRY,
 ) -> None:
     """Call `on_message(data)` for every message on `channel`, and `on_subscribed()` after each
     (re)subscription, until cancelled. A failure of Redis's goes to `on_failure` and is retried
-    here, paced (FIRST_RETRY doubling to MAX_RETRY)."""
-    delay = FIRST_RETRY
+    here, paced (`first_retry` doubling to MAX_RETRY)."""
+    delay = first_retry
     while True:
         try:
             async with client.pubsub() as pubsub:
                 await pubsub.subscribe(channel)
-                delay = FIRST_RETRY
+                delay = first_retry
                 if on_subscribed is not None:
                     on_subscribed()
                 async for message in pubsub.listen():
