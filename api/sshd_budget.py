@@ -309,8 +309,13 @@ class RedisBudget:
         lease = self._leases.get(sshd.key)
         if lease is not None and self._leased_at is not None and now < self._leased_at + self.ttl:
             handshakes, connections = min(handshakes, lease[0]), min(connections, lease[1])
-        elif self._leased_at is None and now < (self._lost_at or now) + self.ttl:
+        elif (
+            self.processes > 1
+            and self._leased_at is None
+            and now < (self._lost_at or now) + self.ttl
+        ):
             # Never leased: the others may hold the whole budget until their leases lapse.
+            # (One process: there are no others, and it serves at once.)
             handshakes = connections = 0
         sshd.share_mode = "fallback"
         sshd.shared = {}
