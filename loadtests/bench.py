@@ -542,7 +542,17 @@ def many_accounts(args: argparse.Namespace) -> dict[str, Any] | None:
     print(f"accounts: {size} at once, budget then per-account", flush=True)
     data_dir = args.out / "hosts"
     chosen = ensure_accounts(size, data_dir=data_dir)
-    options = argparse.Namespace(via="api", deadline=30.0, rate=0.0, duration=0.0)
+    options = argparse.Namespace(
+        via="api",
+        deadline=30.0,
+        rate=0.0,
+        duration=0.0,
+        workers=1,
+        redis_url=None,
+        fault=None,
+        fault_at=1.0,
+        fault_down=1.0,
+    )
     out: dict[str, Any] = {"size": size}
     with LocalHost("bench-accounts", "stock", data_dir=data_dir, researchers=True) as host:
         for mode, pool_mode in (("budget", "pooled"), ("per_account", "per-account")):
