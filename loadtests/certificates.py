@@ -53,7 +53,7 @@ from loadtests.cpu import tree_seconds
 from loadtests.server import free_port, limits, stop_api, wait_ready
 from sshpool import Pool, SSHPoolError, Target
 from sshpool.backends import load_backend
-from sshpool.devhost import LocalHost
+from sshpool.devhost import LocalHost, Rig, RigSpec
 from sshpool.devhost.accounts import ensure_accounts
 
 
@@ -324,7 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     data_dir = Path(args.data_dir).absolute()
     names = [a.name for a in ensure_accounts(args.accounts, data_dir=data_dir)]
-    with LocalHost("certificates", "stock", data_dir=data_dir, researchers=True) as host:
+    spec = RigSpec("certificates", "stock", researchers=True)
+    with Rig(spec, data_dir=data_dir) as rig:
+        host = rig.host
         if args.http:
             rows = http_main(host, names, args)
         else:

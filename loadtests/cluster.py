@@ -40,7 +40,7 @@ from loadtests import hdr
 from loadtests.server import limits
 from sshpool import NodeFailed, Pool, SSHPoolError, Target
 from sshpool.cluster import rank
-from sshpool.devhost import LocalCluster
+from sshpool.devhost import LocalCluster, Rig, RigSpec
 from sshpool.devhost.accounts import account_names, ensure_accounts
 
 WARMUP = 3.0
@@ -342,7 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     data_dir = Path(args.data_dir).absolute()
     accounts = ensure_accounts(args.accounts, data_dir=data_dir)
-    with LocalCluster("bench", 4, "stock", data_dir=data_dir, researchers=True) as cluster:
+    with Rig(RigSpec("bench", "stock", nodes=4, researchers=True), data_dir=data_dir) as rig:
+        cluster = rig.cluster
+        assert cluster is not None
         three = cluster.addresses[:3]
         node0 = cluster.nodes[0]
         pool_limits = limits("pooled")

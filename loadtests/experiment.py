@@ -333,19 +333,18 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from sshpool.devhost import LocalHost
+    from sshpool.devhost import Rig, RigSpec
 
     args = parse(argv)
     args.out = run_dir(args.out, "experiment")
     (args.out / "api").mkdir()
     cells = matrix(args.backends, args.sshd, args.pool_modes, args.profiles)
     order = rounds(cells, args.repeats, args.seed)
-    hosts = {
-        p: LocalHost(f"exp-{p}", p, data_dir=args.out / "hosts", sshd=args.sshd_binary)
+    rigs = {
+        p: Rig(RigSpec(f"exp-{p}", p, sshd=args.sshd_binary), data_dir=args.out / "hosts")
         for p in args.sshd
     }
-    for host in hosts.values():
-        host.start()
+    hosts = {p: rig.start().host for p, rig in rigs.items()}
     results = []
     started = time.time()
     try:
@@ -363,8 +362,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"    {result['error']}", flush=True)
             results.append(result)
     finally:
-        for host in hosts.values():
-            host.stop(kill_sessions=True)
+        for rig in rigs.values():
+            rig.stop()
     rows = compare(results)
     judged = verdicts(results)
     meta = {"args": {k: str(v) for k, v in vars(args).items()}, "versions": versions(),

@@ -40,7 +40,7 @@ from sshpool import ConnectError, SSHPoolError, Target
 from sshpool.backends import load_backend
 from sshpool.backends.asyncssh import ENCRYPTION_ALGS
 from sshpool.command import Capture
-from sshpool.devhost import LocalHost
+from sshpool.devhost import LocalHost, Rig, RigSpec
 from sshpool.devhost.accounts import ensure_accounts
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -218,9 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     data_dir = Path(args.data_dir).absolute()
     accounts = ensure_accounts(args.accounts, data_dir=data_dir)
-    with LocalHost("accounts", "stock", data_dir=data_dir, researchers=True) as host:
-        targets = [a.target(host) for a in accounts]
-        rows = asyncio.run(run(host, targets, args))
+    with Rig(RigSpec("accounts", "stock", researchers=True), data_dir=data_dir) as rig:
+        targets = [a.target(rig.host) for a in accounts]
+        rows = asyncio.run(run(rig.host, targets, args))
     head = (
         "inflight phase client   kex                   hs/s  p50ms  p99ms drops client_ms "
         "sshd_ms box_ms load"
