@@ -102,3 +102,13 @@ def test_a_figures_json_without_its_load_average_or_versions_is_refused(tmp_path
         text=True,
     )
     assert done.returncode != 0 and "versions.openssh: missing" in done.stderr
+
+
+def test_the_package_docstring_names_every_module() -> None:
+    """loadtests/__init__.py is the suite's map: every module (and the scenarios) is in it."""
+    import loadtests
+
+    doc = loadtests.__doc__ or ""
+    modules = [p.stem for p in (REPO / "loadtests").glob("*.py") if p.stem != "__init__"]
+    missing = [m for m in modules + ["scenarios"] if f"`{m}`" not in doc]
+    assert not missing, f"not in loadtests/__init__.py's docstring: {missing}"
