@@ -12,7 +12,8 @@ with Rig(RigSpec("bench", "stock", researchers=True), data_dir=Path(".data")) as
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -29,7 +30,8 @@ class RigSpec:
     stands for them as ``Rig.host``). ``researchers``: sshd runs as root and logs in the
     researcher accounts (`sshpool.devhost.accounts`). ``slurm``: a `LocalSlurm` started first,
     the hosts' sshd pointed at it. ``rtt_ms`` > 0: a `LatencyRelay` in front of the host.
-    ``shell`` and ``sshd``: the login shell and the sshd binary (`LocalHost`'s)."""
+    ``shell``, ``sshd`` and ``overrides``: the login shell, the sshd binary and sshd_config
+    lines (`LocalHost`'s; ``overrides`` over Slurm's)."""
 
     name: str = "local"
     profile: Profile = "tuned"
@@ -39,6 +41,7 @@ class RigSpec:
     rtt_ms: float = 0.0
     shell: str | None = None
     sshd: str | None = None
+    overrides: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.nodes > 1 and self.rtt_ms > 0:
@@ -82,6 +85,7 @@ class Rig:
             if spec.slurm:
                 self.slurm = stack.enter_context(LocalSlurm(spec.name, data_dir=self.data_dir))
                 overrides = self.slurm.sshd_overrides()
+            overrides |= spec.overrides
             options: dict[str, Any] = {
                 "overrides": overrides,
                 "researchers": spec.researchers,
