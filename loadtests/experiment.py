@@ -333,9 +333,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    results = measure(parse(argv))["results"]
+    return 0 if all("summary" in r for r in results) else 1
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """The matrix of `args`, each sshd profile on a rig of its own; writes and prints the
+    comparison (`reports/<time>-experiment/`, which `args.out` becomes) and returns its rows,
+    verdicts and runs."""
     from sshpool.devhost import Rig, RigSpec
 
-    args = parse(argv)
     args.out = run_dir(args.out, "experiment")
     (args.out / "api").mkdir()
     cells = matrix(args.backends, args.sshd, args.pool_modes, args.profiles)
@@ -379,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "comparison.md").write_text(verdict_text + detail)
     print(verdict_text + detail.split("\n## Runs")[0].strip())
     print(f"\ncomparison: {args.out / 'comparison.md'}")
-    return 0 if all("summary" in r for r in results) else 1
+    return {"rows": rows, "verdicts": judged, "results": results}
 
 
 if __name__ == "__main__":

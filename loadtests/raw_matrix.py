@@ -90,6 +90,12 @@ def table(results: dict[tuple[int, str, str], list[dict[str, Any]]], args: Any) 
 
 
 async def run(args: argparse.Namespace) -> str:
+    return table(await cells(args), args)
+
+
+async def cells(args: argparse.Namespace) -> dict[tuple[int, str, str], list[dict[str, Any]]]:
+    """Every cell (callers, sshd profile, limits) of `args`, in interleaved rounds, each sshd
+    profile on a rig of its own: each cell's rows, one per round."""
     rigs = {p: Rig(RigSpec(f"raw-{p}", p), data_dir=args.out / "hosts") for p in args.sshd}
     hosts = {p: rig.start().host for p, rig in rigs.items()}
     results: dict[tuple[int, str, str], list[dict[str, Any]]] = {}
@@ -109,7 +115,7 @@ async def run(args: argparse.Namespace) -> str:
     finally:
         for rig in rigs.values():
             rig.stop()
-    return table(results, args)
+    return results
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
