@@ -41,6 +41,7 @@ from typing import Literal
 from api.config import Config, HostConfig, SshdLimits
 from api.policy import Policy
 from api.settings import Settings
+from api.sshd_budget import budgets
 from sshpool import (
     AuthenticationFailed,
     CommandResult,
@@ -379,10 +380,12 @@ def _sshd_limits(
     replicas, workers = processes(settings)
     lim = host.limits
     handshakes, gate = host.handshakes(accounts)
-    budget = host.model_copy(update={"sshd": sshd}).ssh_budget(replicas * workers, accounts)
+    pools = budgets(settings.redis_url, replicas * workers, lim.max_handshakes)
+    budget = host.model_copy(update={"sshd": sshd}).ssh_budget(pools, accounts)
+    how = "leased through SSHAPI_REDIS_URL" if settings.redis_url else "static shares"
     procs = (
-        f"{replicas} replica(s) x {workers} worker(s) = {replicas * workers} pool(s), "
-        f"{accounts} account(s) on one sshd"
+        f"{replicas} replica(s) x {workers} worker(s) = {replicas * workers} process(es) "
+        f"sharing {pools} budget(s) ({how}), {accounts} account(s) on one sshd"
     )
     for problem in budget:
         found.append(
@@ -406,8 +409,8 @@ def _sshd_limits(
                 name,
                 "budget",
                 "ok",
-                f"{procs}; {replicas * workers} pool(s) x {gate} = "
-                f"{replicas * workers * handshakes} handshakes < MaxStartups "
+                f"{procs}; {pools} budget(s) x {gate} = "
+                f"{pools * handshakes} handshakes < MaxStartups "
                 f"{sshd.max_startups}; {per_connection} < MaxSessions {sshd.max_sessions}",
             )
         )

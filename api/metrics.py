@@ -148,6 +148,18 @@ class SshdCollector(Collector):
                 ("connections_max", "The most connections held at once"),
             )
         }
+        # Several processes sharing the sshd (api/sshd_budget.py): this process's share, and
+        # what Redis says of all of them (with Redis only).
+        shares = {
+            name: GaugeMetricFamily(f"sshpool_sshd_{name}", text, labels=["host"])
+            for name, text in (
+                ("share_connections", "Connections this process may hold to the host's sshd"),
+                ("share_handshakes", "Handshakes this process may have in flight to the sshd"),
+                ("leased_connections", "Connection slots leased by all processes (Redis)"),
+                ("leased_handshakes", "Handshake slots leased by all processes (Redis)"),
+                ("processes", "Processes holding a lease of the host's sshd (Redis)"),
+            )
+        }
         counters = {
             name: CounterMetricFamily(f"sshpool_sshd_{name}", text, labels=["host"])
             for name, text in (
@@ -165,6 +177,10 @@ class SshdCollector(Collector):
                 connections.add_metric([host, state], value)
             for name, gauge in gauges.items():
                 gauge.add_metric([host], sum(float(s[name]) for s in sshds))
+            for name, gauge in shares.items():
+                values = [s[name] if name in s else s["shared"].get(name) for s in sshds]
+                if all(_number(v) for v in values):
+                    gauge.add_metric([host], sum(float(v) for v in values))
             for name, counter in counters.items():
                 if name == "connection_wait_seconds":
                     value = sum(float(s[name]) for s in sshds)
@@ -173,6 +189,7 @@ class SshdCollector(Collector):
                 counter.add_metric([host], value)
         yield connections
         yield from gauges.values()
+        yield from shares.values()
         yield from counters.values()
 
 

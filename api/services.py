@@ -36,6 +36,12 @@ cancellation; every one is logged with its traceback):
 |                     | (api/admin/nodes.py)               |         |                           |
 | `prewarm-<host>`    | opens the host's `min_connections` | once    | best effort: jobs connect |
 |                     | at start                           |         | on demand anyway          |
+| `sshd-budget`       | with Redis: takes, renews and      | restart | lost, the leases lapse    |
+|                     | gives back this process's share of |         | (the pool keeps within    |
+|                     | each sshd (api/sshd_budget.py);    |         | the last share), the      |
+|                     | stopped last, after the pool       |         | others take them          |
+| `sshd-budget-nudge` | with Redis: other processes' ask   | restart | lost, shares rebalance at |
+|                     | to rebalance now                   |         | each renewal (1 s)        |
 
 `restart`: started again after a pause (doubling); the third death within a minute takes the
 process down. Taking it down: the other tasks are cancelled, /readyz answers 503, and the
@@ -88,6 +94,7 @@ from api.policy import Policy
 from api.problems import Problem
 from api.quota import Quota, make_quota
 from api.settings import Settings
+from api.sshd_budget import RedisBudget, budgets, make_coordinator
 from api.store import JobRow, Store
 from api.tasks import OnDeath, Supervisor
 from sshpool import Pool, SSHPoolError
@@ -175,7 +182,15 @@ async def running(
             log.warning("%d job(s) left active by a previous run are now `lost`", lost)
         http = httpx.AsyncClient(follow_redirects=False, verify=tls_context())
         stack.push_async_callback(http.aclose)
-        the_pool = pool or Pool(backend=settings.backend)
+        processes = settings.replicas * settings.workers
+        coordinator = make_coordinator(settings.redis_url, processes, settings.replica)
+        if isinstance(coordinator, RedisBudget):
+            # Its leases are given back once the pool is closed; its tasks run until the
+            # supervisor closes (the pool's connections count until then).
+            stack.push_async_callback(coordinator.close)
+            supervisor.spawn("sshd-budget", coordinator.loop, OnDeath.RESTART)
+            supervisor.spawn("sshd-budget-nudge", coordinator.listen, OnDeath.RESTART)
+        the_pool = pool or Pool(backend=settings.backend, coordinator=coordinator)
         if pool is None:
             stack.push_async_callback(the_pool.close)
         policy = Policy(config)
@@ -201,10 +216,12 @@ async def running(
         stack.push_async_callback(jobs.close, settings.shutdown_grace)
         files = FileService(config, policy, the_pool, quota, metrics, lookups)
         for name, host in config.hosts.items():
-            # Every worker of every replica has its own pool: the host sees all of them.
-            # Counted over the host's sshd: every account the policy maps to it, under any name.
+            # Every worker of every replica has its own pool: the host sees all of them, unless
+            # they share each sshd's budget through Redis (api/sshd_budget.py). Counted over the
+            # host's sshd: every account the policy maps to it, under any name.
             accounts = len(policy.sshd_targets(name))
-            for problem in host.ssh_budget(settings.replicas * settings.workers, accounts):
+            shared = budgets(settings.redis_url, processes, host.limits.max_handshakes)
+            for problem in host.ssh_budget(shared, accounts):
                 log.warning("SSH budget of host %s: %s", name, problem)
 
         def pools_by_host() -> dict[str, list[dict[str, Any]]]:

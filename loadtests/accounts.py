@@ -6,6 +6,8 @@ of 4 per account: the behaviour before it), interleaved in one run.
     .venv/bin/python -m loadtests.accounts --accounts 200 --rounds 2
     .venv/bin/python -m loadtests.accounts --accounts 1000 --rate 50 --duration 300
     .venv/bin/python -m loadtests.accounts --via pool --accounts 1000
+    .venv/bin/python -m loadtests.accounts --accounts 400 --workers 2 --redis-url redis://127.0.0.1:6379/0
+    .venv/bin/python -m loadtests.accounts --accounts 400 --workers 2 --fault redis
 
 --via api (the default): `sshapi serve` (a fresh API per cell) with one `[[policy]]` rule and
 key per account, each account's caller its own token, one job per request via POST /v1/jobs.
@@ -29,9 +31,11 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import os
 import random
 import re
 import secrets
+import signal
 import tempfile
 import time
 from collections import Counter
@@ -46,7 +50,7 @@ from pydantic import SecretStr
 from loadtests import hdr
 from loadtests.cpu import own_seconds
 from loadtests.handshakes import tree_cpu
-from loadtests.server import limits, serve_config, stop_api
+from loadtests.server import free_port, limits, serve_config, stop_api
 from sshpool import Limits, Pool, SSHPoolError
 from sshpool.devhost import LocalHost
 from sshpool.devhost.accounts import Account, ensure_accounts
@@ -166,6 +170,70 @@ async def post(url: str, path: str, body: bytes, token: str) -> tuple[int, bytes
     return int(head.split(b" ", 2)[1]), answer
 
 
+class PrivateRedis:
+    """A Redis of this run's own on a free port, nothing on disk (`--fault redis` kills it)."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.port = free_port()
+        self.dir = data_dir
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> None:
+        self.proc = await asyncio.create_subprocess_exec(
+            *("redis-server", "--port", str(self.port), "--bind", "127.0.0.1"),
+            *("--save", "", "--appendonly", "no", "--dir", str(self.dir)),
+            stdout=asyncio.subprocess.DEVNULL,
+        )
+        async with asyncio.timeout(30):
+            while True:
+                try:
+                    _, writer = await asyncio.open_connection("127.0.0.1", self.port)
+                except OSError:
+                    await asyncio.sleep(0.05)
+                    continue
+                writer.close()
+                return
+
+    async def kill(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.kill()
+            await self.proc.wait()
+
+
+async def redis_fault(redis: PrivateRedis, at: float, down: float) -> tuple[float, float]:
+    """SIGKILL `redis` `at` s into the cell, start it again (empty) `down` s later: (killed,
+    back) in seconds from the cell's start."""
+    t0 = time.perf_counter()
+    await asyncio.sleep(at)
+    await redis.kill()
+    killed = time.perf_counter() - t0
+    await asyncio.sleep(down)
+    await redis.start()
+    return round(killed, 2), round(time.perf_counter() - t0, 2)
+
+
+def kill_a_worker(api_pid: int) -> bool:
+    """SIGKILL one worker of the API at `api_pid` (its supervisor starts another)."""
+    for pid in children(api_pid):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"spawn" in cmdline:
+            os.kill(pid, signal.SIGKILL)
+            return True
+    return False
+
+
+async def worker_fault(api_pid: int, at: float) -> list[float]:
+    """`kill_a_worker` `at` s into the cell: [seconds into the cell], or [] when it found none."""
+    t0 = time.perf_counter()
+    await asyncio.sleep(at)
+    killed = await asyncio.to_thread(kill_a_worker, api_pid)
+    return [round(time.perf_counter() - t0, 2)] if killed else []
+
+
 class ViaPool:
     """Each command through a Pool of this process."""
 
@@ -202,9 +270,19 @@ class ViaPool:
 
 
 class ViaApi:
-    """Each command a POST /v1/jobs to a fresh API (`sshapi serve`), as its account's caller."""
+    """Each command a POST /v1/jobs to a fresh API (`sshapi serve`, `workers` processes sharing
+    each sshd's budget: through Redis at `redis_url`, else in static shares), as its account's
+    caller."""
 
-    def __init__(self, host: LocalHost, accounts: list[Account], lim: Limits, deadline: float):
+    def __init__(
+        self,
+        host: LocalHost,
+        accounts: list[Account],
+        lim: Limits,
+        deadline: float,
+        workers: int = 1,
+        redis_url: str | None = None,
+    ):
         from api.config import Config
         from api.local import local_token
         from api.settings import Settings
@@ -212,7 +290,13 @@ class ViaApi:
         self.data = Path(tempfile.mkdtemp(prefix="accounts-api-"))
         secret = secrets.token_urlsafe(32)
         self.config = config(host, accounts, lim, deadline)
-        self.env = {"SSHAPI_JWT_SECRET": secret, "SSHAPI_LOG_LEVEL": "error"}
+        self.env = {
+            "SSHAPI_JWT_SECRET": secret,
+            "SSHAPI_LOG_LEVEL": "error",
+            "SSHAPI_WORKERS": str(workers),
+        }
+        if redis_url:
+            self.env["SSHAPI_REDIS_URL"] = redis_url
         parsed = Config.model_validate(self.config)
         settings = Settings(jwt_secret=SecretStr(secret), data_dir=self.data)
         scopes = ["jobs:read", "jobs:write"]
@@ -270,7 +354,16 @@ async def cell(
     offset = host.log_path.stat().st_size
     statuses: Counter[str] = Counter()
     hist = hdr.histogram()
-    via = (ViaApi if args.via == "api" else ViaPool)(host, accounts, lim, args.deadline)
+    via: ViaApi | ViaPool
+    redis: PrivateRedis | None = None
+    if args.fault == "redis":
+        redis = PrivateRedis(Path(tempfile.mkdtemp(prefix="accounts-redis-")))
+        await redis.start()
+        args.redis_url = redis.url
+    if args.via == "api":
+        via = ViaApi(host, accounts, lim, args.deadline, args.workers, args.redis_url)
+    else:
+        via = ViaPool(host, accounts, lim, args.deadline)
     max_held = 0
     async with via:
 
@@ -291,16 +384,24 @@ async def cell(
         assert host.pid is not None
         cpu0 = (via.cpu(), tree_cpu(host.pid), own_seconds())
         t0 = time.perf_counter()
+        fault: asyncio.Task[Any] | None = None
+        if redis is not None:
+            fault = asyncio.create_task(redis_fault(redis, args.fault_at, args.fault_down))
+        elif args.fault == "worker" and isinstance(via, ViaApi):
+            fault = asyncio.create_task(worker_fault(via.proc.pid, args.fault_at))
         if part == "burst":
             await asyncio.gather(*(timed(i, t0) for i in range(len(accounts))))
         else:
             await open_model(timed, len(accounts), args.rate, args.duration, t0)
         makespan = time.perf_counter() - t0
         sampler.cancel()
+        killed = None if fault is None else await fault
         memory = sshd_memory(host)
         # sshd's CPU: its listener's reaped children, so the connections closed by now.
         cpu = (via.cpu() - cpu0[0], tree_cpu(host.pid) - cpu0[1], own_seconds() - cpu0[2])
         evictions, held = await asyncio.to_thread(via.budget)
+    if redis is not None:
+        await redis.kill()
     handshakes = log_count(host, offset, b"Accepted publickey")
     p = hdr.percentiles(hist)
     return {
@@ -326,6 +427,9 @@ async def cell(
         # socket twice while the table changes).
         "budget_connections_max": held,
         "sshd_drop_lines": drops(host, offset),
+        # --fault redis: when its Redis was SIGKILLed and when it answered again (s into it);
+        # --fault worker: when a worker was SIGKILLed.
+        "fault_s": killed,
         "sshd_processes": memory[0],
         "sshd_rss_mib": memory[1],
         "sshd_pss_mib": memory[2],
@@ -415,8 +519,30 @@ def main(argv: list[str] | None = None) -> int:
         default=Limits().max_total_connections,
         help="the budget's connections to the sshd",
     )
+    parser.add_argument(
+        "--workers", type=int, default=1, help="--via api: API processes (SSHAPI_WORKERS)"
+    )
+    parser.add_argument(
+        "--redis-url",
+        default=None,
+        help="--via api: SSHAPI_REDIS_URL (the workers lease each sshd's budget; else static "
+        "shares)",
+    )
+    parser.add_argument(
+        "--fault",
+        choices=("redis", "worker"),
+        default=None,
+        help="redis: each cell with a Redis of its own, SIGKILLed --fault-at s into the cell and "
+        "started again (empty) --fault-down s later (the workers' budget falls back to static "
+        "shares, then leases again); worker: one API worker SIGKILLed --fault-at s into the "
+        "cell (its leases lapse; its jobs are lost)",
+    )
+    parser.add_argument("--fault-at", type=float, default=1.0)
+    parser.add_argument("--fault-down", type=float, default=1.0)
     parser.add_argument("--data-dir", default=".data-accounts")
     args = parser.parse_args(argv)
+    if args.via == "pool" and (args.workers != 1 or args.fault == "worker"):
+        parser.error("--workers and --fault worker need --via api")
     data_dir = Path(args.data_dir).absolute()
     accounts = ensure_accounts(args.accounts, data_dir=data_dir)
     with LocalHost("accounts", "stock", data_dir=data_dir, researchers=True) as host:

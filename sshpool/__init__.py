@@ -29,6 +29,7 @@ tests/test_layout.py):
 """
 
 from sshpool.backends.base import DirEntry, FileAttrs, FileType, RemoteFile, SFTPSession
+from sshpool.budget import Coordinator, Sshd, StaticShare, static_share
 from sshpool.certificates import Credentials, UserCA
 from sshpool.command import CommandResult, OutputStream
 from sshpool.errors import (
@@ -63,6 +64,7 @@ __all__ = [
     "ConnectError",
     "ConnectTimeout",
     "ConnectionLost",
+    "Coordinator",
     "Credentials",
     "DirEntry",
     "ExecMode",
@@ -86,6 +88,9 @@ __all__ = [
     "RemoteUnsupported",
     "SFTPSession",
     "SSHPoolError",
+    "Sshd",
+    "StaticShare",
     "Target",
     "UserCA",
+    "static_share",
 ]

@@ -143,6 +143,12 @@ class Penalties:
         self._at = now
         self.refused += 1
 
+    def merge(self, score: float, now: float) -> None:
+        """Another process's view of the same sshd's penalty (`score` seconds now): keep the
+        higher, so that its refusals hold back this process's risky logins too."""
+        if score > self.score(now):
+            self._score, self._at = score, now
+
     def allows(self, now: float) -> bool:
         """May a login that might be refused start now?"""
         return self.score(now) + self.per_failure < self.threshold

@@ -21,7 +21,15 @@ Invariants of an sshd budget:
   connections beyond its first: each takes no new channel and closes once its channels end;
 - evicting <= max_handshakes: closes for room at once (evictions and yields) are no more than
   the handshakes that could start when they are done (the next ones are made ready while
-  the gate is busy), save for yields made while connections were closing anyway.
+  the gate is busy), save for yields made while connections were closing anyway, and closes
+  down to a lowered share (below).
+
+Several processes reaching one sshd (API workers and replicas) share its gate and budget
+through a `Coordinator`: it sets this process's share (`allow`), and the gate and budget above
+are then `gate()` and `budget()`, the lesser of the sshd's limit and the share. A share
+lowered below what the process holds closes idle connections, least recently used first, and
+makes busy ones yield (each closes once its channels end), down to the share. Without a
+coordinator the process owns the whole budget; `StaticShare` gives it budget / processes.
 
 State changes only in the synchronous methods below; the host pools do the I/O.
 """
@@ -61,8 +69,51 @@ class Member(Protocol):
         ...
 
 
+class Coordinator(Protocol):
+    """How the processes reaching one sshd split its gate and budget (docs/pool.md, "Many
+    processes, one sshd"). The sshd reports each change of its use or its demand (`changed`:
+    synchronous and cheap, no I/O); the coordinator sets its share (`Sshd.allow`), at once or
+    later (a lease taken elsewhere, in the background)."""
+
+    def attach(self, sshd: Sshd) -> None:
+        """A new sshd of this process: set its share before its first grant."""
+        ...
+
+    def changed(self, sshd: Sshd) -> None:
+        """Its use or demand changed (see `Sshd.demand`)."""
+        ...
+
+
+def static_share(total: float, processes: int) -> float:
+    """One process's static share of an sshd's `total`: total / processes, rounded down, at
+    least 1 (an unlimited total stays unlimited)."""
+    if math.isinf(total):
+        return total
+    return max(1, int(total) // max(1, processes))
+
+
+class StaticShare:
+    """`processes` processes reach each sshd and know nothing of each other: each keeps
+    budget / processes connections and gate / processes handshakes (`static_share`), so their
+    sum stays within the sshd's limits."""
+
+    def __init__(self, processes: int) -> None:
+        self.processes = processes
+
+    def attach(self, sshd: Sshd) -> None:
+        sshd.share_mode = "static"
+        self.changed(sshd)
+
+    def changed(self, sshd: Sshd) -> None:
+        # The sshd's limits may fall as accounts join (the strictest applies): follow them.
+        handshakes = static_share(sshd.max_handshakes, self.processes)
+        connections = static_share(sshd.max_total_connections, self.processes)
+        if (handshakes, connections) != (sshd.share_handshakes, sshd.share_connections):
+            sshd.allow(handshakes, connections)
+
+
 class Sshd:
-    """The handshake gate and the connection budget of one sshd."""
+    """The handshake gate and the connection budget of one sshd (this process's share)."""
 
     def __init__(self, key: str, max_handshakes: int, max_total_connections: float) -> None:
         self.key = key
@@ -83,36 +134,83 @@ class Sshd:
         # The refused logins of all its accounts, kept under its PerSourcePenalties threshold
         # (the pool sets the figures from the first account's Limits).
         self.penalties = Penalties()
+        # This process's share of the gate and of the budget (`allow`), what sets it, and the
+        # figures the coordinator knows of the whole sshd (for stats).
+        self.share_handshakes = math.inf
+        self.share_connections = math.inf
+        self.share_mode = "process"
+        self.coordinator: Coordinator | None = None
+        self.shared: dict[str, Any] = {}
+
+    def coordinate(self, coordinator: Coordinator) -> None:
+        """Share this sshd with other processes through `coordinator` (before the first grant)."""
+        self.coordinator = coordinator
+        coordinator.attach(self)
+
+    def gate(self) -> float:
+        """Handshakes this process may have in flight: the sshd's gate, or its share of it."""
+        return min(self.max_handshakes, self.share_handshakes)
+
+    def budget(self) -> float:
+        """Connections this process may hold: the sshd's budget, or its share of it."""
+        return min(self.max_total_connections, self.share_connections)
+
+    def demand(self) -> tuple[int, int, int, int]:
+        """(handshakes in flight, handshakes wanted, connections held, connections wanted):
+        what a coordinator leases for. Wanted: those in flight and one per account waiting for
+        a turn (up to the gate); connections with a channel in use, those being made and one
+        per account waiting. Idle connections are held but not wanted: another process may
+        have their room."""
+        waiting = len(self.ring)
+        busy = sum(member.holds()[0] for member in self.members)
+        used = self.held + self.connecting
+        handshakes = self.connecting + min(waiting, max(0, self.max_handshakes - self.connecting))
+        return self.connecting, handshakes, used, min(used, busy + self.connecting) + waiting
 
     def join(self, member: Member, max_handshakes: int, max_total_connections: float) -> None:
         """A new account reaches this sshd: the strictest limits of all its accounts apply."""
         self.members.append(member)
         self.max_handshakes = min(self.max_handshakes, max_handshakes)
         self.max_total_connections = min(self.max_total_connections, max_total_connections)
+        self._changed()
+
+    def over_share(self) -> bool:
+        """More connections held than this process's share, beyond those already closing."""
+        return self.held + self.connecting - self.evicting > self.budget()
 
     def has_room(self) -> bool:
         """A connection could open now without closing another."""
-        return self.held + self.connecting < self.max_total_connections
+        return self.held + self.connecting < self.budget()
 
     def has_spare_room(self, member: Member) -> bool:
         """A connection could open now without closing another, and without taking the room
         of an account queued for a turn (a connection kept only for min_connections waits for
         spare room: it would be closed again for the next account)."""
         others = len(self.ring) - (1 if self.is_queued(member) else 0)
-        return self.held + self.connecting + others < self.max_total_connections
+        return self.held + self.connecting + others < self.budget()
 
     def is_queued(self, member: Member) -> bool:
         return id(member) in self.queued
 
-    def owes_room(self, member: Member) -> bool:
-        """Should `member` yield a connection to an account waiting for its turn? While the
-        sshd is full, another account waits, and fewer closes for room are under way than
-        accounts waiting and handshakes that could then start."""
+    def owes_room(self, member: Member, open_conns: int) -> bool:
+        """Should `member`, holding `open_conns` connections, yield one? Over this process's
+        share: yes, any. Otherwise its connections beyond its first, while the sshd is full,
+        another account waits, and fewer closes for room are under way than accounts waiting
+        and handshakes that could then start."""
+        if self.over_share():
+            return True
         waiting = len(self.ring) - (1 if self.is_queued(member) else 0)
-        room_coming = min(waiting, self.max_handshakes)
-        return not self.has_room() and self.evicting < room_coming
+        room_coming = min(waiting, self.gate())
+        return open_conns > 1 and not self.has_room() and self.evicting < room_coming
 
     # ---- state changes: synchronous, no awaits ----
+
+    def allow(self, handshakes: float, connections: float) -> None:
+        """The coordinator sets this process's share: grant what it lets through now, or close
+        idle connections down to it (busy ones yield: `owes_room`)."""
+        self.share_handshakes = handshakes
+        self.share_connections = connections
+        self.dispatch()
 
     def want(self, member: Member) -> None:
         """`member` needs a connection: queue it for a turn (once) and serve the ring."""
@@ -124,14 +222,16 @@ class Sshd:
     def dispatch(self) -> None:
         """Grant handshakes to the accounts in the ring, one per turn, making room by evicting
         idle connections of other accounts when the sshd holds its maximum."""
-        while self.ring and self.connecting < self.max_handshakes and not self.stopped:
+        while self.over_share() and self._evict(None):
+            pass
+        while self.ring and self.connecting < self.gate() and not self.stopped:
             member = self.ring[0]
             if not member.wants_connection():
                 self._leave()
                 continue
-            if self.held + self.connecting >= self.max_total_connections:
+            if self.held + self.connecting >= self.budget():
                 # Full: close the least recently used idle connection, then grant once closed.
-                if self.evicting < self.max_handshakes and self._evict(member):
+                if self.evicting < self.gate() and self._evict(member):
                     continue
                 break
             since = self._leave()
@@ -142,6 +242,17 @@ class Sshd:
             if member.wants_connection():
                 self.queued[id(member)] = time.monotonic()
                 self.ring.append(member)
+        self._changed()
+
+    def _changed(self) -> None:
+        if self.coordinator is not None:
+            self.coordinator.changed(self)
+
+    def idle(self) -> None:
+        """A connection's last channel ended: accounts waiting for a turn at a full sshd may
+        have its room now (else they would wait for the next grant, close or maintenance)."""
+        if self.ring:
+            self.dispatch()
 
     def yielded(self) -> None:
         """A member retires a connection for room (see `owes_room`)."""
@@ -154,6 +265,7 @@ class Sshd:
         if ok:
             self.held += 1
             self.max_held = max(self.max_held, self.held)
+        self._changed()
 
     def closed(self, evicted: bool = False) -> None:
         """A held connection is closed (its close is done)."""
@@ -166,9 +278,10 @@ class Sshd:
         """Take the ring's head out; returns since when it waited."""
         return self.queued.pop(id(self.ring.popleft()))
 
-    def _evict(self, served: Member) -> bool:
-        """Close the least recently used idle connection of an account other than `served`;
-        False when there is none (every connection has a channel in use)."""
+    def _evict(self, served: Member | None) -> bool:
+        """Close the least recently used idle connection of an account other than `served`
+        (None: of any account); False when there is none (every connection has a channel in
+        use)."""
         best: tuple[float, Any, Member] | None = None
         for member in self.members:
             if member is served:
@@ -207,5 +320,13 @@ class Sshd:
             "accounts_holding": accounts,
             "accounts": len(self.members),
             "connection_wait_seconds": self.wait_seconds,
+            "share_mode": self.share_mode,
+            "share_handshakes": _finite(self.gate()),
+            "share_connections": _finite(self.budget()),
+            "shared": dict(self.shared),
             "counters": dict(self.counters),
         }
+
+
+def _finite(value: float) -> float | None:
+    return None if math.isinf(value) else value

@@ -205,12 +205,15 @@ class HostPool:
         c.in_use -= 1
         if c.in_use == 0:
             c.idle_since = self.loop.time()
-        if not c.expired and self.sshd.owes_room(self) and self._open_conns() > 1:
+        if not c.expired and self.sshd.owes_room(self, self._open_conns()):
             # Another account waits for its turn at a full sshd: this account's connections
-            # beyond its first go to it (drained, then closed) instead of to its own backlog.
+            # beyond its first go to it (drained, then closed) instead of to its own backlog;
+            # or this process holds more than its share of the sshd (`Sshd.allow`).
             c.expired = c.for_room = True
             self.sshd.yielded()
         self._dispatch()
+        if c.in_use == 0:
+            self.sshd.idle()
 
     def _open_conns(self) -> int:
         return sum(1 for c in self.conns if not c.expired)

@@ -64,7 +64,7 @@ from typing import Any, cast
 from sshpool.backends import Backend, load_backend
 from sshpool.backends.base import SFTPSession
 from sshpool.breaker import Penalties
-from sshpool.budget import Sshd
+from sshpool.budget import Coordinator, Sshd
 from sshpool.cluster import Router
 from sshpool.command import CommandResult, OutputStream, command_line
 from sshpool.errors import CommandTimeout, ConnectionLost, RemoteFileError
@@ -94,8 +94,13 @@ class Pool:
     ```
     """
 
-    def __init__(self, backend: str | Backend = "asyncssh") -> None:
+    def __init__(
+        self, backend: str | Backend = "asyncssh", coordinator: Coordinator | None = None
+    ) -> None:
         self.backend = load_backend(backend) if isinstance(backend, str) else backend
+        # Shares each sshd's gate and budget with other processes (`sshpool.budget`); None:
+        # this process has them all.
+        self.coordinator = coordinator
         self._backends: dict[str, Backend] = {self.backend.name: self.backend}
         self._hosts: dict[Target, HostPool] = {}
         # (address, port) -> its budget; host name and port -> the address it resolved to.
@@ -174,6 +179,8 @@ class Pool:
             where = f"[{address}]:{target.port}" if ":" in address else f"{address}:{target.port}"
             sshd = self._sshds[key] = Sshd(where, lim.max_handshakes, lim.max_total_connections)
             sshd.penalties = Penalties(lim.penalty_per_failure, lim.penalty_threshold)
+            if self.coordinator is not None:
+                sshd.coordinate(self.coordinator)
         return sshd
 
     async def _maintain(self) -> None:

@@ -18,6 +18,7 @@ from api.local import local_host_config
 from api.settings import Settings
 from sshpool import Limits, Pool
 from sshpool.devhost import LocalHost
+from tests.api.api_helpers import REDIS_URL
 
 SSHAPI = str(Path(sys.executable).parent / "sshapi")
 # sshd runs the command after this: a login whose rc prints (or sleeps) before every command.
@@ -100,21 +101,36 @@ def test_wrong_host_key_fails_and_stops_there(tuned_host: LocalHost, tmp_path: P
 
 
 def test_budget_that_does_not_fit_fails_with_the_arithmetic(tuned_host: LocalHost) -> None:
-    """3 replicas x 4 handshakes = 12 >= MaxStartups 10: the budget check fails and shows the
-    product and what to lower."""
+    """3 replicas without Redis and a gate of 2 handshakes: each keeps one at least, 3 x 2 =
+    6 >= MaxStartups 5, so the budget check fails and shows the product and what to lower;
+    with 2 replicas they split the gate (one budget) and it passes."""
     base = local_host_config(tuned_host)
     config = base.model_copy(
         update={
-            "limits": Limits(max_handshakes=4),
-            "sshd": base.sshd.model_copy(update={"max_startups": 10}),
+            "limits": Limits(max_handshakes=2),
+            "sshd": base.sshd.model_copy(update={"max_startups": 5}),
         }
     )
     found = doctor(config, Settings(replicas=3))
     line = found["budget"].line()
     assert found["budget"].status == "FAIL", line
-    assert "3 replica(s) x 1 worker(s) = 3 pool(s)" in line
-    assert "max_handshakes 4 >= MaxStartups 10" in line
+    assert "3 replica(s) x 1 worker(s) = 3 process(es) sharing 3 budget(s)" in line
+    assert "max_handshakes 2 >= MaxStartups 5" in line
     assert "lower [hosts.h.limits]" in line
+    found = doctor(config, Settings(replicas=2))
+    assert found["budget"].status == "ok", found["budget"].line()
+    assert "2 process(es) sharing 1 budget(s) (static shares)" in found["budget"].line()
+
+
+def test_budget_shared_through_redis_counts_once(tuned_host: LocalHost) -> None:
+    """With SSHAPI_REDIS_URL, 4 replicas x 2 workers lease one budget: 1 x 6 handshakes <
+    MaxStartups 10 passes, where 8 separate pools would have 48."""
+    config = local_host_config(tuned_host)
+    config = config.model_copy(update={"sshd": config.sshd.model_copy(update={"max_startups": 10})})
+    found = doctor(config, Settings(replicas=4, workers=2, redis_url=REDIS_URL))
+    line = found["budget"].line()
+    assert found["budget"].status == "ok", line
+    assert "8 process(es) sharing 1 budget(s) (leased through SSHAPI_REDIS_URL)" in line
 
 
 def test_doctor_command_exits_1_and_names_the_failing_host(config_file: Path) -> None:

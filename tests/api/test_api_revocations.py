@@ -331,11 +331,19 @@ async def test_time_to_revoke_on_two_replicas(
         figures = []
         for _ in range(2):
             word = f"revoke-{uuid.uuid4().hex[:8]}"
+            jobs = []
             for api in (a, b):
-                assert (
-                    await submit(api, "gina", user, ["sh", "-c", f"sleep 60 # {word}"])
-                ).is_success
-            # Each job is its `sh -c` (and, for a moment, the login shell above it).
+                r = await submit(api, "gina", user, ["sh", "-c", f"sleep 60 # {word}"])
+                assert r.is_success, r.text
+                jobs.append((api, r.json()["id"]))
+            # Both started on the host, not only submitted: a job still waiting for its slot
+            # when the revocation lands never starts (R1) and ends `error`, not `cancelled`.
+            # (Two processes with the word are not enough: one job is its `sh -c` and, for a
+            # moment, the login shell above it.)
+            for api, job_id in jobs:
+                async with asyncio.timeout(20):
+                    while (await admin_view(api, job_id))["started_at"] is None:  # noqa: ASYNC110
+                        await asyncio.sleep(0.05)
             await eventually(lambda w=word: len(rig.processes(w)) >= 2)  # type: ignore[misc]
             at: dict[str, float] = {}
             start = time.perf_counter()

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from api_helpers import Api, Keys, make_settings, server_process
+from api_helpers import REDIS_URL, Api, Keys, make_settings, server_process
 from test_api_certificates import CLAIM, cert_config, run_as
 
 from api.config import load_config
@@ -132,3 +132,64 @@ async def test_two_workers_with_certificates_run_each_researcher_as_their_accoun
                 if minted == pids:
                     break
     assert minted == pids, f"certificates minted by {minted}, workers {pids}"
+
+
+def room_for_3(config_file: Path, tmp_path: Path) -> Path:
+    """The test configuration with host `local` holding 3 connections of one channel at most."""
+    text = config_file.read_text().replace(
+        "[hosts.local.limits]\nmax_connections = 2\nmax_sessions = 8\n",
+        "[hosts.local.limits]\nmax_connections = 4\nmax_sessions = 1\nmax_total_connections = 3\n",
+    )
+    assert "max_total_connections = 3" in text
+    path = tmp_path / "shared.toml"
+    path.write_text(text)
+    return path
+
+
+def established(port: int) -> int:
+    """This machine's established TCP connections to `port` (what that sshd serves)."""
+    return sum(
+        1
+        for c in psutil.net_connections("tcp")
+        if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED
+    )
+
+
+async def test_two_workers_with_redis_share_the_sshds_budget(
+    tuned_host: LocalHost, config_file: Path, secret: str, keys: Keys, tmp_path: Path
+) -> None:
+    """`sshapi serve --workers 2` with Redis, host `local` with room for 3 connections of one
+    channel each: 12 one-second jobs spread over both workers all succeed, the sshd never sees
+    more than 3 connections, and /metrics shows the share and the slots leased. Each worker
+    with its own budget (before) held up to 6."""
+    path = room_for_3(config_file, tmp_path)
+    settings = make_settings(tmp_path, path, "sqlite", None).model_copy(update={"workers": 2})
+    config = load_config(path)
+    most = 0
+
+    async def sample() -> None:
+        nonlocal most
+        while True:
+            most = max(most, established(tuned_host.port))
+            await asyncio.sleep(0.01)
+
+    with server_process(settings, extra_env={"SSHAPI_REDIS_URL": REDIS_URL}) as (_proc, url):
+        # A new connection per request: the kernel spreads them over both workers.
+        limits = httpx.Limits(max_keepalive_connections=0)
+        async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+            api = Api(url, client, secret, config, settings, keys)
+            sampler = asyncio.create_task(sample())
+            try:
+                done = await asyncio.gather(
+                    *(api.submit({"host": "local", "argv": ["sleep", "1"]}) for _ in range(12))
+                )
+            finally:
+                sampler.cancel()
+            texts = [(await client.get(f"{url}/metrics")).text for _ in range(6)]
+    assert [r.status_code for r in done] == [201] * 12
+    assert all(r.json()["state"] == "succeeded" for r in done)
+    assert most <= 3, most
+    # Each worker's /metrics: its share, and the slots all of them lease, within the budget.
+    leased = re.findall(r'sshpool_sshd_leased_connections\{host="local"\} (\d+)', "".join(texts))
+    assert leased and all(int(n) <= 3 for n in leased), leased
+    assert 'sshpool_sshd_share_connections{host="local"}' in "".join(texts)

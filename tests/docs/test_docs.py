@@ -208,6 +208,11 @@ def module_help(module: str, args: list[str]) -> tuple[int, str, str]:
     imports (matplotlib, SQLAlchemy, asyncssh) load once for all the commands, not once each."""
     out, err = io.StringIO(), io.StringIO()
     argv, columns = sys.argv, os.environ.get("COLUMNS")
+    # A `__main__` block may block or handle signals before its argparse runs (the rig's host
+    # blocks SIGTERM for its sigwait): left so, every process this test run starts afterwards
+    # would inherit the mask (sshd sessions, executors and servers deaf to SIGTERM).
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     sys.argv = [module, *args, "--help"]
     os.environ["COLUMNS"] = HELP_ENV["COLUMNS"]
     code: int | str | None = 0
@@ -224,6 +229,9 @@ def module_help(module: str, args: list[str]) -> tuple[int, str, str]:
     except SystemExit as exc:
         code = exc.code
     finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        for number, handler in handlers.items():
+            signal.signal(number, handler)
         sys.argv = argv
         if columns is None:
             os.environ.pop("COLUMNS", None)

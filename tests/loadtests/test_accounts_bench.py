@@ -37,3 +37,27 @@ def test_a_burst_wider_than_the_budget_reports_its_evictions(via: str, tmp_path:
     assert row["sshd_drop_lines"] == 0
     assert 0 < row["sshd_pss_mib"] < row["sshd_rss_mib"], row
     assert row["generator_cpu_ms_per_job"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_two_workers_lose_their_redis_mid_burst_and_fail_nothing(tmp_path: Path) -> None:
+    """`--workers 2 --fault redis`: the workers' Redis SIGKILLed 0.2 s into a burst of 30
+    accounts with room for 4 connections and started again 0.5 s later: every job succeeds,
+    sshd drops nothing and never holds more than 4 connections, and the row says when Redis
+    died and came back."""
+    done = subprocess.run(
+        [sys.executable, "-m", "loadtests.accounts", "--accounts", "30", "--workers", "2",
+         "--modes", "budget", "--parts", "burst", "--max-total-connections", "4",
+         "--fault", "redis", "--fault-at", "0.2", "--fault-down", "0.5",
+         "--pause", "0", "--data-dir", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=140,
+    )  # fmt: skip
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    (row,) = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert row["statuses"] == {"ok": 30}, row
+    assert row["sshd_drop_lines"] == 0
+    assert row["connections_max"] <= 4, row  # both workers, through the loss and the return
+    killed, back = row["fault_s"]
+    assert 0.2 <= killed < back, row

@@ -11,6 +11,7 @@ import time
 import pytest
 
 import sshpool.connect as connect_module
+import sshpool.pool as pool_module
 from sshpool import Limits, Pool, PoolTimeout, Target
 from sshpool.devhost import FakeBackend
 from sshpool.errors import AuthenticationFailed, ConnectError
@@ -169,3 +170,21 @@ async def test_min_connections_never_take_the_room_of_accounts_waiting_for_a_tur
 
     without, kept = await handshakes(0), await handshakes(1)
     assert kept <= without * 1.03 + 2, (kept, without)
+
+
+async def test_a_connection_going_idle_makes_room_for_an_account_waiting_at_a_full_sshd(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Room for 1 connection, busy with A's command when B asks: B gets it (A's connection
+    closed for room) as soon as A's command ends, not at the next maintenance pass (an
+    hour away here; before, B waited for it, or for another account's grant or close)."""
+    monkeypatch.setattr(pool_module, "MAINTENANCE_INTERVAL", 3600.0)
+    backend = FakeBackend(connect_time=0.01, exec_time=0.3)
+    a, b = account(1, max_total_connections=1), account(2, max_total_connections=1)
+    async with Pool(backend) as pool:
+        first = asyncio.create_task(pool.run(a, ["sleep"]))
+        while not pool.stats().get(a, {}).get("channels_in_use"):  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+        result = await pool.run(b, ["true"], acquire_timeout=10)
+        assert (await first).ok
+    assert result.ok and backend.max_alive == 1
