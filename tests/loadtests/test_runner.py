@@ -110,5 +110,5 @@ def test_the_package_docstring_names_every_module() -> None:
 
     doc = loadtests.__doc__ or ""
     modules = [p.stem for p in (REPO / "loadtests").glob("*.py") if p.stem != "__init__"]
-    missing = [m for m in modules + ["scenarios"] if f"`{m}`" not in doc]
+    missing = [m for m in [*modules, "scenarios"] if f"`{m}`" not in doc]
     assert not missing, f"not in loadtests/__init__.py's docstring: {missing}"
