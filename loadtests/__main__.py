@@ -69,7 +69,6 @@ def run_scenario(name: str, argv: list[str], report_dir: Path) -> Path:
         **figures.environment(backends(args)),
         "load_average": {"start": figures.load_average()},
     }
-    out = run_dir(report_dir, name)
     if spec is None:
         measured = scenario.run(None, args)
     else:
@@ -82,7 +81,8 @@ def run_scenario(name: str, argv: list[str], report_dir: Path) -> Path:
     doc["load_average"]["end"] = figures.load_average()
     doc["finished"] = figures.now()
     doc["figures"] = figures.plain(measured)
-    path = out / "figures.json"
+    # Made once the run succeeded: a failed run leaves no empty run directory behind.
+    path = run_dir(report_dir, name) / "figures.json"
     path.write_text(json.dumps(doc, indent=2) + "\n")
     return path
 
