@@ -429,54 +429,32 @@ def dev(
 
     # The dev rig is imported here only: `serve`, `token` and `hosts check` never load it.
     from api.workers import serve as run_server
-    from sshpool.devhost import (
-        LatencyRelay,
-        LocalCluster,
-        LocalHost,
-        LocalSlurm,
-        RelayedHost,
-        install_packages,
-    )
+    from sshpool.devhost import Rig, RigSpec, install_packages
     from sshpool.devhost.accounts import ensure_accounts
 
     # uvicorn re-raises SIGTERM after its graceful shutdown; with the default handler the process
     # would die there, before the local host and Slurm below are stopped. Exit through Python.
     signal.signal(signal.SIGTERM, _exit_on_signal)
     with contextlib.ExitStack() as stack:
-        overrides: dict[str, str] = {}
         # Beside the data dir: the host's account must reach its files; the data dir is 0700.
         rig = rig_dir(settings.data_dir)
-        if slurm:
-            install_packages()
-            cluster = stack.enter_context(LocalSlurm("local", data_dir=rig))
-            overrides = cluster.sshd_overrides()
-        names = [a.name for a in ensure_accounts(accounts, data_dir=rig)] if accounts else []
         if nodes > 1 and rtt_ms:
             raise typer.BadParameter("--nodes and --rtt-ms do not go together yet")
-        cluster_nodes: LocalCluster | None = None
-        if nodes > 1:
-            # One host of several login nodes: the first node stands for them below. They
-            # share its client directory, so its user CA: a researcher logs in on every node.
-            cluster_nodes = LocalCluster(
-                "local", nodes, "tuned", data_dir=rig, overrides=overrides, researchers=bool(names)
-            )
-            cluster_nodes.start()
-            stack.callback(cluster_nodes.stop, kill_sessions=True)
-            host = cluster_nodes.nodes[0]
-        else:
-            host = LocalHost(
-                "local", "tuned", data_dir=rig, overrides=overrides, researchers=bool(names)
-            )
-            host.start()
-            stack.callback(host.stop, kill_sessions=True)
-        addresses = cluster_nodes.addresses if cluster_nodes is not None else ()
+        if slurm:
+            install_packages()
+        names = [a.name for a in ensure_accounts(accounts, data_dir=rig)] if accounts else []
+        # Several login nodes: the first stands for them below. They share its client
+        # directory, so its user CA: a researcher logs in on every node.
+        spec = RigSpec(
+            "local", "tuned", nodes=nodes, researchers=bool(names), slurm=slurm, rtt_ms=rtt_ms
+        )
+        built = stack.enter_context(Rig(spec, data_dir=rig))
+        host = built.host
+        addresses = built.addresses
         # Left as a plain configuration file: `sshapi serve`, `sshapi token` and `sshapi hosts
         # check` read it later without the dev rig.
         hpc = local_certificate_host_config(host, host.user_ca_key, addresses) if names else None
-        reached: LocalHost | RelayedHost = host
-        if rtt_ms > 0:
-            relay = stack.enter_context(LatencyRelay((host.address, host.port), rtt_ms))
-            reached = RelayedHost(host, relay)
+        reached = built.reached
         local = local_host_config(reached, slurm=slurm, exec_mode=exec_mode, nodes=addresses)
         config = default_config(local, hpc)
         base = f"http://127.0.0.1:{settings.port}"

@@ -93,9 +93,10 @@ async def floor_part(
 
 async def bashrc_part(data_dir: Path, modes: list[str], backend: str) -> dict[str, Any]:
     """p50 of sequential commands for an account whose ~/.bashrc sleeps 0.3 s."""
-    from sshpool.devhost import LocalHost
+    from sshpool.devhost import Rig, RigSpec
 
-    host = LocalHost("bench-bashrc", "tuned", data_dir=data_dir, shell="/bin/bash").start()
+    rig = Rig(RigSpec("bench-bashrc", "tuned", shell="/bin/bash"), data_dir=data_dir).start()
+    host = rig.host
     rc = Path(host.account.home) / ".bashrc"
     saved = rc.read_bytes() if rc.exists() else None
     rc.write_text(BASHRC)
@@ -110,7 +111,7 @@ async def bashrc_part(data_dir: Path, modes: list[str], backend: str) -> dict[st
             rc.unlink()
         else:
             rc.write_bytes(saved)
-        host.stop(kill_sessions=True)
+        rig.stop()
     return out
 
 

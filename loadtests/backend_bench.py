@@ -28,7 +28,7 @@ from loadtests import hdr
 from sshpool import Pool, Target
 from sshpool.backends import BACKENDS as REGISTRY
 from sshpool.backends import load_backend
-from sshpool.devhost import LocalHost, sshd_version
+from sshpool.devhost import LocalHost, Rig, RigSpec, sshd_version
 
 BACKENDS = list(REGISTRY)  # every backend the registry knows
 DISTRIBUTIONS = {"asyncssh": "asyncssh", "paramiko": "paramiko", "ssh2": "ssh2-python"}
@@ -139,8 +139,9 @@ def table(rows: list[Row]) -> str:
 async def main(args: argparse.Namespace) -> None:
     with (
         tempfile.TemporaryDirectory(prefix="sshapi-bench-") as data_dir,
-        LocalHost("backend-bench", args.profile, data_dir=data_dir) as host,
+        Rig(RigSpec("backend-bench", args.profile), data_dir=data_dir) as rig,
     ):
+        host = rig.host
         print(
             f"sshd {'.'.join(map(str, sshd_version()))} profile {args.profile} on "
             f"{host.address}:{host.port}, {os.cpu_count()} CPUs, {args.duration:g} s per "

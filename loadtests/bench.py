@@ -55,7 +55,7 @@ from loadtests.schedule import PROFILES
 from loadtests.server import limits
 from loadtests.timer import DeadlineTimer
 from sshpool import Pool, Target
-from sshpool.devhost import LatencyRelay, LocalHost, RelayedHost, sshd_version
+from sshpool.devhost import LocalHost, RelayedHost, Rig, RigSpec, sshd_version
 from sshpool.devhost.accounts import ensure_accounts
 
 KNEE_P99_MS = 100.0
@@ -279,7 +279,7 @@ def cpu_rows(fig: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     return rows
 
 
-def _label(f: dict[str, Any]) -> str:
+def label(f: dict[str, Any]) -> str:
     return f"{f['sshd']} agent" if f.get("exec_mode") == "agent" else str(f["sshd"])
 
 
@@ -343,7 +343,7 @@ def table(figures: list[dict[str, Any]]) -> str:
         raw = f.get("raw")
         if raw:
             lines.append(
-                f"| {_label(f)} | raw sshpool | {_fmt(raw['commands_per_s'])}/s at "
+                f"| {label(f)} | raw sshpool | {_fmt(raw['commands_per_s'])}/s at "
                 f"{raw['concurrency']} callers | {_fmt(raw['p50_ms'])} | - "
                 f"| {_fmt(raw['p99_ms'])} | {raw['errors']} | 1 caller p50 "
                 f"{_fmt(raw['low_load_p50_ms'])}; paced {LOW_RATE:g}/s p50 "
@@ -355,14 +355,14 @@ def table(figures: list[dict[str, Any]]) -> str:
                 continue
             for rate, st in d["stages"].items():
                 lines.append(
-                    f"| {_label(f)} | {design.replace('_', '-')} | {rate}/s | {_fmt(st['p50_ms'])} "
+                    f"| {label(f)} | {design.replace('_', '-')} | {rate}/s | {_fmt(st['p50_ms'])} "
                     f"| {_fmt(st['p90_ms'])} | {_fmt(st['p99_ms'])} | {st['failed']} | "
                     f"achieved {_fmt(st['achieved_per_s'])}/s; sent "
                     f"{_fmt(st['lateness_p50_ms'])} ms late (p50)"
                     f"{'' if st['valid'] else '; stage INVALID'} |"
                 )
             lines.append(
-                f"| {_label(f)} | {design.replace('_', '-')} | knee {_fmt(d['knee_per_s'])}/s "
+                f"| {label(f)} | {design.replace('_', '-')} | knee {_fmt(d['knee_per_s'])}/s "
                 f"| | | | | p99 <= {KNEE_P99_MS:g} ms in a valid stage"
                 f"{'' if d['valid'] else '; run INVALID (see its stages)'} |"
             )
@@ -379,7 +379,7 @@ def table(figures: list[dict[str, Any]]) -> str:
         b = f.get("burst")
         if b:
             lines.append(
-                f"| {_label(f)} | burst {b['size']} x {b['repeats']} | | | | | {b['failed']} | "
+                f"| {label(f)} | burst {b['size']} x {b['repeats']} | | | | | {b['failed']} | "
                 f"makespan ms {', '.join(_fmt(m) for m in b['makespan_ms'])}; p50/makespan "
                 f"{', '.join(_fmt(x) for x in b['p50_over_makespan'])} |"
             )
@@ -398,7 +398,7 @@ def table(figures: list[dict[str, Any]]) -> str:
             server = low["server_p50_ms"]
             ssh = sum(server.get(k) or 0.0 for k in ("open", "exec")) if server else None
             lines.append(
-                f"| {_label(f)} | {_fmt(low['p50_ms'])} | {_fmt(ssh)} | "
+                f"| {label(f)} | {_fmt(low['p50_ms'])} | {_fmt(ssh)} | "
                 f"{_fmt(server.get('store'))} | {_fmt(server.get('auth'))} | "
                 f"{_fmt(low['untimed_p50_ms'])} | {_fmt(low['lateness_p50_ms'])} | "
                 f"{_fmt((f.get('raw') or {}).get('low_rate_p50_ms'))} |"
@@ -414,17 +414,17 @@ def table(figures: list[dict[str, Any]]) -> str:
     for f in figures:
         for run, cpu in cpu_rows(f):
             lines.append(
-                f"| {_label(f)} | {run} | {cpu['jobs']} | {_fmt(cpu['api_ms_per_job'])} | "
+                f"| {label(f)} | {run} | {cpu['jobs']} | {_fmt(cpu['api_ms_per_job'])} | "
                 f"{_fmt(cpu['generator_ms_per_job'])} | {_fmt(cpu['sshd_ms_per_job'])} | "
                 f"{_fmt(cpu['rest_ms_per_job'])} | {_fmt(cpu['load_average_1m'])} |"
             )
     lines += ["", "| sshd | ratio | value |", "|---|---|---|"]
     for f in figures:
-        lines += [f"| {_label(f)} | {k} | {_fmt(v)} |" for k, v in f["ratios"].items()]
+        lines += [f"| {label(f)} | {k} | {_fmt(v)} |" for k, v in f["ratios"].items()]
     lines += ["", "| sshd | target | goal | value | met |", "|---|---|---|---|---|"]
     for f in figures:
         lines += [
-            f"| {_label(f)} | {t['target']} | {t['goal']} | {_fmt(t['value'])} | "
+            f"| {label(f)} | {t['target']} | {t['goal']} | {_fmt(t['value'])} | "
             f"{'yes' if t['met'] else 'NO' if t['stage_valid'] else 'NO (stage INVALID)'} |"
             for t in f["targets"]
         ]
@@ -554,10 +554,11 @@ def many_accounts(args: argparse.Namespace) -> dict[str, Any] | None:
         fault_down=1.0,
     )
     out: dict[str, Any] = {"size": size}
-    with LocalHost("bench-accounts", "stock", data_dir=data_dir, researchers=True) as host:
+    spec = RigSpec("bench-accounts", "stock", researchers=True)
+    with Rig(spec, data_dir=data_dir) as rig:
         for mode, pool_mode in (("budget", "pooled"), ("per_account", "per-account")):
             out[mode] = asyncio.run(
-                accounts_cell(host, chosen, limits(pool_mode), "burst", options)
+                accounts_cell(rig.host, chosen, limits(pool_mode), "burst", options)
             )
     return out
 
@@ -612,25 +613,24 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
+def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every part of `args` for each sshd profile, on a rig per profile, its runs under
+    `reports/<time>-bench/` (which `args.out` becomes): the figures, one dict per profile (and
+    exec mode)."""
     args.out = run_dir(args.out, "bench")
     (args.out / "api").mkdir()
-    started = time.time()
     figures = []
     for profile in args.sshd:
-        host = LocalHost(f"bench-{profile}", profile, data_dir=args.out / "hosts").start()
-        relay = None
-        try:
-            reached: LocalHost | RelayedHost = host
-            if args.rtt_ms > 0:
-                relay = LatencyRelay((host.address, host.port), args.rtt_ms).start()
-                reached = RelayedHost(host, relay)
-            figures += bench_profile(reached, args)
-        finally:
-            if relay is not None:
-                relay.stop()
-            host.stop(kill_sessions=True)
+        spec = RigSpec(f"bench-{profile}", profile, rtt_ms=args.rtt_ms)
+        with Rig(spec, data_dir=args.out / "hosts") as rig:
+            figures += bench_profile(rig.reached, args)
+    return figures
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    started = time.time()
+    figures = measure(args)
     meta = {
         "args": {k: str(v) for k, v in vars(args).items()},
         "versions": versions(),

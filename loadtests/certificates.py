@@ -53,7 +53,7 @@ from loadtests.cpu import tree_seconds
 from loadtests.server import free_port, limits, stop_api, wait_ready
 from sshpool import Pool, SSHPoolError, Target
 from sshpool.backends import load_backend
-from sshpool.devhost import LocalHost
+from sshpool.devhost import LocalHost, Rig, RigSpec
 from sshpool.devhost.accounts import ensure_accounts
 
 
@@ -312,7 +312,7 @@ def http_main(host: LocalHost, names: list[str], args: argparse.Namespace) -> li
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m loadtests.certificates", description=__doc__)
     parser.add_argument("--accounts", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=2, help="bursts, and CPU rounds")
@@ -321,16 +321,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deadline", type=float, default=60.0, help="acquire timeout, s")
     parser.add_argument("--data-dir", default=".data-certificates")
     parser.add_argument("--http", action="store_true", help="through `sshapi serve` (HTTP)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every part of `args` on the rig's stock sshd logging in `--accounts` researcher accounts
+    (made when missing, as root): one row per part and round."""
     data_dir = Path(args.data_dir).absolute()
     names = [a.name for a in ensure_accounts(args.accounts, data_dir=data_dir)]
-    with LocalHost("certificates", "stock", data_dir=data_dir, researchers=True) as host:
+    spec = RigSpec("certificates", "stock", researchers=True)
+    with Rig(spec, data_dir=data_dir) as rig:
+        host = rig.host
         if args.http:
-            rows = http_main(host, names, args)
-        else:
-            rows = asyncio.run(burst(host, names, args.rounds, args.deadline))
-            rows.append(asyncio.run(connects(host, args.connects)))
-            rows.append(asyncio.run(cpu_per_job(host, args.jobs, args.rounds)))
+            return http_main(host, names, args)
+        rows = asyncio.run(burst(host, names, args.rounds, args.deadline))
+        rows.append(asyncio.run(connects(host, args.connects)))
+        rows.append(asyncio.run(cpu_per_job(host, args.jobs, args.rounds)))
+        return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    rows = measure(parse(argv))
     for row in rows:
         print(" ".join(f"{k}={v}" for k, v in row.items()))
     return 0

@@ -119,20 +119,29 @@ def timed(
     return times
 
 
-def line(name: str, times: list[tuple[float, float]], floor: float) -> str:
-    """One row: the wall time's median, p90 and min in ms, its median over `floor`'s (x floor)
-    and above it; the median CPU time of the process (user + system; 0 in-process)."""
+def stats(times: list[tuple[float, float]]) -> dict[str, float]:
+    """The wall time's median, p90 and min in ms; the median CPU time of the process (user +
+    system; 0 in-process)."""
     ms = sorted(wall * 1000 for wall, _ in times)
-    p90 = ms[min(len(ms) - 1, int(len(ms) * 0.9))]
-    median = statistics.median(ms)
-    cpu = statistics.median(used * 1000 for _, used in times)
+    return {
+        "median_ms": statistics.median(ms),
+        "p90_ms": ms[min(len(ms) - 1, int(len(ms) * 0.9))],
+        "min_ms": ms[0],
+        "cpu_ms": statistics.median(used * 1000 for _, used in times),
+    }
+
+
+def line(name: str, times: list[tuple[float, float]], floor: float) -> str:
+    """One row: `stats`, and the median over `floor`'s (x floor) and above it."""
+    s = stats(times)
+    median = s["median_ms"]
     return (
-        f"{name:30} median {median:5.0f} ms  p90 {p90:5.0f}  min {ms[0]:5.0f}"
-        f"  {median / floor:4.1f} x floor  +{median - floor:4.0f} ms  cpu {cpu:4.0f} ms"
+        f"{name:30} median {median:5.0f} ms  p90 {s['p90_ms']:5.0f}  min {s['min_ms']:5.0f}"
+        f"  {median / floor:4.1f} x floor  +{median - floor:4.0f} ms  cpu {s['cpu_ms']:4.0f} ms"
     )
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=21, help="Runs of each command.")
     parser.add_argument(
@@ -144,7 +153,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--client-only", action="store_true", help="Also time the sshapi of a client-only install."
     )
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def measure(args: argparse.Namespace) -> dict[str, list[tuple[float, float]]]:
+    """Each command's (wall, CPU) seconds over `--runs` turns, with `sshapi dev` serving the
+    `jobs list` and the request; prints the table."""
     with tempfile.TemporaryDirectory() as scratch:
         paths = args.sshapi or [str(HERE / "sshapi")]
         if args.client_only:
@@ -182,9 +196,14 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{label or 'sshapi: '}{path}")
             for name, taken in times.items():
                 print(line(name, taken, floor))
+            return times
         finally:
             server.send_signal(signal.SIGTERM)
             server.wait(timeout=60)
+
+
+def main(argv: list[str] | None = None) -> None:
+    measure(parse(argv))
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from loadtests import hdr
 from loadtests.server import limits
 from sshpool import NodeFailed, Pool, SSHPoolError, Target
 from sshpool.cluster import rank
-from sshpool.devhost import LocalCluster
+from sshpool.devhost import LocalCluster, Rig, RigSpec
 from sshpool.devhost.accounts import account_names, ensure_accounts
 
 WARMUP = 3.0
@@ -331,7 +331,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m loadtests.cluster", description=__doc__)
     parser.add_argument("--accounts", type=int, default=40)
     parser.add_argument("--rate", type=float, default=50.0, help="commands/s")
@@ -339,10 +339,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--phase", type=float, default=10.0, help="seconds per phase")
     parser.add_argument("--deadline", type=float, default=30.0, help="acquire timeout, s")
     parser.add_argument("--data-dir", default=".data-cluster")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def faults(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The stream and its faults on a rig of four login nodes logging in `--accounts` researcher
+    accounts (made when missing, as root): one row per phase."""
     data_dir = Path(args.data_dir).absolute()
     accounts = ensure_accounts(args.accounts, data_dir=data_dir)
-    with LocalCluster("bench", 4, "stock", data_dir=data_dir, researchers=True) as cluster:
+    with Rig(RigSpec("bench", "stock", nodes=4, researchers=True), data_dir=data_dir) as rig:
+        cluster = rig.cluster
+        assert cluster is not None
         three = cluster.addresses[:3]
         node0 = cluster.nodes[0]
         pool_limits = limits("pooled")
@@ -350,7 +357,11 @@ def main(argv: list[str] | None = None) -> int:
             dataclasses.replace(a.target(node0), host=cluster.name, nodes=three, limits=pool_limits)
             for a in accounts
         ]
-        rows = asyncio.run(measure(cluster, targets, args))
+        return asyncio.run(measure(cluster, targets, args))
+
+
+def main(argv: list[str] | None = None) -> int:
+    rows = faults(parse(argv))
     for row in rows:
         print(json.dumps(row), flush=True)
     print(table(rows))

@@ -12,29 +12,37 @@ from __future__ import annotations
 
 import os
 import resource
-from dataclasses import dataclass
+import threading
+import time
+from typing import Self
 
 import psutil
+
+
+def tree_times(pid: int | None) -> dict[tuple[int, float], float]:
+    """CPU seconds (user + system, reaped children included) of `pid` and of each descendant
+    alive now, by (pid, start time); {} when the process is gone."""
+    out: dict[tuple[int, float], float] = {}
+    if pid is None:
+        return out
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return out
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            out[(p.pid, p.create_time())] = t.user + t.system + t.children_user + t.children_system
+        except psutil.Error:  # exited between the listing and the read: a few ms lost at most
+            continue
+    return out
 
 
 def tree_seconds(pid: int | None) -> float:
     """CPU seconds (user + system) used so far by `pid` and every descendant, alive or reaped;
     0.0 when the process is gone."""
-    if pid is None:
-        return 0.0
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return 0.0
-    total = 0.0
-    for p in procs:
-        try:
-            t = p.cpu_times()
-        except psutil.Error:  # exited between the listing and the read: a few ms lost at most
-            continue
-        total += t.user + t.system + t.children_user + t.children_system
-    return total
+    return sum(tree_times(pid).values())
 
 
 def machine_seconds() -> float:
@@ -56,34 +64,74 @@ def own_seconds() -> float:
     return used.ru_utime + used.ru_stime
 
 
-@dataclass(slots=True)
 class CpuMeter:
-    """Snapshots before and after a run of the API's process tree and sshd's (the listener, its
-    per-connection processes and the shells they ran) and of the machine.
+    """CPU seconds spent between `start()` and `finish()` (or over a `with` body) by the API's
+    process tree (`api`), sshd's (`sshd`: the listener, its per-connection processes and the
+    shells they ran), the machine (`machine`), this process (`client`) and its waited-for
+    children (`children`: an scp and its ssh, exact from getrusage); in `spent` after `finish`.
 
-    Call `start()` once the API is up and before the generator starts, `stop()` after the
-    generator ended and before the API stops."""
+    ``sample`` 0: each tree is read at both ends (a reaped child is in its parent's children
+    times). ``sample`` > 0: the trees are also read every ``sample`` seconds in a thread and
+    each process's last reading counts, for trees whose ended processes nobody reaps into them
+    (sshd's session processes during a transfer: one that ends loses at most ``sample`` s)."""
 
-    api_pid: int | None
-    sshd_pid: int | None
-    _api: float = 0.0
-    _sshd: float = 0.0
-    _machine: float = 0.0
+    def __init__(self, api_pid: int | None, sshd_pid: int | None, sample: float = 0.0) -> None:
+        self.trees = {"api": api_pid, "sshd": sshd_pid}
+        self.sample = sample
+        self.spent: dict[str, float] = {}
+        self._base: dict[str, dict[tuple[int, float], float]] = {}
+        self._last: dict[str, dict[tuple[int, float], float]] = {k: {} for k in self.trees}
+        self._own = (0.0, 0.0, 0.0)
+        self._sampling = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def start(self) -> CpuMeter:
-        self._api = tree_seconds(self.api_pid)
-        self._sshd = tree_seconds(self.sshd_pid)
-        self._machine = machine_seconds()
+    @staticmethod
+    def _own_now() -> tuple[float, float, float]:
+        return own_seconds(), reaped_children_seconds(), machine_seconds()
+
+    def _read(self) -> None:
+        for name, pid in self.trees.items():
+            self._last[name].update(tree_times(pid))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.sample):
+            self._read()
+        self._sampling = time.thread_time()  # the meter's own cost, not the client's
+
+    def start(self) -> Self:
+        self._own = self._own_now()
+        self._base = {name: tree_times(pid) for name, pid in self.trees.items()}
+        if self.sample > 0:
+            self._thread.start()
         return self
 
+    def finish(self) -> dict[str, float]:
+        own, children, machine = self._own_now()
+        if self.sample > 0:
+            self._stop.set()
+            self._thread.join()
+        self.spent = {
+            "client": own - self._own[0] - self._sampling,
+            "children": children - self._own[1],
+            "machine": machine - self._own[2],
+        }
+        ended = {name: tree_times(pid) for name, pid in self.trees.items()}
+        for name, base in self._base.items():
+            if self.sample > 0:
+                last = self._last[name] | ended[name]
+                self.spent[name] = sum(v - base.get(key, 0.0) for key, v in last.items())
+            else:
+                self.spent[name] = sum(ended[name].values()) - sum(base.values())
+        return self.spent
+
     def stop(self, jobs: int, generator_seconds: float | None) -> dict[str, float | int | None]:
-        """CPU per job in ms, by where it went. `jobs`: requests the generator sent (warm-up
-        included); `generator_seconds`: the generator's own CPU over its sending. The rest is
-        the machine's busy time minus the three: the generator's start-up, the store's disk
-        work in the kernel, other tenants of the box."""
-        api = tree_seconds(self.api_pid) - self._api
-        sshd = tree_seconds(self.sshd_pid) - self._sshd
-        machine = machine_seconds() - self._machine
+        """`finish`, as CPU per job in ms by where it went. `jobs`: requests the generator sent
+        (warm-up included); `generator_seconds`: the generator's own CPU over its sending. The
+        rest is the machine's busy time minus the three: the generator's start-up, the store's
+        disk work in the kernel, other tenants of the box."""
+        spent = self.finish()
+        api, sshd, machine = spent["api"], spent["sshd"], spent["machine"]
         gen = generator_seconds or 0.0
         per = 1000.0 / jobs if jobs else 0.0
         return {
@@ -95,3 +143,9 @@ class CpuMeter:
             "machine_ms_per_job": round(machine * per, 3) if jobs else None,
             "load_average_1m": round(os.getloadavg()[0], 2),
         }
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.finish()

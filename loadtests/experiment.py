@@ -333,19 +333,25 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from sshpool.devhost import LocalHost
+    results = measure(parse(argv))["results"]
+    return 0 if all("summary" in r for r in results) else 1
 
-    args = parse(argv)
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """The matrix of `args`, each sshd profile on a rig of its own; writes and prints the
+    comparison (`reports/<time>-experiment/`, which `args.out` becomes) and returns its rows,
+    verdicts and runs."""
+    from sshpool.devhost import Rig, RigSpec
+
     args.out = run_dir(args.out, "experiment")
     (args.out / "api").mkdir()
     cells = matrix(args.backends, args.sshd, args.pool_modes, args.profiles)
     order = rounds(cells, args.repeats, args.seed)
-    hosts = {
-        p: LocalHost(f"exp-{p}", p, data_dir=args.out / "hosts", sshd=args.sshd_binary)
+    rigs = {
+        p: Rig(RigSpec(f"exp-{p}", p, sshd=args.sshd_binary), data_dir=args.out / "hosts")
         for p in args.sshd
     }
-    for host in hosts.values():
-        host.start()
+    hosts = {p: rig.start().host for p, rig in rigs.items()}
     results = []
     started = time.time()
     try:
@@ -363,8 +369,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"    {result['error']}", flush=True)
             results.append(result)
     finally:
-        for host in hosts.values():
-            host.stop(kill_sessions=True)
+        for rig in rigs.values():
+            rig.stop()
     rows = compare(results)
     judged = verdicts(results)
     meta = {"args": {k: str(v) for k, v in vars(args).items()}, "versions": versions(),
@@ -380,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "comparison.md").write_text(verdict_text + detail)
     print(verdict_text + detail.split("\n## Runs")[0].strip())
     print(f"\ncomparison: {args.out / 'comparison.md'}")
-    return 0 if all("summary" in r for r in results) else 1
+    return {"rows": rows, "verdicts": judged, "results": results}
 
 
 if __name__ == "__main__":

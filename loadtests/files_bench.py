@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import hashlib
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -39,6 +37,7 @@ from typing import Any
 import httpx
 import psutil
 
+from loadtests.cpu import CpuMeter
 from loadtests.server import start_api, stop_api, tuned_host
 
 MIB = 1 << 20
@@ -55,7 +54,7 @@ class Transfer:
     mb_per_s: float
     rss_before_mib: float | None = None
     rss_peak_mib: float | None = None
-    cpu: dict[str, float] | None = None  # CPU seconds per process group during the transfer
+    cpu: dict[str, float] | None = None  # CpuMeter.spent: CPU seconds by where they went
     round: int = 1
 
     @property
@@ -94,74 +93,6 @@ class RssSampler:
         self.peak = max(self.peak, self._rss())
 
 
-def tree_cpu(pid: int) -> dict[tuple[int, float], float]:
-    """CPU seconds (user + system, reaped children included) of a process and of each of its
-    descendants, by (pid, start time)."""
-    out: dict[tuple[int, float], float] = {}
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return out
-    for proc in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            t = proc.cpu_times()
-            out[(proc.pid, proc.create_time())] = (
-                t.user + t.system + t.children_user + t.children_system
-            )
-    return out
-
-
-class CpuMeter:
-    """CPU seconds spent during a `with` body by the API process, this process (the client),
-    this process's waited-for children (scp and its ssh: exact, from getrusage), and the sshd
-    tree. sshd does not count its ended session processes in its own children times, so the
-    trees are sampled every SAMPLE seconds and each process's last sample counts (a session
-    that ends loses at most its last SAMPLE seconds)."""
-
-    def __init__(self, api_pid: int | None, sshd_pid: int | None) -> None:
-        self.trees = {k: v for k, v in (("API", api_pid), ("sshd", sshd_pid)) if v is not None}
-        self.spent: dict[str, float] = {}
-        self._base: dict[str, dict[tuple[int, float], float]] = {}
-        self._last: dict[str, dict[tuple[int, float], float]] = {k: {} for k in self.trees}
-        self._own: dict[str, float] = {}
-        self._sampling = 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    @staticmethod
-    def _own_now() -> dict[str, float]:
-        me = psutil.Process().cpu_times()
-        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-        return {"client": me.user + me.system, "scp+ssh": kids.ru_utime + kids.ru_stime}
-
-    def _sample(self) -> None:
-        for name, pid in self.trees.items():
-            self._last[name].update(tree_cpu(pid))
-
-    def _run(self) -> None:
-        while not self._stop.wait(SAMPLE):
-            self._sample()
-        self._sampling = time.thread_time()  # the meter's own cost, not the client's
-
-    def __enter__(self) -> CpuMeter:
-        self._own = self._own_now()
-        self._base = {name: tree_cpu(pid) for name, pid in self.trees.items()}
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        own = self._own_now()
-        self._stop.set()
-        self._thread.join()
-        self._sample()
-        self.spent = {k: own[k] - self._own[k] for k in own}
-        self.spent["client"] -= self._sampling
-        for name, last in self._last.items():
-            base = self._base[name]
-            self.spent[name] = sum(v - base.get(key, 0.0) for key, v in last.items())
-
-
 def make_file(path: Path, size: int) -> str:
     """Write `size` random bytes to `path`; returns their sha256."""
     digest = hashlib.sha256()
@@ -196,7 +127,7 @@ def api_upload(
     """PUT `source` to `remote` through the API, streamed; the answer's sha256 checked."""
     size = source.stat().st_size
     headers = {"Authorization": f"Bearer {token}", "Content-Length": str(size)}
-    with RssSampler(pids[0]) as rss, CpuMeter(*pids) as cpu:
+    with RssSampler(pids[0]) as rss, CpuMeter(*pids, sample=SAMPLE) as cpu:
         t0 = time.perf_counter()
         r = client.put(
             f"{url}/v1/hosts/local/files/content",
@@ -222,7 +153,7 @@ def api_download(
     """GET `remote` through the API, streamed, hashed on arrival and checked."""
     digest = hashlib.sha256()
     headers = {"Authorization": f"Bearer {token}"}
-    with RssSampler(pids[0]) as rss, CpuMeter(*pids) as cpu:
+    with RssSampler(pids[0]) as rss, CpuMeter(*pids, sample=SAMPLE) as cpu:
         t0 = time.perf_counter()
         endpoint = f"{url}/v1/hosts/local/files/content"
         with client.stream("GET", endpoint, params={"path": remote}, headers=headers) as r:
@@ -272,7 +203,7 @@ def sftp_transfer(
             await f.close()
             return time.perf_counter() - t0
 
-    with CpuMeter(None, host.pid) as cpu:
+    with CpuMeter(None, host.pid, sample=SAMPLE) as cpu:
         seconds = asyncio.run(run())
     if not upload and digest.hexdigest() != sha256:
         raise RuntimeError("the SFTP download's sha256 differs from the file's")
@@ -291,7 +222,7 @@ def scp_transfer(host: Any, upload: bool, source: Path, remote: str, back: Path)
     ssh_argv = host.ssh_argv()
     where = f"{ssh_argv[-1]}:{remote}"  # user@host:path
     args = [str(source), where] if upload else [where, str(back)]
-    with CpuMeter(None, host.pid) as cpu:
+    with CpuMeter(None, host.pid, sample=SAMPLE) as cpu:
         t0 = time.perf_counter()
         subprocess.run([*scp_argv(ssh_argv), *args], check=True)
         seconds = time.perf_counter() - t0
@@ -386,7 +317,8 @@ def report(result: dict[str, Any]) -> str:
         lines.append(f"{name:<17} {t['seconds']:>8.2f} {t['mb_per_s']:>8.1f} {rss}")
     lines.append("CPU seconds during each transfer (cores busy = total CPU / wall seconds):")
     for t in result["transfers"]:
-        cpu = {k: v for k, v in (t["cpu"] or {}).items() if v >= 0.05}
+        # The machine's busy time holds the rest: shown apart, not summed with its parts.
+        cpu = {k: v for k, v in (t["cpu"] or {}).items() if v >= 0.05 and k != "machine"}
         total = sum(cpu.values())
         split = "  ".join(f"{k} {v:.1f}" for k, v in cpu.items())
         name = f"{t['round']}: {t['name']}" if many else t["name"]

@@ -40,7 +40,7 @@ from sshpool import ConnectError, SSHPoolError, Target
 from sshpool.backends import load_backend
 from sshpool.backends.asyncssh import ENCRYPTION_ALGS
 from sshpool.command import Capture
-from sshpool.devhost import LocalHost
+from sshpool.devhost import LocalHost, Rig, RigSpec
 from sshpool.devhost.accounts import ensure_accounts
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -203,7 +203,7 @@ async def run(host: LocalHost, targets: list[Target], args: argparse.Namespace) 
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m loadtests.handshakes", description=__doc__)
     parser.add_argument("--inflight", type=int, nargs="+", default=[4, 6, 8, 9])
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per cell")
@@ -215,12 +215,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kex", nargs="+", help="key exchange algorithms to compare, in turn")
     parser.add_argument("--client", choices=("asyncssh", "openssh"), default="asyncssh")
     parser.add_argument("--data-dir", default=".data-accounts")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every cell of `args` against the rig's stock sshd logging in `--accounts` researcher
+    accounts (made when missing, as root): one row per cell."""
     data_dir = Path(args.data_dir).absolute()
     accounts = ensure_accounts(args.accounts, data_dir=data_dir)
-    with LocalHost("accounts", "stock", data_dir=data_dir, researchers=True) as host:
-        targets = [a.target(host) for a in accounts]
-        rows = asyncio.run(run(host, targets, args))
+    with Rig(RigSpec("accounts", "stock", researchers=True), data_dir=data_dir) as rig:
+        targets = [a.target(rig.host) for a in accounts]
+        return asyncio.run(run(rig.host, targets, args))
+
+
+def main(argv: list[str] | None = None) -> int:
+    rows = measure(parse(argv))
     head = (
         "inflight phase client   kex                   hs/s  p50ms  p99ms drops client_ms "
         "sshd_ms box_ms load"

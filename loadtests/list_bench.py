@@ -22,7 +22,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +30,7 @@ from typing import Any
 
 import httpx
 
+from loadtests.bystander import Bystander
 from loadtests.files_bench import MIB, RssSampler
 from loadtests.server import start_api, stop_api, tuned_host
 
@@ -45,51 +45,6 @@ def make_dir(path: Path, n: int) -> float:
     for i in range(n):
         os.close(os.open(path / f"entry-{i:07d}", os.O_CREAT | os.O_WRONLY, 0o644))
     return time.perf_counter() - t0
-
-
-class Bystander:
-    """Another identity's short jobs, one every `every` seconds, in a thread: their latencies."""
-
-    def __init__(self, url: str, token: str, every: float = 0.25) -> None:
-        self.url = url
-        self.headers = {"Authorization": f"Bearer {token}"}
-        self.every = every
-        self.ms: list[float] = []
-        self.failed = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        with httpx.Client(timeout=TIMEOUT) as client:
-            while not self._stop.wait(self.every):
-                t0 = time.perf_counter()
-                r = client.post(
-                    f"{self.url}/v1/jobs",
-                    json={"host": "local", "argv": ["true"]},
-                    headers=self.headers,
-                )
-                if r.status_code == 201:
-                    self.ms.append((time.perf_counter() - t0) * 1000)
-                else:
-                    self.failed += 1
-
-    def __enter__(self) -> Bystander:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def summary(self) -> dict[str, Any]:
-        if not self.ms:
-            return {"jobs": 0, "failed": self.failed}
-        return {
-            "jobs": len(self.ms),
-            "failed": self.failed,
-            "p50_ms": statistics.median(self.ms),
-            "max_ms": max(self.ms),
-        }
 
 
 def list_once(client: httpx.Client, url: str, token: str, path: str) -> tuple[int, float, Any]:

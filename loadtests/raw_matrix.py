@@ -32,7 +32,7 @@ from loadtests.backend_bench import BACKENDS, closed_loop
 from loadtests.report import run_dir
 from loadtests.verdict import mean_difference
 from sshpool import Limits, Pool
-from sshpool.devhost import LocalHost
+from sshpool.devhost import LocalHost, Rig, RigSpec
 
 COMMAND = ("hostname",)  # what loadtests.bench's raw ceiling runs
 BASE = Limits()
@@ -90,7 +90,14 @@ def table(results: dict[tuple[int, str, str], list[dict[str, Any]]], args: Any) 
 
 
 async def run(args: argparse.Namespace) -> str:
-    hosts = {p: LocalHost(f"raw-{p}", p, data_dir=args.out / "hosts").start() for p in args.sshd}
+    return table(await cells(args), args)
+
+
+async def cells(args: argparse.Namespace) -> dict[tuple[int, str, str], list[dict[str, Any]]]:
+    """Every cell (callers, sshd profile, limits) of `args`, in interleaved rounds, each sshd
+    profile on a rig of its own: each cell's rows, one per round."""
+    rigs = {p: Rig(RigSpec(f"raw-{p}", p), data_dir=args.out / "hosts") for p in args.sshd}
+    hosts = {p: rig.start().host for p, rig in rigs.items()}
     results: dict[tuple[int, str, str], list[dict[str, Any]]] = {}
     cells = list(itertools.product(args.concurrency, args.sshd, args.limits))
     rng = random.Random(args.seed)
@@ -106,9 +113,9 @@ async def run(args: argparse.Namespace) -> str:
                     flush=True,
                 )
     finally:
-        for host in hosts.values():
-            host.stop(kill_sessions=True)
-    return table(results, args)
+        for rig in rigs.values():
+            rig.stop()
+    return results
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtests.server import free_port, start_api, stop_api
-from sshpool.devhost import LocalHost
+from sshpool.devhost import LocalHost, Rig, RigSpec
 
 REPO = Path(__file__).resolve().parent.parent
 NGINX = "/usr/sbin/nginx"
@@ -220,10 +220,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     o = parser.parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="sshapi-replicas-"))
     rows = []
-    with LocalHost("replicas", "tuned", data_dir=workdir / "host") as host:
+    with Rig(RigSpec("replicas", "tuned"), data_dir=workdir / "host") as rig:
         for n, count in enumerate(o.replicas):
             rows += measure(
-                count, o.load_profile, o.duration_factor, workdir / f"{n}-x{count}", host
+                count, o.load_profile, o.duration_factor, workdir / f"{n}-x{count}", rig.host
             )
     print(f"\n{o.load_profile} x{o.duration_factor:g}, through nginx, {os.cpu_count()} CPUs:\n")
     print("| replicas | offered/s | requests | ok | ok/s | p50 ms | p99 ms | errors | run |")

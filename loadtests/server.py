@@ -39,14 +39,13 @@ READY_TIMEOUT = 30.0
 def tuned_host(name: str) -> Iterator[tuple[LocalHost, Path]]:
     """A benchmark's own LocalHost (sshd_config.tuned) and a scratch directory, both gone on
     exit (the host's sessions killed)."""
-    from sshpool.devhost import LocalHost
+    from sshpool.devhost import Rig, RigSpec
 
-    with tempfile.TemporaryDirectory(prefix=f"{name}-") as tmp:
-        host = LocalHost(name, "tuned", data_dir=Path(tmp) / "hosts").start()
-        try:
-            yield host, Path(tmp)
-        finally:
-            host.stop(kill_sessions=True)
+    with (
+        tempfile.TemporaryDirectory(prefix=f"{name}-") as tmp,
+        Rig(RigSpec(name, "tuned"), data_dir=Path(tmp) / "hosts") as rig,
+    ):
+        yield rig.host, Path(tmp)
 
 
 def limits(mode: str) -> Limits:

@@ -153,12 +153,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from sshpool.devhost import LocalHost
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """The soak of `args` on a rig of its own; writes `reports/<time>-soak/soak.json` and returns
+    what it holds, with `report`: its path."""
+    from sshpool.devhost import Rig, RigSpec
 
-    args = parse(argv)
     out = run_dir(args.out, "soak")
-    host = LocalHost("soak", "tuned", data_dir=out / "hosts").start()
+    rig = Rig(RigSpec("soak", "tuned"), data_dir=out / "hosts").start()
+    host = rig.host
     api_dir = out / "api"
     try:
         proc, url = start_api(
@@ -189,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             sampler.join()
             stop_api(proc)
     finally:
-        host.stop(kill_sessions=True)
+        rig.stop()
     (out / "locust.log").write_text(done.stdout + done.stderr)
     reports = sorted(out.glob("*-sustained*/summary.json"))
     summary = json.loads(reports[-1].read_text()) if reports else {}
@@ -198,20 +200,23 @@ def main(argv: list[str] | None = None) -> int:
     errors = {k: summary.get(k) for k in ("requests", "ok", "failed", "errors")}
     errors["dropped"] = summary.get("validity", {}).get("dropped")
     ok = bool(summary) and summary["failed"] == 0 and not errors["dropped"] and result["flat"]
-    (out / "soak.json").write_text(
-        json.dumps(
-            {
-                "args": vars(args) | {"out": str(args.out)},
-                "requests": errors,
-                "verdict": result,
-                "ok": ok,
-                "samples": [asdict(s) for s in sampler.samples],
-                "locust_exit": done.returncode,
-            },
-            indent=2,
-        )
-    )
-    print(f"soak: {args.rate:g} req/s for {args.minutes:g} min, {len(sampler.samples)} samples")
+    doc = {
+        "args": vars(args) | {"out": str(args.out)},
+        "requests": errors,
+        "verdict": result,
+        "ok": ok,
+        "samples": [asdict(s) for s in sampler.samples],
+        "locust_exit": done.returncode,
+    }
+    (out / "soak.json").write_text(json.dumps(doc, indent=2))
+    return doc | {"report": str(out / "soak.json")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    doc = measure(args)
+    errors, result, ok = doc["requests"], doc["verdict"], doc["ok"]
+    print(f"soak: {args.rate:g} req/s for {args.minutes:g} min, {len(doc['samples'])} samples")
     print(f"requests: {errors}")
     for name, v in result.get("series", {}).items():
         state = "flat" if v["flat"] else "GROWING"
@@ -220,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{v['growth_pct']:6.1f}%  range {v['min']:g}..{v['max']:g}  {state}"
         )
     print(f"verdict: {'OK' if ok else 'FAIL'}")
-    print(f"soak report: {out / 'soak.json'}")
+    print(f"soak report: {doc['report']}")
     return 0 if ok else 1
 
 

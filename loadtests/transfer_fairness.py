@@ -17,16 +17,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import statistics
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 import psutil
 
+from loadtests.bystander import Bystander
 from loadtests.server import start_api, stop_api, tuned_host
 
 MIB = 1 << 20
@@ -53,39 +52,6 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-@dataclass
-class Bystander:
-    """Bob's jobs: latencies (s) and the Server-Timing header of each answer."""
-
-    latencies: list[float] = field(default_factory=list)
-    timings: list[str] = field(default_factory=list)
-
-    async def run(
-        self, client: httpx.AsyncClient, url: str, token: str, stop: asyncio.Event
-    ) -> None:
-        headers = {"Authorization": f"Bearer {token}", "Prefer": "wait=30"}
-        while not stop.is_set():
-            t0 = time.perf_counter()
-            r = await client.post(
-                f"{url}/v1/jobs", json={"host": "local", "argv": ["true"]}, headers=headers
-            )
-            self.latencies.append(time.perf_counter() - t0)
-            if r.status_code != 201:
-                raise RuntimeError(f"bob's job answered {r.status_code}: {r.text}")
-            self.timings.append(r.headers.get("server-timing", ""))
-            await asyncio.sleep(0.05)
-
-    def stages(self) -> dict[str, float]:
-        """The median of each Server-Timing stage, in ms."""
-        found: dict[str, list[float]] = {}
-        for header in self.timings:
-            for part in header.split(","):
-                name, _, dur = part.strip().partition(";dur=")
-                if dur:
-                    found.setdefault(name, []).append(float(dur))
-        return {name: round(statistics.median(v), 1) for name, v in found.items()}
-
-
 async def download(client: httpx.AsyncClient, url: str, token: str, path: str) -> int:
     received = 0
     async with client.stream(
@@ -106,31 +72,22 @@ async def run(
 ) -> dict[str, Any]:
     alice, bob = tokens
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=32)) as client:
-        alone = Bystander()
-        stop = asyncio.Event()
-        task = asyncio.create_task(alone.run(client, url, bob, stop))
-        await asyncio.sleep(args.base_seconds)
-        stop.set()
-        await task
-        during = Bystander()
-        stop = asyncio.Event()
-        task = asyncio.create_task(during.run(client, url, bob, stop))
-        api0, sshd0, t0 = cpu_seconds(pids[0]), cpu_seconds(pids[1]), time.perf_counter()
-        try:
+        with Bystander(url, bob, every=0.05, wait=30) as alone:
+            await asyncio.sleep(args.base_seconds)
+        with Bystander(url, bob, every=0.05, wait=30) as during:
+            api0, sshd0, t0 = cpu_seconds(pids[0]), cpu_seconds(pids[1]), time.perf_counter()
             received = await asyncio.wait_for(
                 asyncio.gather(
                     *(download(client, url, alice, path) for _ in range(args.downloads))
                 ),
                 args.cap_seconds,
             )
-        finally:
-            stop.set()
-            await task
-        wall = time.perf_counter() - t0
-        api_cpu, sshd_cpu = cpu_seconds(pids[0]) - api0, cpu_seconds(pids[1]) - sshd0
+            wall = time.perf_counter() - t0
+            api_cpu, sshd_cpu = cpu_seconds(pids[0]) - api0, cpu_seconds(pids[1]) - sshd0
     return {
-        "alone_ms": [x * 1000 for x in alone.latencies],
-        "during_ms": [x * 1000 for x in during.latencies],
+        "alone_ms": alone.ms,
+        "during_ms": during.ms,
+        "failed": alone.failed + during.failed,
         "stages_during_ms": during.stages(),
         "downloaded_mb": sum(received) / 1e6,
         "seconds": wall,
@@ -149,7 +106,8 @@ def report(result: dict[str, Any]) -> str:
             f"p90 {pct(alone, 0.9):.1f} ms",
             f"bob during the downloads: {len(during)} jobs, p50 {pct(during, 0.5):.1f} ms, "
             f"p90 {pct(during, 0.9):.1f} ms, max {max(during):.0f} ms",
-            f"Server-Timing medians during (ms): {result['stages_during_ms']}",
+            f"Server-Timing medians during (ms): {result['stages_during_ms']}; bob's jobs that "
+            f"failed: {result['failed']}",
             f"downloads: {mb:.0f} MB in {seconds:.1f} s ({mb / seconds:.0f} MB/s); CPU: API "
             f"{result['api_cpu_s']:.1f} s, sshd {result['sshd_cpu_s']:.1f} s; "
             f"load {result['load']:.1f}",

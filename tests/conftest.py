@@ -26,6 +26,8 @@ from sshpool.devhost import (
     LocalSlurm,
     LocalSlurmError,
     Profile,
+    Rig,
+    RigSpec,
     install_packages,
     openssh,
     sshd_binary,
@@ -103,12 +105,8 @@ def _session_host(
 ) -> Iterator[LocalHost]:
     _require_sshd()
     data_dir = tmp_path_factory.mktemp("data")
-    host = LocalHost(name or f"{profile}-session", profile, data_dir=data_dir, **kwargs)
-    host.start()
-    try:
-        yield host
-    finally:
-        host.stop(kill_sessions=True)
+    with Rig(RigSpec(name or f"{profile}-session", profile, **kwargs), data_dir=data_dir) as rig:
+        yield rig.host
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,9 @@ the benchmarks.
 * `relay.py`: `LatencyRelay`, a TCP relay adding a fixed delay per direction (a WAN for the
   rig: `sshapi dev --rtt-ms`, `loadtests.bench --rtt-ms`), and `RelayedHost`, a LocalHost
   reached through one.
+* `rig.py`: `Rig` and `RigSpec`, the one builder of a rig (a host or several login nodes, with
+  Slurm, researcher logins and a relay as asked) that `sshapi dev`, the load suite and the tests
+  start.
 * `procs.py`: the processes, ports and at-exit clean-up both share.
 * `fake.py`: `FakeBackend`, a backend without SSH for pool-logic tests.
 
@@ -39,6 +42,7 @@ if TYPE_CHECKING:
         tuned_settings,
     )
     from sshpool.devhost.relay import LatencyRelay, RelayedHost
+    from sshpool.devhost.rig import Rig, RigSpec
     from sshpool.devhost.slurm import LocalSlurm, LocalSlurmError, install_packages
 
 # Public name -> its module, imported on first use: `python -m sshpool.devhost.slurm` must not
@@ -59,6 +63,8 @@ _MODULES = {
     "tuned_settings": "sshpool.devhost.host",
     "LatencyRelay": "sshpool.devhost.relay",
     "RelayedHost": "sshpool.devhost.relay",
+    "Rig": "sshpool.devhost.rig",
+    "RigSpec": "sshpool.devhost.rig",
     "LocalSlurm": "sshpool.devhost.slurm",
     "LocalSlurmError": "sshpool.devhost.slurm",
     "install_packages": "sshpool.devhost.slurm",
@@ -85,6 +91,8 @@ __all__ = [
     "LocalSlurmError",
     "Profile",
     "RelayedHost",
+    "Rig",
+    "RigSpec",
     "ensure_accounts",
     "install_packages",
     "remove_accounts",

@@ -15,7 +15,7 @@ import pytest
 from pydantic import ValidationError
 
 from api.config import HostConfig
-from sshpool.devhost import LocalCluster, LocalHost, LocalSlurm
+from sshpool.devhost import LocalCluster, LocalHost, LocalSlurm, Rig, RigSpec
 from sshpool.devhost.accounts import Account
 from tests.api.api_helpers import (
     LOCAL_ISS,
@@ -34,8 +34,9 @@ NAME = "hpc"
 
 @pytest.fixture
 def nodes(tmp_path: Path) -> Iterator[LocalCluster]:
-    with LocalCluster("api", 3, "stock", data_dir=tmp_path / "rig") as cluster:
-        yield cluster
+    with Rig(RigSpec("api", "stock", nodes=3), data_dir=tmp_path / "rig") as rig:
+        assert rig.cluster is not None
+        yield rig.cluster
 
 
 @pytest.fixture
@@ -215,8 +216,10 @@ async def test_batch_jobs_are_cluster_wide(
 ) -> None:
     """A batch job submitted through one node is tracked, and its output read, through another
     once the first is drained: one Slurm behind every node."""
-    overrides = slurm.sshd_overrides()
-    with LocalCluster("slurm", 3, "stock", data_dir=tmp_path / "rig", overrides=overrides) as c:
+    spec = RigSpec("slurm", "stock", nodes=3, overrides=slurm.sshd_overrides())
+    with Rig(spec, data_dir=tmp_path / "rig") as rig:
+        c = rig.cluster
+        assert c is not None
         scheduler = f"[hosts.{NAME}.scheduler]\npoll_interval = 0.3\nsettle = 1.0\n"
         path = tmp_path / "sshapi.toml"
         path.write_text(config_toml(tuned_host, secret_file, keys, cluster_toml(c) + scheduler))
@@ -305,7 +308,10 @@ async def test_a_researchers_login_shell_takes_no_node_down_through_the_api(
     stalls `true`. Its jobs fail, its own; the nodes are probed over the host's own account
     and stay up; the other researchers' jobs all succeed."""
     attacker, *others = (a.name for a in accounts)
-    with LocalCluster("cert", 3, "stock", data_dir=tmp_path / "rig", researchers=True) as c:
+    spec = RigSpec("cert", "stock", nodes=3, researchers=True)
+    with Rig(spec, data_dir=tmp_path / "rig") as rig:
+        c = rig.cluster
+        assert c is not None
         host = f"""
 [hosts.{NAME}]
 nodes = {list(c.addresses)!r}

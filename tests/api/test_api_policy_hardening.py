@@ -41,7 +41,7 @@ from api.policy import render
 from api.problems import Problem
 from api.quota import PREFIX
 from loadtests.server import wait_ready
-from sshpool.devhost import LocalHost, LocalSlurm
+from sshpool.devhost import LocalHost, LocalSlurm, Rig, RigSpec
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -496,16 +496,9 @@ def tcsh_slurm_host(slurm: LocalSlurm, tmp_path: Path) -> Iterator[LocalHost]:
     tcsh = shutil.which("tcsh")
     if tcsh is None:
         pytest.fail("tcsh is missing: `make test` installs it", pytrace=False)
-    host = LocalHost(
-        "tcsh-login",
-        "tuned",
-        shell=tcsh,
-        data_dir=tmp_path / "hosts",
-        overrides=slurm.sshd_overrides(),
-    )
-    host.start()
-    yield host
-    host.stop(kill_sessions=True)
+    spec = RigSpec("tcsh-login", "tuned", shell=tcsh, overrides=slurm.sshd_overrides())
+    with Rig(spec, data_dir=tmp_path / "hosts") as rig:
+        yield rig.host
 
 
 async def test_batch_output_reads_back_under_tcsh_with_a_bang_in_workdir(

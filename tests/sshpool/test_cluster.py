@@ -15,15 +15,16 @@ import pytest
 
 from sshpool import HostUnavailable, NodeFailed, Pool, Target
 from sshpool.cluster import Cluster, rank
-from sshpool.devhost import LocalCluster
+from sshpool.devhost import LocalCluster, Rig, RigSpec
 
 HOSTNAME = ["sh", "-c", "echo $SSH_CONNECTION"]
 
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
-    with LocalCluster("c", 3, "stock", data_dir=tmp_path) as c:
-        yield c
+    with Rig(RigSpec("c", "stock", nodes=3), data_dir=tmp_path) as rig:
+        assert rig.cluster is not None
+        yield rig.cluster
 
 
 def node_of(result_stdout: bytes) -> str:

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from sshpool import Pool, SSHPoolError, Target
-from sshpool.devhost import LocalCluster
+from sshpool.devhost import LocalCluster, Rig, RigSpec
 from sshpool.devhost.accounts import Account, ensure_accounts
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="researcher accounts need root")
@@ -68,8 +68,10 @@ def accounts(tmp_path: Path) -> Iterator[list[Account]]:
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
-    with LocalCluster("n1", 3, "stock", data_dir=tmp_path / "rig", researchers=True) as c:
-        yield c
+    spec = RigSpec("n1", "stock", nodes=3, researchers=True)
+    with Rig(spec, data_dir=tmp_path / "rig") as rig:
+        assert rig.cluster is not None
+        yield rig.cluster
 
 
 def as_account(cluster: LocalCluster, account: Account) -> Target:

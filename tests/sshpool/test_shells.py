@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from sshpool import CommandResult, CommandTimeout, Pool, Target
-from sshpool.devhost import LocalHost
+from sshpool.devhost import LocalHost, Rig, RigSpec
 
 SHELLS = ["sh", "bash", "zsh", "tcsh"]
 # Any text but NUL (refused with a clear error before anything is sent) and lone surrogates
@@ -36,12 +36,9 @@ def shell_host(
     path = shutil.which(request.param)
     if path is None:
         pytest.fail(f"{request.param} is missing: `make test` installs it", pytrace=False)
-    host = LocalHost(
-        f"shell-{request.param}", "stock", shell=path, data_dir=tmp_path_factory.mktemp("sh")
-    )
-    host.start()
-    yield host
-    host.stop(kill_sessions=True)
+    spec = RigSpec(f"shell-{request.param}", "stock", shell=path)
+    with Rig(spec, data_dir=tmp_path_factory.mktemp("sh")) as rig:
+        yield rig.host
 
 
 @pytest.fixture(scope="module")
