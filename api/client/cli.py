@@ -139,17 +139,21 @@ def run(
     host: Annotated[str, typer.Argument(help="A configured host name.")],
     argv: Annotated[list[str], typer.Argument(help="The command and its arguments (after --).")],
     timeout: Annotated[float | None, typer.Option(help="Seconds the command may run.")] = None,
+    no_stdin: Annotated[
+        bool, typer.Option("--no-stdin", "-n", help="Do not send stdin (as ssh -n).")
+    ] = False,
     profile: Profile = None,
     as_json: AsJson = False,
 ) -> None:
     """Run a command on HOST and print its output as it arrives.
 
     Prints its stdout and stderr as they arrive and exits with its exit status (a signal as
-    128+n, a timeout as 124). Ctrl-C cancels the remote command."""
+    128+n, a timeout as 124). Ctrl-C cancels the remote command. A piped or redirected stdin is
+    sent to the command (UTF-8 text, up to the server's cap); a terminal's is not read."""
     from api.client import SshapiError, exit_code
 
     with client(profile) as c:
-        job = c.submit(host, argv, timeout=timeout)
+        job = submit_with_stdin(c, host, argv, no_stdin, timeout=timeout)
         try:
             for event in c.events(job.id):
                 if event.event == "output" and not as_json:
@@ -173,6 +177,53 @@ def run(
     elif job.error and job.state != "succeeded":
         say(f"sshapi: job {job.id} {job.state}: {job.error}", err=True)
     raise typer.Exit(exit_code(job))
+
+
+# The most stdin `run` reads before giving up: the server's cap (api.max_stdin_bytes, 64 KiB
+# by default) is within its body cap (api.max_body_bytes, 1 MiB by default); this bound only
+# keeps `yes | sshapi run ...` from filling memory.
+STDIN_READ = 16 << 20
+
+
+def piped_stdin(skip: bool) -> str | None:
+    """Our stdin for the job, as ssh forwards it: a pipe's or a file's bytes, never a
+    terminal's (nobody typed it for the job). The API takes stdin as UTF-8 text."""
+    from api.client import SshapiError
+
+    if skip or sys.stdin is None or sys.stdin.isatty():
+        return None
+    data = sys.stdin.buffer.read(STDIN_READ + 1)
+    if len(data) > STDIN_READ:
+        raise SshapiError(
+            f"stdin: more than {STDIN_READ} bytes, more than any job takes: nothing ran; "
+            "copy it to the host (sshapi files put) and redirect the command from it"
+        )
+    try:
+        return data.decode() if data else None
+    except UnicodeDecodeError:
+        raise SshapiError(
+            "stdin: not UTF-8 text, which is all the API sends to a command: nothing ran; "
+            "copy it to the host (sshapi files put) and redirect the command from it"
+        ) from None
+
+
+def submit_with_stdin(
+    c: Client, host: str, argv: list[str] | None, skip: bool, **options: Any
+) -> Job:
+    """Submit with our piped stdin; over the server's cap, one line saying so (never cut)."""
+    from api.client import InvalidRequest, SshapiError
+
+    stdin = piped_stdin(skip)
+    try:
+        return c.submit(host, argv, stdin=stdin, **options)
+    except InvalidRequest as exc:
+        if stdin is None or exc.status != 413:
+            raise
+        size = len(stdin.encode())
+        raise SshapiError(
+            f"stdin: {size} bytes, more than this server takes ({exc.title}: {exc.detail}): "
+            "nothing ran; copy it to the host (sshapi files put) and redirect the command from it"
+        ) from None
 
 
 @jobs_app.command("list")

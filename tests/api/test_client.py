@@ -52,16 +52,20 @@ def env_for(api: Api, sub: str = "alice") -> dict[str, str]:
     }
 
 
-async def sshapi(api: Api, *args: str, cwd: Path | None = None) -> tuple[int, bytes, bytes]:
+async def sshapi(
+    api: Api, *args: str, cwd: Path | None = None, stdin: bytes | None = None
+) -> tuple[int, bytes, bytes]:
+    """`sshapi ARGS` as a user runs it; `stdin`: piped to it (else /dev/null)."""
     proc = await asyncio.create_subprocess_exec(
         SSHAPI,
         *args,
         cwd=cwd,
         env=env_for(api),
+        stdin=asyncio.subprocess.DEVNULL if stdin is None else asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    out, err = await asyncio.wait_for(proc.communicate(stdin), 60)
     assert proc.returncode is not None
     return proc.returncode, out, err
 
@@ -112,11 +116,30 @@ async def test_sshapi_run_exits_with_the_remote_status(api: Api, command: str, c
         assert err.startswith(b"oops\n")
 
 
+async def test_sshapi_run_sends_piped_stdin_to_the_command(api: Api) -> None:
+    """`printf 'a\nb\nc\n' | sshapi run local -- wc -l` counts 3 lines, as over ssh (it
+    printed 0: stdin was dropped); `-n` sends none. Past the server's cap (1024 bytes in the
+    tests' configuration) it is one line saying so and nothing runs, never a cut stdin."""
+    rc, out, err = await sshapi(api, "run", "local", "--", "wc", "-l", stdin=b"a\nb\nc\n")
+    assert (rc, out.strip()) == (0, b"3"), err
+    rc, out, err = await sshapi(api, "run", "-n", "local", "--", "wc", "-l", stdin=b"a\nb\n")
+    assert (rc, out.strip()) == (0, b"0"), err
+    word = f"stdin-{uuid.uuid4().hex[:8]}"
+    rc, out, err = await sshapi(api, "run", "local", "--", "sh", "-c", f"cat # {word}",
+                                stdin=b"x" * 2000)  # fmt: skip
+    lines = err.decode().splitlines()
+    assert rc == 255 and out == b"", err
+    assert len(lines) == 1 and lines[0].startswith("sshapi: stdin: 2000 bytes, more than"), lines
+    assert "at most 1024 bytes" in lines[0] and "nothing ran" in lines[0]
+    r = await api.client.get(f"{api.url}/v1/jobs?limit=5", headers=api.auth())
+    assert not [j for j in r.json()["items"] if word in " ".join(j["argv"] or [])]
+
+
 async def test_sshapi_run_prints_output_before_the_command_ends(api: Api) -> None:
     """The first line reaches the terminal while the remote command still runs."""
     proc = await asyncio.create_subprocess_exec(
         SSHAPI, "run", "local", "--", "sh", "-c", "echo first; sleep 2; echo last",
-        env=env_for(api), stdout=asyncio.subprocess.PIPE,
+        env=env_for(api), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
     )  # fmt: skip
     assert proc.stdout is not None
     first = await asyncio.wait_for(proc.stdout.readline(), 30)
@@ -132,7 +155,8 @@ async def test_ctrl_c_on_sshapi_run_cancels_the_remote_job(api: Api) -> None:
     word = f"ctrlc-{uuid.uuid4().hex[:8]}"
     proc = await asyncio.create_subprocess_exec(
         SSHAPI, "run", "local", "--", "sh", "-c", f"echo started; sleep 30 # {word}",
-        env=env_for(api), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env=env_for(api), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     assert proc.stdout is not None
     assert await asyncio.wait_for(proc.stdout.readline(), 30) == b"started\n"
