@@ -1,5 +1,6 @@
 """The `sshapi` command line: serve, dev (local host + API), token, hosts check, doctor, db
-upgrade; the client commands (run, jobs, batch, files) are api/client/cli.py.
+upgrade; the client commands (run, jobs, batch, files, whoami) are api/client/cli.py (files:
+api/client/files_cli.py).
 
 Every call starts here, a researcher's `sshapi jobs list` as much as `sshapi serve`, so this
 module imports typer and the client commands only: each server command imports what it needs

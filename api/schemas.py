@@ -307,6 +307,30 @@ class HostInfo(BaseModel):
     )
 
 
+class HostAccount(BaseModel):
+    name: str
+    account: str | None = Field(
+        default=None,
+        description="The Unix account you run as there: your token's own (a certificate "
+        "host); any account for admins; null where it is the operator's (a shared or mapped "
+        "account) or where you may not run (then `refused` says why).",
+    )
+    refused: str | None = None
+
+
+class WhoAmI(BaseModel):
+    """Who the server takes the caller for: what `sshapi whoami` prints."""
+
+    subject: str
+    issuer: str
+    scopes: list[str]
+    admin: bool
+    account: str | None = Field(
+        default=None, description="The account your token's claim names (null: none)."
+    )
+    hosts: list[HostAccount] = Field(description="The hosts you may use.")
+
+
 class NodeInfo(BaseModel):
     """A login node after a drain or undrain."""
 

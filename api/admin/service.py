@@ -14,7 +14,7 @@ from api.auth import Principal
 from api.config import Config, HostConfig
 from api.policy import Policy
 from api.problems import Problem
-from api.schemas import HostInfo, NodeInfo, NodeProbe
+from api.schemas import HostAccount, HostInfo, NodeInfo, NodeProbe, WhoAmI
 from api.store import Revocation, Store, new_id, utcnow
 from sshpool import Pool
 
@@ -167,6 +167,28 @@ class AdminService:
         if name not in self.policy.visible_hosts(who):
             raise Problem(404, "host-not-found", "No such host", f"no host {name!r} for you")
         return self._info(who, name)
+
+    def whoami(self, who: Principal) -> WhoAmI:
+        """Who `who` is to this server: identity, scopes, and per host they may use the account
+        they run as where it is theirs to know (their token's claim; everything for admins),
+        as /v1/hosts does: a shared or mapped account is the operator's business."""
+        hosts: list[HostAccount] = []
+        for name in self.policy.visible_hosts(who):
+            try:
+                grant = self.policy.grant(who, name)
+            except Problem as exc:  # their own refusal, phrased for them (no account named)
+                hosts.append(HostAccount(name=name, refused=exc.detail))
+                continue
+            known = who.is_admin or grant.claimed
+            hosts.append(HostAccount(name=name, account=grant.target.username if known else None))
+        return WhoAmI(
+            subject=who.subject,
+            issuer=who.issuer,
+            scopes=sorted(who.scopes),
+            admin=who.is_admin,
+            account=who.account or None,
+            hosts=hosts,
+        )
 
     def _info(self, who: Principal, name: str) -> HostInfo:
         host = self.config.hosts[name]

@@ -53,14 +53,14 @@ def env_for(api: Api, sub: str = "alice") -> dict[str, str]:
 
 
 async def sshapi(
-    api: Api, *args: str, cwd: Path | None = None, stdin: bytes | None = None
+    api: Api, *args: str, cwd: Path | None = None, stdin: bytes | None = None, **env: str
 ) -> tuple[int, bytes, bytes]:
-    """`sshapi ARGS` as a user runs it; `stdin`: piped to it (else /dev/null)."""
+    """`sshapi ARGS` as a user runs it; `stdin`: piped to it (else /dev/null); `env`: set."""
     proc = await asyncio.create_subprocess_exec(
         SSHAPI,
         *args,
         cwd=cwd,
-        env=env_for(api),
+        env={**env_for(api), **env},
         stdin=asyncio.subprocess.DEVNULL if stdin is None else asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
@@ -133,6 +133,38 @@ async def test_sshapi_run_sends_piped_stdin_to_the_command(api: Api) -> None:
     assert "at most 1024 bytes" in lines[0] and "nothing ran" in lines[0]
     r = await api.client.get(f"{api.url}/v1/jobs?limit=5", headers=api.auth())
     assert not [j for j in r.json()["items"] if word in " ".join(j["argv"] or [])]
+
+
+async def test_sshapi_whoami_says_who_the_server_takes_you_for(api: Api, tmp_path: Path) -> None:
+    """`sshapi whoami` prints the subject, issuer and scopes the server read from the token and
+    where the token came from; with a login kept beside an exported SSHAPI_TOKEN, every command
+    warns that SSHAPI_TOKEN wins (before: `sshapi login` said "signed in" and nothing told)."""
+    rc, out, err = await sshapi(api, "whoami")
+    lines = out.decode().splitlines()
+    assert rc == 0, err
+    assert "subject  alice" in lines and "token    from SSHAPI_TOKEN" in lines, lines
+    assert "scopes   files:read files:write jobs:read jobs:write" in lines, lines
+    assert any(line.startswith("host     local: as ") for line in lines), lines
+    assert b"warning" not in err
+    rc, out, _ = await sshapi(api, "whoami", "--json")
+    me = json.loads(out)
+    assert (me["subject"], me["admin"], me["account"]) == ("alice", False, None)
+    assert "local" in [h["name"] for h in me["hosts"]]
+    # The shared account is the operator's business, as in /v1/hosts: admins only.
+    for sub, scopes, shown in (("alice", FILES, None), ("boss", "admin", "sshapi-hpc")):
+        auth = {"Authorization": f"Bearer {api.token(sub, scopes)}"}
+        r = await api.client.get(f"{api.url}/v1/whoami", headers=auth)
+        local = next(h for h in r.json()["hosts"] if h["name"] == "local")
+        assert local["account"] == shown, r.text
+        assert shown is not None or "sshapi-hpc" not in r.text
+    (tmp_path / "logins").mkdir()
+    (tmp_path / "logins" / "default.json").write_text("{}")
+    config = str(tmp_path / "client.toml")
+    rc, out, err = await sshapi(api, "jobs", "list", SSHAPI_CLIENT_CONFIG=config)
+    assert rc == 0, err
+    assert err.decode().startswith(
+        f"sshapi: warning: SSHAPI_TOKEN is set, so it is sent, not the login {tmp_path}/logins/"
+    ), err
 
 
 async def test_sshapi_run_prints_output_before_the_command_ends(api: Api) -> None:
