@@ -39,7 +39,7 @@ app.add_typer(db_app, name="db")
 ExecMode = Literal["channel", "agent"]
 SERVER_EXTRA = "pip install 'sshapi[server]'"
 # The researcher's commands (run, jobs, batch): HTTP to a server, in their own module.
-register_client_commands(app)
+register_client_commands(app, hosts_app)
 # Modules that httpx and httpcore import whenever they are installed, which no command of
 # `sshapi` uses: httpx's own command line (it brings click, rich and pygments) and httpcore's
 # trio support (trio comes with selenium, for one). Together about half of a `sshapi jobs list`

@@ -65,7 +65,17 @@ def describe(job: Job) -> str:
 
 def run(
     host: Annotated[str, typer.Argument(help="A configured host name.")],
-    argv: Annotated[list[str], typer.Argument(help="The command and its arguments (after --).")],
+    argv: Annotated[
+        list[str] | None, typer.Argument(help="The command and its arguments (after --).")
+    ] = None,
+    shell: Annotated[
+        str | None,
+        typer.Option(
+            "--shell",
+            help="A raw line for the remote login shell instead of ARGV (pipes, globs, $VARS), "
+            "where the host allows it.",
+        ),
+    ] = None,
     timeout: Annotated[float | None, typer.Option(help="Seconds the command may run.")] = None,
     no_stdin: Annotated[
         bool, typer.Option("--no-stdin", "-n", help="Do not send stdin (as ssh -n).")
@@ -80,8 +90,10 @@ def run(
     sent to the command (UTF-8 text, up to the server's cap); a terminal's is not read."""
     from api.client import SshapiError, exit_code
 
+    if (shell is None) == (not argv):
+        raise typer.BadParameter("give either -- ARGV... or --shell LINE", param_hint="ARGV")
     with client(profile) as c:
-        job = submit_with_stdin(c, host, argv, no_stdin, timeout=timeout)
+        job = submit_with_stdin(c, host, argv or None, no_stdin, command=shell, timeout=timeout)
         try:
             for event in c.events(job.id):
                 if event.event == "output" and not as_json:
@@ -184,6 +196,40 @@ def jobs_cancel(job_id: str, profile: Profile = None, as_json: AsJson = False) -
     """Cancel a job: kill its remote process tree (a batch job: scancel)."""
     with client(profile) as c:
         show(c.cancel(job_id), as_json)
+
+
+@jobs_app.command("wait")
+def jobs_wait(job_id: str, profile: Profile = None, as_json: AsJson = False) -> None:
+    """Wait until a job is final.
+
+    Prints it and exits with its exit status, as sshapi run does."""
+    from api.client import exit_code
+
+    with client(profile) as c:
+        try:
+            job = c.wait(job_id)
+        except KeyboardInterrupt:  # the job goes on: only the waiting stops
+            typer.echo(f"\nsshapi: job {job_id} goes on; `sshapi jobs wait {job_id}`", err=True)
+            raise typer.Exit(130) from None
+    show(job, as_json)
+    if job.error and job.state != "succeeded" and not as_json:
+        say(f"sshapi: job {job.id} {job.state}: {job.error}", err=True)
+    raise typer.Exit(exit_code(job))
+
+
+def hosts_list(profile: Profile = None, as_json: AsJson = False) -> None:
+    """The hosts you may use on the server.
+
+    Each one's name, health, whether it takes raw shell lines, and description."""
+    with client(profile) as c:
+        hosts = c.hosts()
+    if as_json:
+        typer.echo(json.dumps(hosts, indent=2))
+        return
+    for host in hosts:
+        shell = "shell" if host.get("shell") else "argv"
+        name, health = str(host.get("name")), str(host.get("health"))
+        say(f"{name:16} {health:8} {shell:6} {host.get('description', '')}")
 
 
 @jobs_app.command("logs")
@@ -382,8 +428,9 @@ def logout(profile: Profile = None) -> None:
     say(f"signed out: {path} removed", err=True)
 
 
-def register(app: typer.Typer) -> None:
-    """Add the client commands to the `sshapi` app."""
+def register(app: typer.Typer, hosts_app: typer.Typer) -> None:
+    """Add the client commands to the `sshapi` app, and `list` to its `hosts` group."""
+    hosts_app.command("list")(hosts_list)
     app.command("run")(run)
     app.command("login")(login)
     app.command("logout")(logout)

@@ -138,6 +138,41 @@ def files_put(
         say(f"{answer['path']}  {answer['size']} bytes  sha256 {answer['sha256']}")
 
 
+@files_app.command("mv")
+def files_mv(
+    host: Host,
+    source: Annotated[str, typer.Argument(help="The file or directory to move.")],
+    dest: Annotated[str, typer.Argument(help="Its new path (within your roots).")],
+    overwrite: Annotated[
+        bool, typer.Option(help="Replace an existing DEST (atomically), else 409.")
+    ] = False,
+    profile: Profile = None,
+    as_json: AsJson = False,
+) -> None:
+    """Rename or move a file or directory on the host."""
+    with client(profile) as c:
+        answer = c.move(host, source, dest, overwrite=overwrite)
+    if as_json:
+        typer.echo(json.dumps(answer))
+
+
+@files_app.command("checksum")
+def files_checksum(
+    host: Host,
+    paths: Annotated[list[str], typer.Argument(help="Files on the host.")],
+    profile: Profile = None,
+) -> None:
+    """Print each file's sha256, computed on the host.
+
+    Nothing is downloaded. As sha256sum prints it (`HASH  PATH`), to compare with `sha256sum`
+    here. One that fails is reported and the others still computed; the exit status is 1 if
+    any failed."""
+    with client(profile) as c:
+        failed = each(host, paths, lambda path: say(f"{c.checksum(host, path)}  {path}"))
+    if failed:
+        raise typer.Exit(1)
+
+
 @files_app.command("rm")
 def files_rm(
     host: Host,

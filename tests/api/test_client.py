@@ -4,6 +4,7 @@ API and local host. The sync Client runs in a thread: the server shares the test
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import http.server
 import json
 import os
@@ -365,6 +366,35 @@ async def test_sshapi_files_put_ls_get_rm_round_trip_byte_exact(api: Api, tmp_pa
     assert rc == 0, err
     rc, _, err = await sshapi(api, "files", "ls", "local", remote)
     assert rc == 255 and b"file-not-found" in err
+
+
+async def test_sshapi_hosts_list_run_shell_jobs_wait_files_mv_and_checksum(
+    api: Api, tmp_path: Path
+) -> None:
+    """The commands the API had and `sshapi` lacked: `hosts list`, `run --shell` (a pipe in
+    one line), `jobs wait` (exits with the job's status, as `sshapi run`), `files mv`, and
+    `files checksum` (as sha256sum prints it)."""
+    rc, out, err = await sshapi(api, "hosts", "list")
+    assert rc == 0, err
+    assert any(line.split()[:1] == ["local"] for line in out.decode().splitlines()), out
+    rc, out, err = await sshapi(api, "run", "local", "--shell", "printf 'a\\nb\\n' | wc -l")
+    assert (rc, out.strip()) == (0, b"2"), err
+    r = await api.submit({"host": "local", "argv": ["sh", "-c", "sleep 1; exit 3"]}, wait=0)
+    rc, out, err = await sshapi(api, "jobs", "wait", r.json()["id"])
+    assert rc == 3 and b"failed" in out, (out, err)
+    data = os.urandom(5000)
+    (tmp_path / "m.bin").write_bytes(data)
+    remote = f"sshapi-mv-{uuid.uuid4().hex[:8]}"
+    rc, _, err = await sshapi(api, "files", "put", "local", str(tmp_path / "m.bin"), remote)
+    assert rc == 0, err
+    rc, _, err = await sshapi(api, "files", "mv", "local", remote, f"{remote}.moved")
+    assert rc == 0, err
+    rc, out, err = await sshapi(api, "files", "checksum", "local", f"{remote}.moved", remote)
+    digest = hashlib.sha256(data).hexdigest()
+    assert rc == 1 and out.decode() == f"{digest}  {remote}.moved\n", (out, err)
+    assert f"local:{remote} (remote): 404".encode() in err
+    rc, _, err = await sshapi(api, "files", "rm", "local", f"{remote}.moved")
+    assert rc == 0, err
 
 
 async def test_sshapi_files_name_the_side_make_directories_and_rm_goes_on(
