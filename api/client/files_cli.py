@@ -75,7 +75,10 @@ def files_ls(
                 name = str(entry.get("name") or entry.get("path") or "")
                 if entry.get("target"):
                     name += f" -> {entry['target']}"
-                mode, size, mtime = (str(entry.get(k) or "") for k in ("mode", "size", "mtime"))
+                # A 0-byte file's size is 0, not blank: only a missing field is blank.
+                mode, size, mtime = (
+                    "" if entry.get(k) is None else str(entry[k]) for k in ("mode", "size", "mtime")
+                )
                 say(f"{entry['type']:7} {mode:>6} {size:>12} {mtime:25} {name}")
 
 
@@ -98,7 +101,18 @@ def files_get(
         sides(host, path, target),
         transfer(f"get {path}", as_json) as progress,
     ):
-        size = c.download(host, path, target, progress=progress)
+        try:
+            size = c.download(host, path, target, progress=progress)
+        except KeyboardInterrupt:
+            part = target.with_name(f"{target.name}.part")
+            kept = part.stat().st_size if part.exists() else 0
+            typer.echo("", err=True)  # past the progress bar's line, or ^C
+            say(
+                f"sshapi: interrupted: {kept} bytes kept in {part}; the same `sshapi files get`"
+                " again resumes from there",
+                err=True,
+            )
+            raise typer.Exit(130) from None
     if as_json:
         typer.echo(json.dumps({"path": path, "dest": str(target), "size": size}))
 

@@ -397,6 +397,56 @@ async def test_sshapi_hosts_list_run_shell_jobs_wait_files_mv_and_checksum(
     assert rc == 0, err
 
 
+async def test_sshapi_files_ls_shows_0_for_an_empty_file(api: Api) -> None:
+    """`files ls` prints a 0-byte file's size as 0 (before: blank, as for a directory)."""
+    name = f"sshapi-empty-{uuid.uuid4().hex[:8]}"
+    r = await api.submit({"host": "local", "argv": ["touch", name]}, wait=30)
+    assert r.json()["state"] == "succeeded", r.text
+    rc, out, err = await sshapi(api, "files", "ls", "local", name)
+    assert rc == 0, err
+    assert out.decode().split()[:3][2] == "0", out
+    rc, _, err = await sshapi(api, "files", "rm", "local", name)
+    assert rc == 0, err
+
+
+async def test_ctrl_c_during_files_get_says_how_to_resume(api: Api, tmp_path: Path) -> None:
+    """Ctrl-C during `sshapi files get` says how many bytes the `.part` keeps and that the same
+    command resumes (before: a bare traceback-free exit, nothing said), and it does."""
+    size = 64 << 20
+    name = f"sshapi-ctrlc-{uuid.uuid4().hex[:8]}.bin"
+    make = f"head -c {size} /dev/zero > {name}"
+    r = await api.submit({"host": "local", "argv": ["sh", "-c", make]}, wait=60)
+    assert r.json()["state"] == "succeeded", r.text
+    part = tmp_path / f"{name}.part"
+    proc = await asyncio.create_subprocess_exec(
+        SSHAPI, "files", "get", "local", name, cwd=tmp_path, env=env_for(api),
+        stdin=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not (part.exists() and part.stat().st_size > 0):
+            assert time.monotonic() < deadline and proc.returncode is None
+            await asyncio.sleep(0.005)
+        # Frozen while we look: the download is under way (far from its end) when SIGINT lands.
+        proc.send_signal(signal.SIGSTOP)
+        assert part.stat().st_size < size - (8 << 20) and not (tmp_path / name).exists()
+        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGCONT)
+        _, err = await asyncio.wait_for(proc.communicate(), 60)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 130, err
+    said = err.decode().strip().splitlines()[-1]
+    assert said.startswith("sshapi: interrupted: ") and f"kept in {part.name};" in said, said
+    assert "the same `sshapi files get` again resumes from there" in said
+    rc, _, err = await sshapi(api, "files", "get", "local", name, cwd=tmp_path)
+    assert rc == 0 and (tmp_path / name).stat().st_size == size, err
+    rc, _, err = await sshapi(api, "files", "rm", "local", name)
+    assert rc == 0, err
+
+
 async def test_sshapi_files_name_the_side_make_directories_and_rm_goes_on(
     api: Api, tmp_path: Path
 ) -> None:

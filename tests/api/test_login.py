@@ -152,6 +152,8 @@ async def test_an_unapproved_device_code_expires_with_a_clear_message(
     code, out = await sshapi(env(api, provider, tmp_path), "login")
     assert code == 255
     assert "expired_token: the code expired before it was approved; run `sshapi login`" in out
+    # While it polls it says so (before: the code's line, then silence until it expired).
+    assert f"waiting for the approval: asking {provider.issuer} every " in out
     assert not (tmp_path / "client" / "logins" / "default.json").exists()
 
 
