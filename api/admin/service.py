@@ -12,7 +12,7 @@ from api.admin.nodes import NodeDrains
 from api.admin.revocations import Effect, Revocations, refusing
 from api.auth import Principal
 from api.config import Config, HostConfig
-from api.policy import Policy
+from api.policy import Policy, host_details
 from api.problems import Problem
 from api.schemas import HostAccount, HostInfo, NodeInfo, NodeProbe, WhoAmI
 from api.store import Revocation, Store, new_id, utcnow
@@ -217,9 +217,10 @@ class AdminService:
                 {k: v for k, v in stats[t].items() if k != "target"} for t in mine if t in stats
             ]
             nodes = [{"name": n["name"], "state": n["state"]} for n in nodes]
-        details = who.is_admin or not self.config.api.host_details_require_admin
-        if not details:  # a node's name is a host name too
+        details = host_details(who, self.config.api)
+        if not details:  # a node's name is a host name too, a pool's sshd its address
             nodes = [{"state": n["state"]} for n in nodes]
+            pools = [{k: v for k, v in p.items() if k != "sshd"} for p in pools]
         return HostInfo(
             name=name,
             hostname=host.name_shown if details else None,
