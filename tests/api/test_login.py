@@ -83,9 +83,11 @@ def env(api: Api, provider: oidc.Provider, tmp_path: Path) -> dict[str, str]:
 
 
 async def sshapi(environ: dict[str, str], *args: str) -> tuple[int, str]:
+    # stdin /dev/null: `sshapi run` sends a piped stdin to the command, as ssh does.
     proc = await asyncio.create_subprocess_exec(
-        SSHAPI, *args, env=environ, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
-    )
+        SSHAPI, *args, env=environ, stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode is not None
     return proc.returncode, (out + err).decode()
