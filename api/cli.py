@@ -1,5 +1,6 @@
 """The `sshapi` command line: serve, dev (local host + API), token, hosts check, doctor, db
-upgrade; the client commands (run, jobs, batch, files) are api/client/cli.py.
+upgrade; the client commands (run, jobs, batch, files, whoami) are api/client/cli.py (files:
+api/client/files_cli.py).
 
 Every call starts here, a researcher's `sshapi jobs list` as much as `sshapi serve`, so this
 module imports typer and the client commands only: each server command imports what it needs
@@ -38,7 +39,7 @@ app.add_typer(db_app, name="db")
 ExecMode = Literal["channel", "agent"]
 SERVER_EXTRA = "pip install 'sshapi[server]'"
 # The researcher's commands (run, jobs, batch): HTTP to a server, in their own module.
-register_client_commands(app)
+register_client_commands(app, hosts_app)
 # Modules that httpx and httpcore import whenever they are installed, which no command of
 # `sshapi` uses: httpx's own command line (it brings click, rich and pygments) and httpcore's
 # trio support (trio comes with selenium, for one). Together about half of a `sshapi jobs list`

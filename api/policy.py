@@ -22,6 +22,7 @@ from api.auth import Principal
 from api.config import (
     PLACEHOLDER,
     Account,
+    ApiConfig,
     Config,
     HostConfig,
     ParamSpec,
@@ -54,6 +55,12 @@ def key_id_identity(issuer: str, subject: str) -> str:
 
 def account_refused(detail: str) -> Problem:
     return Problem(403, "account-refused", "No account for you on this host", detail)
+
+
+def host_details(who: Principal, api: ApiConfig) -> bool:
+    """Whether `who` sees where hosts are (a host's address, its pools' `sshd`, login node
+    names, a job's `node`): admins always, others unless `api.host_details_require_admin`."""
+    return who.is_admin or not api.host_details_require_admin
 
 
 @dataclass(frozen=True, slots=True)

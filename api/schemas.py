@@ -172,7 +172,8 @@ class JobSummary(BaseModel):
     node: str | None = Field(
         default=None,
         description="The login node the command started on, on a host with several (`lost` "
-        "with a login node's failure: that node).",
+        "with a login node's failure: that node); for admins only, unless "
+        "`api.host_details_require_admin` is false.",
     )
     exit_status: int | None = None
     exit_signal: str | None = None
@@ -188,8 +189,10 @@ class JobSummary(BaseModel):
     )
 
     @classmethod
-    def of(cls, row: JobRow) -> Self:
-        """Never reads the row's output columns (a listed row does not load them)."""
+    def of(cls, row: JobRow, details: bool = True) -> Self:
+        """Never reads the row's output columns (a listed row does not load them). `details`
+        false: without the login node (`api.host_details_require_admin`: a node's name is a
+        host name)."""
         batch = row.kind == "batch" and row.batch is not None
         return cls(
             id=row.id,
@@ -223,7 +226,7 @@ class JobSummary(BaseModel):
             finished_at=aware(row.finished_at),
             timings=row.timings or {},
             error_kind=row.error_kind,
-            node=row.node,
+            node=row.node if details else None,
         )
 
 
@@ -268,8 +271,8 @@ class Job(JobSummary):
     )
 
     @classmethod
-    def of(cls, row: JobRow) -> Self:
-        job = super().of(row)
+    def of(cls, row: JobRow, details: bool = True) -> Self:
+        job = super().of(row, details)
         job.stdout = (row.stdout or b"").decode("utf-8", "replace")
         job.stderr = (row.stderr or b"").decode("utf-8", "replace")
         return job
@@ -296,7 +299,8 @@ class HostInfo(BaseModel):
     pool: list[dict[str, Any]] = Field(
         default_factory=list,
         description="Pool statistics: admins get one per remote account, with its `target`; "
-        "others get only the pool of their own account, without it.",
+        "others get only the pool of their own account, without it (and without `sshd`, the "
+        "login host's address, where host details are admin-only).",
     )
     nodes: list[dict[str, Any]] = Field(
         default_factory=list,
@@ -305,6 +309,30 @@ class HostInfo(BaseModel):
         "why it is down, its connections, channels in use and waiters over all accounts, "
         "`breaker_open` (any account's) and its routing `counters`.",
     )
+
+
+class HostAccount(BaseModel):
+    name: str
+    account: str | None = Field(
+        default=None,
+        description="The Unix account you run as there: your token's own (a certificate "
+        "host); any account for admins; null where it is the operator's (a shared or mapped "
+        "account) or where you may not run (then `refused` says why).",
+    )
+    refused: str | None = None
+
+
+class WhoAmI(BaseModel):
+    """Who the server takes the caller for: what `sshapi whoami` prints."""
+
+    subject: str
+    issuer: str
+    scopes: list[str]
+    admin: bool
+    account: str | None = Field(
+        default=None, description="The account your token's claim names (null: none)."
+    )
+    hosts: list[HostAccount] = Field(description="The hosts you may use.")
 
 
 class NodeInfo(BaseModel):

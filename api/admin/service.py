@@ -12,9 +12,9 @@ from api.admin.nodes import NodeDrains
 from api.admin.revocations import Effect, Revocations, refusing
 from api.auth import Principal
 from api.config import Config, HostConfig
-from api.policy import Policy
+from api.policy import Policy, host_details
 from api.problems import Problem
-from api.schemas import HostInfo, NodeInfo, NodeProbe
+from api.schemas import HostAccount, HostInfo, NodeInfo, NodeProbe, WhoAmI
 from api.store import Revocation, Store, new_id, utcnow
 from sshpool import Pool
 
@@ -168,6 +168,28 @@ class AdminService:
             raise Problem(404, "host-not-found", "No such host", f"no host {name!r} for you")
         return self._info(who, name)
 
+    def whoami(self, who: Principal) -> WhoAmI:
+        """Who `who` is to this server: identity, scopes, and per host they may use the account
+        they run as where it is theirs to know (their token's claim; everything for admins),
+        as /v1/hosts does: a shared or mapped account is the operator's business."""
+        hosts: list[HostAccount] = []
+        for name in self.policy.visible_hosts(who):
+            try:
+                grant = self.policy.grant(who, name)
+            except Problem as exc:  # their own refusal, phrased for them (no account named)
+                hosts.append(HostAccount(name=name, refused=exc.detail))
+                continue
+            known = who.is_admin or grant.claimed
+            hosts.append(HostAccount(name=name, account=grant.target.username if known else None))
+        return WhoAmI(
+            subject=who.subject,
+            issuer=who.issuer,
+            scopes=sorted(who.scopes),
+            admin=who.is_admin,
+            account=who.account or None,
+            hosts=hosts,
+        )
+
     def _info(self, who: Principal, name: str) -> HostInfo:
         host = self.config.hosts[name]
         # By Target, not by address: two hosts on one user@host:port (other keys, limits or
@@ -195,9 +217,10 @@ class AdminService:
                 {k: v for k, v in stats[t].items() if k != "target"} for t in mine if t in stats
             ]
             nodes = [{"name": n["name"], "state": n["state"]} for n in nodes]
-        details = who.is_admin or not self.config.api.host_details_require_admin
-        if not details:  # a node's name is a host name too
+        details = host_details(who, self.config.api)
+        if not details:  # a node's name is a host name too, a pool's sshd its address
             nodes = [{"state": n["state"]} for n in nodes]
+            pools = [{k: v for k, v in p.items() if k != "sshd"} for p in pools]
         return HostInfo(
             name=name,
             hostname=host.name_shown if details else None,

@@ -16,12 +16,14 @@ from api.client.base import (
     SSEParser,
     _Base,
     _fresh,
+    a_checksum,
     a_job,
     a_listing,
     an_object,
     an_upload,
     job_body,
     jobs,
+    objects,
     read_answer,
 )
 from api.client.errors import (
@@ -149,6 +151,16 @@ class Client(_Base):
             delay = min(delay * 2, 2.0)
             current = self.get(current.id)
         return current
+
+    def whoami(self) -> dict[str, Any]:
+        """Who the server takes this client's token for: `subject`, `issuer`, `scopes`,
+        `admin`, `account` (the token's claim), `hosts` (each one's `name` and the `account`
+        you run as there, where it is yours to know)."""
+        return read_answer(self.request("GET", "/v1/whoami"), an_object)
+
+    def hosts(self) -> list[dict[str, Any]]:
+        """The hosts you may use (`name`, `health`, `shell`, `description`, ...)."""
+        return read_answer(self.request("GET", "/v1/hosts"), objects)
 
     def get(self, job_id: str) -> Job:
         response = self.request("GET", f"/v1/jobs/{job_id}")
@@ -408,6 +420,21 @@ class Client(_Base):
                 raise
             return {**entry, "path": path}
         return read_answer(response, an_object)
+
+    def move(
+        self, host: str, source: str, destination: str, *, overwrite: bool = False
+    ) -> dict[str, Any]:
+        """Rename or move within your roots (409 Conflict if `destination` exists, unless
+        `overwrite`: then replaced atomically). Answers the moved entry."""
+        body = {"source": source, "destination": destination, "overwrite": overwrite}
+        response = self.request("POST", files_path(host, "/move"), json=body)
+        return read_answer(response, an_object)
+
+    def checksum(self, host: str, path: str) -> str:
+        """A file's sha256, computed on the host (nothing downloaded)."""
+        params = {"path": path, "algorithm": "sha256"}
+        response = self.request("GET", files_path(host, "/checksum"), params=params)
+        return read_answer(response, a_checksum)
 
     def delete_file(self, host: str, path: str) -> None:
         """Delete a file, a symlink (not its target) or an empty directory."""

@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import random
 import uuid
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
@@ -100,6 +102,19 @@ def an_object(body: Any) -> dict[str, Any]:
     return body
 
 
+def objects(body: Any) -> list[dict[str, Any]]:
+    if not isinstance(body, list) or not all(isinstance(item, dict) for item in body):
+        raise TypeError("not a list of objects")
+    return body
+
+
+def a_checksum(body: Any) -> str:
+    value = an_object(body).get("checksum")
+    if not isinstance(value, str):
+        raise TypeError("no checksum")
+    return value
+
+
 def a_job(body: Any) -> Job:
     return Job.model_validate(body)
 
@@ -165,6 +180,14 @@ def _fresh(kw: dict[str, Any]) -> dict[str, Any]:
     return {**kw, "content": content()} if callable(content) else kw
 
 
+def overriding(login: Path) -> str:
+    """Said when an exported SSHAPI_TOKEN (a static token) is sent instead of a login."""
+    return (
+        f"SSHAPI_TOKEN is set, so it is sent, not the login {login} (sshapi login): "
+        "unset SSHAPI_TOKEN to use the login"
+    )
+
+
 class _Base:
     """What the sync and async clients share: configuration, headers, the retry rule."""
 
@@ -183,12 +206,18 @@ class _Base:
         self.auth: httpx.Auth | None = None
         # Where the URL came from, said when the server cannot be reached (a wrong URL).
         self.url_from = "the url given to the client" if url else ""
+        # Where the token came from (`sshapi whoami`): SSHAPI_TOKEN, a profile, a login.
+        self.token_from = "the token given to the client" if token else "nowhere: no token"
         if url is None or token is None:
             found = load_profile(profile)
             self.url_from = self.url_from or found.url_from
+            if not token and found.token_from and (found.token or found.login):
+                self.token_from = found.token_from
             url = url or found.url
             token = token or paired(found, url)
             allow_http = allow_http or found.allow_http
+            if found.overridden is not None and token == found.token:
+                warnings.warn(overriding(found.overridden), UserWarning, stacklevel=3)
             if not token and found.login is not None:
                 from api.client.login import LoginAuth
 

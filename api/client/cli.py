@@ -3,8 +3,8 @@
     sshapi run HOST -- ARGV...        live stdout/stderr, exits with the remote exit status
     sshapi jobs list|show|cancel|logs
     sshapi batch submit SCRIPT
-    sshapi files ls|get|put|mkdir|rm  files on a host (docs/files.md), progress bars for transfers
-    sshapi login|logout               sign in through the identity provider (docs/login.md)
+    sshapi files ls|get|put|mkdir|rm  files on a host (docs/files.md; api/client/files_cli.py)
+    sshapi login|logout|whoami        sign in through the identity provider (docs/login.md)
 
 The server and token come from SSHAPI_URL / SSHAPI_TOKEN or a profile of the client
 configuration file (`--profile`; see `api.client.load_profile`). `--json` prints the API's JSON
@@ -21,21 +21,21 @@ pass as they are, as ssh passes them: colours and progress bars work, and a pipe
 from __future__ import annotations
 
 import json
+import os
 import sys
-import unicodedata
-import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from api.client.files_cli import files_app
+from api.client.terminal import ERROR_EXIT, AsJson, Profile, client, say
+
 # The client (httpx, pydantic) and rich load when a command runs, not when `sshapi` starts:
 # `sshapi --help` and the server's commands never need them (api/cli.py).
 if TYPE_CHECKING:
     from api.client import Client, Job, Stream
-    from api.client import Progress as OnProgress
 
 jobs_app = typer.Typer(
     help="Your jobs on the server (SSHAPI_URL).", no_args_is_help=True, rich_markup_mode=None
@@ -43,78 +43,6 @@ jobs_app = typer.Typer(
 batch_app = typer.Typer(
     help="Batch jobs for a host's scheduler.", no_args_is_help=True, rich_markup_mode=None
 )
-files_app = typer.Typer(
-    help="Files on a host (over SFTP, through the API).",
-    no_args_is_help=True,
-    rich_markup_mode=None,
-)
-
-Profile = Annotated[
-    str | None,
-    typer.Option(help="A profile of the client configuration file.", envvar="SSHAPI_PROFILE"),
-]
-AsJson = Annotated[bool, typer.Option("--json", help="Print the API's JSON.")]
-ERROR_EXIT = 255
-# Said when the server cannot be reached: where its URL comes from.
-WHERE_FROM = (
-    "the server's URL comes from SSHAPI_URL, else the url of a profile of the client "
-    "configuration file (--profile, SSHAPI_PROFILE, its `default`; docs/client.md); "
-    "`sshapi dev` prints the export line for its server"
-)
-# Characters a terminal acts on or that reorder what follows, besides the control characters
-# (C0, DEL, C1): the bidi marks, embeddings, overrides and isolates, and the line and paragraph
-# separators. Other format characters stay (the zero-width joiner is part of emoji).
-INVISIBLE = frozenset(
-    "\u061c\u200e\u200f"  # ALM, LRM, RLM
-    "\u202a\u202b\u202c\u202d\u202e"  # LRE, RLE, PDF, LRO, RLO
-    "\u2066\u2067\u2068\u2069"  # LRI, RLI, FSI, PDI
-    "\u2028\u2029"  # line and paragraph separators
-)
-
-
-def _escaped(char: str) -> str:
-    if char == "\\":
-        return "\\\\"
-    if char in INVISIBLE or unicodedata.category(char) in ("Cc", "Cs"):
-        code = ord(char)
-        return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
-    return char
-
-
-def printable(text: str) -> str:
-    """`text` with every character that could act on a terminal written as its escape
-    (`\\x1b`, `\\u202e`; a backslash as two, so that no name reads as another)."""
-    return "".join(map(_escaped, text))
-
-
-def say(text: str, err: bool = False) -> None:
-    """Print a line holding what the server sent, escaped (`printable`)."""
-    typer.echo(printable(text), err=err)
-
-
-@contextmanager
-def client(profile: str | None) -> Iterator[Client]:
-    """A Client; its errors end the command with a message on stderr and exit 255."""
-    from api.client import Client, SshapiError, TransportError
-
-    made: Client | None = None
-    try:
-        with warnings.catch_warnings(record=True) as warned:
-            warnings.simplefilter("always")
-            made = Client(profile=profile)
-        for warning in warned:
-            say(f"sshapi: warning: {warning.message}", err=True)
-        with made as c:
-            yield c
-    except TransportError as exc:
-        say(f"sshapi: {exc}", err=True)
-        if made is not None:
-            say(f"sshapi: {made.url} came from {made.url_from}", err=True)
-        say(f"sshapi: {WHERE_FROM}", err=True)
-        raise typer.Exit(ERROR_EXIT) from None
-    except SshapiError as exc:
-        say(f"sshapi: {exc}", err=True)
-        raise typer.Exit(ERROR_EXIT) from None
 
 
 def show(job: Job, as_json: bool) -> None:
@@ -137,19 +65,35 @@ def describe(job: Job) -> str:
 
 def run(
     host: Annotated[str, typer.Argument(help="A configured host name.")],
-    argv: Annotated[list[str], typer.Argument(help="The command and its arguments (after --).")],
+    argv: Annotated[
+        list[str] | None, typer.Argument(help="The command and its arguments (after --).")
+    ] = None,
+    shell: Annotated[
+        str | None,
+        typer.Option(
+            "--shell",
+            help="A raw line for the remote login shell instead of ARGV (pipes, globs, $VARS), "
+            "where the host allows it.",
+        ),
+    ] = None,
     timeout: Annotated[float | None, typer.Option(help="Seconds the command may run.")] = None,
+    no_stdin: Annotated[
+        bool, typer.Option("--no-stdin", "-n", help="Do not send stdin (as ssh -n).")
+    ] = False,
     profile: Profile = None,
     as_json: AsJson = False,
 ) -> None:
     """Run a command on HOST and print its output as it arrives.
 
     Prints its stdout and stderr as they arrive and exits with its exit status (a signal as
-    128+n, a timeout as 124). Ctrl-C cancels the remote command."""
+    128+n, a timeout as 124). Ctrl-C cancels the remote command. A piped or redirected stdin is
+    sent to the command (UTF-8 text, up to the server's cap); a terminal's is not read."""
     from api.client import SshapiError, exit_code
 
+    if (shell is None) == (not argv):
+        raise typer.BadParameter("give either -- ARGV... or --shell LINE", param_hint="ARGV")
     with client(profile) as c:
-        job = c.submit(host, argv, timeout=timeout)
+        job = submit_with_stdin(c, host, argv or None, no_stdin, command=shell, timeout=timeout)
         try:
             for event in c.events(job.id):
                 if event.event == "output" and not as_json:
@@ -173,6 +117,53 @@ def run(
     elif job.error and job.state != "succeeded":
         say(f"sshapi: job {job.id} {job.state}: {job.error}", err=True)
     raise typer.Exit(exit_code(job))
+
+
+# The most stdin `run` reads before giving up: the server's cap (api.max_stdin_bytes, 64 KiB
+# by default) is within its body cap (api.max_body_bytes, 1 MiB by default); this bound only
+# keeps `yes | sshapi run ...` from filling memory.
+STDIN_READ = 16 << 20
+
+
+def piped_stdin(skip: bool) -> str | None:
+    """Our stdin for the job, as ssh forwards it: a pipe's or a file's bytes, never a
+    terminal's (nobody typed it for the job). The API takes stdin as UTF-8 text."""
+    from api.client import SshapiError
+
+    if skip or sys.stdin is None or sys.stdin.isatty():
+        return None
+    data = sys.stdin.buffer.read(STDIN_READ + 1)
+    if len(data) > STDIN_READ:
+        raise SshapiError(
+            f"stdin: more than {STDIN_READ} bytes, more than any job takes: nothing ran; "
+            "copy it to the host (sshapi files put) and redirect the command from it"
+        )
+    try:
+        return data.decode() if data else None
+    except UnicodeDecodeError:
+        raise SshapiError(
+            "stdin: not UTF-8 text, which is all the API sends to a command: nothing ran; "
+            "copy it to the host (sshapi files put) and redirect the command from it"
+        ) from None
+
+
+def submit_with_stdin(
+    c: Client, host: str, argv: list[str] | None, skip: bool, **options: Any
+) -> Job:
+    """Submit with our piped stdin; over the server's cap, one line saying so (never cut)."""
+    from api.client import InvalidRequest, SshapiError
+
+    stdin = piped_stdin(skip)
+    try:
+        return c.submit(host, argv, stdin=stdin, **options)
+    except InvalidRequest as exc:
+        if stdin is None or exc.status != 413:
+            raise
+        size = len(stdin.encode())
+        raise SshapiError(
+            f"stdin: {size} bytes, more than this server takes ({exc.title}: {exc.detail}): "
+            "nothing ran; copy it to the host (sshapi files put) and redirect the command from it"
+        ) from None
 
 
 @jobs_app.command("list")
@@ -205,6 +196,40 @@ def jobs_cancel(job_id: str, profile: Profile = None, as_json: AsJson = False) -
     """Cancel a job: kill its remote process tree (a batch job: scancel)."""
     with client(profile) as c:
         show(c.cancel(job_id), as_json)
+
+
+@jobs_app.command("wait")
+def jobs_wait(job_id: str, profile: Profile = None, as_json: AsJson = False) -> None:
+    """Wait until a job is final.
+
+    Prints it and exits with its exit status, as sshapi run does."""
+    from api.client import exit_code
+
+    with client(profile) as c:
+        try:
+            job = c.wait(job_id)
+        except KeyboardInterrupt:  # the job goes on: only the waiting stops
+            typer.echo(f"\nsshapi: job {job_id} goes on; `sshapi jobs wait {job_id}`", err=True)
+            raise typer.Exit(130) from None
+    show(job, as_json)
+    if job.error and job.state != "succeeded" and not as_json:
+        say(f"sshapi: job {job.id} {job.state}: {job.error}", err=True)
+    raise typer.Exit(exit_code(job))
+
+
+def hosts_list(profile: Profile = None, as_json: AsJson = False) -> None:
+    """The hosts you may use on the server.
+
+    Each one's name, health, whether it takes raw shell lines, and description."""
+    with client(profile) as c:
+        hosts = c.hosts()
+    if as_json:
+        typer.echo(json.dumps(hosts, indent=2))
+        return
+    for host in hosts:
+        shell = "shell" if host.get("shell") else "argv"
+        name, health = str(host.get("name")), str(host.get("health"))
+        say(f"{name:16} {health:8} {shell:6} {host.get('description', '')}")
 
 
 @jobs_app.command("logs")
@@ -286,187 +311,28 @@ def print_output(c: Client, job: Job) -> None:
         out.flush()
 
 
-Host = Annotated[str, typer.Argument(help="A configured host name.")]
+def whoami(profile: Profile = None, as_json: AsJson = False) -> None:
+    """Who the server takes you for.
 
-
-@contextmanager
-def transfer(label: str, quiet: bool) -> Iterator[OnProgress]:
-    """A progress bar on stderr (bytes, speed, time left) while a transfer runs; none when
-    stderr is not a terminal or with --json."""
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
-
-    console = Console(stderr=True)
-    with Progress(
-        "[progress.description]{task.description}",
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        console=console,
-        disable=quiet or not console.is_terminal,
-    ) as bar:
-        task = bar.add_task(escape(printable(label)), total=None)
-        yield lambda done, total: bar.update(task, completed=done, total=total)
-
-
-@files_app.command("ls")
-def files_ls(
-    host: Host,
-    path: Annotated[str, typer.Argument(help="A directory or file; relative: from home.")] = "~",
-    profile: Profile = None,
-    as_json: AsJson = False,
-) -> None:
-    """List a directory, or show one entry.
-
-    Each entry's type, mode, size, modification time and name."""
+    Your subject, issuer and scopes, your account on each host, and where the token came from
+    (SSHAPI_TOKEN, a profile, a login)."""
     with client(profile) as c:
-        if as_json:
-            typer.echo(json.dumps(c.list_files(host, path), indent=2))
-            return
-        # Each page printed as it comes: a big directory shows its first entries at once.
-        for answer in c.list_pages(host, path):
-            for entry in answer.get("items", [answer]):
-                name = str(entry.get("name") or entry.get("path") or "")
-                if entry.get("target"):
-                    name += f" -> {entry['target']}"
-                mode, size, mtime = (str(entry.get(k) or "") for k in ("mode", "size", "mtime"))
-                say(f"{entry['type']:7} {mode:>6} {size:>12} {mtime:25} {name}")
-
-
-@files_app.command("get")
-def files_get(
-    host: Host,
-    path: Annotated[str, typer.Argument(help="The file on the host.")],
-    dest: Annotated[
-        Path | None, typer.Argument(help="Where to write it (default: its name, here).")
-    ] = None,
-    profile: Profile = None,
-    as_json: AsJson = False,
-) -> None:
-    """Download a file. An interrupted download (`DEST.part`) resumes where it stopped."""
-    target = dest if dest is not None else Path(path.rstrip("/").rsplit("/", 1)[-1])
-    if target.is_dir():
-        target = target / path.rstrip("/").rsplit("/", 1)[-1]
-    with (
-        client(profile) as c,
-        sides(host, path, target),
-        transfer(f"get {path}", as_json) as progress,
-    ):
-        size = c.download(host, path, target, progress=progress)
+        me = c.whoami()
     if as_json:
-        typer.echo(json.dumps({"path": path, "dest": str(target), "size": size}))
-
-
-@files_app.command("put")
-def files_put(
-    host: Host,
-    source: Annotated[Path, typer.Argument(help="The local file.", exists=True, dir_okay=False)],
-    path: Annotated[
-        str | None, typer.Argument(help="Where on the host (default: its name, in home).")
-    ] = None,
-    create_only: Annotated[
-        bool, typer.Option(help="Refuse to replace an existing file (412).")
-    ] = False,
-    parents: Annotated[
-        bool, typer.Option("--parents", "-p", help="Create the missing directories of PATH.")
-    ] = False,
-    profile: Profile = None,
-    as_json: AsJson = False,
-) -> None:
-    """Upload a file.
-
-    Streamed; it appears on the host only once complete."""
-    remote = path or source.name
-    hint = "" if parents else " (--parents creates its directories)"
-    with (
-        client(profile) as c,
-        sides(host, remote, source, hint),
-        transfer(f"put {source.name}", as_json) as progress,
-    ):
-        answer = c.upload(
-            host, source, remote, create_only=create_only, parents=parents, progress=progress
-        )
-    if as_json:
-        typer.echo(json.dumps(answer))
-    else:
-        say(f"{answer['path']}  {answer['size']} bytes  sha256 {answer['sha256']}")
-
-
-@files_app.command("rm")
-def files_rm(
-    host: Host,
-    paths: Annotated[list[str], typer.Argument(help="Files, symlinks or empty directories.")],
-    profile: Profile = None,
-) -> None:
-    """Delete files, symlinks (not their targets) or empty directories. One that fails is
-    reported and the others are still deleted; the exit status is 1 if any failed."""
-    with client(profile) as c:
-        failed = each(host, paths, lambda path: c.delete_file(host, path))
-    if failed:
-        raise typer.Exit(1)
-
-
-@files_app.command("mkdir")
-def files_mkdir(
-    host: Host,
-    paths: Annotated[list[str], typer.Argument(help="Directories to create.")],
-    parents: Annotated[
-        bool,
-        typer.Option(
-            "--parents", "-p", help="Create missing parents too; an existing directory is fine."
-        ),
-    ] = False,
-    profile: Profile = None,
-) -> None:
-    """Create directories. One that fails is reported and the others are still made; the exit
-    status is 1 if any failed."""
-    with client(profile) as c:
-        failed = each(host, paths, lambda path: c.mkdir(host, path, parents=parents))
-    if failed:
-        raise typer.Exit(1)
-
-
-def each(host: str, paths: list[str], act: Callable[[str], object]) -> int:
-    """`act` on every path, going on past a path the server refuses (reported on stderr,
-    naming it); how many failed. A refused token, like the server being unreachable, ends the
-    command: every other path would fail the same way."""
-    from api.client import ProblemError, Unauthorized
-
-    failed = 0
-    for path in paths:
-        try:
-            act(path)
-        except Unauthorized:
-            raise
-        except ProblemError as exc:
-            failed += 1
-            say(f"sshapi: {host}:{path} (remote): {exc}", err=True)
-    return failed
-
-
-@contextmanager
-def sides(host: str, remote: str, local: Path, hint: str = "") -> Iterator[None]:
-    """A transfer's error names its side and path: the server's problem with the remote path
-    (`hint` added to a 404), or the local file's OSError."""
-    from api.client import ProblemError, SshapiError, Unauthorized
-
-    try:
-        yield
-    except Unauthorized:
-        raise
-    except ProblemError as exc:
-        extra = hint if exc.status == 404 else ""
-        raise SshapiError(f"{host}:{remote} (remote): {exc}{extra}") from None
-    except OSError as exc:
-        raise SshapiError(f"{local} (local): {exc.strerror or exc}") from None
+        typer.echo(json.dumps(me, indent=2))
+        return
+    say(f"subject  {me.get('subject')}")
+    say(f"issuer   {me.get('issuer')}")
+    say(f"scopes   {' '.join(me.get('scopes') or [])}")
+    if me.get("account"):
+        say(f"account  {me['account']} (your token's claim)")
+    say(f"token    from {c.token_from}")
+    for host in me.get("hosts") or []:
+        if host.get("refused"):
+            said = f"refused: {host['refused']}"
+        else:
+            said = f"as {host['account']}" if host.get("account") else "as the operator's account"
+        say(f"host     {host.get('name')}: {said}")
 
 
 def login(
@@ -538,6 +404,10 @@ def login(
         say(f"sshapi: {exc}", err=True)
         raise typer.Exit(ERROR_EXIT) from None
     say(f"signed in with {endpoints.issuer}; the login is kept in {path}", err=True)
+    if os.environ.get("SSHAPI_TOKEN"):
+        from api.client.base import overriding
+
+        say(f"sshapi: warning: {overriding(path)}", err=True)
 
 
 def logout(profile: Profile = None) -> None:
@@ -558,11 +428,13 @@ def logout(profile: Profile = None) -> None:
     say(f"signed out: {path} removed", err=True)
 
 
-def register(app: typer.Typer) -> None:
-    """Add the client commands to the `sshapi` app."""
+def register(app: typer.Typer, hosts_app: typer.Typer) -> None:
+    """Add the client commands to the `sshapi` app, and `list` to its `hosts` group."""
+    hosts_app.command("list")(hosts_list)
     app.command("run")(run)
     app.command("login")(login)
     app.command("logout")(logout)
+    app.command("whoami")(whoami)
     app.add_typer(jobs_app, name="jobs")
     app.add_typer(batch_app, name="batch")
     app.add_typer(files_app, name="files")

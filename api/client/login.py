@@ -187,6 +187,12 @@ def device_login(
         expires = body.get("expires_in", 600)
         deadline = time.monotonic() + (float(expires) if isinstance(expires, int) else 600.0)
         show(f"To sign in, open {uri} and check the code {user_code}")
+        # A line, not silence: the command seems hung otherwise until the approval.
+        minutes = (deadline - time.monotonic()) / 60
+        show(
+            f"waiting for the approval: asking {found.issuer} every {interval:g} s for the next "
+            f"{minutes:.0f} min (Ctrl-C stops)"
+        )
         while time.monotonic() < deadline:
             time.sleep(interval)
             data = {"grant_type": DEVICE_GRANT, "device_code": code, "client_id": client_id}

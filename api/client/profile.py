@@ -30,6 +30,8 @@ class Profile:
     token_from: str = ""
     # `sshapi login`'s file for this profile (api/client/login.py), when there is no token
     login: Path | None = None
+    # That file when SSHAPI_TOKEN wins over it: said, or a login would seem ignored.
+    overridden: Path | None = None
     issuer: str | None = None  # the OpenID provider `sshapi login` signs in with
     client_id: str | None = None
     name: str | None = None  # the profile chosen, None: none
@@ -114,8 +116,11 @@ def load_profile(name: str | None = None, path: str | None = None) -> Profile:
     env_url = os.environ.get("SSHAPI_URL") or None
     url_from = "SSHAPI_URL" if env_url else f"the url of profile {wanted!r} in {file}"
     login: Path | None = None
+    overridden: Path | None = None
     if env_token := os.environ.get("SSHAPI_TOKEN"):
         token, token_url, token_from = env_token, env_url, "SSHAPI_TOKEN"
+        if (kept := login_path(file, wanted)).exists():
+            overridden = kept
     else:
         token_url, token_from = entry.get("url"), f"profile {wanted!r} of {file}"
         if token is None and (kept := login_path(file, wanted)).exists():
@@ -132,6 +137,7 @@ def load_profile(name: str | None = None, path: str | None = None) -> Profile:
         token_url=token_url if token or login else None,
         token_from=token_from,
         login=login,
+        overridden=overridden,
         issuer=entry.get("issuer"),
         client_id=entry.get("client_id"),
         name=wanted,

@@ -328,7 +328,9 @@ def _lost_or_error(exc: ConnectionLost, row: JobRow) -> dict[str, Any]:
         # The node is gone, the outcome unknown: never re-run here, but the same Idempotency-Key
         # may run it again (on a node that is up) once the client decides to.
         log_ssh_failure(exc, row.host, row.id)
-        error = f"login node {exc.node} of host {row.host!r} failed while the command ran there"
+        # The node is named in the job's `node` (shown as host details are: api/policy.py
+        # `host_details`), not in its error, which everyone who sees the job reads.
+        error = f"a login node of host {row.host!r} failed while the command ran there"
         return {
             "state": "lost",
             "error": error,

@@ -12,6 +12,7 @@ from fastapi.responses import StreamingResponse
 from api.config import NAME, ApiConfig
 from api.deps import Reader, Svc, Writer
 from api.output import MAX_READ
+from api.policy import host_details
 from api.problems import MEDIA_TYPE, Problem, error_problem, retry_after
 from api.routes.live import follow_output
 from api.schemas import REQUEST_EXAMPLES, Job, JobList, JobRequest, JobSummary
@@ -53,15 +54,18 @@ def wait_seconds(prefer: str | None, api: ApiConfig) -> float | None:
     return min(float(match.group(1)), api.wait_max) if match else None
 
 
-def job_response(row: JobRow, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+def job_response(
+    row: JobRow, details: bool, status: int = 200, headers: dict[str, str] | None = None
+) -> Response:
     """The job as JSON, serialized once: `Job.of` validates what the service built, and a
     returned Response skips FastAPI's second pass (dump to dict, validate against the response
     model, serialize), which cost as much as the first. The response_model on each route still
-    documents the body."""
-    return Response(Job.of(row).model_dump_json(), status, headers, media_type="application/json")
+    documents the body. `details`: `host_details`."""
+    body = Job.of(row, details).model_dump_json()
+    return Response(body, status, headers, media_type="application/json")
 
 
-def answer(row: JobRow, headers: dict[str, str]) -> Response:
+def answer(row: JobRow, details: bool, headers: dict[str, str]) -> Response:
     """201 when finished, 202 while queued or running (+ Location); a job that could not start
     is the SSH failure's problem, naming the job."""
     location = f"/v1/jobs/{row.id}"
@@ -73,7 +77,7 @@ def answer(row: JobRow, headers: dict[str, str]) -> Response:
     if timing is not None and row.timings:
         timing.add_ms(row.timings)
     headers["Location"] = location
-    return job_response(row, 201 if row.state in FINAL else 202, headers)
+    return job_response(row, details, 201 if row.state in FINAL else 202, headers)
 
 
 @router.post(
@@ -108,12 +112,12 @@ async def submit(
     headers = {"Preference-Applied": f"wait={wait:g}"}
     if replayed:
         headers["Idempotent-Replayed"] = "true"
-    return answer(row, headers)
+    return answer(row, host_details(who, svc.config.api), headers)
 
 
 @router.get("/{job_id}", response_model=Job, responses=ERRORS, summary="One job")
 async def get_job(job_id: str, who: Reader, svc: Svc) -> Response:
-    return job_response(await svc.jobs.get(who, job_id))
+    return job_response(await svc.jobs.get(who, job_id), host_details(who, svc.config.api))
 
 
 @router.get("", response_model=JobList, responses=ERRORS, summary="Your jobs, newest first")
@@ -134,7 +138,8 @@ async def list_jobs(
     rows, next_cursor = await svc.jobs.list_jobs(
         who, state=state, host=host, limit=limit, cursor=cursor
     )
-    return JobList(items=[JobSummary.of(r) for r in rows], next_cursor=next_cursor)
+    details = host_details(who, svc.config.api)
+    return JobList(items=[JobSummary.of(r, details) for r in rows], next_cursor=next_cursor)
 
 
 @router.get(
@@ -209,4 +214,4 @@ async def job_output(
 async def cancel_job(job_id: str, who: Writer, svc: Svc) -> Response:
     row = await svc.jobs.cancel(who, job_id)
     # 202: another replica owns it and has not recorded the cancel yet (busy, or down).
-    return job_response(row, 200 if row.state in FINAL else 202)
+    return job_response(row, host_details(who, svc.config.api), 200 if row.state in FINAL else 202)

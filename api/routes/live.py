@@ -29,6 +29,7 @@ from api.live import (
     text_boundary,
 )
 from api.output import Stream
+from api.policy import host_details
 from api.problems import MEDIA_TYPE, Problem
 from api.schemas import Job
 from api.store import JobRow
@@ -117,9 +118,9 @@ def sse(event: str | None, data: Any, offsets: dict[Stream, int] | None = None) 
     return ("\n".join(lines) + "\n\n").encode()
 
 
-def job_summary(row: JobRow) -> dict[str, Any]:
+def job_summary(row: JobRow, details: bool) -> dict[str, Any]:
     """A state event's data: the job without its (possibly large) kept output."""
-    return Job.of(row).model_dump(mode="json", exclude={"stdout", "stderr"})
+    return Job.of(row, details).model_dump(mode="json", exclude={"stdout", "stderr"})
 
 
 EVENTS_DOC = """Server-Sent Events: `state` (the job without its output, at the start and on
@@ -183,12 +184,13 @@ async def job_events(
             return sse("output", payload, sent)
 
         spend, stop = svc.jobs.read_spend(who), svc.revocations.stops(who)
+        details = host_details(who, svc.config.api)
         async for item in follow(feed, dict(offsets), spend=spend, stop=stop):
             if isinstance(item, Output):
                 if chunk := output(item.stream, item.data, flush=False):
                     yield chunk
             elif isinstance(item, StateChange):
-                yield sse("state", job_summary(item.row), sent)
+                yield sse("state", job_summary(item.row, details), sent)
             elif isinstance(item, Gap):
                 if chunk := output(item.stream, b"", flush=True):
                     yield chunk

@@ -338,32 +338,46 @@ class Api:
         sub: str = "alice",
         wait: float | None = None,
         key: str | None = None,
+        scope: str = "jobs:read jobs:write",
     ) -> httpx.Response:
-        headers = self.auth(sub)
+        headers = self.auth(sub, scope)
         if wait is not None:
             headers["Prefer"] = f"wait={wait:g}"
         if key is not None:
             headers["Idempotency-Key"] = key
         return await self.client.post(f"{self.url}/v1/jobs", json=body, headers=headers)
 
-    async def job(self, job_id: str, sub: str = "alice") -> Any:
-        r = await self.client.get(f"{self.url}/v1/jobs/{job_id}", headers=self.auth(sub))
+    async def job(
+        self, job_id: str, sub: str = "alice", scope: str = "jobs:read jobs:write"
+    ) -> Any:
+        r = await self.client.get(f"{self.url}/v1/jobs/{job_id}", headers=self.auth(sub, scope))
         assert r.status_code == 200, r.text
         return r.json()
 
     async def wait_state(
-        self, job_id: str, states: tuple[str, ...], sub: str = "alice", timeout: float = 20
+        self,
+        job_id: str,
+        states: tuple[str, ...],
+        sub: str = "alice",
+        timeout: float = 20,
+        scope: str = "jobs:read jobs:write",
     ) -> Any:
-        """Poll the job until its state is one of `states`; return it."""
+        """Poll the job until its state is one of `states`; return it (as `scope` sees it)."""
         async with asyncio.timeout(timeout):
-            while (job := await self.job(job_id, sub))["state"] not in states:  # noqa: ASYNC110
+            while (job := await self.job(job_id, sub, scope))["state"] not in states:  # noqa: ASYNC110
                 await asyncio.sleep(0.05)
         return job
 
-    async def until_final(self, job_id: str, sub: str = "alice", timeout: float = 20) -> Any:
+    async def until_final(
+        self,
+        job_id: str,
+        sub: str = "alice",
+        timeout: float = 20,
+        scope: str = "jobs:read jobs:write",
+    ) -> Any:
         """Poll the job until it leaves queued/running."""
         final = ("succeeded", "failed", "timed_out", "cancelled", "lost", "error")
-        return await self.wait_state(job_id, final, sub, timeout)
+        return await self.wait_state(job_id, final, sub, timeout, scope)
 
 
 @asynccontextmanager

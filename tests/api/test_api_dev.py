@@ -211,7 +211,7 @@ def test_dev_oidc_signs_in_a_ci_client_and_a_sigterm_stops_the_provider(tmp_path
         done = subprocess.run([SSHAPI, *login[1:]], env=client, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
         done = subprocess.run(
-            [SSHAPI, "run", "local", "--", "echo", "signed in"],
+            [SSHAPI, "run", "-n", "local", "--", "echo", "signed in"],
             env=client, capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         assert (done.returncode, done.stdout) == (0, "signed in\n"), done.stderr

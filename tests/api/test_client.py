@@ -4,6 +4,7 @@ API and local host. The sync Client runs in a thread: the server shares the test
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import http.server
 import json
 import os
@@ -52,16 +53,20 @@ def env_for(api: Api, sub: str = "alice") -> dict[str, str]:
     }
 
 
-async def sshapi(api: Api, *args: str, cwd: Path | None = None) -> tuple[int, bytes, bytes]:
+async def sshapi(
+    api: Api, *args: str, cwd: Path | None = None, stdin: bytes | None = None, **env: str
+) -> tuple[int, bytes, bytes]:
+    """`sshapi ARGS` as a user runs it; `stdin`: piped to it (else /dev/null); `env`: set."""
     proc = await asyncio.create_subprocess_exec(
         SSHAPI,
         *args,
         cwd=cwd,
-        env=env_for(api),
+        env={**env_for(api), **env},
+        stdin=asyncio.subprocess.DEVNULL if stdin is None else asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    out, err = await asyncio.wait_for(proc.communicate(stdin), 60)
     assert proc.returncode is not None
     return proc.returncode, out, err
 
@@ -112,11 +117,62 @@ async def test_sshapi_run_exits_with_the_remote_status(api: Api, command: str, c
         assert err.startswith(b"oops\n")
 
 
+async def test_sshapi_run_sends_piped_stdin_to_the_command(api: Api) -> None:
+    """`printf 'a\nb\nc\n' | sshapi run local -- wc -l` counts 3 lines, as over ssh (it
+    printed 0: stdin was dropped); `-n` sends none. Past the server's cap (1024 bytes in the
+    tests' configuration) it is one line saying so and nothing runs, never a cut stdin."""
+    rc, out, err = await sshapi(api, "run", "local", "--", "wc", "-l", stdin=b"a\nb\nc\n")
+    assert (rc, out.strip()) == (0, b"3"), err
+    rc, out, err = await sshapi(api, "run", "-n", "local", "--", "wc", "-l", stdin=b"a\nb\n")
+    assert (rc, out.strip()) == (0, b"0"), err
+    word = f"stdin-{uuid.uuid4().hex[:8]}"
+    rc, out, err = await sshapi(api, "run", "local", "--", "sh", "-c", f"cat # {word}",
+                                stdin=b"x" * 2000)  # fmt: skip
+    lines = err.decode().splitlines()
+    assert rc == 255 and out == b"", err
+    assert len(lines) == 1 and lines[0].startswith("sshapi: stdin: 2000 bytes, more than"), lines
+    assert "at most 1024 bytes" in lines[0] and "nothing ran" in lines[0]
+    r = await api.client.get(f"{api.url}/v1/jobs?limit=5", headers=api.auth())
+    assert not [j for j in r.json()["items"] if word in " ".join(j["argv"] or [])]
+
+
+async def test_sshapi_whoami_says_who_the_server_takes_you_for(api: Api, tmp_path: Path) -> None:
+    """`sshapi whoami` prints the subject, issuer and scopes the server read from the token and
+    where the token came from; with a login kept beside an exported SSHAPI_TOKEN, every command
+    warns that SSHAPI_TOKEN wins (before: `sshapi login` said "signed in" and nothing told)."""
+    rc, out, err = await sshapi(api, "whoami")
+    lines = out.decode().splitlines()
+    assert rc == 0, err
+    assert "subject  alice" in lines and "token    from SSHAPI_TOKEN" in lines, lines
+    assert "scopes   files:read files:write jobs:read jobs:write" in lines, lines
+    assert any(line.startswith("host     local: as ") for line in lines), lines
+    assert b"warning" not in err
+    rc, out, _ = await sshapi(api, "whoami", "--json")
+    me = json.loads(out)
+    assert (me["subject"], me["admin"], me["account"]) == ("alice", False, None)
+    assert "local" in [h["name"] for h in me["hosts"]]
+    # The shared account is the operator's business, as in /v1/hosts: admins only.
+    for sub, scopes, shown in (("alice", FILES, None), ("boss", "admin", "sshapi-hpc")):
+        auth = {"Authorization": f"Bearer {api.token(sub, scopes)}"}
+        r = await api.client.get(f"{api.url}/v1/whoami", headers=auth)
+        local = next(h for h in r.json()["hosts"] if h["name"] == "local")
+        assert local["account"] == shown, r.text
+        assert shown is not None or "sshapi-hpc" not in r.text
+    (tmp_path / "logins").mkdir()
+    (tmp_path / "logins" / "default.json").write_text("{}")
+    config = str(tmp_path / "client.toml")
+    rc, out, err = await sshapi(api, "jobs", "list", SSHAPI_CLIENT_CONFIG=config)
+    assert rc == 0, err
+    assert err.decode().startswith(
+        f"sshapi: warning: SSHAPI_TOKEN is set, so it is sent, not the login {tmp_path}/logins/"
+    ), err
+
+
 async def test_sshapi_run_prints_output_before_the_command_ends(api: Api) -> None:
     """The first line reaches the terminal while the remote command still runs."""
     proc = await asyncio.create_subprocess_exec(
         SSHAPI, "run", "local", "--", "sh", "-c", "echo first; sleep 2; echo last",
-        env=env_for(api), stdout=asyncio.subprocess.PIPE,
+        env=env_for(api), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
     )  # fmt: skip
     assert proc.stdout is not None
     first = await asyncio.wait_for(proc.stdout.readline(), 30)
@@ -132,7 +188,8 @@ async def test_ctrl_c_on_sshapi_run_cancels_the_remote_job(api: Api) -> None:
     word = f"ctrlc-{uuid.uuid4().hex[:8]}"
     proc = await asyncio.create_subprocess_exec(
         SSHAPI, "run", "local", "--", "sh", "-c", f"echo started; sleep 30 # {word}",
-        env=env_for(api), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env=env_for(api), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     assert proc.stdout is not None
     assert await asyncio.wait_for(proc.stdout.readline(), 30) == b"started\n"
@@ -309,6 +366,85 @@ async def test_sshapi_files_put_ls_get_rm_round_trip_byte_exact(api: Api, tmp_pa
     assert rc == 0, err
     rc, _, err = await sshapi(api, "files", "ls", "local", remote)
     assert rc == 255 and b"file-not-found" in err
+
+
+async def test_sshapi_hosts_list_run_shell_jobs_wait_files_mv_and_checksum(
+    api: Api, tmp_path: Path
+) -> None:
+    """The commands the API had and `sshapi` lacked: `hosts list`, `run --shell` (a pipe in
+    one line), `jobs wait` (exits with the job's status, as `sshapi run`), `files mv`, and
+    `files checksum` (as sha256sum prints it)."""
+    rc, out, err = await sshapi(api, "hosts", "list")
+    assert rc == 0, err
+    assert any(line.split()[:1] == ["local"] for line in out.decode().splitlines()), out
+    rc, out, err = await sshapi(api, "run", "local", "--shell", "printf 'a\\nb\\n' | wc -l")
+    assert (rc, out.strip()) == (0, b"2"), err
+    r = await api.submit({"host": "local", "argv": ["sh", "-c", "sleep 1; exit 3"]}, wait=0)
+    rc, out, err = await sshapi(api, "jobs", "wait", r.json()["id"])
+    assert rc == 3 and b"failed" in out, (out, err)
+    data = os.urandom(5000)
+    (tmp_path / "m.bin").write_bytes(data)
+    remote = f"sshapi-mv-{uuid.uuid4().hex[:8]}"
+    rc, _, err = await sshapi(api, "files", "put", "local", str(tmp_path / "m.bin"), remote)
+    assert rc == 0, err
+    rc, _, err = await sshapi(api, "files", "mv", "local", remote, f"{remote}.moved")
+    assert rc == 0, err
+    rc, out, err = await sshapi(api, "files", "checksum", "local", f"{remote}.moved", remote)
+    digest = hashlib.sha256(data).hexdigest()
+    assert rc == 1 and out.decode() == f"{digest}  {remote}.moved\n", (out, err)
+    assert f"local:{remote} (remote): 404".encode() in err
+    rc, _, err = await sshapi(api, "files", "rm", "local", f"{remote}.moved")
+    assert rc == 0, err
+
+
+async def test_sshapi_files_ls_shows_0_for_an_empty_file(api: Api) -> None:
+    """`files ls` prints a 0-byte file's size as 0 (before: blank, as for a directory)."""
+    name = f"sshapi-empty-{uuid.uuid4().hex[:8]}"
+    r = await api.submit({"host": "local", "argv": ["touch", name]}, wait=30)
+    assert r.json()["state"] == "succeeded", r.text
+    rc, out, err = await sshapi(api, "files", "ls", "local", name)
+    assert rc == 0, err
+    assert out.decode().split()[:3][2] == "0", out
+    rc, _, err = await sshapi(api, "files", "rm", "local", name)
+    assert rc == 0, err
+
+
+async def test_ctrl_c_during_files_get_says_how_to_resume(api: Api, tmp_path: Path) -> None:
+    """Ctrl-C during `sshapi files get` says how many bytes the `.part` keeps and that the same
+    command resumes (before: a bare traceback-free exit, nothing said), and it does."""
+    size = 64 << 20
+    name = f"sshapi-ctrlc-{uuid.uuid4().hex[:8]}.bin"
+    make = f"head -c {size} /dev/zero > {name}"
+    r = await api.submit({"host": "local", "argv": ["sh", "-c", make]}, wait=60)
+    assert r.json()["state"] == "succeeded", r.text
+    part = tmp_path / f"{name}.part"
+    proc = await asyncio.create_subprocess_exec(
+        SSHAPI, "files", "get", "local", name, cwd=tmp_path, env=env_for(api),
+        stdin=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not (part.exists() and part.stat().st_size > 0):
+            assert time.monotonic() < deadline and proc.returncode is None
+            await asyncio.sleep(0.005)
+        # Frozen while we look: the download is under way (far from its end) when SIGINT lands.
+        proc.send_signal(signal.SIGSTOP)
+        assert part.stat().st_size < size - (8 << 20) and not (tmp_path / name).exists()
+        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGCONT)
+        _, err = await asyncio.wait_for(proc.communicate(), 60)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 130, err
+    said = err.decode().strip().splitlines()[-1]
+    assert said.startswith("sshapi: interrupted: ") and f"kept in {part.name};" in said, said
+    assert "the same `sshapi files get` again resumes from there" in said
+    rc, _, err = await sshapi(api, "files", "get", "local", name, cwd=tmp_path)
+    assert rc == 0 and (tmp_path / name).stat().st_size == size, err
+    rc, _, err = await sshapi(api, "files", "rm", "local", name)
+    assert rc == 0, err
 
 
 async def test_sshapi_files_name_the_side_make_directories_and_rm_goes_on(

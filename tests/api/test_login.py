@@ -83,9 +83,11 @@ def env(api: Api, provider: oidc.Provider, tmp_path: Path) -> dict[str, str]:
 
 
 async def sshapi(environ: dict[str, str], *args: str) -> tuple[int, str]:
+    # stdin /dev/null: `sshapi run` sends a piped stdin to the command, as ssh does.
     proc = await asyncio.create_subprocess_exec(
-        SSHAPI, *args, env=environ, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
-    )
+        SSHAPI, *args, env=environ, stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode is not None
     return proc.returncode, (out + err).decode()
@@ -152,6 +154,8 @@ async def test_an_unapproved_device_code_expires_with_a_clear_message(
     code, out = await sshapi(env(api, provider, tmp_path), "login")
     assert code == 255
     assert "expired_token: the code expired before it was approved; run `sshapi login`" in out
+    # While it polls it says so (before: the code's line, then silence until it expired).
+    assert f"waiting for the approval: asking {provider.issuer} every " in out
     assert not (tmp_path / "client" / "logins" / "default.json").exists()
 
 
