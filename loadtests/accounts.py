@@ -391,7 +391,9 @@ class ViaApi:
             await drop_schema(PG_URL, self.schema)
 
     def kill(self, n: int) -> None:
-        """SIGKILL replica `n` and its workers."""
+        """SIGKILL replica `n` and its workers; it leaves the rotation."""
+        with contextlib.suppress(ValueError):
+            self.live.remove(self.urls[n])
         for pid in [*children(self.procs[n].pid), self.procs[n].pid]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
@@ -459,46 +461,49 @@ async def cell(
     else:
         via = ViaPool(host, accounts, lim, args.deadline)
     max_held = 0
-    async with via:
+    try:
+        async with via:
 
-        async def sample() -> None:
-            nonlocal max_held
-            while True:
-                max_held = max(max_held, connections(host.port))
-                await asyncio.sleep(0.1)
+            async def sample() -> None:
+                nonlocal max_held
+                while True:
+                    max_held = max(max_held, connections(host.port))
+                    await asyncio.sleep(0.1)
 
-        def record(status: str, send: float) -> None:
-            statuses[status] += 1
-            hist.record_value(max(1, int((time.perf_counter() - send) * 1e6)))
+            def record(status: str, send: float) -> None:
+                statuses[status] += 1
+                hist.record_value(max(1, int((time.perf_counter() - send) * 1e6)))
 
-        async def timed(i: int, send: float) -> None:
-            record(await via.one(i), send)
+            async def timed(i: int, send: float) -> None:
+                record(await via.one(i), send)
 
-        sampler = asyncio.create_task(sample())
-        assert host.pid is not None
-        cpu0 = (via.cpu(), tree_cpu(host.pid), own_seconds())
-        t0 = time.perf_counter()
-        fault: asyncio.Task[Any] | None = None
-        if args.fault == "redis" and redis is not None:
-            fault = asyncio.create_task(redis_fault(redis, args.fault_at, args.fault_down))
-        elif args.fault == "replica" and isinstance(via, ViaApi):
-            budget = int(lim.max_total_connections)
-            fault = asyncio.create_task(replica_fault(via, args.fault_at, budget))
-        elif args.fault == "worker" and isinstance(via, ViaApi):
-            fault = asyncio.create_task(worker_fault(via.proc.pid, args.fault_at))
-        if part == "burst":
-            await asyncio.gather(*(timed(i, t0) for i in range(len(accounts))))
-        else:
-            await open_model(timed, len(accounts), args.rate, args.duration, t0)
-        makespan = time.perf_counter() - t0
-        sampler.cancel()
-        killed = None if fault is None else await fault
-        memory = sshd_memory(host)
-        # sshd's CPU: its listener's reaped children, so the connections closed by now.
-        cpu = (via.cpu() - cpu0[0], tree_cpu(host.pid) - cpu0[1], own_seconds() - cpu0[2])
-        evictions, held = await asyncio.to_thread(via.budget)
-    if redis is not None:
-        await redis.kill()
+            sampler = asyncio.create_task(sample())
+            assert host.pid is not None
+            cpu0 = (via.cpu(), tree_cpu(host.pid), own_seconds())
+            t0 = time.perf_counter()
+            fault: asyncio.Task[Any] | None = None
+            if args.fault == "redis" and redis is not None:
+                fault = asyncio.create_task(redis_fault(redis, args.fault_at, args.fault_down))
+            elif args.fault == "replica" and isinstance(via, ViaApi):
+                budget = int(lim.max_total_connections)
+                fault = asyncio.create_task(replica_fault(via, args.fault_at, budget))
+            elif args.fault == "worker" and isinstance(via, ViaApi):
+                fault = asyncio.create_task(worker_fault(via.proc.pid, args.fault_at))
+            if part == "burst":
+                await asyncio.gather(*(timed(i, t0) for i in range(len(accounts))))
+            else:
+                await open_model(timed, len(accounts), args.rate, args.duration, t0)
+            makespan = time.perf_counter() - t0
+            sampler.cancel()
+            killed = None if fault is None else await fault
+            memory = sshd_memory(host)
+            # sshd's CPU: its listener's reaped children, so the connections closed by now.
+            cpu = (via.cpu() - cpu0[0], tree_cpu(host.pid) - cpu0[1], own_seconds() - cpu0[2])
+            evictions, held = await asyncio.to_thread(via.budget)
+    finally:
+        if redis is not None:
+            # Never left running (it would hold our stderr open).
+            await redis.kill()
     handshakes = log_count(host, offset, b"Accepted publickey")
     p = hdr.percentiles(hist)
     return {
