@@ -14,9 +14,9 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from api.credentials import CertificateCredentials, Credentials, KeyCredentials
+from api.credentials import CertificateCredentials, Credentials, KeyCredentials, Strict
 from api.settings import read_secret_file
 from sshpool import Limits, Target
 
@@ -69,10 +69,6 @@ SYMMETRIC = {"HS256", "HS384", "HS512"}
 # The issuer of `sshapi token` / `sshapi dev` (api/local.py): the only HS issuer that may go
 # without its own `secret_file` (it uses SSHAPI_JWT_SECRET or the data dir's secret).
 LOCAL_ISSUER = "sshapi-local"
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class ApiConfig(Strict):

@@ -15,6 +15,9 @@ from sshpool import UserCA
 
 
 class Strict(BaseModel):
+    """Every model of the configuration (api/config.py's too): an unknown key fails the start
+    (a typo), and nothing changes it once read."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 

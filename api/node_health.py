@@ -24,6 +24,7 @@ import secrets
 from collections import deque
 from typing import Any
 
+from api.pubsub import listen, subscriber
 from api.quota import PREFIX, REDIS_TIMEOUT
 from sshpool import Router
 
@@ -44,9 +45,7 @@ class RedisNodeHealth:
         self._redis: Any = aioredis.from_url(
             url, socket_timeout=REDIS_TIMEOUT, socket_connect_timeout=REDIS_TIMEOUT
         )
-        self._sub: Any = aioredis.from_url(
-            url, socket_connect_timeout=REDIS_TIMEOUT, health_check_interval=30
-        )
+        self._sub: Any = subscriber(url)
         self.ttl = ttl
         self.prefix = f"{prefix}node:"
         self.channel = f"{prefix}node-health"
@@ -125,22 +124,9 @@ class RedisNodeHealth:
 
     async def listen(self) -> None:
         """Apply the other processes' verdicts as they come, until cancelled; Redis's failures
-        are retried here, paced (the loop reads the keys anyway)."""
-        delay = RETRY
-        while True:
-            try:
-                async with self._sub.pubsub() as pubsub:
-                    await pubsub.subscribe(self.channel)
-                    delay = RETRY
-                    async for message in pubsub.listen():
-                        if message.get("type") == "message":
-                            self._heard(message["data"])
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # lost: the loop's own calls say so in the log
-                pass
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 10.0)
+        are retried (api/pubsub.py), from RETRY on, and not logged: the loop's own calls say
+        so (and read the keys each RENEW anyway)."""
+        await listen(self._sub, self.channel, self._heard, lambda _: None, first_retry=RETRY)
 
     def _heard(self, raw: bytes) -> None:
         """Another process's verdict (a message or a key), applied once; a malformed one is

@@ -192,19 +192,28 @@ async def running(
         processes = settings.replicas * settings.workers
         coordinator = make_coordinator(settings.redis_url, processes, settings.replica)
         if isinstance(coordinator, RedisBudget):
-            # Its leases are given back once the pool is closed; its tasks run until the
-            # supervisor closes (the pool's connections count until then).
+            # Its leases are given back once the pool is closed (the pool's connections count
+            # until then), after its two tasks have ended: its Redis clients are closed there,
+            # and a listener still subscribed on one of them then hung the shutdown (redis-py
+            # waits on its connection's lock after the cancel; seen in a whole test run).
+            budget_tasks = (
+                supervisor.spawn("sshd-budget", coordinator.loop, OnDeath.RESTART),
+                supervisor.spawn("sshd-budget-nudge", coordinator.listen, OnDeath.RESTART),
+            )
             stack.push_async_callback(coordinator.close)
-            supervisor.spawn("sshd-budget", coordinator.loop, OnDeath.RESTART)
-            supervisor.spawn("sshd-budget-nudge", coordinator.listen, OnDeath.RESTART)
+            stack.push_async_callback(supervisor.stop, *budget_tasks)
         health = (
             RedisNodeHealth(settings.redis_url, settings.replica) if settings.redis_url else None
         )
         if health is not None:
-            # Login nodes' health shared with the other processes (api/node_health.py).
+            # Login nodes' health shared with the other processes (api/node_health.py); its
+            # tasks end before its Redis clients close (as the budget's, above).
+            health_tasks = (
+                supervisor.spawn("node-health", health.loop, OnDeath.RESTART),
+                supervisor.spawn("node-health-nudge", health.listen, OnDeath.RESTART),
+            )
             stack.push_async_callback(health.close)
-            supervisor.spawn("node-health", health.loop, OnDeath.RESTART)
-            supervisor.spawn("node-health-nudge", health.listen, OnDeath.RESTART)
+            stack.push_async_callback(supervisor.stop, *health_tasks)
         the_pool = pool or Pool(backend=settings.backend, coordinator=coordinator, health=health)
         if pool is None:
             stack.push_async_callback(the_pool.close)

@@ -47,6 +47,7 @@ import secrets
 import time
 from typing import Any
 
+from api.pubsub import listen, subscriber
 from api.quota import PREFIX, REDIS_TIMEOUT
 from sshpool import Sshd, StaticShare, static_share
 
@@ -158,9 +159,7 @@ class RedisBudget:
         self._redis: Any = aioredis.from_url(
             url, socket_timeout=REDIS_TIMEOUT, socket_connect_timeout=REDIS_TIMEOUT
         )
-        self._sub: Any = aioredis.from_url(
-            url, socket_connect_timeout=REDIS_TIMEOUT, health_check_interval=30
-        )
+        self._sub = subscriber(url)
         self._lease = self._redis.register_script(LEASE)
         self.processes = processes
         self.ttl = ttl
@@ -215,22 +214,14 @@ class RedisBudget:
 
     async def listen(self) -> None:
         """Wake the loop on another process's nudge, until cancelled; Redis's failures are
-        retried here, paced (the loop renews anyway)."""
-        delay = RETRY
-        while True:
-            try:
-                async with self._sub.pubsub() as pubsub:
-                    await pubsub.subscribe(self.channel)
-                    delay = RETRY
-                    async for message in pubsub.listen():
-                        if message.get("type") == "message":
-                            self._wake.set()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # lost: the loop's own calls say so in the log
-                pass
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 10.0)
+        retried (api/pubsub.py), from RETRY on, and not logged: the loop's own calls say so."""
+        await listen(
+            self._sub,
+            self.channel,
+            lambda _: self._wake.set(),
+            lambda _: None,
+            first_retry=RETRY,
+        )
 
     async def step(self) -> None:
         """One call per sshd; on a failure of Redis's, the static shares."""

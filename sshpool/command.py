@@ -186,7 +186,7 @@ class Capture:
         return bytes(self._buf)
 
 
-class Feed:
+class Stdin:
     """stdin written while the command runs, for a channel that lives as long as its connection
     (agent mode's executor, `sshpool.agent`): `Connection.exec` takes one where it takes stdin
     bytes. The writer calls `write` and `close` on the event loop; the backend `take`s what was
@@ -226,11 +226,6 @@ class Feed:
             data = bytes(self._buf[:limit])
             del self._buf[:limit]
             return data, self._closed and not self._buf
-
-    def give_back(self, data: bytes) -> None:
-        """Put back what `take` gave and could not be sent yet (it goes first)."""
-        with self._lock:
-            self._buf[:0] = data
 
 
 @dataclass(slots=True)

@@ -14,8 +14,9 @@ Exports `AdminService` and what api/services.py builds it from (`Revocations`, `
 caller is refused. The routes reach the store, the pool and the policy only through the
 service, which tests/test_layout.py checks.
 
-May import: api's shared modules (auth, config, policy, problems, quota, schemas, store) and
-`sshpool` by its public names; never the routes, api/services.py, api/app.py or api/deps.py.
+May import: api's shared modules (auth, config, policy, problems, pubsub, quota, schemas,
+store) and `sshpool` by its public names; never the routes, api/services.py, api/app.py or
+api/deps.py.
 """
 
 from api.admin.nodes import NodeDrains

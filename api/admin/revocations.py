@@ -33,6 +33,7 @@ from typing import Any
 
 from api.auth import Principal
 from api.policy import Policy, key_id_identity
+from api.pubsub import listen, subscriber
 from api.quota import PREFIX, REDIS_TIMEOUT
 from api.store import JobRow, Revocation, Store
 from sshpool import Pool, Target
@@ -87,9 +88,7 @@ class RedisNudge:
         self._redis: Any = aioredis.from_url(
             url, socket_timeout=1.0, socket_connect_timeout=REDIS_TIMEOUT
         )
-        self._sub: Any = aioredis.from_url(
-            url, socket_connect_timeout=REDIS_TIMEOUT, health_check_interval=30
-        )
+        self._sub = subscriber(url)
         self._failing = False
 
     def _failed(self, what: str, exc: Exception) -> None:
@@ -105,23 +104,19 @@ class RedisNudge:
 
     async def listen(self, heard: Callable[[], None]) -> None:
         """Call `heard()` on every nudge (and on each (re)subscription), until cancelled; a
-        failure of Redis's is retried here, paced (doubling to 10 s)."""
-        delay = 0.25
-        while True:
-            try:
-                async with self._sub.pubsub() as pubsub:
-                    await pubsub.subscribe(CHANNEL)
-                    self._failing, delay = False, 0.25
-                    heard()
-                    async for message in pubsub.listen():
-                        if message.get("type") == "message":
-                            heard()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                self._failed("subscribe", exc)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 10.0)
+        failure of Redis's is retried (api/pubsub.py)."""
+
+        def subscribed() -> None:
+            self._failing = False
+            heard()
+
+        await listen(
+            self._sub,
+            CHANNEL,
+            lambda _: heard(),
+            lambda exc: self._failed("subscribe", exc),
+            subscribed,
+        )
 
     async def close(self) -> None:
         await self._redis.aclose()

@@ -107,14 +107,13 @@ class AsyncClient(_Base):
             try:
                 response = await self.http.request(method, path, **_fresh(kw))
             except httpx.TransportError as exc:
-                delay = self._delay(attempt, None, exc)
-                if delay is None:
-                    raise TransportError(f"{method} {self.url}{path}: {exc}") from exc
+                delay = self._delay_after(attempt, exc, f"{method} {self.url}{path}")
             else:
-                delay = self._delay(attempt, response)
-                if delay is None:
+                retry = self._delay(attempt, response)
+                if retry is None:
                     raise_for_problem(response)
                     return response
+                delay = retry
             await sleep(delay)
             attempt += 1
 
@@ -249,10 +248,7 @@ class AsyncClient(_Base):
                         if event.event == "end":
                             return
             except httpx.TransportError as exc:
-                delay = self._delay(attempt, None, exc)
-                if delay is None:
-                    raise TransportError(f"{where}: {exc}") from exc
-                await sleep(delay)
+                await sleep(self._delay_after(attempt, exc, where))
                 attempt += 1
                 continue
             if progressed:
@@ -350,9 +346,7 @@ class AsyncClient(_Base):
                     if delay is None:
                         _raise(response)
             except httpx.TransportError as exc:
-                delay = self._delay(attempt, None, exc)
-                if delay is None:
-                    raise TransportError(f"GET {path} from {self.url}: {exc}") from exc
+                delay = self._delay_after(attempt, exc, f"GET {path} from {self.url}")
             await sleep(delay)
             attempt += 1
 

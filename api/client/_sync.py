@@ -102,14 +102,13 @@ class Client(_Base):
             try:
                 response = self.http.request(method, path, **_fresh(kw))
             except httpx.TransportError as exc:
-                delay = self._delay(attempt, None, exc)
-                if delay is None:
-                    raise TransportError(f"{method} {self.url}{path}: {exc}") from exc
+                delay = self._delay_after(attempt, exc, f"{method} {self.url}{path}")
             else:
-                delay = self._delay(attempt, response)
-                if delay is None:
+                retry = self._delay(attempt, response)
+                if retry is None:
                     raise_for_problem(response)
                     return response
+                delay = retry
             sleep(delay)
             attempt += 1
 
@@ -242,10 +241,7 @@ class Client(_Base):
                         if event.event == "end":
                             return
             except httpx.TransportError as exc:
-                delay = self._delay(attempt, None, exc)
-                if delay is None:
-                    raise TransportError(f"{where}: {exc}") from exc
-                sleep(delay)
+                sleep(self._delay_after(attempt, exc, where))
                 attempt += 1
                 continue
             if progressed:
@@ -343,9 +339,7 @@ class Client(_Base):
                     if delay is None:
                         _raise(response)
             except httpx.TransportError as exc:
-                delay = self._delay(attempt, None, exc)
-                if delay is None:
-                    raise TransportError(f"GET {path} from {self.url}: {exc}") from exc
+                delay = self._delay_after(attempt, exc, f"GET {path} from {self.url}")
             sleep(delay)
             attempt += 1
 

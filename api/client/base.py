@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import httpx
 from pydantic import ValidationError
 
-from api.client.errors import UnexpectedAnswer, _retry_after
+from api.client.errors import TransportError, UnexpectedAnswer, _retry_after
 from api.client.models import Job
 from api.client.profile import _env_flag, load_profile, paired, server_url
 from api.client.tls import loopback
@@ -228,6 +228,14 @@ class _Base:
         base = hinted if hinted is not None else min(0.2 * 2**attempt, 5.0)
         # Jitter: many clients told the same Retry-After must not come back at the same moment.
         return min(base * random.uniform(1.0, 1.5), self.max_retry_wait)
+
+    def _delay_after(self, attempt: int, error: httpx.TransportError, where: str) -> float:
+        """Seconds before the next try after a transport `error`; with no more tries (or an
+        error not worth one), the TransportError that says `where` it happened."""
+        delay = self._delay(attempt, None, error)
+        if delay is None:
+            raise TransportError(f"{where}: {error}") from error
+        return delay
 
     @staticmethod
     def _post_headers(key: str | None, wait: float | None) -> dict[str, str]:

@@ -47,12 +47,13 @@ and `make_relay`. The modules:
     hub        LiveHub: the feeds of this process, their watchers,     feeds, api.problems,
                the followers' cap; Relay (what it needs of a relay)    api.quota, api.states,
                                                                        api.store, api.tasks
-    relay      RedisRelay: a command's feed copied between replicas    feeds, hub, api.quota
+    relay      RedisRelay: a command's feed copied between replicas    feeds, hub, api.pubsub,
+                                                                       api.quota
 
-It may import api.numbers, api.output, api.problems, api.quota, api.states, api.store's
-JobRow and new_id, and api.tasks (its listener is a task of the supervisor's). It imports no
-HTTP framework itself (fastapi, starlette: api/routes/live.py makes the responses), no route
-and no other feature (api.jobs, api.files).
+It may import api.numbers, api.output, api.problems, api.pubsub, api.quota, api.states,
+api.store's JobRow and new_id, and api.tasks (its listener is a task of the supervisor's). It
+imports no HTTP framework itself (fastapi, starlette: api/routes/live.py makes the responses),
+no route and no other feature (api.jobs, api.files).
 """
 
 from api.live.feeds import STREAMS, Feed, OutputGone, Spend

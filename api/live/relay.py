@@ -36,6 +36,7 @@ from typing import Any
 from api.live.feeds import READ, STREAMS, WINDOW, Feed, StreamBuffer, head_of, kept
 from api.live.hub import POLL
 from api.output import Stream
+from api.pubsub import listen, subscriber
 from api.quota import PREFIX, REDIS_TIMEOUT
 from api.states import FINAL
 from api.store import JobRow
@@ -117,9 +118,7 @@ class RedisRelay:
             socket_connect_timeout=REDIS_TIMEOUT,
             max_connections=MAX_WATCHERS,
         )
-        self._sub: Any = aioredis.from_url(
-            url, socket_connect_timeout=REDIS_TIMEOUT, health_check_interval=30
-        )
+        self._sub = subscriber(url)
         self._failing = False
 
     def _failed(self, what: str, exc: Exception) -> None:
@@ -138,22 +137,13 @@ class RedisRelay:
 
     async def listen(self, wanted: Callable[[str], None]) -> None:
         """Listen for other replicas' interest in the jobs this one runs, until cancelled: a
-        failure of Redis's is retried here, paced (doubling to 10 s)."""
-        delay = POLL[0]
-        while True:
-            try:
-                async with self._sub.pubsub() as pubsub:
-                    await pubsub.subscribe(want_channel(self.replica))
-                    delay = POLL[0]
-                    async for message in pubsub.listen():
-                        if message.get("type") == "message":
-                            wanted(bytes(message["data"]).decode("ascii", "replace")[:64])
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                self._failed("subscribe", exc)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 10.0)
+        failure of Redis's is retried (api/pubsub.py)."""
+        await listen(
+            self._sub,
+            want_channel(self.replica),
+            lambda data: wanted(data.decode("ascii", "replace")[:64]),
+            lambda exc: self._failed("subscribe", exc),
+        )
 
     async def publish(self, feed: Feed) -> None:
         """Copy `feed` (a command this replica runs) to its Redis streams until it is final."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sqlite3
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, cast
@@ -71,15 +72,21 @@ class Sql:
             out.append(convert(value) if convert is not None and value is not None else value)
         return out
 
-    def insert(self, keys: tuple[str, ...]) -> str:
-        shape = ("insert", keys)
+    def _built(self, shape: tuple[Any, ...], build: Callable[[], str]) -> str:
+        """The statement of `shape`: built on its first use, then taken from the cache."""
         sql = self.cache.get(shape)
         if sql is None:
-            sql = self.cache[shape] = (
+            sql = self.cache[shape] = build()
+        return sql
+
+    def insert(self, keys: tuple[str, ...]) -> str:
+        return self._built(
+            ("insert", keys),
+            lambda: (
                 f"INSERT INTO {JOBS.name} ({', '.join(keys)}) "
                 f"VALUES ({', '.join('?' for _ in keys)})"
-            )
-        return sql
+            ),
+        )
 
     def expression(self, expr: ClauseElement) -> tuple[str, list[Any]]:
         """A SQL expression given as a value (e.g. `func.coalesce(JOBS.c.started_at, now)`):
@@ -95,14 +102,13 @@ class Sql:
         return str(compiled), params
 
     def update(self, keys: tuple[str, ...], only_active: bool, unless_cancel: bool) -> str:
-        shape = ("update", keys, only_active, unless_cancel)
-        sql = self.cache.get(shape)
-        if sql is None:
-            sql = self.cache[shape] = (
+        return self._built(
+            ("update", keys, only_active, unless_cancel),
+            lambda: (
                 f"UPDATE {JOBS.name} SET {', '.join(f'{k} = ?' for k in keys)} "
                 f"{self.where('?', only_active, unless_cancel)}"
-            )
-        return sql
+            ),
+        )
 
     @staticmethod
     def where(id_mark: str, only_active: bool, unless_cancel: bool) -> str:

@@ -38,7 +38,7 @@ from importlib import resources
 from typing import Any
 
 from sshpool.backends.base import Connection, Exit, SFTPSession
-from sshpool.command import Capture, Feed, command_line, kill_group_line, new_marker, wrap
+from sshpool.command import Capture, Stdin, command_line, kill_group_line, new_marker, wrap
 from sshpool.errors import AgentUnavailable, ChannelRefused, ConnectionLost, SSHPoolError
 
 log = logging.getLogger("sshpool")
@@ -97,7 +97,7 @@ class AgentConnection:
         self.hello: dict[str, Any] = {}
         # Output taken before an ACK is sent: half the executor's window (from its HELLO).
         self._ack_every = 1
-        self._feed = Feed()
+        self._feed = Stdin()
         self._buf = bytearray()
         self._jobs: dict[int, _Job] = {}
         self._ids = itertools.count(1)
@@ -260,11 +260,11 @@ class AgentConnection:
         return self._broken is None and self.inner.is_alive()
 
     async def exec(
-        self, command: str, stdin: bytes | Feed | None, stdout: Capture, stderr: Capture
+        self, command: str, stdin: bytes | Stdin | None, stdout: Capture, stderr: Capture
     ) -> Exit:
         """`command` under the account's login shell, as sshd would run it (no rc files for
         sh and bash: they are not interactive nor started by sshd)."""
-        if isinstance(stdin, Feed):
+        if isinstance(stdin, Stdin):
             raise TypeError("agent commands take stdin as bytes")
         return await self.run({"line": command}, stdin, stdout, stderr)
 

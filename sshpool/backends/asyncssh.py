@@ -22,7 +22,7 @@ import asyncssh
 
 from sshpool.backends import translate
 from sshpool.backends.base import DirEntry, Exit, FileAttrs
-from sshpool.command import Capture, Feed
+from sshpool.command import Capture, Stdin
 from sshpool.errors import (
     AuthenticationFailed,
     ChannelRefused,
@@ -87,9 +87,9 @@ class _Session(asyncssh.SSHClientSession[bytes]):
 
 
 class _Pour:
-    """Writes what a Feed was given to the channel as it is given (asyncssh buffers it)."""
+    """Writes what a Stdin was given to the channel as it is given (asyncssh buffers it)."""
 
-    def __init__(self, feed: Feed, chan: asyncssh.SSHClientChannel[bytes]) -> None:
+    def __init__(self, feed: Stdin, chan: asyncssh.SSHClientChannel[bytes]) -> None:
         self.feed = feed
         self.chan = chan
         self.eof_sent = False
@@ -268,7 +268,7 @@ class AsyncsshConnection:
         return ChannelRefused(f"channel refused: {exc.reason}")
 
     async def exec(
-        self, command: str, stdin: bytes | Feed | None, stdout: Capture, stderr: Capture
+        self, command: str, stdin: bytes | Stdin | None, stdout: Capture, stderr: Capture
     ) -> Exit:
         session = _Session(stdout, stderr)
         try:
@@ -282,7 +282,7 @@ class AsyncsshConnection:
                 session.chan.close()
             raise
         try:
-            if isinstance(stdin, Feed):
+            if isinstance(stdin, Stdin):
                 stdin.subscribe(_Pour(stdin, chan))
             else:
                 if stdin:

@@ -14,7 +14,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from sshpool.command import Capture, Feed
+from sshpool.command import Capture, Stdin
 from sshpool.target import Target
 
 
@@ -166,12 +166,12 @@ class Connection(Protocol):
         ...
 
     async def exec(
-        self, command: str, stdin: bytes | Feed | None, stdout: Capture, stderr: Capture
+        self, command: str, stdin: bytes | Stdin | None, stdout: Capture, stderr: Capture
     ) -> Exit:
         """Open a session channel, run `command`, write `stdin` then EOF, drain both streams
-        concurrently into the captures, and return how it ended. With a `Feed` for stdin, what
-        is written to it goes out as it comes (EOF when it is closed): agent mode's executor
-        channel.
+        concurrently into the captures, and return how it ended. With a `Stdin` for `stdin`,
+        what is written to it goes out as it comes (EOF when it is closed): agent mode's
+        executor channel.
 
         Output is fed to the captures on the event loop's thread, chunk by chunk as the channel
         delivers it (never held back until the end): `Capture.on_data` observers (live output)

@@ -42,7 +42,7 @@ from typing import Any, ClassVar, TypeVar
 
 from sshpool.backends import translate
 from sshpool.backends.base import DirEntry, Exit, FileAttrs
-from sshpool.command import Capture, Feed
+from sshpool.command import Capture, Stdin
 from sshpool.errors import (
     AuthenticationFailed,
     ChannelRefused,
@@ -261,7 +261,7 @@ def _signal_message(chan: Any, name: str) -> Any:
 
 
 class _Waker:
-    """A pipe that wakes a pump thread's select when its Feed is written to (called on the
+    """A pipe that wakes a pump thread's select when its Stdin is written to (called on the
     event loop, as is `close`)."""
 
     def __init__(self) -> None:
@@ -565,7 +565,7 @@ class ParamikoConnection:
         return not self._closed and self._transport.is_active() and not self._silent_too_long()
 
     async def exec(
-        self, command: str, stdin: bytes | Feed | None, stdout: Capture, stderr: Capture
+        self, command: str, stdin: bytes | Stdin | None, stdout: Capture, stderr: Capture
     ) -> Exit:
         loop = asyncio.get_running_loop()
         cancel = threading.Event()
@@ -600,7 +600,7 @@ class ParamikoConnection:
     def _exec_blocking(
         self,
         command: str,
-        stdin: bytes | Feed | None,
+        stdin: bytes | Stdin | None,
         stdout: Capture,
         stderr: Capture,
         relay: _Relay,
@@ -619,7 +619,7 @@ class ParamikoConnection:
         self,
         chan: Any,
         command: str,
-        stdin: bytes | Feed | None,
+        stdin: bytes | Stdin | None,
         stdout: Capture,
         stderr: Capture,
         relay: _Relay,
@@ -639,15 +639,15 @@ class ParamikoConnection:
     def _pump(
         self,
         chan: Any,
-        stdin: bytes | Feed | None,
+        stdin: bytes | Stdin | None,
         stdout: Capture,
         stderr: Capture,
         relay: _Relay,
         cancel: threading.Event,
     ) -> Exit:
-        """Write stdin then EOF while reading stdout and stderr, until the exit status. A Feed
+        """Write stdin then EOF while reading stdout and stderr, until the exit status. A Stdin
         is sent as it is written to (a pipe wakes this thread), EOF once it is closed."""
-        feed = stdin if isinstance(stdin, Feed) else None
+        feed = stdin if isinstance(stdin, Stdin) else None
         pending = memoryview(stdin if isinstance(stdin, bytes) else b"")
         eof_due, eof_sent = feed is None, False
         waker = None
@@ -660,13 +660,13 @@ class ParamikoConnection:
             )
         finally:
             if waker is not None:
-                # On the loop, where the Feed calls it: no poke can hit a closed descriptor.
+                # On the loop, where the Stdin calls it: no poke can hit a closed descriptor.
                 relay.loop.call_soon_threadsafe(waker.close)
 
     def _pump_loop(
         self,
         chan: Any,
-        feed: Feed | None,
+        feed: Stdin | None,
         pending: memoryview,
         eof_due: bool,
         eof_sent: bool,

@@ -55,7 +55,7 @@ from sshpool.backends import translate
 from sshpool.backends.base import DirEntry, Exit, FileAttrs
 from sshpool.backends.ssh2_extras import READLINK, forget_pointer, lib_pointer, load_extras
 from sshpool.backends.translate import describe
-from sshpool.command import Capture, Feed
+from sshpool.command import Capture, Stdin
 from sshpool.errors import (
     AuthenticationFailed,
     ChannelRefused,
@@ -378,7 +378,7 @@ class Ssh2Connection:
             raise ChannelRefused(f"channel refused: {describe(exc)}") from exc
 
     async def exec(
-        self, command: str, stdin: bytes | Feed | None, stdout: Capture, stderr: Capture
+        self, command: str, stdin: bytes | Stdin | None, stdout: Capture, stderr: Capture
     ) -> Exit:
         pending = _Pending()
         chan: Any = None
@@ -414,14 +414,14 @@ class Ssh2Connection:
     async def _drain(
         self,
         chan: Any,
-        stdin: bytes | Feed | None,
+        stdin: bytes | Stdin | None,
         stdout: Capture,
         stderr: Capture,
         pending: _Pending,
     ) -> None:
-        """Write stdin then EOF while reading stdout and stderr, until the remote EOF. A Feed
+        """Write stdin then EOF while reading stdout and stderr, until the remote EOF. A Stdin
         is sent as it is written to (it wakes this loop), EOF once it is closed."""
-        feed = stdin if isinstance(stdin, Feed) else None
+        feed = stdin if isinstance(stdin, Stdin) else None
         data = stdin if isinstance(stdin, bytes) else b""
         eof_due = feed is None
         if feed is not None:
