@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import json
 import secrets
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -69,9 +68,7 @@ async def test_a_node_down_for_one_process_is_out_of_every_process_routing(
         # A's next command finds the node dead and moves on; A's probe takes the node down.
         assert node_of((await a.run(target, HOSTNAME, acquire_timeout=30)).stdout) != home
         await eventually(lambda: a.nodes(target)[home]["state"] == "down", 30)
-        down_at = time.monotonic()
         await eventually(lambda: b.nodes(target)[home]["state"] == "down", 10)
-        heard_after = time.monotonic() - down_at
         seen = b.nodes(target)[home]
         assert seen["why_down"].startswith("another process"), seen
         # B's new work goes elsewhere at once, without failing on the dead node itself.
@@ -99,4 +96,3 @@ async def test_a_node_down_for_one_process_is_out_of_every_process_routing(
         )
         assert node_of((await b.run(target, HOSTNAME, acquire_timeout=30)).stdout) == home
     await client.aclose()
-    print(f"B saw the node down {heard_after:.3f} s after A")
