@@ -1,8 +1,9 @@
 """Redis pub/sub between the replicas (SSHAPI_REDIS_URL): the one listener loop every nudge
 channel uses (revocations, api/admin/revocations.py; live output's interest,
-api/live/relay.py; the sshd budget's nudges, api/sshd_budget.py). Pub/sub delivers only to
-whoever listens at that instant, so each use keeps a way to do without it (a poll, a renewal);
-the loop only has to come back after a failure, paced."""
+api/live/relay.py; the sshd budget's nudges, api/sshd_budget.py; login nodes' health,
+api/node_health.py). Pub/sub delivers only to whoever listens at that instant, so each use
+keeps a way to do without it (a poll, a renewal); the loop only has to come back after a
+failure, paced."""
 
 from __future__ import annotations
 

@@ -42,6 +42,12 @@ cancellation; every one is logged with its traceback):
 |                     | stopped last, after the pool       |         | others take them          |
 | `sshd-budget-nudge` | with Redis: other processes' ask   | restart | lost, shares rebalance at |
 |                     | to rebalance now                   |         | each renewal (1 s)        |
+| `node-health`       | with Redis: publishes this         | restart | lost, each process judges |
+|                     | process's login-node verdicts,     |         | its login nodes alone     |
+|                     | renews and reads the down keys     |         |                           |
+|                     | (api/node_health.py)               |         |                           |
+| `node-health-nudge` | with Redis: the other processes'   | restart | lost, their verdicts come |
+|                     | verdicts as they come              |         | each second (the keys)    |
 
 `restart`: started again after a pause (doubling); the third death within a minute takes the
 process down. Taking it down: the other tasks are cancelled, /readyz answers 503, and the
@@ -90,6 +96,7 @@ from api.files import FileService
 from api.jobs import BatchJobs, JobService
 from api.live import make_relay
 from api.metrics import Metrics
+from api.node_health import RedisNodeHealth
 from api.policy import Policy
 from api.problems import Problem
 from api.quota import Quota, make_quota
@@ -195,7 +202,19 @@ async def running(
             )
             stack.push_async_callback(coordinator.close)
             stack.push_async_callback(supervisor.stop, *budget_tasks)
-        the_pool = pool or Pool(backend=settings.backend, coordinator=coordinator)
+        health = (
+            RedisNodeHealth(settings.redis_url, settings.replica) if settings.redis_url else None
+        )
+        if health is not None:
+            # Login nodes' health shared with the other processes (api/node_health.py); its
+            # tasks end before its Redis clients close (as the budget's, above).
+            health_tasks = (
+                supervisor.spawn("node-health", health.loop, OnDeath.RESTART),
+                supervisor.spawn("node-health-nudge", health.listen, OnDeath.RESTART),
+            )
+            stack.push_async_callback(health.close)
+            stack.push_async_callback(supervisor.stop, *health_tasks)
+        the_pool = pool or Pool(backend=settings.backend, coordinator=coordinator, health=health)
         if pool is None:
             stack.push_async_callback(the_pool.close)
         policy = Policy(config)

@@ -8,9 +8,13 @@ of 4 per account: the behaviour before it), interleaved in one run.
     .venv/bin/python -m loadtests.accounts --via pool --accounts 1000
     .venv/bin/python -m loadtests.accounts --accounts 400 --workers 2 --redis-url redis://127.0.0.1:6379/0
     .venv/bin/python -m loadtests.accounts --accounts 400 --workers 2 --fault redis
+    .venv/bin/python -m loadtests.accounts --accounts 400 --replicas 2 --fault replica
 
 --via api (the default): `sshapi serve` (a fresh API per cell) with one `[[policy]]` rule and
-key per account, each account's caller its own token, one job per request via POST /v1/jobs.
+key per account, each account's caller its own token, one job per request via POST /v1/jobs;
+with --replicas N, N `sshapi serve` processes on one fresh PostgreSQL schema and one Redis
+(--redis-url, else one of the run's own), the requests spread over them round robin (a replica
+that refuses a connection leaves the rotation, as behind a load balancer).
 --via pool: the pool alone, without HTTP. Per mode and round:
 (a) burst: one `true` per account, all released at once (the pool's acquire timeout, the API's
     queue_timeout: --deadline): statuses, p50/p90/p99 and makespan;
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -36,8 +41,10 @@ import random
 import re
 import secrets
 import signal
+import subprocess
 import tempfile
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -50,6 +57,7 @@ from pydantic import SecretStr
 from loadtests import hdr
 from loadtests.cpu import own_seconds
 from loadtests.handshakes import tree_cpu
+from loadtests.replicas import PG_URL, drop_schema
 from loadtests.server import free_port, limits, serve_config, stop_api
 from sshpool import Limits, Pool, SSHPoolError
 from sshpool.devhost import LocalHost
@@ -234,6 +242,45 @@ async def worker_fault(api_pid: int, at: float) -> list[float]:
     return [round(time.perf_counter() - t0, 2)] if killed else []
 
 
+def metric(text: str, name: str) -> int:
+    """The sum of metric `name`'s samples in a /metrics answer."""
+    lines = [x for x in text.splitlines() if x.startswith(name + "{")]
+    return sum(int(float(x.split()[-1])) for x in lines)
+
+
+async def replica_fault(via: ViaApi, at: float, budget: int) -> list[float | None]:
+    """SIGKILL the first replica (and its workers) `at` s into the cell, then watch the
+    survivors' /metrics: [killed, when no survivor counts its lease any more (the processes
+    holding leases drop to the survivors'), when a survivor's share is the whole `budget`]
+    in seconds into the cell (None: not within 20 s of the kill)."""
+    t0 = time.perf_counter()
+    await asyncio.sleep(at)
+    await asyncio.to_thread(via.kill, 0)
+    killed = time.perf_counter() - t0
+    freed: float | None = None
+    full: float | None = None
+    processes = (len(via.urls) - 1) * via.workers
+    async with httpx.AsyncClient(timeout=5) as client:
+        while time.perf_counter() - t0 < killed + 20 and (freed is None or full is None):
+            texts = []
+            for url in via.live:
+                with contextlib.suppress(httpx.HTTPError):
+                    texts.append((await client.get(url + "/metrics")).text)
+            now = round(time.perf_counter() - t0, 2)
+            if (
+                freed is None
+                and texts
+                and all(0 < metric(t, "sshpool_sshd_processes") <= processes for t in texts)
+            ):
+                freed = now
+            if full is None and any(
+                metric(t, "sshpool_sshd_share_connections") >= budget for t in texts
+            ):
+                full = now
+            await asyncio.sleep(0.25)
+    return [round(killed, 2), freed, full]
+
+
 class ViaPool:
     """Each command through a Pool of this process."""
 
@@ -272,7 +319,7 @@ class ViaPool:
 class ViaApi:
     """Each command a POST /v1/jobs to a fresh API (`sshapi serve`, `workers` processes sharing
     each sshd's budget: through Redis at `redis_url`, else in static shares), as its account's
-    caller."""
+    caller; `replicas` of them on one PostgreSQL schema, the requests spread round robin."""
 
     def __init__(
         self,
@@ -282,6 +329,7 @@ class ViaApi:
         deadline: float,
         workers: int = 1,
         redis_url: str | None = None,
+        replicas: int = 1,
     ):
         from api.config import Config
         from api.local import local_token
@@ -297,6 +345,15 @@ class ViaApi:
         }
         if redis_url:
             self.env["SSHAPI_REDIS_URL"] = redis_url
+        self.replicas, self.workers = replicas, workers
+        self.schema: str | None = None
+        if replicas > 1:
+            self.schema = f"sshapi_accounts_{uuid.uuid4().hex[:12]}"
+            self.env |= {
+                "SSHAPI_DATABASE_URL": PG_URL,
+                "SSHAPI_DATABASE_SCHEMA": self.schema,
+                "SSHAPI_REPLICAS": str(replicas),
+            }
         parsed = Config.model_validate(self.config)
         settings = Settings(jwt_secret=SecretStr(secret), data_dir=self.data)
         scopes = ["jobs:read", "jobs:write"]
@@ -306,46 +363,78 @@ class ViaApi:
         self.timeout = deadline + 60
 
     async def __aenter__(self) -> ViaApi:
-        self.proc, self.url = await asyncio.to_thread(
-            serve_config,
-            self.config,
-            backend="asyncssh",
-            data_dir=self.data,
-            log=self.data / "api.log",
-            env=self.env,
-        )
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.urls: list[str] = []
+        for n in range(1, self.replicas + 1):  # one by one: the first creates the schema
+            name = f"r{n}"
+            data = self.data if self.replicas == 1 else self.data / name
+            proc, url = await asyncio.to_thread(
+                serve_config,
+                self.config,
+                backend="asyncssh",
+                data_dir=data,
+                log=data / "api.log",
+                env={**self.env, "SSHAPI_REPLICA": name},
+            )
+            self.procs.append(proc)
+            self.urls.append(url)
+        self.proc, self.url = self.procs[0], self.urls[0]
+        # The replicas in the rotation, and the next one's place in it.
+        self.live = list(self.urls)
+        self._turn = 0
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await asyncio.to_thread(stop_api, self.proc)
+        for proc in self.procs:
+            await asyncio.to_thread(stop_api, proc)
+        if self.schema is not None:
+            await drop_schema(PG_URL, self.schema)
+
+    def kill(self, n: int) -> None:
+        """SIGKILL replica `n` and its workers; it leaves the rotation."""
+        with contextlib.suppress(ValueError):
+            self.live.remove(self.urls[n])
+        for pid in [*children(self.procs[n].pid), self.procs[n].pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
     async def one(self, i: int) -> str:
         body = json.dumps({"host": "local", "argv": ["true"]}).encode()
-        try:
-            status, answer = await asyncio.wait_for(
-                post(self.url, "/v1/jobs", body, self.tokens[i]), self.timeout
-            )
-        except (OSError, EOFError, ValueError, TimeoutError) as exc:
-            return type(exc).__name__
+        while True:
+            if not self.live:
+                return "no replica"
+            self._turn += 1
+            url = self.live[self._turn % len(self.live)]
+            try:
+                status, answer = await asyncio.wait_for(
+                    post(url, "/v1/jobs", body, self.tokens[i]), self.timeout
+                )
+                break
+            except ConnectionRefusedError:
+                # Never reached it: out of the rotation, the request to the next one.
+                with contextlib.suppress(ValueError):
+                    self.live.remove(url)
+            except (OSError, EOFError, ValueError, TimeoutError) as exc:
+                return type(exc).__name__
         if status != 201:
             return str(status)
         state = json.loads(answer).get("state")
         return "ok" if state == "succeeded" else f"201 {state}"
 
     def cpu(self) -> float:
-        """CPU seconds of the SSH client so far: the API process."""
-        return tree_cpu(self.proc.pid)
+        """CPU seconds of the SSH client so far: the API processes."""
+        return sum(tree_cpu(proc.pid) for proc in self.procs)
 
     def budget(self) -> tuple[int, int]:
-        """(evictions, connections held at most) as the API's pool counts them (/metrics)."""
-        resp = httpx.get(self.url + "/metrics", timeout=10)
-        resp.raise_for_status()  # a refused read is no figure, not 0 evictions
-
-        def total(name: str) -> int:
-            lines = [x for x in resp.text.splitlines() if x.startswith(name + "{")]
-            return sum(int(float(x.split()[-1])) for x in lines)
-
-        return total("sshpool_sshd_evictions_total"), total("sshpool_sshd_connections_max")
+        """(evictions, connections held at most) as the API's pools count them (/metrics), over
+        the replicas still in the rotation (the most each held, summed)."""
+        evictions = held = 0
+        for url in self.live:
+            resp = httpx.get(url + "/metrics", timeout=10)
+            resp.raise_for_status()  # a refused read is no figure, not 0 evictions
+            evictions += metric(resp.text, "sshpool_sshd_evictions_total")
+            held += metric(resp.text, "sshpool_sshd_connections_max")
+        return evictions, held
 
 
 async def cell(
@@ -356,52 +445,65 @@ async def cell(
     hist = hdr.histogram()
     via: ViaApi | ViaPool
     redis: PrivateRedis | None = None
-    if args.fault == "redis":
+    if args.fault == "redis" or (args.replicas > 1 and not args.redis_url):
         redis = PrivateRedis(Path(tempfile.mkdtemp(prefix="accounts-redis-")))
         await redis.start()
-        args.redis_url = redis.url
     if args.via == "api":
-        via = ViaApi(host, accounts, lim, args.deadline, args.workers, args.redis_url)
+        via = ViaApi(
+            host,
+            accounts,
+            lim,
+            args.deadline,
+            args.workers,
+            redis.url if redis else args.redis_url,
+            args.replicas,
+        )
     else:
         via = ViaPool(host, accounts, lim, args.deadline)
     max_held = 0
-    async with via:
+    try:
+        async with via:
 
-        async def sample() -> None:
-            nonlocal max_held
-            while True:
-                max_held = max(max_held, connections(host.port))
-                await asyncio.sleep(0.1)
+            async def sample() -> None:
+                nonlocal max_held
+                while True:
+                    max_held = max(max_held, connections(host.port))
+                    await asyncio.sleep(0.1)
 
-        def record(status: str, send: float) -> None:
-            statuses[status] += 1
-            hist.record_value(max(1, int((time.perf_counter() - send) * 1e6)))
+            def record(status: str, send: float) -> None:
+                statuses[status] += 1
+                hist.record_value(max(1, int((time.perf_counter() - send) * 1e6)))
 
-        async def timed(i: int, send: float) -> None:
-            record(await via.one(i), send)
+            async def timed(i: int, send: float) -> None:
+                record(await via.one(i), send)
 
-        sampler = asyncio.create_task(sample())
-        assert host.pid is not None
-        cpu0 = (via.cpu(), tree_cpu(host.pid), own_seconds())
-        t0 = time.perf_counter()
-        fault: asyncio.Task[Any] | None = None
+            sampler = asyncio.create_task(sample())
+            assert host.pid is not None
+            cpu0 = (via.cpu(), tree_cpu(host.pid), own_seconds())
+            t0 = time.perf_counter()
+            fault: asyncio.Task[Any] | None = None
+            if args.fault == "redis" and redis is not None:
+                fault = asyncio.create_task(redis_fault(redis, args.fault_at, args.fault_down))
+            elif args.fault == "replica" and isinstance(via, ViaApi):
+                budget = int(lim.max_total_connections)
+                fault = asyncio.create_task(replica_fault(via, args.fault_at, budget))
+            elif args.fault == "worker" and isinstance(via, ViaApi):
+                fault = asyncio.create_task(worker_fault(via.proc.pid, args.fault_at))
+            if part == "burst":
+                await asyncio.gather(*(timed(i, t0) for i in range(len(accounts))))
+            else:
+                await open_model(timed, len(accounts), args.rate, args.duration, t0)
+            makespan = time.perf_counter() - t0
+            sampler.cancel()
+            killed = None if fault is None else await fault
+            memory = sshd_memory(host)
+            # sshd's CPU: its listener's reaped children, so the connections closed by now.
+            cpu = (via.cpu() - cpu0[0], tree_cpu(host.pid) - cpu0[1], own_seconds() - cpu0[2])
+            evictions, held = await asyncio.to_thread(via.budget)
+    finally:
         if redis is not None:
-            fault = asyncio.create_task(redis_fault(redis, args.fault_at, args.fault_down))
-        elif args.fault == "worker" and isinstance(via, ViaApi):
-            fault = asyncio.create_task(worker_fault(via.proc.pid, args.fault_at))
-        if part == "burst":
-            await asyncio.gather(*(timed(i, t0) for i in range(len(accounts))))
-        else:
-            await open_model(timed, len(accounts), args.rate, args.duration, t0)
-        makespan = time.perf_counter() - t0
-        sampler.cancel()
-        killed = None if fault is None else await fault
-        memory = sshd_memory(host)
-        # sshd's CPU: its listener's reaped children, so the connections closed by now.
-        cpu = (via.cpu() - cpu0[0], tree_cpu(host.pid) - cpu0[1], own_seconds() - cpu0[2])
-        evictions, held = await asyncio.to_thread(via.budget)
-    if redis is not None:
-        await redis.kill()
+            # Never left running (it would hold our stderr open).
+            await redis.kill()
     handshakes = log_count(host, offset, b"Accepted publickey")
     p = hdr.percentiles(hist)
     return {
@@ -428,7 +530,8 @@ async def cell(
         "budget_connections_max": held,
         "sshd_drop_lines": drops(host, offset),
         # --fault redis: when its Redis was SIGKILLed and when it answered again (s into it);
-        # --fault worker: when a worker was SIGKILLed.
+        # --fault worker: when a worker was SIGKILLed; --fault replica: when the first replica
+        # was SIGKILLed, when its leases were freed, when a survivor's share was the budget.
         "fault_s": killed,
         "sshd_processes": memory[0],
         "sshd_rss_mib": memory[1],
@@ -523,6 +626,13 @@ def main(argv: list[str] | None = None) -> int:
         "--workers", type=int, default=1, help="--via api: API processes (SSHAPI_WORKERS)"
     )
     parser.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="--via api: `sshapi serve` processes on one PostgreSQL schema and one Redis, the "
+        "requests spread round robin",
+    )
+    parser.add_argument(
         "--redis-url",
         default=None,
         help="--via api: SSHAPI_REDIS_URL (the workers lease each sshd's budget; else static "
@@ -530,7 +640,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--fault",
-        choices=("redis", "worker"),
+        choices=("redis", "worker", "replica"),
         default=None,
         help="redis: each cell with a Redis of its own, SIGKILLed --fault-at s into the cell and "
         "started again (empty) --fault-down s later (the workers' budget falls back to static "
@@ -541,8 +651,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fault-down", type=float, default=1.0)
     parser.add_argument("--data-dir", default=".data-accounts")
     args = parser.parse_args(argv)
-    if args.via == "pool" and (args.workers != 1 or args.fault == "worker"):
-        parser.error("--workers and --fault worker need --via api")
+    if args.via == "pool" and (args.workers != 1 or args.replicas != 1 or args.fault):
+        parser.error("--workers, --replicas and --fault need --via api")
+    if args.fault == "replica" and args.replicas < 2:
+        parser.error("--fault replica needs --replicas 2 or more")
     data_dir = Path(args.data_dir).absolute()
     accounts = ensure_accounts(args.accounts, data_dir=data_dir)
     with LocalHost("accounts", "stock", data_dir=data_dir, researchers=True) as host:

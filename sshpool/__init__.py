@@ -31,6 +31,7 @@ tests/test_layout.py):
 from sshpool.backends.base import DirEntry, FileAttrs, FileType, RemoteFile, SFTPSession
 from sshpool.budget import Coordinator, Sshd, StaticShare, static_share
 from sshpool.certificates import Credentials, UserCA
+from sshpool.cluster import NodeHealth, Router
 from sshpool.command import CommandResult, OutputStream
 from sshpool.errors import (
     AuthenticationFailed,
@@ -74,6 +75,7 @@ __all__ = [
     "HostUnavailable",
     "Limits",
     "NodeFailed",
+    "NodeHealth",
     "NotAdmitted",
     "OutputStream",
     "Pool",
@@ -86,6 +88,7 @@ __all__ = [
     "RemoteNotFound",
     "RemotePermissionDenied",
     "RemoteUnsupported",
+    "Router",
     "SFTPSession",
     "SSHPoolError",
     "Sshd",

@@ -28,7 +28,12 @@ Invariants of a cluster:
   to another node within its deadline; one that had reported its start ends `NodeFailed`
   (its outcome is unknown: never re-run);
 - a drained node takes no new work; its running commands end as they would, and each of its
-  connections closes when its last channel ends.
+  connections closes when its last channel ends;
+- shared with other processes (`NodeHealth`, docs/pool.md "Many processes, one sshd"): a node
+  this process's probe takes down or brings back is published; a node another process
+  reports down is out of routing here at once and probed here like any node down; a node
+  another reports up is probed here now, and comes back here only on this process's own
+  probe (never on another's word), one that started after the node was reported down.
 
 State changes only in the synchronous methods of `Cluster`; the `Router` does the I/O, through
 what it needs of the pool (`NodePools`, which `sshpool.pool.Pool` hands it), never the pool
@@ -137,6 +142,21 @@ class NodePools(Protocol):
         ...
 
 
+class NodeHealth(Protocol):
+    """How the processes routing to one cluster share its nodes' health (the Redis side:
+    api/node_health.py). `publish` is synchronous and cheap (no I/O); the other processes'
+    verdicts come back through `Router.heard`. A node is named by `host:port`
+    (`Router.address`)."""
+
+    def attach(self, router: Router) -> None:
+        """The router whose verdicts go out and to which the others' come."""
+        ...
+
+    def publish(self, node: str, down: bool, why: str) -> None:
+        """This process's probe took `node` down (`why`) or brought it back."""
+        ...
+
+
 @dataclass(slots=True)
 class Node:
     name: str
@@ -149,6 +169,9 @@ class Node:
     last_probe: float = 0.0
     probe_ended: float = 0.0
     probe: asyncio.Future[bool] | None = None
+    # When another process last reported it down (loop time): a probe that started before
+    # says nothing of it.
+    heard_down: float = 0.0
     # routed (work sent here), spilled (of it, from a longer queue at the account's home),
     # failovers (work that failed here before it started and moved on), downs, probes,
     # probes_failed: what an operator reads per node (api/metrics.py).
@@ -188,18 +211,24 @@ class Cluster:
         self.nodes[best].counters["routed"] += 1
         return best
 
-    def mark_down(self, name: str, why: str) -> None:
-        node = self.nodes[name]
-        if not node.down:
-            node.down, node.why_down = True, why
-            node.counters["downs"] += 1
-            log.warning("login node %s is down (%s): its new work goes to the others", name, why)
-
-    def mark_up(self, name: str) -> None:
+    def mark_down(self, name: str, why: str) -> bool:
+        """True when the node was up."""
         node = self.nodes[name]
         if node.down:
-            node.down, node.why_down = False, ""
-            log.warning("login node %s is up again", name)
+            return False
+        node.down, node.why_down = True, why
+        node.counters["downs"] += 1
+        log.warning("login node %s is down (%s): its new work goes to the others", name, why)
+        return True
+
+    def mark_up(self, name: str) -> bool:
+        """True when the node was down."""
+        node = self.nodes[name]
+        if not node.down:
+            return False
+        node.down, node.why_down = False, ""
+        log.warning("login node %s is up again", name)
+        return True
 
     def state(self, name: str, live: bool) -> NodeState:
         node = self.nodes[name]
@@ -211,8 +240,12 @@ class Cluster:
 class Router:
     """Runs a cluster target's commands and SFTP sessions on its nodes (module docstring)."""
 
-    def __init__(self, pool: NodePools) -> None:
+    def __init__(self, pool: NodePools, health: NodeHealth | None = None) -> None:
         self.pool = pool
+        # Shares the nodes' health with other processes; None: this process judges alone.
+        self.health = health
+        if health is not None:
+            health.attach(self)
         self.clusters: dict[tuple[tuple[str, ...], int], Cluster] = {}
         # Per cluster, the service account its nodes are probed over (`probe_with`).
         self.probers: dict[tuple[tuple[str, ...], int], Target] = {}
@@ -227,6 +260,32 @@ class Router:
         if self._prober is None:
             self._prober = asyncio.create_task(self._probe_loop())
         return cluster
+
+    @staticmethod
+    def address(cluster: Cluster, name: str) -> str:
+        """Node `name` of `cluster` as the processes name it to each other: `host:port`."""
+        host, port = split_node(name, cluster.key[1])
+        return f"{host}:{port}"
+
+    def watched(self) -> set[str]:
+        """Every node of every cluster this process routes to (`address`)."""
+        return {self.address(c, name) for c in self.clusters.values() for name in c.nodes}
+
+    def heard(self, node: str, down: bool, why: str) -> None:
+        """Another process's probe took `node` (`address`) down, or brought it back. Down: out
+        of routing here at once, and probed here every PROBE_TICK like any node down. Up: a
+        probe here now; the node comes back here only when it answers."""
+        now = asyncio.get_running_loop().time()
+        for cluster in list(self.clusters.values()):
+            for name, state in cluster.nodes.items():
+                if self.address(cluster, name) != node:
+                    continue
+                if down:
+                    state.heard_down = now
+                    if cluster.mark_down(name, f"another process: {why}"):
+                        state.counters["downs_heard"] += 1
+                elif state.down and not state.drained:
+                    self._probe(cluster, name)
 
     def _node_target(self, cluster: Cluster, target: Target, node: str) -> Target:
         nt = target.node_target(node)
@@ -391,7 +450,7 @@ class Router:
     async def _probe_once(self, cluster: Cluster, name: str) -> bool:
         node = cluster.nodes[name]
         loop = asyncio.get_running_loop()
-        node.last_probe = loop.time()
+        started = node.last_probe = loop.time()
         node.counters["probes"] += 1
         try:
             async with asyncio.timeout(PROBE_TIMEOUT):
@@ -404,7 +463,9 @@ class Router:
             return not node.down
         except (ConnectError, ConnectTimeout, ConnectionLost, CommandTimeout, TimeoutError) as exc:
             node.counters["probes_failed"] += 1
-            cluster.mark_down(name, f"probe: {type(exc).__name__}: {exc}")
+            why = f"probe: {type(exc).__name__}: {exc}"
+            if cluster.mark_down(name, why) and self.health is not None:
+                self.health.publish(self.address(cluster, name), True, why)
             return False
         except SSHPoolError as exc:
             # Anything else (the executor refused `true`): the node answered; as it was.
@@ -412,7 +473,10 @@ class Router:
             return not node.down
         finally:
             node.probe_ended = loop.time()
-        cluster.mark_up(name)
+        if node.heard_down > started:
+            return not node.down  # reported down while it ran: the next probe says
+        if cluster.mark_up(name) and self.health is not None:
+            self.health.publish(self.address(cluster, name), False, "")
         return True
 
     async def _ask(self, cluster: Cluster, name: str) -> None:

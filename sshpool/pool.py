@@ -65,7 +65,7 @@ from sshpool.backends import Backend, load_backend
 from sshpool.backends.base import SFTPSession
 from sshpool.breaker import Penalties
 from sshpool.budget import Coordinator, Sshd
-from sshpool.cluster import Router
+from sshpool.cluster import NodeHealth, Router
 from sshpool.command import CommandResult, OutputStream, command_line
 from sshpool.errors import CommandTimeout, ConnectionLost, RemoteFileError
 from sshpool.host import HostPool
@@ -95,7 +95,10 @@ class Pool:
     """
 
     def __init__(
-        self, backend: str | Backend = "asyncssh", coordinator: Coordinator | None = None
+        self,
+        backend: str | Backend = "asyncssh",
+        coordinator: Coordinator | None = None,
+        health: NodeHealth | None = None,
     ) -> None:
         self.backend = load_backend(backend) if isinstance(backend, str) else backend
         # Shares each sshd's gate and budget with other processes (`sshpool.budget`); None:
@@ -111,8 +114,9 @@ class Pool:
         self._entries: dict[tuple[str, int], asyncio.Lock] = {}
         self._maintenance: asyncio.Task[None] | None = None
         self._closed = False
-        # Targets with `nodes` (login-node clusters) are routed to one node's target each.
-        self._router = Router(_Nodes(self, self._hosts))
+        # Targets with `nodes` (login-node clusters) are routed to one node's target each;
+        # `health` shares their nodes' health with other processes (`sshpool.cluster`).
+        self._router = Router(_Nodes(self, self._hosts), health)
         # The application's gate: may `tenant` (what the caller passed) start SSH work on
         # `target` now? Asked before every command and SFTP session starts (the host pool's
         # invariants, sshpool.host); the API refuses a revoked identity or account this way
