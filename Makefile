@@ -141,10 +141,11 @@ unasync: $(STAMP)
 # and Redis; no Slurm, browser, deploy, docs, load-suite or install tests (their markers:
 # tests/conftest.py). For the edit-test loop; `make test` (CI) runs everything.
 test-fast: $(STAMP) sshd shells services openssh10 lint
-	$(VENV)/bin/pytest -m "not full" --basetemp="$$(mktemp -d /tmp/sshapi-tests.XXXXXX)"
+	$(VENV)/bin/pytest -m "not full" --durations=20 --basetemp="$$(mktemp -d /tmp/sshapi-tests.XXXXXX)"
 
-# The whole suite: lint, then every test (SSH, API, fault and slow ones included). Each run gets
+# The whole suite: lint, then every test (SSH, API, fault and slow ones included); it ends
+# with the 20 slowest tests, to keep the suite's time in view. Each run gets
 # its own temp dir: pytest prunes /tmp/pytest-of-$USER to 3 runs, which would delete the sshd
 # files of a run still going.
 test: $(STAMP) sshd shells slurm services deploy-tools browser node openssh10 lint
-	$(VENV)/bin/pytest --basetemp="$$(mktemp -d /tmp/sshapi-tests.XXXXXX)"
+	$(VENV)/bin/pytest --durations=20 --basetemp="$$(mktemp -d /tmp/sshapi-tests.XXXXXX)"
