@@ -548,6 +548,7 @@ def many_accounts(args: argparse.Namespace) -> dict[str, Any] | None:
         rate=0.0,
         duration=0.0,
         workers=1,
+        replicas=1,
         redis_url=None,
         fault=None,
         fault_at=1.0,
