@@ -602,7 +602,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m loadtests.accounts", description=__doc__)
     parser.add_argument("--accounts", type=int, default=200)
     parser.add_argument("--via", choices=("api", "pool"), default="api")
@@ -650,6 +650,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fault-at", type=float, default=1.0)
     parser.add_argument("--fault-down", type=float, default=1.0)
     parser.add_argument("--data-dir", default=".data-accounts")
+    return parser
+
+
+def options(**given: Any) -> argparse.Namespace:
+    """This program's options at their defaults, with `given` set: what `cell` reads, for a
+    caller that runs a cell of its own (loadtests.bench)."""
+    args = _parser().parse_args([])
+    vars(args).update(given)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.via == "pool" and (args.workers != 1 or args.replicas != 1 or args.fault):
         parser.error("--workers, --replicas and --fault need --via api")

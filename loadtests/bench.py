@@ -48,6 +48,7 @@ from typing import Any
 
 from loadtests import agent_bench, hdr
 from loadtests.accounts import cell as accounts_cell
+from loadtests.accounts import options as accounts_options
 from loadtests.backend_bench import BACKENDS, closed_loop
 from loadtests.experiment import Cell, run_cell
 from loadtests.report import run_dir, versions
@@ -542,18 +543,7 @@ def many_accounts(args: argparse.Namespace) -> dict[str, Any] | None:
     print(f"accounts: {size} at once, budget then per-account", flush=True)
     data_dir = args.out / "hosts"
     chosen = ensure_accounts(size, data_dir=data_dir)
-    options = argparse.Namespace(
-        via="api",
-        deadline=30.0,
-        rate=0.0,
-        duration=0.0,
-        workers=1,
-        replicas=1,
-        redis_url=None,
-        fault=None,
-        fault_at=1.0,
-        fault_down=1.0,
-    )
+    options = accounts_options(via="api", deadline=30.0, rate=0.0, duration=0.0)
     out: dict[str, Any] = {"size": size}
     spec = RigSpec("bench-accounts", "stock", researchers=True)
     with Rig(spec, data_dir=data_dir) as rig:
