@@ -1,0 +1,220 @@
+"""Webhooks (issue 43): an identity's job state changes POSTed, signed after the Standard
+Webhooks specification, to a real receiver on 127.0.0.1 (loadtests/webhook_receiver.py, which
+verifies each signature with the `standardwebhooks` package): each final state once per
+`webhook-id`, everything after a receiver that was down comes back (across an API restart), no
+duplicates from two replicas; and the destinations refused (RELIABILITY.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import hmac
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+from api_helpers import (
+    Api,
+    Keys,
+    config_toml,
+    eventually,
+    make_settings,
+    pg_schema,
+    running_api,
+)
+from standardwebhooks.webhooks import Webhook
+
+from api.webhooks.config import WebhooksConfig
+from api.webhooks.deliver import signed_headers
+from api.webhooks.safety import Refused, check_url, resolve
+from loadtests.webhook_receiver import Receiver
+from sshpool.devhost import LocalHost
+
+# Loopback allowed (the receiver's); short retries, so that a receiver coming back is served
+# within the test.
+HOOKS = """
+[webhooks]
+allowed_urls = ["http://127.0.0.1:*", "https://*"]
+allowed_networks = ["127.0.0.0/8"]
+retry_first = 0.2
+retry_max = 1.0
+timeout = 2
+max_response_bytes = 4096
+poll_interval = 0.3
+max_per_identity = 3
+"""
+FINAL_EVENTS = ["job.succeeded", "job.failed", "job.timed_out", "job.cancelled", "job.lost"]
+
+
+@pytest.fixture
+def hook_config(tuned_host: LocalHost, secret_file: Path, keys: Keys, tmp_path: Path) -> Path:
+    path = tmp_path / "hooks.toml"
+    path.write_text(config_toml(tuned_host, secret_file, keys, HOOKS))
+    return path
+
+
+@pytest.fixture
+def subject() -> str:
+    return f"hooks-{uuid.uuid4().hex[:8]}"
+
+
+async def add_hook(api: Api, sub: str, url: str, events: list[str]) -> dict[str, Any]:
+    r = await api.client.post(
+        f"{api.url}/v1/webhooks", json={"url": url, "events": events}, headers=api.auth(sub)
+    )
+    assert r.status_code == 201, r.text
+    return dict(r.json())
+
+
+async def run_jobs(api: Api, sub: str, count: int) -> dict[str, str]:
+    """`count` jobs, half `true` and half `false`: job id -> the event type its end is."""
+    bodies = [{"host": "local", "argv": ["true" if n % 2 else "false"]} for n in range(count)]
+    answers = await asyncio.gather(*(api.submit(b, sub=sub, wait=0) for b in bodies))
+    assert all(r.status_code in (201, 202) for r in answers), [r.text for r in answers]
+    return {
+        r.json()["id"]: "job.succeeded" if b["argv"] == ["true"] else "job.failed"
+        for r, b in zip(answers, bodies, strict=True)
+    }
+
+
+def check_once(receiver: Receiver, expected: dict[str, str]) -> None:
+    """Each job's final state delivered exactly once per webhook-id, signed, of its type."""
+    got = [r for r in receiver.received if r.message["type"] in FINAL_EVENTS]
+    assert all(r.valid for r in got)
+    by_id: dict[str, set[str]] = {}
+    for r in got:
+        by_id.setdefault(r.id, set()).add(r.message["data"]["id"])
+    assert all(len(jobs) == 1 for jobs in by_id.values())  # one event per webhook-id
+    events = {r.id: r for r in got}
+    types = Counter((r.message["data"]["id"], r.message["type"]) for r in events.values())
+    assert dict(types) == {(job, kind): 1 for job, kind in expected.items()}
+    for r in events.values():
+        assert r.message["data"]["state"] == r.message["type"].removeprefix("job.")
+
+
+async def delivered(receiver: Receiver, expected: dict[str, str]) -> None:
+    await eventually(
+        lambda: {(r.message["data"]["id"], r.message["type"]) for r in receiver.received}
+        >= set(expected.items()),
+        timeout=60,
+    )
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+async def hook_api(
+    request: pytest.FixtureRequest, hook_config: Path, secret: str, keys: Keys, tmp_path: Path
+) -> AsyncIterator[Api]:
+    async with AsyncExitStack() as stack:
+        schema = None
+        if request.param == "postgresql":
+            schema = await stack.enter_async_context(pg_schema())
+        settings = make_settings(tmp_path, hook_config, request.param, schema)
+        yield await stack.enter_async_context(running_api(settings, keys, secret))
+
+
+async def test_forty_jobs_each_final_state_is_delivered_once_signed_and_typed(
+    hook_api: Api, subject: str
+) -> None:
+    """40 jobs (half `true`, half `false`): each one's final state reaches the receiver once,
+    with a valid signature and the right type; `job.running` too, where subscribed."""
+    async with Receiver() as receiver:
+        hook = await add_hook(hook_api, subject, receiver.url, [*FINAL_EVENTS, "job.running"])
+        assert hook["secret"].startswith("whsec_")
+        assert hook["events"] == sorted([*FINAL_EVENTS, "job.running"])
+        receiver.secret = hook["secret"]
+        expected = await run_jobs(hook_api, subject, 40)
+        await delivered(receiver, expected)
+        await eventually(lambda: len(receiver.ids("job.running")) >= 40, timeout=30)
+        await asyncio.sleep(1)  # a duplicate would come within the poll interval
+        check_once(receiver, expected)
+        assert all(r.valid for r in receiver.received)
+        running = Counter(r.message["data"]["id"] for r in receiver.received if r.message["type"] == "job.running")
+        assert set(running) == set(expected) and set(running.values()) == {1}
+        r = await hook_api.client.get(
+            f"{hook_api.url}/v1/webhooks/{hook['id']}", headers=hook_api.auth(subject)
+        )
+        shown = r.json()
+        assert "secret" not in shown
+        assert shown["delivered"] == 80 and shown["failed"] == 0 and shown["pending"] == 0
+        assert shown["last_delivery"]["status"] == 204
+
+
+async def test_a_receiver_down_gets_everything_after_it_returns_across_an_api_restart(
+    hook_config: Path, secret: str, keys: Keys, tmp_path: Path, subject: str
+) -> None:
+    """The receiver is stopped; 20 jobs end; the API restarts; the receiver comes back on its
+    port: every final state is delivered, once per webhook-id. Meanwhile GET shows the
+    failures."""
+    settings = make_settings(tmp_path, hook_config, "sqlite", None)
+    receiver = Receiver()
+    await receiver.start()
+    try:
+        async with running_api(settings, keys, secret) as api:
+            hook = await add_hook(api, subject, receiver.url, FINAL_EVENTS)
+            receiver.secret = hook["secret"]
+            await receiver.stop()
+            expected = await run_jobs(api, subject, 20)
+            for job_id in expected:
+                await api.until_final(job_id, sub=subject)
+
+            async def failing() -> bool:
+                r = await api.client.get(
+                    f"{api.url}/v1/webhooks/{hook['id']}", headers=api.auth(subject)
+                )
+                last = r.json()["last_delivery"]
+                return last is not None and last["status"] is None and last["error"]
+
+            await eventually(failing, timeout=30)
+        assert receiver.received == []
+        async with running_api(settings, keys, secret) as api:
+            await receiver.start()  # the same port
+            await delivered(receiver, expected)
+            await asyncio.sleep(1)
+            check_once(receiver, expected)
+            r = await api.client.get(f"{api.url}/v1/webhooks", headers=api.auth(subject))
+            [shown] = r.json()["items"]
+            assert shown["delivered"] == 20 and shown["pending"] == 0
+    finally:
+        await receiver.stop()
+
+
+async def test_two_replicas_deliver_each_event_once(
+    hook_config: Path, secret: str, keys: Keys, tmp_path: Path, subject: str
+) -> None:
+    """Jobs submitted to both replicas of one PostgreSQL store: no delivery twice."""
+    async with pg_schema() as schema, AsyncExitStack() as stack, Receiver() as receiver:
+        apis = []
+        for name in ("a", "b"):
+            base = make_settings(tmp_path / name, hook_config, "postgresql", schema)
+            settings = base.model_copy(update={"replica": name})
+            apis.append(await stack.enter_async_context(running_api(settings, keys, secret)))
+        a, b = apis
+        hook = await add_hook(a, subject, receiver.url, FINAL_EVENTS)
+        receiver.secret = hook["secret"]
+        expected = await run_jobs(a, subject, 20) | await run_jobs(b, subject, 20)
+        await delivered(receiver, expected)
+        await asyncio.sleep(1.5)
+        check_once(receiver, expected)
+        assert len(receiver.received) == 40
+
+
+async def test_signature_matches_the_specifications_test_vector() -> None:
+    """The specification's own example (standard-webhooks/spec, its reference libraries'
+    tests): this secret, id, timestamp and body sign to this signature."""
+    secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
+    msg_id = "msg_p5jXN8AQM9LWM0D4loKWxJek"
+    timestamp = 1614265330
+    body = b'{"test": 2432232314}'
+    expected = "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE="
+    assert signed_headers(secret, msg_id, timestamp, body)["webhook-signature"] == expected
+    key = base64.b64decode(secret.removeprefix("whsec_"))
+    mac = hmac.new(key, f"{msg_id}.{timestamp}.".encode() + body, hashlib.sha256).digest()
+    assert "v1," + base64.b64encode(mac).decode() == expected
+    moment = datetime.fromtimestamp(timestamp, UTC)
+    assert Webhook(secret).sign(msg_id, moment, body.decode()) == expected
