@@ -38,6 +38,7 @@ class Receiver:
     body_bytes: int = 0  # answered with this many bytes
     port: int = 0
     received: list[Received] = field(default_factory=list)
+    sent: int = 0  # body bytes written (a huge body: until the client hangs up)
     _server: asyncio.Server | None = None
     _writers: set[asyncio.StreamWriter] = field(default_factory=set)
 
@@ -113,6 +114,7 @@ class Receiver:
                 writer.write(chunk[: min(left, len(chunk))])
                 left -= len(chunk)
                 await writer.drain()
+                self.sent += min(left + len(chunk), len(chunk))
             return
         writer.write(f"HTTP/1.1 {self.status} X\r\n{extra}Content-Length: 0\r\n\r\n".encode())
         await writer.drain()
