@@ -34,8 +34,7 @@ import httpx
 from standardwebhooks.webhooks import Webhook as Signer
 
 from api.schemas import JobSummary
-from api.store import Store
-from api.store.webhooks import Delivery, WebhookStore
+from api.store import Delivery, Store, WebhookStore
 from api.tasks import TaskSet
 from api.webhooks.config import WebhooksConfig
 from api.webhooks.safety import Refused, destination

@@ -9,8 +9,7 @@ import secrets
 
 from api.auth import Principal
 from api.problems import Problem
-from api.store import new_id, utcnow
-from api.store.webhooks import Webhook, WebhookStore
+from api.store import Webhook, WebhookStore, new_id, utcnow
 from api.webhooks.config import WebhooksConfig
 from api.webhooks.models import LastDelivery, WebhookCreated, WebhookInfo, WebhookRequest
 from api.webhooks.safety import Refused, check_url, resolve
