@@ -10,6 +10,7 @@ import asyncio
 import base64
 import hashlib
 import hmac
+import os
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -20,6 +21,7 @@ from typing import Any
 
 import pytest
 from api_helpers import (
+    SSHAPI,
     Api,
     Keys,
     config_toml,
@@ -30,6 +32,7 @@ from api_helpers import (
 )
 from standardwebhooks.webhooks import Webhook
 
+from api.client import AsyncClient
 from api.webhooks.config import WebhooksConfig
 from api.webhooks.deliver import signed_headers
 from api.webhooks.safety import Refused, check_url, resolve
@@ -362,3 +365,42 @@ async def test_the_address_is_checked_again_at_delivery(
         assert last["status"] is None
         assert last["error"].startswith("destination refused: the host 'localhost' resolves to")
         assert receiver.received == []
+
+
+async def sshapi(*args: str, env: dict[str, str]) -> tuple[int, str]:
+    proc = await asyncio.create_subprocess_exec(
+        SSHAPI,
+        *args,
+        env={**os.environ, **env},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    async with asyncio.timeout(60):
+        out, _ = await proc.communicate()
+    assert proc.returncode is not None
+    return proc.returncode, out.decode()
+
+
+async def test_the_client_and_the_cli_add_list_and_remove_webhooks(api: Api, subject: str) -> None:
+    """`AsyncClient.add_webhook` and `sshapi webhooks add|list|rm`; the client's deliveries are
+    verified with the secret it was given."""
+    async with Receiver() as receiver, AsyncClient(api.url, api.token(subject)) as c:
+        hook = await c.add_webhook(receiver.url, ["job.succeeded"])
+        receiver.secret = hook["secret"]
+        await c.run("local", ["true"])
+        await eventually(lambda: len(receiver.received) == 1)
+        assert receiver.received[0].valid
+        assert (await c.webhook(hook["id"]))["delivered"] == 1
+        env = {"SSHAPI_URL": api.url, "SSHAPI_TOKEN": api.token(subject)}
+        code, out = await sshapi("webhooks", "add", receiver.url, "-e", "job.failed", env=env)
+        assert code == 0, out
+        second = out.split()[0]
+        assert "secret: whsec_" in out
+        code, out = await sshapi("webhooks", "list", env=env)
+        assert code == 0, out
+        assert f"{hook['id']} {receiver.url}  1 delivered, 0 failed, 0 pending; last: 204" in out
+        assert f"{second} {receiver.url}  0 delivered" in out
+        code, out = await sshapi("webhooks", "rm", second, env=env)
+        assert code == 0, out
+        await c.remove_webhook(hook["id"])
+        assert await c.webhooks() == []
