@@ -10,7 +10,10 @@ import asyncio
 import base64
 import hashlib
 import hmac
+import json
 import os
+import sys
+import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -26,6 +29,7 @@ from api_helpers import (
     Keys,
     config_toml,
     eventually,
+    free_port,
     make_settings,
     pg_schema,
     running_api,
@@ -404,3 +408,44 @@ async def test_the_client_and_the_cli_add_list_and_remove_webhooks(api: Api, sub
         assert code == 0, out
         await c.remove_webhook(hook["id"])
         assert await c.webhooks() == []
+
+
+def docs_receiver() -> str:
+    """The receiver example of docs/portals.md, as the page shows it."""
+    page = (Path(__file__).parents[2] / "docs" / "portals.md").read_text()
+    section = page.split("### A receiver that checks signatures", 1)[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+async def test_the_receiver_example_of_the_portals_page_verifies_real_deliveries(
+    api: Api, subject: str, tmp_path: Path
+) -> None:
+    """docs/portals.md's receiver, run as it is: it prints the end of a real job, and answers
+    401 to a delivery whose body was changed after signing."""
+    script = tmp_path / "receiver.py"
+    script.write_text(docs_receiver())
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/hook"
+    hook = await add_hook(api, subject, url, ["job.succeeded"])
+    env = {**os.environ, "SSHAPI_WEBHOOK_SECRET": hook["secret"], "PORT": str(port)}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(script), env=env, stdout=asyncio.subprocess.PIPE
+    )
+    try:
+        assert proc.stdout is not None
+        async with asyncio.timeout(30):
+            assert json.loads(await proc.stdout.readline()) == {"listening": port}
+            job = (await api.submit({"host": "local", "argv": ["true"]}, sub=subject)).json()
+            line = (await proc.stdout.readline()).decode().split()
+        assert line == ["job.succeeded", job["id"], "succeeded", "0"]
+        data = b'{"id":"x","state":"succeeded","exit_status":0}'
+        body = b'{"type":"job.succeeded","timestamp":"x","data":' + data + b"}"
+        headers = signed_headers(hook["secret"], "msg_1", time.time(), body)
+        forged = body.replace(b'"exit_status":0', b'"exit_status":1')
+        r = await api.client.post(url, content=forged, headers=headers)
+        assert r.status_code == 401
+        r = await api.client.post(url, content=body, headers=headers)
+        assert r.status_code == 204
+    finally:
+        proc.kill()
+        await proc.wait()
