@@ -53,6 +53,7 @@ from api.store.schema import (
     LISTED,
     NODE_DRAINS,
     REVOCATIONS,
+    WEBHOOK_DELIVERIES,
     JobRow,
     Revocation,
     Write,
@@ -489,7 +490,8 @@ def _fields(revocation: Revocation) -> dict[str, Any]:
 
 
 async def prune(url: str, schema: str | None, ended_before: datetime) -> int:
-    """Delete the jobs that ended before `ended_before`; returns how many. Final jobs only: an
+    """Delete the jobs that ended before `ended_before` (and the webhook deliveries made or
+    given up before then); returns how many jobs. Final jobs only: an
     active job stays whatever its age. A job row keeps up to the policy's max_output of each
     stream, so without this the table only grows (`sshapi db prune`, docs/deploy.md). Safe
     while replicas run: they never write a final row again."""
@@ -500,7 +502,14 @@ async def prune(url: str, schema: str | None, ended_before: datetime) -> int:
     try:
         c = JOBS.c
         query = delete(JOBS).where(c.state.in_(FINAL), c.finished_at < ended_before)
+        # Webhook deliveries made or given up before then go too (pending ones stay: a
+        # receiver may still come back within their retry window).
+        d = WEBHOOK_DELIVERIES.c
+        deliveries = delete(WEBHOOK_DELIVERIES).where(
+            d.status != "pending", d.created_at < ended_before.timestamp()
+        )
         async with engine.begin() as conn:
+            await conn.execute(deliveries)
             return int((await conn.execute(query)).rowcount)
     finally:
         await engine.dispose()
