@@ -36,7 +36,9 @@ def webhooks_add(
     profile: Profile = None,
     as_json: AsJson = False,
 ) -> None:
-    """Add a webhook; prints its id and its secret (shown this once: keep it)."""
+    """Add a webhook.
+
+    Prints its id and its secret (shown this once: keep it)."""
     with client(profile) as c:
         hook = c.add_webhook(url, event or FINAL_EVENTS)
     if as_json:
@@ -49,7 +51,9 @@ def webhooks_add(
 
 @webhooks_app.command("list")
 def webhooks_list(profile: Profile = None, as_json: AsJson = False) -> None:
-    """Your webhooks: id, deliveries made/failed/pending, the last outcome, URL."""
+    """Your webhooks.
+
+    Each one's id, URL, deliveries made, failed and pending, and its last outcome."""
     with client(profile) as c:
         hooks = c.webhooks()
     if as_json:
@@ -74,7 +78,9 @@ def webhooks_rm(
     webhook_id: Annotated[str, typer.Argument(help="The webhook's id.")],
     profile: Profile = None,
 ) -> None:
-    """Delete a webhook (its deliveries not made yet are dropped)."""
+    """Delete a webhook.
+
+    Its deliveries not made yet are dropped."""
     with client(profile) as c:
         c.remove_webhook(webhook_id)
     say(f"webhook {webhook_id} removed", err=True)
