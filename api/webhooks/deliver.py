@@ -115,15 +115,25 @@ class Deliverer:
         if room <= 0:
             return
         now = time.time()
-        due = await self.hooks.due(now, room * 2)
         cap = self.config.max_in_flight_per_identity
         taken: Counter[tuple[str, str]] = Counter()
+        full = {owner for owner, n in self._in_flight.items() if n >= cap}
         ids: list[str] = []
-        for delivery_id, iss, sub in due:
-            owner = (iss, sub)
-            if self._in_flight[owner] + taken[owner] < cap and len(ids) < room:
-                taken[owner] += 1
-                ids.append(delivery_id)
+        # Owners at their cap are left out of the next read, so that one identity's backlog
+        # (thousands due for a receiver that came back) never hides the others' deliveries.
+        while len(ids) < room:
+            due = await self.hooks.due(now, room * 2, full)
+            newly_full = False
+            for delivery_id, iss, sub in due:
+                owner = (iss, sub)
+                if owner not in full and len(ids) < room and delivery_id not in ids:
+                    taken[owner] += 1
+                    ids.append(delivery_id)
+                    if self._in_flight[owner] + taken[owner] >= cap:
+                        full.add(owner)
+                        newly_full = True
+            if len(due) < room * 2 or not newly_full:
+                break  # all due seen, or no owner left out anew: a read would find no more
         lease = self.config.timeout + LEASE_MARGIN
         for delivery in await self.hooks.claim(ids, now, lease, self.replica):
             if self._in_flight[delivery.owner] >= cap:

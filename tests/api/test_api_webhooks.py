@@ -55,6 +55,8 @@ timeout = 2
 max_response_bytes = 4096
 poll_interval = 0.3
 max_per_identity = 3
+max_in_flight = 6
+max_in_flight_per_identity = 2
 """
 FINAL_EVENTS = ["job.succeeded", "job.failed", "job.timed_out", "job.cancelled", "job.lost"]
 
@@ -449,3 +451,22 @@ async def test_the_receiver_example_of_the_portals_page_verifies_real_deliveries
     finally:
         proc.kill()
         await proc.wait()
+
+
+async def test_one_identitys_backlog_does_not_hold_up_anothers_deliveries(api: Api) -> None:
+    """Identity a has 20 deliveries queued for a receiver that answers after 1.9 s, 2 in
+    flight at a time (its cap): identity b's delivery goes out meanwhile, not after them."""
+    async with Receiver(delay=1.9) as slow, Receiver() as fast:
+        await add_hook(api, "backlog-a", slow.url, ["job.succeeded"])
+        await add_hook(api, "backlog-b", fast.url, ["job.succeeded"])
+        await run_jobs_of(api, "backlog-a", 20)
+        await eventually(lambda: len(slow.received) >= 2, timeout=30)
+        await run_jobs_of(api, "backlog-b", 1)
+        await eventually(lambda: len(fast.received) == 1, timeout=30)
+        assert len(slow.received) < 20
+
+
+async def run_jobs_of(api: Api, sub: str, count: int) -> None:
+    for _ in range(count):
+        r = await api.submit({"host": "local", "argv": ["true"]}, sub=sub, wait=10)
+        assert r.json()["state"] == "succeeded", r.text
