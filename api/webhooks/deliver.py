@@ -11,6 +11,9 @@ within `timeout`, reading at most `max_response_bytes` of the answer. A 2xx is d
 other outcome is retried after `retry_first` seconds doubling to `retry_max`, until
 `retry_for` seconds after the event, then the delivery is `failed` and counted on its webhook.
 
+The deliveries of an identity a revocation refuses are held (not sent: the job data is theirs)
+and retried like failures, so a lift within the retry window lets them go out.
+
 In flight at once: at most `max_in_flight` per process and `max_in_flight_per_identity` per
 identity per process; a claimed delivery over its identity's cap is given back unsent.
 
@@ -27,6 +30,7 @@ import logging
 import random
 import time
 from collections import Counter
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -69,9 +73,18 @@ def signed_headers(secret: str, msg_id: str, now: float, body: bytes) -> dict[st
 
 class Deliverer:
     def __init__(
-        self, store: Store, config: WebhooksConfig, replica: str, *, details: bool
+        self,
+        store: Store,
+        config: WebhooksConfig,
+        replica: str,
+        *,
+        details: bool,
+        revoked: Callable[[tuple[str, str]], bool] = lambda owner: False,
     ) -> None:
         self.store = store
+        # Whether a revocation refuses the owner (api/admin/revocations.py): their deliveries
+        # wait, retried as a failure would be, until it is lifted or their window ends.
+        self.revoked = revoked
         self.config = config
         self.replica = replica
         self.details = details  # the job's `node` in `data` (api.host_details_require_admin)
@@ -164,7 +177,12 @@ class Deliverer:
         body = body_of(delivery, data)
         now = time.time()
         headers = signed_headers(delivery.secret, delivery.event_id, now, body)
-        status, error = await self._post(delivery.url, body, headers)
+        status: int | None
+        error: str | None
+        if self.revoked(delivery.owner):
+            status, error = None, "held: the identity is revoked"
+        else:
+            status, error = await self._post(delivery.url, body, headers)
         done = time.time()
         if status is not None and 200 <= status < 300:
             outcome, next_at = "delivered", done

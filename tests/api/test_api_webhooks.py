@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 from api_helpers import (
+    LOCAL_ISS,
     SSHAPI,
     Api,
     Keys,
@@ -471,3 +472,32 @@ async def run_jobs_of(api: Api, sub: str, count: int) -> None:
     body = {"host": "local", "argv": ["true"]}
     answers = await asyncio.gather(*(api.submit(body, sub=sub, wait=10) for _ in range(count)))
     assert all(r.json()["state"] == "succeeded" for r in answers), [r.text for r in answers]
+
+
+async def test_a_revoked_identitys_deliveries_are_held_until_the_lift(
+    api: Api, subject: str
+) -> None:
+    """Revoked while its job runs: the job ends `cancelled`, and that event is not sent to the
+    identity's receiver while the revocation holds; lifted, it goes out."""
+    admin = {"Authorization": f"Bearer {api.token('root-admin', 'jobs:read jobs:write admin')}"}
+    async with Receiver() as receiver:
+        hook = await add_hook(api, subject, receiver.url, ["job.cancelled"])
+        receiver.secret = hook["secret"]
+        job = (await api.submit({"host": "local", "command": "sleep 60"}, sub=subject)).json()
+        await api.wait_state(job["id"], ("running",), sub=subject)
+        r = await api.client.post(
+            f"{api.url}/v1/admin/revocations",
+            json={"issuer": LOCAL_ISS, "subject": subject},
+            headers=admin,
+        )
+        assert r.status_code == 201, r.text
+        revocation = r.json()["id"]
+        await api.wait_state(job["id"], ("cancelled",), scope="jobs:read admin")
+        await asyncio.sleep(1.5)  # the deliverer looked several times (poll 0.3 s)
+        assert receiver.received == []
+        r = await api.client.delete(f"{api.url}/v1/admin/revocations/{revocation}", headers=admin)
+        assert r.status_code == 204
+        await eventually(lambda: len(receiver.received) == 1, timeout=30)
+        [got] = receiver.received
+        assert got.valid and got.message["type"] == "job.cancelled"
+        assert got.message["data"]["id"] == job["id"]
