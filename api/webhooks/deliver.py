@@ -157,17 +157,22 @@ class Deliverer:
 
     async def _deliver(self, delivery: Delivery) -> None:
         self._sending[delivery.id] = delivery
+        cancelled = False
         try:
             await self._attempt(delivery)
-            del self._sending[delivery.id]
+        except asyncio.CancelledError:
+            cancelled = True  # closing: left in _sending, which `close` gives back
+            raise
         finally:
+            if not cancelled:  # done, or failed (the store down): its lease runs out
+                self._sending.pop(delivery.id, None)
             self._in_flight[delivery.owner] -= 1
             if self._in_flight[delivery.owner] <= 0:
                 del self._in_flight[delivery.owner]
             self._wake.set()  # its identity may have more due
 
     async def _attempt(self, delivery: Delivery) -> None:
-        row = await self.store.get(delivery.job_id)
+        row = await self.store.summary(delivery.job_id)
         # A job pruned meanwhile (`sshapi db prune`) is announced by its id alone.
         data = (
             JobSummary.of(row, self.details).model_dump(mode="json")
