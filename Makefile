@@ -137,15 +137,22 @@ lint: $(STAMP)
 unasync: $(STAMP)
 	$(VENV)/bin/python scripts/gen_sync_client.py
 
+# Both tiers run in TEST_WORKERS processes (pytest-xdist), a test file's tests in one of them (its
+# module fixtures built once). Most of a test is waiting on sshd, Slurm or a database, so two
+# processes on two cores finish well before one (figures: docs/benchmarks.md). Each worker
+# has its own rig account (tests/conftest.py). TEST_WORKERS=0: one process, as before.
+TEST_WORKERS ?= 2
+PYTEST_PARALLEL = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+
 # The fast tier: lint, then the pool, the API and the client against the rig's sshd, PostgreSQL
 # and Redis; no Slurm, browser, deploy, docs, load-suite or install tests (their markers:
 # tests/conftest.py). For the edit-test loop; `make test` (CI) runs everything.
 test-fast: $(STAMP) sshd shells services openssh10 lint
-	$(VENV)/bin/pytest -m "not full" --durations=20 --basetemp="$$(mktemp -d /tmp/sshapi-tests.XXXXXX)"
+	$(VENV)/bin/pytest $(PYTEST_PARALLEL) -m "not full" --durations=20 --basetemp="$$(mktemp -d /tmp/sshapi-tests.XXXXXX)"
 
 # The whole suite: lint, then every test (SSH, API, fault and slow ones included); it ends
 # with the 20 slowest tests, to keep the suite's time in view. Each run gets
 # its own temp dir: pytest prunes /tmp/pytest-of-$USER to 3 runs, which would delete the sshd
 # files of a run still going.
 test: $(STAMP) sshd shells slurm services deploy-tools browser node openssh10 lint
-	$(VENV)/bin/pytest --durations=20 --basetemp="$$(mktemp -d /tmp/sshapi-tests.XXXXXX)"
+	$(VENV)/bin/pytest $(PYTEST_PARALLEL) --durations=20 --basetemp="$$(mktemp -d /tmp/sshapi-tests.XXXXXX)"
