@@ -28,8 +28,12 @@ Several processes reaching one sshd (API workers and replicas) share its gate an
 through a `Coordinator`: it sets this process's share (`allow`), and the gate and budget above
 are then `gate()` and `budget()`, the lesser of the sshd's limit and the share. A share
 lowered below what the process holds closes idle connections, least recently used first, and
-makes busy ones yield (each closes once its channels end), down to the share. Without a
-coordinator the process owns the whole budget; `StaticShare` gives it budget / processes.
+makes busy ones yield (each closes once its channels end), down to the share. Another
+process may ask for the room of one idle connection of this one (the least recently used of
+the sshd's, `lend`): it closes if still idle, and its room is no longer this process's
+(`budget`). A coordinator that expects slots of the sshd to be free (`room_coming`) has a full
+share wait for it rather than close an idle connection of its own. Without a coordinator the
+process owns the whole budget; `StaticShare` gives it budget / processes.
 
 State changes only in the synchronous methods below; the host pools do the I/O.
 """
