@@ -349,7 +349,7 @@ class RedisBudget:
         asked -= set(done)
         lease_c, cap_c, lease_h, cap_h = (int(x) for x in reply[:4])
         # A close for another process that ended during the call: the reply counted its room.
-        cap_c -= len(lending - sshd.lending)
+        cap_c = max(0, cap_c - len(lending - sshd.lending))
         sshd.counters["closes_asked"] += int(reply[9])
         self._reported[sshd.key] = sshd.penalties.refused
         before = self._leases.get(sshd.key, (0, 0))[1]
