@@ -217,8 +217,8 @@ async def test_a_busy_connection_never_closes_for_another_process(
     run their commands to the end (exit 0) and the newer idle one stays."""
     host, accounts, prefix = setup(make_host, tmp_path)
     async with holders(1, host, accounts[:4], prefix, 2, LIMITS) as (p1,):
-        assert (await p1.order("hold 0 6"))["holding"] == 0
-        assert (await p1.order("hold 1 6"))["holding"] == 1
+        assert (await p1.order("hold 0 15"))["holding"] == 0
+        assert (await p1.order("hold 1 15"))["holding"] == 1
         assert (await p1.order("run 2"))["ok"]
         assert (await p1.order("run 3"))["ok"]
         await offered(prefix, host, [p1.me] * 2)
