@@ -284,7 +284,7 @@ class HostPool:
         try:
             await c.conn.close()
         finally:
-            self.sshd.closed(evicted)
+            self.sshd.closed(evicted, c.ident)
 
     def _connected(self, result: SSHPoolError | None) -> None:
         for fut in self.connect_watchers:
