@@ -48,11 +48,14 @@ OPENSSH10_APT ?= apt-get
 # Create or refresh .venv whenever pyproject.toml changes. An existing .venv keeps the interpreter
 # it was made with: remove it to move to another one. scripts/pip_progress.py runs pip with a
 # progress line (pip -q is silent for the whole install); it needs only the venv's python.
-# The OS's pip is left as it is for the server (upgrading it costs seconds of a first `make run`).
+# The OS's pip is left as it is for the server (upgrading it costs seconds of a first `make run`),
+# and --no-compile leaves the bytecode to the first import, which compiles only what the server
+# imports (pip compiles every module of every package: 70-81 s against 47-48 s for the server's
+# install, interleaved, load 9-12: docs/benchmarks.md).
 $(RUN_STAMP): pyproject.toml | python-venv
 	@echo "installing the server into $(VENV) (first run, or pyproject.toml changed)"
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/python scripts/pip_progress.py "  server" -- -e '.[server]'
+	$(VENV)/bin/python scripts/pip_progress.py "  server" -- --no-compile -e '.[server]'
 	touch $(RUN_STAMP)
 
 # The rest, on top of the server: the tests' and the load suite's tools, the other SSH libraries.

@@ -28,7 +28,9 @@ def progress(lines: Iterable[str], label: str, tty: bool, every: int = 10) -> It
     for line in lines:
         if m := COLLECTING.match(line):
             fetched += 1
-            name = re.split(r"[<>=!~\[ ;]", m.group(1), maxsplit=1)[0]
+            # "fastapi>=0.110", "uvicorn[standard]", or a wheel's path (pip's find-links)
+            name = re.split(r"[<>=!~\[ ;]", m.group(1).rsplit("/", 1)[-1], maxsplit=1)[0]
+            name = name.split("-", 1)[0] if name.endswith(".whl") else name
             text = f"{label}: {fetched} packages fetched ({name})"
             if tty:
                 yield f"{rewrite}{text}"
