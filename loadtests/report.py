@@ -170,9 +170,7 @@ def _breakdown(parts: dict[str, dict[str, float | None]]) -> list[str]:
     ]
     for name, p in parts.items():
         what = PARTS.get(name, "Server-Timing stage")
-        lines.append(
-            f"| {name} | {_ms(p['mean'])} | {_ms(p['p50'])} | {_ms(p['p99'])} | {what} |"
-        )
+        lines.append(f"| {name} | {_ms(p['mean'])} | {_ms(p['p50'])} | {_ms(p['p99'])} | {what} |")
     return lines
 
 
