@@ -486,6 +486,9 @@ class Metrics:
             ["direction"],
             registry=self.registry,
         )
+        for direction in ("upload", "download"):  # at 0 from the start (POOL_COUNTERS says why)
+            self.file_bytes.labels(direction)
+            self.file_transfers.labels(direction)
         self._pool: tuple[Stats, PoolDurations] | None = None
         # Set by each scrape (api/routes/ops.py): did Redis answer? None: no Redis.
         self.redis_up: bool | None = None
