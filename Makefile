@@ -42,7 +42,7 @@ SERVICES_DIR ?= /tmp/sshapi-services-$(shell id -u)
 OPENSSH10_DIR ?= /tmp/sshapi-openssh10-$(shell id -u)
 OPENSSH10_APT ?= apt-get
 
-.PHONY: run test test-fast lint unasync python-venv sshd slurm services deploy-tools shells browser node openssh10 prometheus
+.PHONY: run test test-fast lint unasync dashboards python-venv sshd slurm services deploy-tools shells browser node openssh10 prometheus
 
 # Create or refresh .venv whenever pyproject.toml changes. An existing .venv keeps the interpreter
 # it was made with: remove it to move to another one.
@@ -137,6 +137,12 @@ openssh10: $(STAMP)
 # counts: a PORT some other tool exported must not move the API.
 run: $(STAMP) sshd
 	$(VENV)/bin/sshapi dev$(if $(filter command line,$(origin PORT)), --port $(PORT))
+
+# The Grafana dashboards (deploy/grafana/dashboards/) are generated from the panels listed in
+# scripts/gen_dashboards.py: run this after editing it; tests/api/test_api_prometheus.py fails
+# while the two disagree.
+dashboards: $(STAMP)
+	$(VENV)/bin/python scripts/gen_dashboards.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -25,6 +25,8 @@ RATE = "[$__rate_interval]"
 POOL = 'ssh_client_connection_pool_name=~"$host"'
 HOST = 'host=~"$host"'
 HTTP = "http_server_request_duration_seconds"
+# The `host` variable's values: the configured host names (the pools' names).
+HOSTS = "label_values(ssh_client_connection_count, ssh_client_connection_pool_name)"
 
 # A panel: title, unit, [(PromQL, legend)], description.
 Panel = tuple[str, str, list[tuple[str, str]], str]
@@ -211,8 +213,9 @@ DASHBOARDS: dict[str, tuple[str, str, list[Panel]]] = {
                 "ops",
                 [
                     (
-                        f"sum by (host) (rate(sshpool_timeouts_queue_total{{{HOST}}}{RATE}))",
-                        "{{host}} queue deadline",
+                        f"sum by (ssh_client_connection_pool_name) "
+                        f"(rate(ssh_client_connection_timeouts_total{{{POOL}}}{RATE}))",
+                        "{{ssh_client_connection_pool_name}} queue deadline",
                     ),
                     (
                         f"sum by (host) (rate(sshpool_refused_full_total{{{HOST}}}{RATE}))",
@@ -503,8 +506,8 @@ def variables(uid: str) -> list[dict[str, Any]]:
                 "label": "Host",
                 "type": "query",
                 "datasource": {"type": "prometheus", "uid": "${datasource}"},
-                "definition": "label_values(sshpool_connections, host)",
-                "query": {"query": "label_values(sshpool_connections, host)", "refId": "host"},
+                "definition": HOSTS,
+                "query": {"query": HOSTS, "refId": "host"},
                 "includeAll": True,
                 "multi": True,
                 "allValue": ".*",

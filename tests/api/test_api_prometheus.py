@@ -19,8 +19,9 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from api_helpers import REDIS_URL, Api, Keys, config_toml, free_port, make_settings, running_api
+from api_helpers import REDIS_URL, Api, Keys, config_toml, make_settings, running_api
 
+from loadtests.panels import run_prometheus
 from sshpool.devhost import LocalHost
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -160,43 +161,10 @@ def file_root(tuned_host: LocalHost) -> Iterator[tuple[str, Path]]:
 def prometheus(api: Api, tmp_path: Path) -> Iterator[str]:
     """Prometheus on 127.0.0.1 (a free port), its own storage under tmp_path, from the
     shipped configuration with a 1-s interval and the API as its only target, scraping with
-    an admin token as the shipped configuration says; killed at the end."""
-    config = yaml.safe_load((PROMETHEUS_DIR / "prometheus.yml").read_text())
-    config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
-    config["rule_files"] = [str(PROMETHEUS_DIR / "sshapi-rules.yml")]
-    token = tmp_path / "prometheus.token"
-    token.write_text(api.token("prometheus", "admin"))
-    (job,) = config["scrape_configs"]
-    job["authorization"]["credentials_file"] = str(token)
-    job["static_configs"] = [{"targets": [api.url.removeprefix("http://")]}]
-    job["scrape_timeout"] = "1s"
-    path = tmp_path / "prometheus.yml"
-    path.write_text(yaml.safe_dump(config))
-    port = free_port()
-    log = (tmp_path / "prometheus.log").open("wb")
-    proc = subprocess.Popen(
-        [
-            PROMETHEUS,
-            f"--config.file={path}",
-            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-            "--storage.tsdb.retention.time=1h",
-            "--log.level=warn",
-        ],
-        stdin=subprocess.DEVNULL,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-        log.close()
+    an admin token as the shipped configuration says; stopped at the end."""
+    target = api.url.removeprefix("http://")
+    with run_prometheus(target, api.token("prometheus", "admin"), tmp_path) as url:
+        yield url
 
 
 async def query(client: httpx.AsyncClient, url: str, expr: str) -> dict[str, Any]:
