@@ -401,12 +401,13 @@ def _sshd_limits(
     if not budget:
         per_connection = f"max_sessions {lim.max_sessions}"
         if host.exec_mode == "agent" or (host.exec_mode == "auto" and lim.max_sessions > 1):
+            fallback = ""
+            if host.exec_mode == "auto":
+                fallback = f"; max_sessions {lim.max_sessions} where it does not start"
             per_connection = (
                 f"1 executor + {lim.max_sessions - 1} SFTP channels (up to "
-                f"{lim.agent_max_commands} commands through the executor)"
+                f"{lim.agent_max_commands} commands through the executor{fallback})"
             )
-            if host.exec_mode == "auto":
-                per_connection += f", or max_sessions {lim.max_sessions} where it does not start"
         found.append(
             Finding(
                 name,

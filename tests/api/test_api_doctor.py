@@ -52,7 +52,7 @@ def test_healthy_host_passes_every_check(tuned_host: LocalHost) -> None:
     assert found["agent"].status == "ok" and "runs the executor" in found["agent"].detail
     # `sshapi dev`'s host takes the default, "auto": agent mode where python3 answers.
     assert "exec_mode auto: agent mode here" in found["agent"].detail, found["agent"].line()
-    assert "or max_sessions 8 where it does not start" in found["budget"].detail
+    assert "; max_sessions 8 where it does not start)" in found["budget"].detail
 
 
 def test_auto_host_without_python3_warns_that_it_runs_as_channels(
