@@ -153,6 +153,10 @@ def config(
         "client_keys": [str(accounts[0].key)],
         "known_hosts": host.known_hosts,
         "limits": dataclasses.asdict(lim),
+        # Channels: this measures logins against the per-sshd budget, and its figures compare
+        # with those before the default became "auto" (which would add an executor's start to
+        # each account's connection: docs/pool.md).
+        "exec_mode": "channel",
     }
     if credentials == "certificate":
         del local["client_keys"]
