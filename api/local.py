@@ -166,7 +166,7 @@ def local_host_config(
     host: LocalSshd,
     *,
     slurm: bool = False,
-    exec_mode: ExecMode = "channel",
+    exec_mode: ExecMode = "auto",
     nodes: Sequence[str] = (),
 ) -> HostConfig:
     """The started local host as configuration (with a scheduler when Slurm runs beside it);

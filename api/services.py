@@ -86,6 +86,7 @@ import functools
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from importlib.metadata import version
 from typing import Any
 
 import httpx
@@ -277,8 +278,14 @@ async def running(
                 n: the_pool.nodes(host.target()) for n, host in config.hosts.items() if host.nodes
             }
 
-        metrics.watch_pool(pools_by_host, nodes_by_host)
+        def durations_by_host() -> dict[str, list[dict[str, Any]]]:
+            durations = the_pool.durations()
+            return {n: policy.pools(n, durations) for n in config.hosts}
+
+        metrics.watch_pool(pools_by_host, nodes_by_host, durations_by_host)
         metrics.watch_sshds(sshds_by_host)
+        release = version("sshapi")
+        metrics.watch_service(settings.replica, release, the_store.write_stats, jobs.live.stats)
         metrics.watch_trackers(lambda: batch.trackers)
         nudge = RedisNudge(settings.redis_url) if settings.redis_url else None
         if nudge is not None:

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import sqlite3
+import time
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
@@ -86,6 +87,12 @@ class Store:
         self._sql = Sql()
         # PostgreSQL only: the writer's own asyncpg connection.
         self._pg: PgWriter | None = None
+        # For /metrics (`write_stats`): a queue that grows says the database is slower than
+        # the writes coming in.
+        self._pending = 0
+        self._commits = 0
+        self._committed = 0
+        self._commit_seconds = 0.0
         # Called after a committed state change that may have queued webhook deliveries (the
         # deliverer's wake-up, api/webhooks/deliver.py): without it they wait for its poll.
         self.on_event: list[Callable[[], None]] = []
@@ -167,13 +174,25 @@ class Store:
             raise RuntimeError("store not started, or its writer is gone")
         done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._writes.put_nowait((write, size, done))
+        self._pending += 1
         return await done
+
+    def write_stats(self) -> dict[str, float]:
+        """Writes accepted and not yet committed (waiting or in the transaction under way),
+        transactions and writes committed, and the seconds those transactions took."""
+        return {
+            "pending": self._pending,
+            "commits": self._commits,
+            "writes": self._committed,
+            "commit_seconds": self._commit_seconds,
+        }
 
     async def _write_loop(self) -> None:
         while True:
             batch = [await self._writes.get()]
             while len(batch) < MAX_BATCH and not self._writes.empty():
                 batch.append(self._writes.get_nowait())
+            start = time.perf_counter()
             try:
                 await self._commit(batch)
             except Exception:
@@ -183,6 +202,10 @@ class Store:
                     with contextlib.suppress(Exception):
                         await self._commit([item])
             finally:
+                self._commits += 1
+                self._committed += len(batch)
+                self._pending -= len(batch)
+                self._commit_seconds += time.perf_counter() - start
                 for _ in batch:
                     self._writes.task_done()
             if self._sqlite is not None:
