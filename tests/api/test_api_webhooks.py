@@ -501,3 +501,28 @@ async def test_a_revoked_identitys_deliveries_are_held_until_the_lift(
         [got] = receiver.received
         assert got.valid and got.message["type"] == "job.cancelled"
         assert got.message["data"]["id"] == job["id"]
+
+
+async def test_a_delivery_is_given_up_after_its_retry_window_and_shown_failed(
+    tuned_host: LocalHost, secret_file: Path, keys: Keys, secret: str, tmp_path: Path, subject: str
+) -> None:
+    """`retry_for` 1.5 s (25 h by default) and a receiver that never answers: the delivery is
+    retried, then `failed`, counted on the webhook, and not sent when the receiver comes up."""
+    path = tmp_path / "short.toml"
+    path.write_text(config_toml(tuned_host, secret_file, keys, HOOKS + "retry_for = 1.5\n"))
+    settings = make_settings(tmp_path, path, "sqlite", None)
+    receiver = Receiver()
+    await receiver.start()
+    await receiver.stop()  # its port, closed
+    async with running_api(settings, keys, secret) as api:
+        hook = await add_hook(api, subject, receiver.url, ["job.succeeded"])
+        await api.submit({"host": "local", "argv": ["true"]}, sub=subject)
+        async with asyncio.timeout(30):
+            while (shown := await hook_status(api, subject, hook["id"]))["failed"] == 0:  # noqa: ASYNC110
+                await asyncio.sleep(0.1)
+        assert (shown["failed"], shown["pending"], shown["delivered"]) == (1, 0, 0)
+        assert shown["last_delivery"]["error"] == "could not deliver: ConnectError"
+        await receiver.start()
+        await asyncio.sleep(1)  # polls at 0.3 s: a pending delivery would go out now
+        assert receiver.received == []
+    await receiver.stop()
