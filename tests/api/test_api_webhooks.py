@@ -12,6 +12,7 @@ import hashlib
 import hmac
 import json
 import os
+import ssl
 import sys
 import time
 import uuid
@@ -526,3 +527,40 @@ async def test_a_delivery_is_given_up_after_its_retry_window_and_shown_failed(
         await asyncio.sleep(1)  # polls at 0.3 s: a pending delivery would go out now
         assert receiver.received == []
     await receiver.stop()
+
+
+async def test_https_goes_to_the_checked_address_with_the_urls_name_for_tls(
+    api: Api, subject: str, tmp_path: Path
+) -> None:
+    """`https://localhost:PORT/`: the delivery connects to the address the check resolved
+    (127.0.0.1) and names `localhost` in TLS (SNI), so the receiver's certificate is checked
+    against the URL's name. Here a self-signed one, which the API refuses to trust."""
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    openssl = [
+        "openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+        "-subj", "/CN=localhost", "-keyout", str(key), "-out", str(cert),
+    ]  # fmt: skip
+    proc = await asyncio.create_subprocess_exec(*openssl, stderr=asyncio.subprocess.DEVNULL)
+    assert await proc.wait() == 0
+    names: list[str | None] = []
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    context.sni_callback = lambda sock, name, ctx: names.append(name)  # type: ignore[assignment, misc, return-value]
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0, ssl=context)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        hook = await add_hook(api, subject, f"https://localhost:{port}/hook", ["job.succeeded"])
+        await api.submit({"host": "local", "argv": ["true"]}, sub=subject)
+        last = await last_attempt(api, subject, hook["id"])
+        assert last == {
+            "at": last["at"],
+            "status": None,
+            "error": "could not deliver: ConnectError",
+        }
+        assert "localhost" in names
+    finally:
+        server.close()
