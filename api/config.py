@@ -18,6 +18,7 @@ from pydantic import Field, field_validator, model_validator
 
 from api.credentials import CertificateCredentials, Credentials, KeyCredentials, Strict
 from api.settings import read_secret_file
+from api.webhooks.config import WebhooksConfig
 from sshpool import Limits, Target
 
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
@@ -489,6 +490,7 @@ class PolicyRule(Strict):
 
 class Config(Strict):
     api: ApiConfig = Field(default_factory=ApiConfig)
+    webhooks: WebhooksConfig = Field(default_factory=WebhooksConfig)
     issuers: list[IssuerConfig] = Field(min_length=1)
     hosts: dict[Annotated[str, Field(pattern=NAME)], HostConfig] = Field(default_factory=dict)
     templates: dict[Annotated[str, Field(pattern=NAME)], TemplateConfig] = Field(
