@@ -48,6 +48,9 @@ cancellation; every one is logged with its traceback):
 |                     | (api/node_health.py)               |         |                           |
 | `node-health-nudge` | with Redis: the other processes'   | restart | lost, their verdicts come |
 |                     | verdicts as they come              |         | each second (the keys)    |
+| `webhooks`          | sends the webhook outbox's due     | restart | lost, this process sends  |
+|                     | deliveries                         |         | none (other replicas do;  |
+|                     | (api/webhooks/deliver.py)          |         | the outbox keeps them)    |
 
 `restart`: started again after a pause (doubling); the third death within a minute takes the
 process down. Taking it down: the other tasks are cancelled, /readyz answers 503, and the
@@ -105,6 +108,8 @@ from api.settings import Settings
 from api.sshd_budget import RedisBudget, budgets, make_coordinator
 from api.store import JobRow, Store
 from api.tasks import OnDeath, Supervisor
+from api.webhooks.deliver import Deliverer
+from api.webhooks.service import WebhookService
 from sshpool import Pool, SSHPoolError
 
 log = logging.getLogger("sshapi")
@@ -129,6 +134,7 @@ class Services:
     revocations: Revocations
     supervisor: Supervisor
     admin: AdminService
+    webhooks: WebhookService
     accepting: bool = False
 
     @property
@@ -310,6 +316,11 @@ async def running(
             if host.limits.min_connections > 0:
                 prewarm = functools.partial(_prewarm, the_pool, name, host)
                 tasks.append(supervisor.spawn(f"prewarm-{name}", prewarm, OnDeath.ONCE))
+        # Webhook deliveries: state changes of any replica, this one's woken at once.
+        details = not config.api.host_details_require_admin
+        deliverer = Deliverer(the_store, config.webhooks, settings.replica, details=details)
+        stack.push_async_callback(deliverer.close)
+        tasks.append(supervisor.spawn("webhooks", deliverer.loop, OnDeath.RESTART))
         # Stopped before the job service closes (the trackers write to the store it uses).
         stack.push_async_callback(supervisor.stop, *tasks)
         services = Services(
@@ -328,6 +339,7 @@ async def running(
             revocations=revocations,
             supervisor=supervisor,
             admin=AdminService(config, policy, the_store, the_pool, revocations, drains),
+            webhooks=WebhookService(deliverer.hooks, config.webhooks),
             accepting=True,
         )
         try:

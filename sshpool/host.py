@@ -87,7 +87,7 @@ class HostPool:
         self.create_time, self.wait_time = Durations(), Durations()
         self.tasks: set[asyncio.Task[Any]] = set()
         self.loop = asyncio.get_running_loop()
-        # Agent mode until a connection finds no usable python3 (then channels, for good).
+        # Whether new connections start an executor (Target.exec_mode; `AgentMode`).
         self.agent = AgentMode(target)
         # A drained login node (sshpool.cluster): no new lease, no new connection.
         self.retired = False
@@ -287,7 +287,7 @@ class HostPool:
         try:
             await c.conn.close()
         finally:
-            self.sshd.closed(evicted)
+            self.sshd.closed(evicted, c.ident)
 
     def _connected(self, result: SSHPoolError | None) -> None:
         for fut in self.connect_watchers:
@@ -585,7 +585,13 @@ class HostPool:
         return {
             "target": str(self.target),
             "backend": self.backend.name,
+            # The mode the next connection takes, and the live connections' own (exec_mode
+            # "auto" decides per connection).
             "exec_mode": "agent" if self.agent.on else "channel",
+            "connections_by_mode": {
+                "agent": sum(1 for c in live if isinstance(c.conn, AgentConnection)),
+                "channel": sum(1 for c in live if not isinstance(c.conn, AgentConnection)),
+            },
             "agent_error": self.agent.error,
             "connections": len(live),
             "connections_used": sum(1 for c in live if c.in_use),
