@@ -52,6 +52,7 @@ RECIPES: dict[str, dict[str, dict[str, str]]] = {
         "chromium-driver": {"CHROMEDRIVER_BIN": "chromedriver"},
     },
     "node": {"nodejs": {"NODE_BIN": "node"}, "npm": {"NPM_BIN": "npm"}},
+    "prometheus": {"prometheus": {"PROMETHEUS_BIN": "prometheus", "PROMTOOL_BIN": "promtool"}},
     "slurm": {
         package: {
             f"SLURM_{program}": program for program, p in SLURM_BINARIES.items() if p == package
@@ -67,7 +68,11 @@ RECIPES: dict[str, dict[str, dict[str, str]]] = {
 REAL_PG_BIN = services.pg_bin_dir(None)
 LINKS = {"pgbin": str(REAL_PG_BIN), "redis-server": services.REDIS_SERVER}
 # Variables the recipe must pass to apt-get install beyond DEBIAN_FRONTEND.
-EXTRA_ENV = {"deploy-tools": {"RUNLEVEL": "1"}, "services": {"RUNLEVEL": "1"}}
+EXTRA_ENV = {
+    "deploy-tools": {"RUNLEVEL": "1"},
+    "services": {"RUNLEVEL": "1"},
+    "prometheus": {"RUNLEVEL": "1"},
+}
 
 FAKE_APT = """\
 #!{python}
