@@ -35,10 +35,14 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from sshpool.command import CommandResult
+    from sshpool.tracing import Stages
 
 
 class SSHPoolError(Exception):
     """Base class of every error sshpool raises."""
+
+    # A failed connect's stamps (sshpool.connect): the commands it fails trace its handshake.
+    stages: Stages | None = None
 
 
 class PoolTimeout(SSHPoolError):

@@ -39,6 +39,8 @@ from sshpool.errors import (
 )
 from sshpool.lease import Lease, PooledConn, kill_group, retried
 from sshpool.target import Target
+from sshpool.tracing import handshake_spans, recording
+from sshpool.tracing import span as trace_span
 from sshpool.waiters import Waiters
 
 log = logging.getLogger("sshpool")
@@ -298,7 +300,7 @@ class HostPool:
         """Open one connection (the caller counted it in `connecting`); returns the error."""
         start = time.perf_counter()
         try:
-            conn, slots = await connect(
+            conn, slots, stages = await connect(
                 self.backend, self.target, self.agent, self._wanted, self.counters
             )
         except SSHPoolError as exc:
@@ -332,7 +334,7 @@ class HostPool:
         self.trusted = True
         # Beside an executor's channel, the SFTP sessions' (at least one: see ssh_budget).
         sftp = max(1, self.limits.max_sessions - 1) if isinstance(conn, AgentConnection) else None
-        self.conns.append(PooledConn(conn, slots, now, time.perf_counter() - start, sftp))
+        self.conns.append(PooledConn(conn, slots, now, time.perf_counter() - start, sftp, stages))
         self._connected(None)
         return None
 
@@ -346,6 +348,28 @@ class HostPool:
             raise NotAdmitted(f"{self.target}: refused by the gate")
 
     async def acquire(
+        self,
+        deadline: float | None,
+        tenant: Hashable = None,
+        sftp: bool = False,
+        gated: bool = True,
+    ) -> PooledConn:
+        """`_acquire`, traced (`ssh.pool.wait`) inside a recording span: with the handshake of
+        the connection it waited for (its first lease), or of the connect that failed it."""
+        if not recording():
+            return await self._acquire(deadline, tenant, sftp, gated)
+        with trace_span("ssh.pool.wait", self.target):
+            try:
+                c = await self._acquire(deadline, tenant, sftp, gated)
+            except SSHPoolError as exc:
+                if exc.stages is not None:
+                    handshake_spans(exc.stages, self.target, self.backend.name, exc)
+                raise
+            if c.leases == 0 and c.stages is not None:
+                handshake_spans(c.stages, self.target, self.backend.name)
+            return c
+
+    async def _acquire(
         self,
         deadline: float | None,
         tenant: Hashable = None,
@@ -445,33 +469,38 @@ class HostPool:
         taken until the remote command exits)."""
         try:
             if pgid is not None:
-                async with asyncio.timeout(KILL_TIMEOUT):
-                    try:
-                        # The lease's own connection has a spare sshd session slot
-                        # (max_sessions < MaxSessions).
-                        await kill_group(c.conn, pgid)
-                    except (ChannelRefused, ConnectionLost):
-                        other = await self.acquire(None, gated=False)
-                        try:
-                            await kill_group(other.conn, pgid)
-                        finally:
-                            self._release(other)
-                    self.counters["killed"] += 1
+                with trace_span("ssh.kill", self.target):
+                    await self._kill_group(c, pgid)
+                self.counters["killed"] += 1
         except (SSHPoolError, TimeoutError) as exc:
             self.counters["kill_failed"] += 1
             log.warning("could not kill process group %s on %s: %s", pgid, self.target, exc)
         finally:
             self._release(c)
 
+    async def _kill_group(self, c: PooledConn, pgid: int) -> None:
+        """The kill of `_kill`, within KILL_TIMEOUT: on the lease's own connection, which has a
+        spare sshd session slot (max_sessions < MaxSessions), else on another slot."""
+        async with asyncio.timeout(KILL_TIMEOUT):
+            try:
+                await kill_group(c.conn, pgid)
+            except (ChannelRefused, ConnectionLost):
+                other = await self.acquire(None, gated=False)
+                try:
+                    await kill_group(other.conn, pgid)
+                finally:
+                    self._release(other)
+
     async def kill(self, pgid: int) -> None:
         """Kill a process group started elsewhere, on a slot of its own, within KILL_TIMEOUT."""
-        c = await self.acquire(self.loop.time() + KILL_TIMEOUT, gated=False)
-        try:
-            async with asyncio.timeout(KILL_TIMEOUT):
-                await kill_group(c.conn, pgid)
-            self.counters["killed"] += 1
-        finally:
-            self._release(c)
+        with trace_span("ssh.kill", self.target):
+            c = await self.acquire(self.loop.time() + KILL_TIMEOUT, gated=False)
+            try:
+                async with asyncio.timeout(KILL_TIMEOUT):
+                    await kill_group(c.conn, pgid)
+                self.counters["killed"] += 1
+            finally:
+                self._release(c)
 
     async def open_sftp(
         self, deadline: float | None, since: float, tenant: Hashable = None
