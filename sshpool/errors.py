@@ -31,18 +31,18 @@ RemoteFileError family to 404, 403, 507, 501 and 409.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from sshpool.command import CommandResult
-    from sshpool.tracing import Stages
 
 
 class SSHPoolError(Exception):
     """Base class of every error sshpool raises."""
 
-    # A failed connect's stamps (sshpool.connect): the commands it fails trace its handshake.
-    stages: Stages | None = None
+    # A failed connect's stamps (a `sshpool.tracing.Stages`, set by sshpool.connect): the
+    # commands it fails trace its handshake. Typed loosely: tracing imports this module.
+    stages: Any = None
 
 
 class PoolTimeout(SSHPoolError):

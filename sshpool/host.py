@@ -39,8 +39,7 @@ from sshpool.errors import (
 )
 from sshpool.lease import Lease, PooledConn, kill_group, retried
 from sshpool.target import Target
-from sshpool.tracing import handshake_spans, recording
-from sshpool.tracing import span as trace_span
+from sshpool.tracing import recording, waited
 from sshpool.waiters import Waiters
 
 log = logging.getLogger("sshpool")
@@ -354,27 +353,12 @@ class HostPool:
         sftp: bool = False,
         gated: bool = True,
     ) -> PooledConn:
-        """`_acquire`, traced (`ssh.pool.wait`) inside a recording span: with the handshake of
-        the connection it waited for (its first lease), or of the connect that failed it."""
-        if not recording():
-            return await self._acquire(deadline, tenant, sftp, gated)
-        with trace_span("ssh.pool.wait", self.target):
-            try:
-                c = await self._acquire(deadline, tenant, sftp, gated)
-            except SSHPoolError as exc:
-                if exc.stages is not None:
-                    handshake_spans(exc.stages, self.target, self.backend.name, exc)
-                raise
-            if c.leases == 0 and c.stages is not None:
-                handshake_spans(c.stages, self.target, self.backend.name)
-            return c
+        """`_acquire`, traced inside a recording span (`sshpool.tracing.waited`)."""
+        got = self._acquire(deadline, tenant, sftp, gated)
+        return await (waited(got, self.target, self.backend.name) if recording() else got)
 
     async def _acquire(
-        self,
-        deadline: float | None,
-        tenant: Hashable = None,
-        sftp: bool = False,
-        gated: bool = True,
+        self, deadline: float | None, tenant: Hashable, sftp: bool, gated: bool
     ) -> PooledConn:
         """A slot (`sftp`: for an SFTP session, which needs a channel too), in `tenant`'s turn.
         `gated`: the gate is asked now and once the slot is granted (NotAdmitted, the slot
@@ -469,38 +453,33 @@ class HostPool:
         taken until the remote command exits)."""
         try:
             if pgid is not None:
-                with trace_span("ssh.kill", self.target):
-                    await self._kill_group(c, pgid)
-                self.counters["killed"] += 1
+                async with asyncio.timeout(KILL_TIMEOUT):
+                    try:
+                        # The lease's own connection has a spare sshd session slot
+                        # (max_sessions < MaxSessions).
+                        await kill_group(c.conn, pgid)
+                    except (ChannelRefused, ConnectionLost):
+                        other = await self.acquire(None, gated=False)
+                        try:
+                            await kill_group(other.conn, pgid)
+                        finally:
+                            self._release(other)
+                    self.counters["killed"] += 1
         except (SSHPoolError, TimeoutError) as exc:
             self.counters["kill_failed"] += 1
             log.warning("could not kill process group %s on %s: %s", pgid, self.target, exc)
         finally:
             self._release(c)
 
-    async def _kill_group(self, c: PooledConn, pgid: int) -> None:
-        """The kill of `_kill`, within KILL_TIMEOUT: on the lease's own connection, which has a
-        spare sshd session slot (max_sessions < MaxSessions), else on another slot."""
-        async with asyncio.timeout(KILL_TIMEOUT):
-            try:
-                await kill_group(c.conn, pgid)
-            except (ChannelRefused, ConnectionLost):
-                other = await self.acquire(None, gated=False)
-                try:
-                    await kill_group(other.conn, pgid)
-                finally:
-                    self._release(other)
-
     async def kill(self, pgid: int) -> None:
         """Kill a process group started elsewhere, on a slot of its own, within KILL_TIMEOUT."""
-        with trace_span("ssh.kill", self.target):
-            c = await self.acquire(self.loop.time() + KILL_TIMEOUT, gated=False)
-            try:
-                async with asyncio.timeout(KILL_TIMEOUT):
-                    await kill_group(c.conn, pgid)
-                self.counters["killed"] += 1
-            finally:
-                self._release(c)
+        c = await self.acquire(self.loop.time() + KILL_TIMEOUT, gated=False)
+        try:
+            async with asyncio.timeout(KILL_TIMEOUT):
+                await kill_group(c.conn, pgid)
+            self.counters["killed"] += 1
+        finally:
+            self._release(c)
 
     async def open_sftp(
         self, deadline: float | None, since: float, tenant: Hashable = None

@@ -21,16 +21,29 @@ path or contents, a key or a certificate.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeVar
 
 from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode
 
-if TYPE_CHECKING:
-    from sshpool.target import Target
+from sshpool.errors import SSHPoolError
+
+
+class Target(Protocol):
+    """What a span says of a `sshpool.target.Target` (which imports this module)."""
+
+    @property
+    def host(self) -> str: ...
+    @property
+    def port(self) -> int: ...
+    @property
+    def username(self) -> str: ...
+    @property
+    def exec_mode(self) -> str: ...
+
 
 TRACER = trace.get_tracer("sshpool")
 
@@ -159,3 +172,31 @@ def exec_spans(
     if error is not None:
         failed(command, error)
     command.end(end)
+
+
+class Leased(Protocol):
+    """A pooled connection as `waited` sees it (`sshpool.lease.PooledConn`)."""
+
+    @property
+    def leases(self) -> int: ...
+
+    @property
+    def stages(self) -> Stages | None: ...
+
+
+C = TypeVar("C", bound=Leased)
+
+
+async def waited(acquiring: Awaitable[C], target: Target, backend: str) -> C:
+    """A slot's acquisition as an `ssh.pool.wait` span (the queue wait), with the handshake of
+    the connection it waited for (its first lease) or of the connect that failed it."""
+    with span("ssh.pool.wait", target):
+        try:
+            c = await acquiring
+        except SSHPoolError as exc:
+            if exc.stages is not None:
+                handshake_spans(exc.stages, target, backend, exc)
+            raise
+        if c.leases == 0 and c.stages is not None:
+            handshake_spans(c.stages, target, backend)
+        return c

@@ -43,6 +43,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.sql.expression import ClauseElement
 
+from api import tracing
 from api.states import ACTIVE, FINAL
 from api.store import migrate
 from api.store.postgres import PgWriter, output_bytes
@@ -236,7 +237,8 @@ class Store:
             def add(conn: Connection) -> None:
                 conn.execute(insert(JOBS).values(values))
 
-        await self._write(add, size)
+        with tracing.store_span("INSERT", self.dialect):
+            await self._write(add, size)
         return row
 
     async def get(self, job_id: str) -> JobRow | None:
@@ -272,7 +274,8 @@ class Store:
             def run(db: sqlite3.Connection) -> bool:
                 return db.execute(sql, params).rowcount > 0
 
-            return bool(await self._write(run, output_bytes(params)))
+            with tracing.store_span("UPDATE", self.dialect):
+                return bool(await self._write(run, output_bytes(params)))
         if self._pg is not None:
             pg = self._pg.sql
             if any(isinstance(v, ClauseElement) for v in values.values()):  # rare: per call
@@ -287,7 +290,8 @@ class Store:
                 status: str = await conn.execute(sql, *params)  # "UPDATE <rows>"
                 return status.rsplit(" ", 1)[-1] != "0"
 
-            return bool(await self._write(change))
+            with tracing.store_span("UPDATE", self.dialect):
+                return bool(await self._write(change))
         query = update(JOBS).where(JOBS.c.id == job_id).values(**values)
         if only_active:
             query = query.where(JOBS.c.state.in_(ACTIVE))
