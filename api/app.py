@@ -70,6 +70,10 @@ def create_app(
         lifespan=lifespan,
         docs_url=None,  # api/docs.py serves /docs and /redoc offline
         redoc_url=None,
+        # FastAPI's own OpenTelemetry (0.16x) turns itself on in any app of a process with a
+        # tracer provider: off, our middleware makes the request's span (api/tracing.py; it
+        # cost less CPU per request: docs/benchmarks.md). Older FastAPI ignores the argument.
+        telemetry={"tracing": False, "metrics": False, "logs": False},
     )
     docs.install(app)
     problems.install(app)
