@@ -210,7 +210,7 @@ async def span_costs(requests: int, rounds: int) -> dict[str, list[float]]:
     trace.set_tracer_provider(provider)
 
     def app(ours: bool, fastapi: bool, operations: bool) -> Any:
-        telemetry = {"tracing": fastapi, "metrics": False, "logs": False}
+        telemetry: Any = {"tracing": fastapi, "metrics": False, "logs": False}
         made = FastAPI(telemetry=telemetry | {"operation_spans": operations})
 
         @made.get("/healthz")
