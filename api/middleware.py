@@ -51,7 +51,10 @@ class RequestContext:
         span = None
         if self.traced:
             span = tracing.server_span(headers, scope["method"], scope["path"])
-            span_token = tracing.attach(span)
+            if span.is_recording():
+                span_token = tracing.attach(span)
+            else:
+                span = None  # not sampled: nothing below makes a span either
 
         async def send_with_headers(message: Message) -> None:
             nonlocal status
