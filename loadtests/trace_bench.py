@@ -124,9 +124,10 @@ def run_jobs(url: str, auth: str, jobs: int, concurrency: int) -> int:
         return sum(threads.map(lambda _: one(client), range(jobs)))
 
 
-def check(variant: str, url: str, auth: str) -> None:
-    """The variant runs what it says: `before` has no `trace_id` in its jobs, `off` a null
-    one, `on-100` a trace id (a traceparent sent is continued)."""
+def check(variant: str, url: str, auth: str, before: Path) -> None:
+    """The variant runs what it says: `before` the tree of `--before` (no `trace_id` in its
+    jobs when that tree predates traces, else a null one), `off` a null one, `on-*` the trace
+    id of the traceparent sent (continued: the sampler follows a sampled caller)."""
     parent = f"00-{'ab' * 16}-{'cd' * 8}-01"
     r = httpx.post(
         f"{url}/v1/jobs",
@@ -136,7 +137,13 @@ def check(variant: str, url: str, auth: str) -> None:
     )
     job = r.json()
     seen = job.get("trace_id", "absent")
-    wanted = {"before": "absent", "off": None, "on-100": "ab" * 16, "on-10": "ab" * 16}
+    traced_tree = "trace_id" in (before / "api" / "schemas.py").read_text()
+    wanted = {
+        "before": None if traced_tree else "absent",
+        "off": None,
+        "on-100": "ab" * 16,
+        "on-10": "ab" * 16,
+    }
     if seen != wanted[variant]:
         raise RuntimeError(f"{variant}: trace_id {seen!r}, expected {wanted[variant]!r}")
 
@@ -166,7 +173,7 @@ def job_costs(args: argparse.Namespace) -> dict[str, list[float]]:
                     env=variant_env(v, sink.url, before),
                 )
                 apis[v] = (proc, url, token(data))
-                check(v, url, apis[v][2])
+                check(v, url, apis[v][2], before)
                 run_jobs(url, apis[v][2], args.concurrency * 4, args.concurrency)  # warm up
             for n in range(args.rounds):
                 order = list(VARIANTS)
