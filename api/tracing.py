@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 from opentelemetry import context as otel_context
@@ -45,6 +45,8 @@ MAX_TRACESTATE = 512
 
 TRACER = trace.get_tracer("sshapi")
 _PROPAGATOR = TraceContextTextMapPropagator()
+# What the hooks return when there is nothing to trace: one shared null context.
+NOTHING: AbstractContextManager[None] = nullcontext()
 # Set by `configure` once the SDK is installed: this process traces.
 _on = False
 
@@ -172,12 +174,13 @@ def detach(token: object) -> None:
     otel_context.detach(token)  # type: ignore[arg-type]
 
 
-@contextmanager
-def current_or_none(span: Span | None) -> Iterator[None]:
+def current_or_none(span: Span | None) -> AbstractContextManager[None]:
     """`span` (when not None) is the current span for the `with` body and the tasks it starts."""
-    if span is None:
-        yield
-        return
+    return NOTHING if span is None else _current(span)
+
+
+@contextmanager
+def _current(span: Span) -> Iterator[None]:
     token = attach(span)
     try:
         yield
@@ -192,14 +195,20 @@ def recording() -> bool:
     return trace.get_current_span().is_recording()
 
 
-@contextmanager
-def span(name: str, attributes: Mapping[str, str | int] | None = None) -> Iterator[Span | None]:
+def span(
+    name: str, attributes: Mapping[str, str | int] | None = None
+) -> AbstractContextManager[Span | None]:
     """A child span of the current one for the `with` body, or None (nothing made) when the
-    current span is not recording (tracing off, or a trace not sampled). The body's exception
-    marks it failed with its class as `error.type` (never its message)."""
+    current span is not recording (tracing off, or a trace not sampled): then a shared null
+    context, the cheapest `with` there is (the off path runs for every job). The body's
+    exception marks it failed with its class as `error.type` (never its message)."""
     if not trace.get_current_span().is_recording():
-        yield None
-        return
+        return NOTHING
+    return _span(name, attributes)
+
+
+@contextmanager
+def _span(name: str, attributes: Mapping[str, str | int] | None) -> Iterator[Span]:
     with TRACER.start_as_current_span(
         name, attributes=attributes, record_exception=False, set_status_on_exception=False
     ) as s:
@@ -233,10 +242,12 @@ def failed(span: Span, exc: BaseException) -> None:
     span.set_status(Status(StatusCode.ERROR))
 
 
-def store_span(operation: str, system: str) -> Any:
-    """A store write or read as a CLIENT-ish span after the database conventions (no query
-    text: it holds no parameters, but neither does it say more than the operation)."""
-    return span(f"store {operation}", {"db.operation.name": operation, "db.system.name": system})
+def store_span(operation: str, system: str) -> AbstractContextManager[Span | None]:
+    """A store write as a span after the database conventions (the operation, never the
+    query's values)."""
+    if not trace.get_current_span().is_recording():
+        return NOTHING
+    return _span(f"store {operation}", {"db.operation.name": operation, "db.system.name": system})
 
 
 def job_span(job_id: str, kind: str, host: str, replica: str) -> Span | None:

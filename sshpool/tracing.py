@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
 from typing import Protocol, TypeVar
 
@@ -69,14 +69,18 @@ def failed(span: Span, exc: BaseException) -> None:
     span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
 
 
-@contextmanager
-def span(name: str, target: Target | None = None) -> Iterator[Span | None]:
+def span(name: str, target: Target | None = None) -> AbstractContextManager[Span | None]:
     """A child span of the current one for the `with` body (with `target`'s attributes), or None
-    (nothing made) when the current span is not recording. The body's exception marks it failed
-    (`failed`)."""
-    if not recording():
-        yield None
-        return
+    (nothing made, through a shared null context) when the current span is not recording. The
+    body's exception marks it failed (`failed`)."""
+    return _span(name, target) if recording() else _NOTHING
+
+
+_NOTHING: AbstractContextManager[None] = nullcontext()
+
+
+@contextmanager
+def _span(name: str, target: Target | None) -> Iterator[Span]:
     attributes = None if target is None else target_attributes(target)
     with TRACER.start_as_current_span(
         name, attributes=attributes, record_exception=False, set_status_on_exception=False
