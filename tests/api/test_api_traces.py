@@ -31,6 +31,7 @@ from api_helpers import (
     make_settings,
     replicas,
     running_api,
+    write_batch_config,
 )
 from opentelemetry import trace
 from otlp_receiver import Receiver, Span
@@ -274,6 +275,67 @@ async def test_log_lines_of_a_traced_job_carry_its_trace_id(
         await eventually(lambda: any(job_id in rec.getMessage() for rec in caplog.records))
     lines = [rec for rec in caplog.records if job_id in rec.getMessage()]
     assert {getattr(rec, "trace", None) for rec in lines} == {f" trace_id={trace_id}"}
+
+
+async def test_sftp_transfers_are_spans_of_their_requests(
+    receiver: Receiver, api_traced: Api, tuned_host: LocalHost
+) -> None:
+    """An upload and a download with a traceparent are `sftp upload` and `sftp download` spans
+    of their requests, beside the pool's wait for the session's slot; neither the file's path
+    nor its contents are in any span."""
+    name = f"sshapi-trace-{uuid.uuid4().hex}"
+    path = str(Path(tuned_host.account.home) / name)
+    content = uuid.uuid4().hex.encode()
+    url = f"{api_traced.url}/v1/hosts/local/files/content"
+    auth = api_traced.auth("files-user", "files:read files:write")
+    try:
+        up, up_id, _ = traceparent()
+        r = await api_traced.client.put(
+            url, params={"path": path}, content=content, headers={**auth, "traceparent": up}
+        )
+        assert r.status_code in (200, 201), r.text
+        down, down_id, _ = traceparent()
+        r = await api_traced.client.get(
+            url, params={"path": path}, headers={**auth, "traceparent": down}
+        )
+        assert r.status_code == 200 and r.content == content
+        uploads = await spans_of(receiver, up_id, "sftp upload", "ssh.pool.wait")
+        downloads = await spans_of(receiver, down_id, "sftp download")
+    finally:
+        await asyncio.to_thread((Path(tuned_host.account.home) / name).unlink, missing_ok=True)
+    sftp = one(uploads, "sftp upload")
+    assert sftp.attributes["server.address"] == tuned_host.address
+    assert sftp.parent_id == one(uploads, "PUT /v1/hosts/{host}/files/content").span_id
+    assert one(downloads, "sftp download").end > 0
+    for s in uploads + downloads:
+        assert name not in repr(s.attributes) and content.decode() not in repr(s.attributes)
+
+
+async def test_a_batch_jobs_slurm_calls_are_spans_of_its_trace(
+    receiver: Receiver,
+    slurm_host: LocalHost,
+    workdir: str,
+    secret_file: Path,
+    secret: str,
+    keys: Keys,
+    tmp_path: Path,
+) -> None:
+    """A batch job with a traceparent: its sbatch (and the lookups around it) are `slurm
+    <program>` spans under the job, named by program, never with their arguments."""
+    config = write_batch_config(tmp_path / "sshapi.toml", slurm_host, secret_file, keys)
+    settings = make_settings(tmp_path, config, "sqlite", None)
+    word = f"batch-{uuid.uuid4().hex}"
+    body = {"host": "local", "batch": {"script": f"#!/bin/sh\necho {word}\n", "workdir": workdir}}
+    async with running_api(settings, keys, secret) as api:
+        parent, trace_id, _ = traceparent()
+        r = await post(api, body, parent, Prefer="wait=0")
+        assert r.status_code in (201, 202), r.text
+        spans = await spans_of(receiver, trace_id, "job", "slurm sbatch")
+    sbatch = one(spans, "slurm sbatch")
+    assert sbatch.parent_id == one(spans, "job").span_id
+    assert sbatch.attributes["sshapi.slurm.program"] == "sbatch"
+    assert "ssh.command" in children(spans, sbatch)
+    assert not [s.name for s in spans if word in repr(s.attributes)]
 
 
 async def test_without_otel_variables_nothing_is_traced(
