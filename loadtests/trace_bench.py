@@ -150,7 +150,8 @@ def check(variant: str, url: str, auth: str, before: Path) -> None:
 
 def job_costs(args: argparse.Namespace) -> dict[str, list[float]]:
     """CPU ms per job of each variant, one figure per round (module docstring)."""
-    costs: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    variants = [v for v in VARIANTS if v in args.variants.split(",")]
+    costs: dict[str, list[float]] = {v: [] for v in variants}
     sink = Sink()
     with (
         tempfile.TemporaryDirectory(prefix="trace-bench-") as tmp,
@@ -162,7 +163,7 @@ def job_costs(args: argparse.Namespace) -> dict[str, list[float]]:
         before = unpack(args.before, Path(tmp))
         apis: dict[str, tuple[subprocess.Popen[bytes], str, str]] = {}
         try:
-            for v in VARIANTS:
+            for v in variants:
                 data = scratch / v
                 proc, url = start_api(
                     host,
@@ -176,7 +177,7 @@ def job_costs(args: argparse.Namespace) -> dict[str, list[float]]:
                 check(v, url, apis[v][2], before)
                 run_jobs(url, apis[v][2], args.concurrency * 4, args.concurrency)  # warm up
             for n in range(args.rounds):
-                order = list(VARIANTS)
+                order = list(variants)
                 random.shuffle(order)
                 for v in order:
                     proc, url, auth = apis[v]
@@ -186,7 +187,7 @@ def job_costs(args: argparse.Namespace) -> dict[str, list[float]]:
                     if ok != args.jobs:
                         raise RuntimeError(f"{v}: {args.jobs - ok} of {args.jobs} jobs failed")
                     costs[v].append(spent * 1000.0 / args.jobs)
-                print(f"round {n + 1}: " + ", ".join(f"{v} {costs[v][-1]:.3f}" for v in VARIANTS))
+                print(f"round {n + 1}: " + ", ".join(f"{v} {costs[v][-1]:.3f}" for v in variants))
         finally:
             for proc, _, _ in apis.values():
                 stop_api(proc)
@@ -251,13 +252,18 @@ async def span_costs(requests: int, rounds: int) -> dict[str, list[float]]:
 
 
 def summary(costs: dict[str, list[float]], base: str, unit: str) -> None:
+    """Per variant: the median over rounds, their spread, the median against `base`'s, and the
+    median of the per-round differences to `base` (each round's pair ran minutes apart at
+    most: the figure the box's drift disturbs least)."""
     ref = statistics.median(costs[base])
     for name, values in costs.items():
         med = statistics.median(values)
         spread = f"{min(values):.3f}-{max(values):.3f}"
+        paired = statistics.median(v - b for v, b in zip(values, costs[base], strict=True))
         print(
             f"  {name:<20} median {med:8.3f} {unit} (rounds {spread}) "
-            f"{(med / ref - 1) * 100:+6.1f} % vs {base}"
+            f"{(med / ref - 1) * 100:+6.1f} % vs {base}; paired {paired:+.3f} {unit} "
+            f"({paired / ref * 100:+.1f} %)"
         )
 
 
@@ -267,6 +273,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--jobs", type=int, default=400, help="Jobs per variant and round.")
     p.add_argument("--concurrency", type=int, default=8, help="Jobs at once.")
     p.add_argument("--rounds", type=int, default=5, help="Interleaved rounds.")
+    p.add_argument(
+        "--variants", default=",".join(VARIANTS), help="Which of before,off,on-100,on-10 to run."
+    )
     p.add_argument("--spans", type=int, default=2000, help="Requests per server-span variant.")
     args = p.parse_args(argv)
     print(f"load average before: {os.getloadavg()}")
@@ -274,7 +283,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.jobs:
         costs = job_costs(args)
         print(f"API CPU per job, ms ({args.jobs} jobs x {args.rounds} rounds, interleaved):")
-        summary(costs, "before", "ms")
+        summary(costs, "before" if "before" in costs else next(iter(costs)), "ms")
     if args.spans:
         spans = asyncio.run(span_costs(args.spans, args.rounds))
         print(f"CPU per GET /healthz in-process, µs ({args.spans} x {args.rounds} rounds):")
