@@ -93,14 +93,13 @@ class RequestContext:
         finally:
             TIMING.reset(token)
             route = scope.get("route")
-            template = getattr(route, "path_format", None) or getattr(route, "path", "unmatched")
-            method = scope["method"]
+            # The route template, never the raw path: bounded label values (RELIABILITY.md).
+            template = getattr(route, "path_format", None) or getattr(route, "path", None)
             if span is not None:
                 tracing.detach(span_token)
-                tracing.end_server_span(span, method, str(template), status, request_id)
-            self.metrics.requests.labels(method, template, str(status)).inc()
-            elapsed = time.perf_counter() - start
-            self.metrics.latency.labels(method, template, str(status)).observe(elapsed)
+                route_name = str(template or "unmatched")
+                tracing.end_server_span(span, scope["method"], route_name, status, request_id)
+            self.metrics.request(scope["method"], template, status, time.perf_counter() - start)
 
 
 def _too_large(limit: int) -> Problem:

@@ -25,6 +25,7 @@ from sshpool.backends.base import SFTPSession
 from sshpool.breaker import Breaker
 from sshpool.budget import Sshd
 from sshpool.connect import AgentMode, connect, log_connect_failure
+from sshpool.durations import Durations
 from sshpool.errors import (
     AuthenticationFailed,
     ChannelRefused,
@@ -39,7 +40,7 @@ from sshpool.errors import (
 )
 from sshpool.lease import Lease, PooledConn, kill_group, retried
 from sshpool.target import Target
-from sshpool.tracing import recording, waited
+from sshpool.tracing import waiting
 from sshpool.waiters import Waiters
 
 log = logging.getLogger("sshpool")
@@ -83,9 +84,11 @@ class HostPool:
         self.penalties = sshd.penalties
         self.trusted = False
         self.counters: Counter[str] = Counter()
+        # Connections made (handshakes that succeeded), slots waited for (timed out ones too).
+        self.create_time, self.wait_time = Durations(), Durations()
         self.tasks: set[asyncio.Task[Any]] = set()
         self.loop = asyncio.get_running_loop()
-        # Agent mode until a connection finds no usable python3 (then channels, for good).
+        # Whether new connections start an executor (Target.exec_mode; `AgentMode`).
         self.agent = AgentMode(target)
         # A drained login node (sshpool.cluster): no new lease, no new connection.
         self.retired = False
@@ -285,7 +288,7 @@ class HostPool:
         try:
             await c.conn.close()
         finally:
-            self.sshd.closed(evicted)
+            self.sshd.closed(evicted, c.ident)
 
     def _connected(self, result: SSHPoolError | None) -> None:
         for fut in self.connect_watchers:
@@ -333,7 +336,8 @@ class HostPool:
         self.trusted = True
         # Beside an executor's channel, the SFTP sessions' (at least one: see ssh_budget).
         sftp = max(1, self.limits.max_sessions - 1) if isinstance(conn, AgentConnection) else None
-        self.conns.append(PooledConn(conn, slots, now, time.perf_counter() - start, sftp, stages))
+        self.create_time.observe(took := time.perf_counter() - start)
+        self.conns.append(PooledConn(conn, slots, now, took, sftp, stages))
         self._connected(None)
         return None
 
@@ -353,13 +357,6 @@ class HostPool:
         sftp: bool = False,
         gated: bool = True,
     ) -> PooledConn:
-        """`_acquire`, traced inside a recording span (`sshpool.tracing.waited`)."""
-        got = self._acquire(deadline, tenant, sftp, gated)
-        return await (waited(got, self.target, self.backend.name) if recording() else got)
-
-    async def _acquire(
-        self, deadline: float | None, tenant: Hashable, sftp: bool, gated: bool
-    ) -> PooledConn:
         """A slot (`sftp`: for an SFTP session, which needs a channel too), in `tenant`'s turn.
         `gated`: the gate is asked now and once the slot is granted (NotAdmitted, the slot
         given back); the pool's own kills are not gated (a revoked caller's command must die)."""
@@ -371,6 +368,7 @@ class HostPool:
             c = self._pick(sftp)
             if c is not None:
                 self._lease(c, sftp)
+                self.wait_time.observe(0.0)
                 return c
         now = self.loop.time()
         if self.breaker.is_open(now) and not any(c.conn.is_alive() for c in self.conns):
@@ -389,6 +387,7 @@ class HostPool:
             async with asyncio.timeout_at(deadline):
                 # Shielded: on timeout or cancel we decide what happens to the waiter below.
                 c = await asyncio.shield(fut)
+            self.wait_time.observe(self.loop.time() - now)
         except BaseException as exc:
             self.sftp_waiters.discard(fut)
             if not fut.done():
@@ -401,6 +400,7 @@ class HostPool:
                     self._end_sftp(fut.result())
                 self._release(fut.result())
             if isinstance(exc, TimeoutError):
+                self.wait_time.observe(self.loop.time() - now)
                 self.counters["timeouts_queue"] += 1
                 raise PoolTimeout(f"{self.target}: no channel free before the deadline") from None
             raise
@@ -425,7 +425,8 @@ class HostPool:
         - TimeoutError (the command's timeout): the remote group is killed, then released;
         - cancelled: killed and released in the background, so the caller returns at once.
         """
-        lease = Lease(await self.acquire(deadline, tenant, gated=gated), since)
+        acquiring = self.acquire(deadline, tenant, gated=gated)  # traced: sshpool.tracing
+        lease = Lease(await waiting(acquiring, self.target, self.backend.name), since)
         c = lease.conn
         try:
             yield lease
@@ -494,7 +495,8 @@ class HostPool:
     ) -> tuple[PooledConn, SFTPSession]:
         """One try of `open_sftp`: the slot goes as a command's does when its channel fails
         (`_failed`)."""
-        c = await self.acquire(deadline, tenant, sftp=True)
+        acquiring = self.acquire(deadline, tenant, sftp=True)
+        c = await waiting(acquiring, self.target, self.backend.name)
         try:
             session = await c.conn.sftp()
         except RemoteFileError:
@@ -586,9 +588,16 @@ class HostPool:
         return {
             "target": str(self.target),
             "backend": self.backend.name,
+            # The mode the next connection takes, and the live connections' own (exec_mode
+            # "auto" decides per connection).
             "exec_mode": "agent" if self.agent.on else "channel",
+            "connections_by_mode": {
+                "agent": sum(1 for c in live if isinstance(c.conn, AgentConnection)),
+                "channel": sum(1 for c in live if not isinstance(c.conn, AgentConnection)),
+            },
             "agent_error": self.agent.error,
             "connections": len(live),
+            "connections_used": sum(1 for c in live if c.in_use),
             "channels_in_use": sum(c.in_use for c in self.conns),
             "capacity": sum(c.capacity for c in live if not c.expired),
             "waiters": sum(1 for f in self.waiters if not f.done()),

@@ -191,6 +191,11 @@ class Leased(Protocol):
 C = TypeVar("C", bound=Leased)
 
 
+def waiting(acquiring: Awaitable[C], target: Target, backend: str) -> Awaitable[C]:
+    """`acquiring` (a slot's acquisition), traced by `waited` inside a recording span."""
+    return waited(acquiring, target, backend) if recording() else acquiring
+
+
 async def waited(acquiring: Awaitable[C], target: Target, backend: str) -> C:
     """A slot's acquisition as an `ssh.pool.wait` span (the queue wait), with the handshake of
     the connection it waited for (its first lease) or of the connect that failed it."""
