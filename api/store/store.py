@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import sqlite3
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from sqlalchemy import (
     delete,
     event,
     insert,
+    literal,
     or_,
     select,
     text,
@@ -45,9 +47,20 @@ from sqlalchemy.sql.expression import ClauseElement
 
 from api.states import ACTIVE, FINAL
 from api.store import migrate
+from api.store.portals import (
+    EVENTS_LOCK,
+    PG_EVENT_FROM_ROW,
+    PG_EVENT_VALUES,
+    SQLITE_EVENT_FROM_ROW,
+    SQLITE_EVENT_VALUES,
+    Logged,
+    PortalStore,
+)
 from api.store.postgres import PgWriter, output_bytes
 from api.store.schema import (
     FIELDS,
+    JOB_EVENTS,
+    JOB_HANDLES,
     JOBS,
     LISTED,
     NODE_DRAINS,
@@ -66,9 +79,12 @@ log = logging.getLogger("sshapi.store")
 
 MAX_BATCH = 256  # writes per transaction: bounds the time one commit holds the lock
 _Queued = tuple[Write, int, "asyncio.Future[Any]"]  # a write, the output it carries, its caller
+# Told, once the transaction committed, whose job changed state: (issuer, subject), or None for
+# "anyone's" (a bulk change). The change feed wakes its followers with it (api/live/changes.py).
+OnChange = Callable[[tuple[str, str] | None], None]
 
 
-class Store:
+class Store(PortalStore):
     def __init__(self, url: str, *, schema: str | None = None, upgrade: bool = True) -> None:
         """`upgrade`: bring the schema to this release's revision at start (else only check
         it, and refuse to start when it differs: api/store/migrate.py)."""
@@ -84,6 +100,11 @@ class Store:
         self._sql = Sql()
         # PostgreSQL only: the writer's own asyncpg connection.
         self._pg: PgWriter | None = None
+        self.on_change: OnChange | None = None
+
+    def _changed(self, owner: tuple[str, str] | None) -> None:
+        if self.on_change is not None:
+            self.on_change(owner)
 
     @property
     def dialect(self) -> str:
@@ -215,29 +236,44 @@ class Store:
             sql, params = self._sql.insert(tuple(values)), self._sql.params(values)
             size = output_bytes(params)
 
+            event = [row.owner_iss, row.owner_sub, row.id, row.state, *self._at()]
+
             def add(db: sqlite3.Connection) -> None:
                 try:
                     db.execute(sql, params)
                 except sqlite3.IntegrityError as exc:
                     # The same exception as from SQLAlchemy: callers catch one kind.
                     raise IntegrityError(sql, params, exc) from None
+                db.execute(SQLITE_EVENT_VALUES, event)
         elif self._pg is not None:
             pg = self._pg.sql
             values = pg.with_defaults(values)
             sql, params = pg.insert(tuple(values)), pg.params(values)
+
+            pg_event = [row.owner_iss, row.owner_sub, row.id, row.state, *self._at()]
 
             async def add(conn: asyncpg.Connection) -> None:
                 try:
                     await conn.execute(sql, *params)
                 except asyncpg.UniqueViolationError as exc:
                     raise IntegrityError(sql, params, exc) from None
+                await conn.execute(PG_EVENT_VALUES, *pg_event)
         else:
+            event_values = {"owner_iss": row.owner_iss, "owner_sub": row.owner_sub}
+            event_values |= {"job_id": row.id, "state": row.state, "at": utcnow()}
 
             def add(conn: Connection) -> None:
                 conn.execute(insert(JOBS).values(values))
+                conn.execute(insert(JOB_EVENTS).values(event_values))
 
-        await self._write(add, size)
+        await self._write(Logged(add), size)
+        self._changed((row.owner_iss, row.owner_sub))
         return row
+
+    def _at(self) -> list[Any]:
+        """Now, as the writer's dialect takes a DateTime parameter."""
+        sql = self._pg.sql if self._pg is not None else self._sql
+        return sql.params({"created_at": utcnow()})
 
     async def get(self, job_id: str) -> JobRow | None:
         return await self._one(select(JOBS).where(JOBS.c.id == job_id))
@@ -269,10 +305,20 @@ class Store:
                 sql = self._sql.update(tuple(values), only_active, unless_cancel_requested)
                 params = [*self._sql.params(values), job_id]
 
-            def run(db: sqlite3.Connection) -> bool:
-                return db.execute(sql, params).rowcount > 0
+            if "state" not in values:
 
-            return bool(await self._write(run, output_bytes(params)))
+                def run(db: sqlite3.Connection) -> Any:
+                    return db.execute(sql, params).rowcount > 0
+
+                return bool(await self._write(run, output_bytes(params)))
+            event = [*self._at(), job_id]
+
+            def run(db: sqlite3.Connection) -> Any:
+                if db.execute(sql, params).rowcount == 0:
+                    return False
+                return tuple(db.execute(SQLITE_EVENT_FROM_ROW, event).fetchall()[0])
+
+            return self._logged(await self._write(Logged(run), output_bytes(params)))
         if self._pg is not None:
             pg = self._pg.sql
             if any(isinstance(v, ClauseElement) for v in values.values()):  # rare: per call
@@ -287,7 +333,16 @@ class Store:
                 status: str = await conn.execute(sql, *params)  # "UPDATE <rows>"
                 return status.rsplit(" ", 1)[-1] != "0"
 
-            return bool(await self._write(change))
+            if "state" not in values:
+                return bool(await self._write(change))
+            pg_event = [*self._at(), job_id]
+
+            async def change_logged(conn: asyncpg.Connection) -> Any:
+                if not await change(conn):
+                    return False
+                return tuple(await conn.fetchrow(PG_EVENT_FROM_ROW, *pg_event))
+
+            return self._logged(await self._write(Logged(change_logged)))
         query = update(JOBS).where(JOBS.c.id == job_id).values(**values)
         if only_active:
             query = query.where(JOBS.c.state.in_(ACTIVE))
@@ -295,9 +350,22 @@ class Store:
             query = query.where(JOBS.c.cancel_requested.is_(None))
 
         def execute(conn: Connection) -> bool:
-            return bool(conn.execute(query).rowcount)
+            changed = bool(conn.execute(query).rowcount)
+            if changed and "state" in values:
+                conn.execute(_events_of(JOBS.c.id == job_id))
+            return changed
 
-        return bool(await self._write(execute))
+        changed = bool(await self._write(Logged(execute)))
+        if changed and "state" in values:
+            self._changed(None)
+        return changed
+
+    def _logged(self, result: Any) -> bool:
+        """A logged update's result: False, or the owner whose feed to wake (it changed)."""
+        if result is False:
+            return False
+        self._changed((result[0], result[1]))
+        return True
 
     def _update_with_expressions(
         self,
@@ -364,8 +432,20 @@ class Store:
             )
         )
         async with self._started().begin() as conn:
+            if conn.dialect.name == "postgresql":
+                await conn.execute(text(f"SELECT pg_advisory_xact_lock({EVENTS_LOCK})"))
+            ids = (
+                select(c.id)
+                .where(c.replica == replica, c.state.in_(ACTIVE))
+                .where(or_(c.kind.is_(None), c.kind != "batch"))
+            )
+            lost = [r.id for r in await conn.execute(ids)]
             result = await conn.execute(query)
-            return int(result.rowcount)
+            if lost:
+                await conn.execute(_events_of(c.id.in_(lost)))
+        if lost:
+            self._changed(None)
+        return int(result.rowcount)
 
     async def active_batch(self, replica: str) -> list[JobRow]:
         """Batch jobs of this replica not final yet: tracked again (or resolved) on start."""
@@ -445,6 +525,15 @@ def _of(owner: tuple[str, str] | None, account: str | None) -> list[Any]:
     return conditions
 
 
+def _events_of(where: Any) -> Any:
+    """An event for each job matching `where`, in its current state (a Core statement)."""
+    c = JOBS.c
+    at = literal(utcnow(), JOB_EVENTS.c.at.type)
+    rows = select(c.owner_iss, c.owner_sub, c.id, c.state, at).where(where)
+    columns = ["owner_iss", "owner_sub", "job_id", "state", "at"]
+    return insert(JOB_EVENTS).from_select(columns, rows)
+
+
 def _fields(revocation: Revocation) -> dict[str, Any]:
     return {name: getattr(revocation, name) for name in REVOCATIONS.c.keys()}  # noqa: SIM118
 
@@ -462,6 +551,10 @@ async def prune(url: str, schema: str | None, ended_before: datetime) -> int:
         c = JOBS.c
         query = delete(JOBS).where(c.state.in_(FINAL), c.finished_at < ended_before)
         async with engine.begin() as conn:
-            return int((await conn.execute(query)).rowcount)
+            pruned = int((await conn.execute(query)).rowcount)
+            # Their events and handles go with them; expired handles whatever their job.
+            await conn.execute(delete(JOB_EVENTS).where(JOB_EVENTS.c.at < ended_before))
+            await conn.execute(delete(JOB_HANDLES).where(JOB_HANDLES.c.expires_at < utcnow()))
+            return pruned
     finally:
         await engine.dispose()
