@@ -93,8 +93,9 @@ from api.auth import Authenticator, Principal
 from api.client import tls_context
 from api.config import Config, HostConfig
 from api.files import FileService
+from api.handles import Handles
 from api.jobs import BatchJobs, JobService
-from api.live import make_relay
+from api.live import ChangeFeeds, make_relay
 from api.metrics import Metrics
 from api.node_health import RedisNodeHealth
 from api.policy import Policy
@@ -128,6 +129,8 @@ class Services:
     revocations: Revocations
     supervisor: Supervisor
     admin: AdminService
+    handles: Handles
+    changes: ChangeFeeds
     accepting: bool = False
 
     @property
@@ -267,6 +270,23 @@ async def running(
         metrics.watch_pool(pools_by_host, nodes_by_host)
         metrics.watch_sshds(sshds_by_host)
         metrics.watch_trackers(lambda: batch.trackers)
+        changes = ChangeFeeds(
+            the_store,
+            quota,
+            cap=config.api.max_change_feeds,
+            keepalive=config.api.change_keepalive,
+            window=config.api.change_window,
+            replica=settings.replica,
+            shared=processes > 1 or settings.database_url is not None,
+            redis_url=settings.redis_url,
+        )
+        stack.push_async_callback(changes.close)
+        the_store.on_change = changes.changed
+
+        def wake_followers() -> None:
+            jobs.live.wake_all()
+            changes.wake_all()
+
         nudge = RedisNudge(settings.redis_url) if settings.redis_url else None
         if nudge is not None:
             stack.push_async_callback(nudge.close)
@@ -275,7 +295,7 @@ async def running(
             the_pool,
             policy,
             functools.partial(_cancel_revoked, jobs, the_store),
-            jobs.live.wake_all,
+            wake_followers,
             settings.replica,
             nudge,
         )
@@ -292,7 +312,11 @@ async def running(
         await drains.refresh()  # a drain survives the restart before any job is taken
         tasks = [
             supervisor.spawn(task_name, loop, OnDeath.RESTART)
-            for task_name, loop in {**batch.loops(), "revocations": revocations.loop}.items()
+            for task_name, loop in {
+                **batch.loops(),
+                **changes.loops(),
+                "revocations": revocations.loop,
+            }.items()
         ]
         if nudge is not None:
             listen = functools.partial(nudge.listen, revocations.heard)
@@ -321,6 +345,8 @@ async def running(
             revocations=revocations,
             supervisor=supervisor,
             admin=AdminService(config, policy, the_store, the_pool, revocations, drains),
+            handles=Handles(config, policy, the_store),
+            changes=changes,
             accepting=True,
         )
         try:

@@ -11,11 +11,14 @@ Modules: `schema` (the table and the record), `store` (reads, the write queue), 
 """
 
 from api.store import migrate
-from api.store.schema import JOBS, JobRow, Revocation, aware, new_id, utcnow
+from api.store.portals import JobEvent
+from api.store.schema import JOBS, JobHandle, JobRow, Revocation, aware, new_id, utcnow
 from api.store.store import Store, prune
 
 __all__ = [
     "JOBS",
+    "JobEvent",
+    "JobHandle",
     "JobRow",
     "Revocation",
     "Store",

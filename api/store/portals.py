@@ -35,9 +35,7 @@ EVENT_FROM_ROW = (
     f"SELECT owner_iss, owner_sub, id, state, {{at}} FROM {JOBS.name} WHERE id = {{id}} "
     "RETURNING owner_iss, owner_sub"
 )
-EVENT_VALUES = (
-    f"INSERT INTO {EVENTS} (owner_iss, owner_sub, job_id, state, at) VALUES ({{marks}})"
-)
+EVENT_VALUES = f"INSERT INTO {EVENTS} (owner_iss, owner_sub, job_id, state, at) VALUES ({{marks}})"
 SQLITE_EVENT_FROM_ROW = EVENT_FROM_ROW.format(at="?", id="?")
 SQLITE_EVENT_VALUES = EVENT_VALUES.format(marks="?, ?, ?, ?, ?")
 PG_EVENT_FROM_ROW = EVENT_FROM_ROW.format(at="$1", id="$2")

@@ -259,7 +259,7 @@ class Store(PortalStore):
                     raise IntegrityError(sql, params, exc) from None
                 await conn.execute(PG_EVENT_VALUES, *pg_event)
         else:
-            event_values = {"owner_iss": row.owner_iss, "owner_sub": row.owner_sub}
+            event_values: dict[str, Any] = {"owner_iss": row.owner_iss, "owner_sub": row.owner_sub}
             event_values |= {"job_id": row.id, "state": row.state, "at": utcnow()}
 
             def add(conn: Connection) -> None:

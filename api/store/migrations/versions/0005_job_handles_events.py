@@ -31,7 +31,9 @@ def upgrade() -> None:
         sa.Column("at", sa.DateTime(timezone=True), nullable=False),
         sqlite_autoincrement=True,
     )
-    op.create_index("sshapi_job_events_owner", "sshapi_job_events", ["owner_iss", "owner_sub", "seq"])
+    op.create_index(
+        "sshapi_job_events_owner", "sshapi_job_events", ["owner_iss", "owner_sub", "seq"]
+    )
     op.create_index("sshapi_job_events_at", "sshapi_job_events", ["at"])
     op.create_table(
         "sshapi_job_handles",
