@@ -82,6 +82,13 @@ class Handles:
         await self.store.add_handle(handle)
         return token, handle
 
+    async def of(self, row: JobRow) -> list[JobHandle]:
+        return await self.store.handles_of(row.id)
+
+    async def drop(self, row: JobRow, handle_id: str) -> bool:
+        """Delete one handle of the job; False when it has none of that id."""
+        return await self.store.drop_handle(row.id, handle_id)
+
     async def authenticate(self, token: str) -> Principal:
         """The principal of a handle's bearer; 401 for an unknown, deleted or expired one."""
         if len(token) > MAX_HANDLE_CHARS:

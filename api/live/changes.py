@@ -170,6 +170,10 @@ class ChangeFeeds:
 
     # ---- one feed
 
+    async def bounds(self) -> tuple[int, int] | None:
+        """The lowest and highest event id kept (None: none is)."""
+        return await self.store.event_bounds()
+
     @contextlib.asynccontextmanager
     async def admitted(self, who: Identity) -> AsyncIterator[str]:
         """A place among `who`'s feeds for as long as the feed runs; 429 beyond the cap."""

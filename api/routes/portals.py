@@ -97,7 +97,7 @@ async def create_handle(job_id: str, body: HandleRequest, who: Reader, svc: Svc)
 async def list_handles(job_id: str, who: Reader, svc: Svc) -> HandleList:
     not_for_handles(who, "listing handles")
     row = await svc.jobs.get(who, job_id)
-    handles = await svc.store.handles_of(row.id)
+    handles = await svc.handles.of(row)
     fields = ("id", "job_id", "cancel", "created_at", "expires_at")
     return HandleList(items=[HandleInfo(**{k: getattr(h, k) for k in fields}) for h in handles])
 
@@ -114,7 +114,7 @@ async def delete_handle(job_id: str, handle_id: str, who: Caller, svc: Svc) -> R
     if who.handle is not None and who.handle.id != handle_id:
         raise Problem(404, "handle-not-found", "No such handle", "a handle deletes only itself")
     row = await svc.jobs.get(who, job_id)
-    if not await svc.store.drop_handle(row.id, handle_id):
+    if not await svc.handles.drop(row, handle_id):
         raise Problem(404, "handle-not-found", "No such handle", f"no handle {handle_id!r}")
     return Response(status_code=204)
 
@@ -161,7 +161,7 @@ async def change_feed(
             raise Problem(422, "invalid-event-id", "Invalid Last-Event-ID",
                           "send the id of an event of this feed: a decimal number")  # fmt: skip
         after = int(last_event_id.strip())
-    bounds = await svc.store.event_bounds()
+    bounds = await svc.changes.bounds()
     reset = False
     if after is None:
         after = bounds[1] if bounds else 0
