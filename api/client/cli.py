@@ -1,7 +1,8 @@
 """The client commands of `sshapi`: talk HTTP to a server (`api.client`), never SSH.
 
     sshapi run HOST -- ARGV...        live stdout/stderr, exits with the remote exit status
-    sshapi jobs list|show|cancel|logs
+    sshapi jobs list|show|cancel|logs|watch
+    sshapi handles create|list|delete tokens that read one job (docs/portals.md)
     sshapi batch submit SCRIPT
     sshapi files ls|get|put|mkdir|rm  files on a host (docs/files.md; api/client/files_cli.py)
     sshapi login|logout|whoami        sign in through the identity provider (docs/login.md)
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from api.client.files_cli import files_app
+from api.client.portals_cli import handles_app, jobs_watch
 from api.client.terminal import ERROR_EXIT, AsJson, Profile, client, say
 
 # The client (httpx, pydantic) and rich load when a command runs, not when `sshapi` starts:
@@ -435,6 +437,8 @@ def register(app: typer.Typer, hosts_app: typer.Typer) -> None:
     app.command("login")(login)
     app.command("logout")(logout)
     app.command("whoami")(whoami)
+    jobs_app.command("watch")(jobs_watch)
     app.add_typer(jobs_app, name="jobs")
+    app.add_typer(handles_app, name="handles")
     app.add_typer(batch_app, name="batch")
     app.add_typer(files_app, name="files")

@@ -5,16 +5,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import datetime, timedelta
 from pathlib import Path
+from subprocess import DEVNULL, PIPE
 from typing import Any
 
 import httpx
-from api_helpers import LOCAL_ISS, REDIS_URL, Api, Keys, replicas, sse_events
+import pytest
+from api_helpers import LOCAL_ISS, REDIS_URL, SSHAPI, Api, Keys, replicas, sse_events
+
+from api.client import AsyncClient, ProblemError
 
 ADMIN = "jobs:read jobs:write admin"
 
@@ -323,3 +329,74 @@ async def test_a_change_on_one_replica_reaches_a_feed_on_another(
             assert (await anext(events))["event"] == "ready"
             again = await until_final_events(events, jobs)
         assert [e["id"] for e in again] == [e["id"] for e in seen]
+
+
+async def test_the_client_watches_and_makes_handles(api: Api) -> None:
+    """AsyncClient: `watch` yields the change feed's events; a handle made with
+    `create_handle` is a token another client reads the job with; `delete_handle` ends it."""
+    sub = f"client-{uuid.uuid4().hex[:6]}"
+    async with AsyncClient(api.url, api.token(sub)) as c:
+        watching = c.watch()
+        assert (await anext(watching)).event == "ready"
+        job = await c.submit("local", command="echo watched")
+        kinds = []
+        async with asyncio.timeout(60):
+            async for event in watching:
+                if event.data["data"]["id"] == job.id:
+                    kinds.append(event.event)
+                if event.event == "job.succeeded":
+                    break
+        await watching.aclose()
+        assert kinds == ["job.queued", "job.running", "job.succeeded"]
+        made = await c.create_handle(job.id, 600)
+        assert [h["id"] for h in await c.handles(job.id)] == [made["id"]]
+        async with AsyncClient(api.url, made["handle"]) as reader:
+            assert (await reader.get(job.id)).stdout == "watched\n"
+            await c.delete_handle(job.id, made["id"])
+            with pytest.raises(ProblemError) as refused:
+                await reader.get(job.id)
+            assert refused.value.status == 401
+
+
+async def sshapi(api: Api, sub: str, *args: str) -> tuple[int, str, str]:
+    env = {**os.environ, "SSHAPI_URL": api.url, "SSHAPI_TOKEN": api.token(sub)}
+    proc = await asyncio.create_subprocess_exec(
+        SSHAPI, *args, env=env, stdout=PIPE, stderr=PIPE, stdin=DEVNULL
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    return proc.returncode or 0, out.decode(), err.decode()
+
+
+async def test_the_cli_makes_handles_and_watches(api: Api) -> None:
+    """`sshapi handles create|list|delete` and `sshapi jobs watch --json`, resumed from an
+    event id: it prints the job's changes after it."""
+    sub = f"cli-{uuid.uuid4().hex[:6]}"
+    job_id = await finished_job(api, "echo cli", sub)
+    code, token, _ = await sshapi(api, sub, "handles", "create", job_id, "--ttl", "60")
+    assert code == 0 and token.strip().startswith("sshh_")
+    r = await api.client.get(f"{api.url}/v1/jobs/{job_id}", headers=bearer(token.strip()))
+    assert r.status_code == 200
+    code, listed, _ = await sshapi(api, sub, "handles", "list", job_id, "--json")
+    handle_id = json.loads(listed)[0]["id"]
+    assert (await sshapi(api, sub, "handles", "delete", job_id, handle_id))[0] == 0
+    r = await api.client.get(f"{api.url}/v1/jobs/{job_id}", headers=bearer(token.strip()))
+    assert r.status_code == 401
+
+    env = {**os.environ, "SSHAPI_URL": api.url, "SSHAPI_TOKEN": api.token(sub)}
+    proc = await asyncio.create_subprocess_exec(
+        SSHAPI, "jobs", "watch", "--json", "--last-event-id", "0",
+        env=env, stdout=PIPE, stderr=PIPE, stdin=DEVNULL,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        lines = []
+        async with asyncio.timeout(60):
+            while not lines or lines[-1]["event"] != "job.succeeded":
+                line = json.loads(await proc.stdout.readline())
+                if line["event"].startswith("job."):
+                    lines.append(line)
+        assert [x["event"] for x in lines] == ["job.queued", "job.running", "job.succeeded"]
+        assert {x["data"]["id"] for x in lines} == {job_id}
+    finally:
+        proc.kill()
+        await proc.wait()
