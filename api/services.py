@@ -34,6 +34,13 @@ cancellation; every one is logged with its traceback):
 |                     | drained nodes each second, so a    |         | made on another replica   |
 |                     | drain holds on every replica       |         | never reaches this one    |
 |                     | (api/admin/nodes.py)               |         |                           |
+| `change-prune`      | deletes job events older than the  | restart | lost, the event log grows |
+|                     | change feed's window               |         | until `sshapi db prune`   |
+|                     | (api/live/changes.py)              |         |                           |
+| `change-publish`    | with Redis: tells the replicas     | restart | lost, their feeds see our |
+|                     | whose jobs changed here            |         | changes at a keep-alive   |
+| `change-listen`     | with Redis: wakes this process's   | restart | lost, as above, the other |
+|                     | feeds on the other replicas' news  |         | way                       |
 | `prewarm-<host>`    | opens the host's `min_connections` | once    | best effort: jobs connect |
 |                     | at start                           |         | on demand anyway          |
 | `sshd-budget`       | with Redis: takes, renews and      | restart | lost, the leases lapse    |
