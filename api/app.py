@@ -26,6 +26,7 @@ from api.routes.live import router as live_router
 from api.routes.nodes import router as nodes_router
 from api.routes.ops import router as ops_router
 from api.routes.portals import router as portals_router
+from api.routes.webhooks import router as webhooks_router
 from api.routes.whoami import router as whoami_router
 from api.services import running
 from api.settings import Settings
@@ -74,6 +75,7 @@ def create_app(
         portals_router,  # first: /v1/jobs/events is the change feed, not a job
         jobs_router,
         live_router,
+        webhooks_router,
         hosts_router,
         whoami_router,
         nodes_router,

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import delete, func, insert, select
+from sqlalchemy import delete, func, insert, literal, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from api.store.schema import (
@@ -22,6 +22,7 @@ from api.store.schema import (
     JobRow,
     Write,
     aware,
+    utcnow,
 )
 
 # pg_advisory_xact_lock's key for writing events: transactions that add events take it first
@@ -40,6 +41,15 @@ SQLITE_EVENT_FROM_ROW = EVENT_FROM_ROW.format(at="?", id="?")
 SQLITE_EVENT_VALUES = EVENT_VALUES.format(marks="?, ?, ?, ?, ?")
 PG_EVENT_FROM_ROW = EVENT_FROM_ROW.format(at="$1", id="$2")
 PG_EVENT_VALUES = EVENT_VALUES.format(marks="$1, $2, $3, $4, $5")
+
+
+def events_of(where: Any) -> Any:
+    """An event for each job matching `where`, in its current state (a Core statement)."""
+    c = JOBS.c
+    at = literal(utcnow(), JOB_EVENTS.c.at.type)
+    rows = select(c.owner_iss, c.owner_sub, c.id, c.state, at).where(where)
+    columns = ["owner_iss", "owner_sub", "job_id", "state", "at"]
+    return insert(JOB_EVENTS).from_select(columns, rows)
 
 
 class Logged:

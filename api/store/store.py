@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import sqlite3
+import time
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
@@ -34,7 +35,6 @@ from sqlalchemy import (
     delete,
     event,
     insert,
-    literal,
     or_,
     select,
     text,
@@ -46,7 +46,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.sql.expression import ClauseElement
 
 from api.states import ACTIVE, FINAL
-from api.store import migrate
+from api.store import migrate, outbox
 from api.store.portals import (
     EVENTS_LOCK,
     PG_EVENT_FROM_ROW,
@@ -55,6 +55,7 @@ from api.store.portals import (
     SQLITE_EVENT_VALUES,
     Logged,
     PortalStore,
+    events_of,
 )
 from api.store.postgres import PgWriter, output_bytes
 from api.store.schema import (
@@ -65,6 +66,7 @@ from api.store.schema import (
     LISTED,
     NODE_DRAINS,
     REVOCATIONS,
+    WEBHOOK_DELIVERIES,
     JobRow,
     Revocation,
     Write,
@@ -79,8 +81,7 @@ log = logging.getLogger("sshapi.store")
 
 MAX_BATCH = 256  # writes per transaction: bounds the time one commit holds the lock
 _Queued = tuple[Write, int, "asyncio.Future[Any]"]  # a write, the output it carries, its caller
-# Told, once the transaction committed, whose job changed state: (issuer, subject), or None for
-# "anyone's" (a bulk change). The change feed wakes its followers with it (api/live/changes.py).
+# Told after the commit whose job changed state (None: anyone's): api/live/changes.py.
 OnChange = Callable[[tuple[str, str] | None], None]
 
 
@@ -100,6 +101,15 @@ class Store(PortalStore):
         self._sql = Sql()
         # PostgreSQL only: the writer's own asyncpg connection.
         self._pg: PgWriter | None = None
+        # For /metrics (`write_stats`): a queue that grows says the database is slower than
+        # the writes coming in.
+        self._pending = 0
+        self._commits = 0
+        self._committed = 0
+        self._commit_seconds = 0.0
+        # Called after a committed state change that may have queued webhook deliveries (the
+        # deliverer's wake-up, api/webhooks/deliver.py): without it they wait for its poll.
+        self.on_event: list[Callable[[], None]] = []
         self.on_change: OnChange | None = None
 
     def _changed(self, owner: tuple[str, str] | None) -> None:
@@ -153,6 +163,11 @@ class Store(PortalStore):
             await self._engine.dispose()
             self._engine = None
 
+    @property
+    def engine(self) -> AsyncEngine:
+        """For the store's other tables' modules (api/store/webhooks.py)."""
+        return self._started()
+
     def _started(self) -> AsyncEngine:
         """The engine, for reads and the rare statements outside the writer (mark_lost)."""
         if self._engine is None:
@@ -178,13 +193,25 @@ class Store(PortalStore):
             raise RuntimeError("store not started, or its writer is gone")
         done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._writes.put_nowait((write, size, done))
+        self._pending += 1
         return await done
+
+    def write_stats(self) -> dict[str, float]:
+        """Writes accepted and not yet committed (waiting or in the transaction under way),
+        transactions and writes committed, and the seconds those transactions took."""
+        return {
+            "pending": self._pending,
+            "commits": self._commits,
+            "writes": self._committed,
+            "commit_seconds": self._commit_seconds,
+        }
 
     async def _write_loop(self) -> None:
         while True:
             batch = [await self._writes.get()]
             while len(batch) < MAX_BATCH and not self._writes.empty():
                 batch.append(self._writes.get_nowait())
+            start = time.perf_counter()
             try:
                 await self._commit(batch)
             except Exception:
@@ -194,6 +221,10 @@ class Store(PortalStore):
                     with contextlib.suppress(Exception):
                         await self._commit([item])
             finally:
+                self._commits += 1
+                self._committed += len(batch)
+                self._pending -= len(batch)
+                self._commit_seconds += time.perf_counter() - start
                 for _ in batch:
                     self._writes.task_done()
             if self._sqlite is not None:
@@ -236,7 +267,7 @@ class Store(PortalStore):
             sql, params = self._sql.insert(tuple(values)), self._sql.params(values)
             size = output_bytes(params)
 
-            event = [row.owner_iss, row.owner_sub, row.id, row.state, *self._at()]
+            event = [row.owner_iss, row.owner_sub, row.id, row.state, *self._sql.now()]
 
             def add(db: sqlite3.Connection) -> None:
                 try:
@@ -250,7 +281,7 @@ class Store(PortalStore):
             values = pg.with_defaults(values)
             sql, params = pg.insert(tuple(values)), pg.params(values)
 
-            pg_event = [row.owner_iss, row.owner_sub, row.id, row.state, *self._at()]
+            pg_event = [row.owner_iss, row.owner_sub, row.id, row.state, *pg.now()]
 
             async def add(conn: asyncpg.Connection) -> None:
                 try:
@@ -259,21 +290,14 @@ class Store(PortalStore):
                     raise IntegrityError(sql, params, exc) from None
                 await conn.execute(PG_EVENT_VALUES, *pg_event)
         else:
-            event_values: dict[str, Any] = {"owner_iss": row.owner_iss, "owner_sub": row.owner_sub}
-            event_values |= {"job_id": row.id, "state": row.state, "at": utcnow()}
 
             def add(conn: Connection) -> None:
                 conn.execute(insert(JOBS).values(values))
-                conn.execute(insert(JOB_EVENTS).values(event_values))
+                conn.execute(events_of(JOBS.c.id == row.id))
 
         await self._write(Logged(add), size)
         self._changed((row.owner_iss, row.owner_sub))
         return row
-
-    def _at(self) -> list[Any]:
-        """Now, as the writer's dialect takes a DateTime parameter."""
-        sql = self._pg.sql if self._pg is not None else self._sql
-        return sql.params({"created_at": utcnow()})
 
     async def get(self, job_id: str) -> JobRow | None:
         return await self._one(select(JOBS).where(JOBS.c.id == job_id))
@@ -294,7 +318,10 @@ class Store(PortalStore):
     ) -> bool:
         """Set columns of one job; with only_active, only while it is queued or running (so a
         late writer never overwrites a final state); with unless_cancel_requested, only while
-        no other replica asked to cancel it. True if a row changed."""
+        no other replica asked to cancel it. True if a row changed. A change of `state` queues
+        the owner's webhook deliveries of it in the same transaction (api/store/outbox.py)."""
+        deliveries = outbox.params(job_id, values)
+        logged = "state" in values  # a job event too (api/store/portals.py)
         if self._sqlite is not None:
             exprs = {k: v for k, v in values.items() if isinstance(v, ClauseElement)}
             if exprs:  # rare: built per call, not cached
@@ -305,20 +332,20 @@ class Store(PortalStore):
                 sql = self._sql.update(tuple(values), only_active, unless_cancel_requested)
                 params = [*self._sql.params(values), job_id]
 
-            if "state" not in values:
-
-                def run(db: sqlite3.Connection) -> Any:
-                    return db.execute(sql, params).rowcount > 0
-
-                return bool(await self._write(run, output_bytes(params)))
-            event = [*self._at(), job_id]
+            event = [*self._sql.now(), job_id] if logged else []
 
             def run(db: sqlite3.Connection) -> Any:
                 if db.execute(sql, params).rowcount == 0:
                     return False
-                return tuple(db.execute(SQLITE_EVENT_FROM_ROW, event).fetchall()[0])
+                if deliveries is not None:
+                    db.execute(outbox.SQLITE, deliveries)
+                if logged:  # the job event (its owner: whose change feed to wake)
+                    return tuple(db.execute(SQLITE_EVENT_FROM_ROW, event).fetchall()[0])
+                return True
 
-            return self._logged(await self._write(Logged(run), output_bytes(params)))
+            write: Write = Logged(run) if logged else run
+            result = await self._write(write, output_bytes(params))
+            return self._evented(self._logged(result), deliveries)
         if self._pg is not None:
             pg = self._pg.sql
             if any(isinstance(v, ClauseElement) for v in values.values()):  # rare: per call
@@ -329,20 +356,20 @@ class Store(PortalStore):
                 sql = pg.update(tuple(values), only_active, unless_cancel_requested)
                 params = [*pg.params(values), job_id]
 
-            async def change(conn: asyncpg.Connection) -> bool:
+            pg_event = [*pg.now(), job_id] if logged else []
+
+            async def change(conn: asyncpg.Connection) -> Any:
                 status: str = await conn.execute(sql, *params)  # "UPDATE <rows>"
-                return status.rsplit(" ", 1)[-1] != "0"
-
-            if "state" not in values:
-                return bool(await self._write(change))
-            pg_event = [*self._at(), job_id]
-
-            async def change_logged(conn: asyncpg.Connection) -> Any:
-                if not await change(conn):
+                if status.rsplit(" ", 1)[-1] == "0":
                     return False
-                return tuple(await conn.fetchrow(PG_EVENT_FROM_ROW, *pg_event))
+                if deliveries is not None:
+                    await conn.execute(outbox.POSTGRES, *deliveries)
+                if logged:
+                    return tuple(await conn.fetchrow(PG_EVENT_FROM_ROW, *pg_event))
+                return True
 
-            return self._logged(await self._write(Logged(change_logged)))
+            pg_write: Write = Logged(change) if logged else change
+            return self._evented(self._logged(await self._write(pg_write)), deliveries)
         query = update(JOBS).where(JOBS.c.id == job_id).values(**values)
         if only_active:
             query = query.where(JOBS.c.state.in_(ACTIVE))
@@ -351,21 +378,29 @@ class Store(PortalStore):
 
         def execute(conn: Connection) -> bool:
             changed = bool(conn.execute(query).rowcount)
-            if changed and "state" in values:
-                conn.execute(_events_of(JOBS.c.id == job_id))
+            if changed and deliveries is not None:
+                conn.execute(text(outbox.CORE), outbox.core_params(deliveries))
+            if changed and logged:
+                conn.execute(events_of(JOBS.c.id == job_id))
             return changed
 
-        changed = bool(await self._write(Logged(execute)))
-        if changed and "state" in values:
+        changed = bool(await self._write(Logged(execute) if logged else execute))
+        if changed and logged:
             self._changed(None)
-        return changed
+        return self._evented(changed, deliveries)
 
     def _logged(self, result: Any) -> bool:
-        """A logged update's result: False, or the owner whose feed to wake (it changed)."""
-        if result is False:
-            return False
-        self._changed((result[0], result[1]))
-        return True
+        """An update's result: False, True, or (logged) the owner whose feed to wake."""
+        if isinstance(result, tuple):
+            self._changed((result[0], result[1]))
+            return True
+        return bool(result)
+
+    def _evented(self, changed: bool, deliveries: list[Any] | None) -> bool:
+        if changed and deliveries is not None:
+            for listener in self.on_event:
+                listener()
+        return changed
 
     def _update_with_expressions(
         self,
@@ -431,19 +466,25 @@ class Store(PortalStore):
                 finished_at=utcnow(),
             )
         )
+        found = (
+            select(c.id, c.cancel_requested)
+            .where(c.replica == replica, c.state.in_(ACTIVE))
+            .where(or_(c.kind.is_(None), c.kind != "batch"))
+        )
         async with self._started().begin() as conn:
-            if conn.dialect.name == "postgresql":
+            if conn.dialect.name == "postgresql":  # first: events commit in seq order
                 await conn.execute(text(f"SELECT pg_advisory_xact_lock({EVENTS_LOCK})"))
-            ids = (
-                select(c.id)
-                .where(c.replica == replica, c.state.in_(ACTIVE))
-                .where(or_(c.kind.is_(None), c.kind != "batch"))
-            )
-            lost = [r.id for r in await conn.execute(ids)]
+            # The jobs first, so that their webhook deliveries commit with their new state.
+            rows = (await conn.execute(found)).all()
             result = await conn.execute(query)
-            if lost:
-                await conn.execute(_events_of(c.id.in_(lost)))
-        if lost:
+            for row in rows:
+                state = "cancelled" if row.cancel_requested is not None else "lost"
+                deliveries = outbox.event_params(row.id, state)
+                await conn.execute(text(outbox.CORE), outbox.core_params(deliveries))
+            if rows:
+                await conn.execute(events_of(c.id.in_([row.id for row in rows])))
+        if rows:
+            self._evented(True, [])
             self._changed(None)
         return int(result.rowcount)
 
@@ -525,21 +566,13 @@ def _of(owner: tuple[str, str] | None, account: str | None) -> list[Any]:
     return conditions
 
 
-def _events_of(where: Any) -> Any:
-    """An event for each job matching `where`, in its current state (a Core statement)."""
-    c = JOBS.c
-    at = literal(utcnow(), JOB_EVENTS.c.at.type)
-    rows = select(c.owner_iss, c.owner_sub, c.id, c.state, at).where(where)
-    columns = ["owner_iss", "owner_sub", "job_id", "state", "at"]
-    return insert(JOB_EVENTS).from_select(columns, rows)
-
-
 def _fields(revocation: Revocation) -> dict[str, Any]:
     return {name: getattr(revocation, name) for name in REVOCATIONS.c.keys()}  # noqa: SIM118
 
 
 async def prune(url: str, schema: str | None, ended_before: datetime) -> int:
-    """Delete the jobs that ended before `ended_before`; returns how many. Final jobs only: an
+    """Delete the jobs that ended before `ended_before` (and the webhook deliveries made or
+    given up before then); returns how many jobs. Final jobs only: an
     active job stays whatever its age. A job row keeps up to the policy's max_output of each
     stream, so without this the table only grows (`sshapi db prune`, docs/deploy.md). Safe
     while replicas run: they never write a final row again."""
@@ -550,11 +583,17 @@ async def prune(url: str, schema: str | None, ended_before: datetime) -> int:
     try:
         c = JOBS.c
         query = delete(JOBS).where(c.state.in_(FINAL), c.finished_at < ended_before)
+        # Webhook deliveries made or given up before then go too (pending ones stay: a
+        # receiver may still come back within their retry window).
+        d = WEBHOOK_DELIVERIES.c
+        deliveries = delete(WEBHOOK_DELIVERIES).where(
+            d.status != "pending", d.created_at < ended_before.timestamp()
+        )
         async with engine.begin() as conn:
-            pruned = int((await conn.execute(query)).rowcount)
-            # Their events and handles go with them; expired handles whatever their job.
+            await conn.execute(deliveries)
+            # Job events of then go too, and expired job handles whatever their job.
             await conn.execute(delete(JOB_EVENTS).where(JOB_EVENTS.c.at < ended_before))
             await conn.execute(delete(JOB_HANDLES).where(JOB_HANDLES.c.expires_at < utcnow()))
-            return pruned
+            return int((await conn.execute(query)).rowcount)
     finally:
         await engine.dispose()
