@@ -228,7 +228,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return summary
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", type=int, default=1000, help="running jobs to follow")
     parser.add_argument("--phase", type=float, default=30.0, help="seconds per phase")
@@ -237,7 +237,7 @@ def main() -> None:
         "--interval", type=float, default=2.0, help="seconds between polls of a job"
     )
     parser.add_argument("--out", type=Path, help="write the summary here as JSON")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     summary = asyncio.run(run(args))
     if args.out:
         args.out.write_text(json.dumps(summary, indent=2))
