@@ -11,6 +11,7 @@ from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Response
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from api.auth import Principal
@@ -144,7 +145,7 @@ changes."""
         422: _problem("A malformed `Last-Event-ID`."),
         429: _problem("`max_change_feeds` feeds of yours are open already."),
     },
-    response_class=FollowResponse,
+    response_class=StreamingResponse,  # the documented class (FollowResponse is one)
     summary="Your jobs' state changes, as one Server-Sent Events stream",
 )
 async def change_feed(
