@@ -400,3 +400,21 @@ async def test_the_cli_makes_handles_and_watches(api: Api) -> None:
     finally:
         proc.kill()
         await proc.wait()
+
+
+async def test_a_revocation_ends_the_change_feed(api: Api) -> None:
+    """The feed of an identity an administrator revokes ends with `revoked`; a new one is 403."""
+    sub = f"feed-{uuid.uuid4().hex[:6]}"
+    async with feed(api, sub) as events:
+        assert (await anext(events))["event"] == "ready"
+        r = await api.client.post(
+            f"{api.url}/v1/admin/revocations",
+            json={"issuer": LOCAL_ISS, "subject": sub},
+            headers=api.auth("root-admin", ADMIN),
+        )
+        assert r.status_code == 201, r.text
+        async with asyncio.timeout(30):
+            last = [event async for event in events][-1]
+    assert last["event"] == "revoked"
+    r = await api.client.get(f"{api.url}/v1/jobs/events", headers=api.auth(sub))
+    assert r.status_code == 403 and r.json()["type"].endswith("identity-revoked")
