@@ -25,7 +25,7 @@ from datetime import timedelta
 from api.auth import HANDLE_ISSUER, HandleGrant, Principal
 from api.config import Config, PolicyRule
 from api.policy import Policy
-from api.problems import Problem, unauthorized
+from api.problems import STORE_RETRY_AFTER, Problem, retry_after, store_is_down, unauthorized
 from api.store import JobHandle, JobRow, Store, new_id, utcnow
 
 # Every handle starts so: `authenticate` (api/deps.py) tells a handle from a JWT by it.
@@ -93,7 +93,16 @@ class Handles:
         """The principal of a handle's bearer; 401 for an unknown, deleted or expired one."""
         if len(token) > MAX_HANDLE_CHARS:
             raise unauthorized("unknown or revoked handle")
-        handle = await self.store.handle_by_digest(digest(token))
+        try:
+            handle = await self.store.handle_by_digest(digest(token))
+        except Exception as exc:
+            # Checked ahead of the app (api/gate.py), where the app's store-error handler does
+            # not reach: the same 503 it would answer.
+            if not store_is_down(exc):
+                raise
+            raise Problem(503, "store-unavailable", "Job store unavailable",
+                          "the job store cannot be reached; retry later",
+                          headers=retry_after(STORE_RETRY_AFTER)) from None  # fmt: skip
         if handle is None:
             raise unauthorized("unknown or revoked handle")
         if handle.expires_at <= utcnow():
