@@ -18,8 +18,11 @@ Its reads are paid from its creator's buckets and caps (follower cap, reads buck
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import secrets
+from collections.abc import AsyncIterator, Callable
 from datetime import timedelta
 
 from api.auth import HANDLE_ISSUER, HandleGrant, Principal
@@ -32,6 +35,9 @@ from api.store import JobHandle, JobRow, Store, new_id, utcnow
 PREFIX = "sshh_"
 TOKEN_BYTES = 32  # 256 random bits
 MAX_HANDLE_CHARS = 128  # anything longer is no handle of ours: refused before hashing
+# A live stream (output, events) read with a handle asks the store this often whether the
+# handle still stands: deleted or expired, the stream ends (as a revoked caller's does).
+CHECK_EVERY = 5.0
 
 
 def digest(token: str) -> str:
@@ -88,6 +94,42 @@ class Handles:
     async def drop(self, row: JobRow, handle_id: str) -> bool:
         """Delete one handle of the job; False when it has none of that id."""
         return await self.store.drop_handle(row.id, handle_id)
+
+    async def alive(self, grant: HandleGrant) -> bool:
+        """Whether the handle still stands: not deleted, not expired."""
+        handles = await self.store.handles_of(grant.job_id)
+        return any(h.id == grant.id and h.expires_at > utcnow() for h in handles)
+
+    @contextlib.asynccontextmanager
+    async def watching(
+        self, who: Principal, wake: Callable[[], None]
+    ) -> AsyncIterator[Callable[[], bool]]:
+        """For a live stream of `who`: a `stop()` that turns true once their handle is deleted
+        or expired (asked every CHECK_EVERY seconds; `wake()` then, so that the stream asks).
+        Never true for a token's stream."""
+        grant = who.handle
+        if grant is None:
+            yield lambda: False
+            return
+        ended = False
+
+        async def check() -> None:
+            nonlocal ended
+            while True:
+                await asyncio.sleep(CHECK_EVERY)
+                with contextlib.suppress(Exception):  # the store away: ask again later
+                    if not await self.alive(grant):
+                        ended = True
+                        wake()
+                        return
+
+        task = asyncio.create_task(check(), name=f"handle-{grant.id}")
+        try:
+            yield lambda: ended
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     async def authenticate(self, token: str) -> Principal:
         """The principal of a handle's bearer; 401 for an unknown, deleted or expired one."""

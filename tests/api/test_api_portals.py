@@ -418,3 +418,23 @@ async def test_a_revocation_ends_the_change_feed(api: Api) -> None:
     assert last["event"] == "revoked"
     r = await api.client.get(f"{api.url}/v1/jobs/events", headers=api.auth(sub))
     assert r.status_code == 403 and r.json()["type"].endswith("identity-revoked")
+
+
+async def test_a_deleted_handle_ends_its_open_stream(api: Api) -> None:
+    """A handle's `/events` of a running job ends with `revoked` once the handle is deleted
+    (the stream asks the store every few seconds), and the job goes on."""
+    r = await api.submit({"host": "local", "argv": ["sleep", "60"]}, wait=0)
+    job_id = r.json()["id"]
+    await api.wait_state(job_id, ("running",))
+    made = (await make_handle(api, job_id, {"ttl": 600})).json()
+    url = f"{api.url}/v1/jobs/{job_id}"
+    async with api.client.stream("GET", f"{url}/events", headers=bearer(made["handle"])) as r:
+        events = sse_events(r)
+        assert (await anext(events))["event"] == "state"
+        gone = await api.client.delete(f"{url}/handles/{made['id']}", headers=api.auth())
+        assert gone.status_code == 204
+        async with asyncio.timeout(60):
+            last = [event async for event in events][-1]
+    assert last["event"] == "revoked" and "handle" in last["data"]["detail"]
+    assert (await api.job(job_id))["state"] == "running"
+    await api.client.delete(url, headers=api.auth())
