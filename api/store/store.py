@@ -45,18 +45,10 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.sql.expression import ClauseElement
 
+from api import tracing
 from api.states import ACTIVE, FINAL
-from api.store import migrate, outbox
-from api.store.portals import (
-    EVENTS_LOCK,
-    PG_EVENT_FROM_ROW,
-    PG_EVENT_VALUES,
-    SQLITE_EVENT_FROM_ROW,
-    SQLITE_EVENT_VALUES,
-    Logged,
-    PortalStore,
-    events_of,
-)
+from api.store import migrate, outbox, portals
+from api.store.portals import Logged, PortalStore, events_of
 from api.store.postgres import PgWriter, output_bytes
 from api.store.schema import (
     FIELDS,
@@ -275,7 +267,7 @@ class Store(PortalStore):
                 except sqlite3.IntegrityError as exc:
                     # The same exception as from SQLAlchemy: callers catch one kind.
                     raise IntegrityError(sql, params, exc) from None
-                db.execute(SQLITE_EVENT_VALUES, event)
+                db.execute(portals.SQLITE_EVENT_VALUES, event)
         elif self._pg is not None:
             pg = self._pg.sql
             values = pg.with_defaults(values)
@@ -288,19 +280,24 @@ class Store(PortalStore):
                     await conn.execute(sql, *params)
                 except asyncpg.UniqueViolationError as exc:
                     raise IntegrityError(sql, params, exc) from None
-                await conn.execute(PG_EVENT_VALUES, *pg_event)
+                await conn.execute(portals.PG_EVENT_VALUES, *pg_event)
         else:
 
             def add(conn: Connection) -> None:
                 conn.execute(insert(JOBS).values(values))
                 conn.execute(events_of(JOBS.c.id == row.id))
 
-        await self._write(Logged(add), size)
+        with tracing.store_span("INSERT", self.dialect):
+            await self._write(Logged(add), size)
         self._changed((row.owner_iss, row.owner_sub))
         return row
 
     async def get(self, job_id: str) -> JobRow | None:
         return await self._one(select(JOBS).where(JOBS.c.id == job_id))
+
+    async def summary(self, job_id: str) -> JobRow | None:
+        """A job without its output columns (as a list reads it): a webhook's `data`."""
+        return await self._one(select(*LISTED).where(JOBS.c.id == job_id))
 
     async def by_key(self, iss: str, sub: str, key: str) -> JobRow | None:
         c = JOBS.c
@@ -340,11 +337,12 @@ class Store(PortalStore):
                 if deliveries is not None:
                     db.execute(outbox.SQLITE, deliveries)
                 if logged:  # the job event (its owner: whose change feed to wake)
-                    return tuple(db.execute(SQLITE_EVENT_FROM_ROW, event).fetchall()[0])
+                    return tuple(db.execute(portals.SQLITE_EVENT_FROM_ROW, event).fetchall()[0])
                 return True
 
             write: Write = Logged(run) if logged else run
-            result = await self._write(write, output_bytes(params))
+            with tracing.store_span("UPDATE", self.dialect):
+                result = await self._write(write, output_bytes(params))
             return self._evented(self._logged(result), deliveries)
         if self._pg is not None:
             pg = self._pg.sql
@@ -365,11 +363,13 @@ class Store(PortalStore):
                 if deliveries is not None:
                     await conn.execute(outbox.POSTGRES, *deliveries)
                 if logged:
-                    return tuple(await conn.fetchrow(PG_EVENT_FROM_ROW, *pg_event))
+                    return tuple(await conn.fetchrow(portals.PG_EVENT_FROM_ROW, *pg_event))
                 return True
 
             pg_write: Write = Logged(change) if logged else change
-            return self._evented(self._logged(await self._write(pg_write)), deliveries)
+            with tracing.store_span("UPDATE", self.dialect):
+                result = await self._write(pg_write)
+            return self._evented(self._logged(result), deliveries)
         query = update(JOBS).where(JOBS.c.id == job_id).values(**values)
         if only_active:
             query = query.where(JOBS.c.state.in_(ACTIVE))
@@ -473,7 +473,7 @@ class Store(PortalStore):
         )
         async with self._started().begin() as conn:
             if conn.dialect.name == "postgresql":  # first: events commit in seq order
-                await conn.execute(text(f"SELECT pg_advisory_xact_lock({EVENTS_LOCK})"))
+                await conn.execute(text(f"SELECT pg_advisory_xact_lock({portals.EVENTS_LOCK})"))
             # The jobs first, so that their webhook deliveries commit with their new state.
             rows = (await conn.execute(found)).all()
             result = await conn.execute(query)
