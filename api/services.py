@@ -77,6 +77,7 @@ cancels and awaits when it closes, each failure logged:
 | `resolve-<id>`             | api/jobs/batch.py `BatchJobs`                                   |
 | `pub-<id>`, `live-<id>`    | api/live/hub.py `LiveHub`                                       |
 | request-scoped tasks       | the request that starts them (api/routes/files.py, api/files/)  |
+| `handle-<id>`              | a stream read with a job handle (api/handles.py `watching`)     |
 
 Shutdown: not ready (503) first; the trackers, the renewer and the prewarms stopped (the last
 started first); the job service closed (batch lookups, the relay's listener and the live feeds,
