@@ -10,7 +10,7 @@ through PYTHONPATH), `off` (this tree, no OTEL_* variable), `on-100` and `on-10`
 `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` at a sink in this process that answers every export and
 keeps nothing; the sampler `parentbased_always_on`, or `parentbased_traceidratio` at 0.1), and
 when asked (`--variants`) `old-on-10` (the tree of `--old` at 10 %: an A/B of a change to the
-traced path). Each
+traced path), `on-0` (this tree at 0 %: what tracing costs a request it does not sample). Each
 round runs `--jobs` jobs (`argv ["true"]`, `--concurrency` at once, no traceparent: the root
 sampler decides) through each variant in a shuffled order, and reads the API process tree's CPU
 seconds (loadtests/cpu.py) around it: CPU ms per job, per variant and round, interleaved. It
@@ -47,7 +47,7 @@ from loadtests.cpu import own_seconds, tree_seconds
 from loadtests.server import start_api, stop_api, tuned_host
 
 REPO = Path(__file__).resolve().parents[1]
-VARIANTS = ("before", "off", "on-100", "on-10", "old-on-10")
+VARIANTS = ("before", "off", "on-100", "on-10", "old-on-10", "on-0")
 TIMEOUT = 60.0
 
 
@@ -100,9 +100,10 @@ def variant_env(variant: str, sink: str, before: Path, old: Path | None) -> dict
         env["PYTHONPATH"] = str(old)
     if "on-" in variant:
         env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = sink
-        if variant.endswith("on-10"):
+        percent = int(variant.rsplit("-", 1)[1])
+        if percent < 100:
             env["OTEL_TRACES_SAMPLER"] = "parentbased_traceidratio"
-            env["OTEL_TRACES_SAMPLER_ARG"] = "0.1"
+            env["OTEL_TRACES_SAMPLER_ARG"] = str(percent / 100)
     return env
 
 
@@ -150,6 +151,7 @@ def check(variant: str, url: str, auth: str, before: Path) -> None:
         "on-100": "ab" * 16,
         "on-10": "ab" * 16,
         "old-on-10": "ab" * 16,
+        "on-0": "ab" * 16,
     }
     if seen != wanted[variant]:
         raise RuntimeError(f"{variant}: trace_id {seen!r}, expected {wanted[variant]!r}")
@@ -289,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--variants",
         default=",".join(VARIANTS[:4]),
-        help="Which of before,off,on-100,on-10,old-on-10 to run.",
+        help="Which of before,off,on-100,on-10,old-on-10,on-0 to run.",
     )
     p.add_argument("--spans", type=int, default=2000, help="Requests per server-span variant.")
     args = p.parse_args(argv)
