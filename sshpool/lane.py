@@ -1,0 +1,377 @@
+"""The transfer lane: bulk SFTP bytes moved on connections of their own, whose SSH work runs on
+an event loop of its own in a thread, so that the loop serving jobs never decrypts, parses or
+sends a transfer's packets (docs/files.md, "The transfer lane", says why a thread and not a
+process: the measurement is `loadtests.lane_choice`).
+
+What lives where:
+
+- `Lane` owns the thread and its event loop; `Lane.call` runs one coroutine there and awaits
+  it from the caller's loop (cancelling the caller cancels it there, and waits for its end).
+- `LaneBackend` wraps a backend: its `connect` runs on the lane's loop and returns a
+  `LaneConnection`, whose SFTP sessions (`LaneSFTP`) and files (`LaneFile`) run every call
+  there. The host pool that leases these connections (`sshpool.host.HostPool`, one per target,
+  `Pool.sftp(bulk=True)`) stays on the caller's loop and joins the same sshd budget as the
+  target's command connections: lane connections are counted, gated and evicted like any.
+- `Turns` shares the lane's chunk operations (one read or write of up to a chunk) among
+  tenants: at most `slots` at once; when all are taken, the tenants waiting get one turn each
+  in a ring, and within a tenant its transfers one turn each: a saturated lane gives each
+  tenant an equal share of its bytes (chunks are equal), and each transfer an equal share of
+  its tenant's.
+
+Invariants: a lane connection's I/O happens on the lane's loop only; the pool's state changes
+on the caller's loop only; a chunk operation holds its turn until it ended on the lane, also
+when its caller was cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import threading
+from collections import Counter, deque
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Hashable
+from typing import Any, TypeVar
+
+from sshpool.backends.base import Backend, Connection, DirEntry, Exit, FileAttrs, SFTPSession
+from sshpool.command import Capture, Stdin
+from sshpool.errors import ConnectionLost
+from sshpool.target import Target
+
+T = TypeVar("T")
+
+# Chunk operations the lane runs at once by default (`Turns`): each moves up to one of the
+# API's 4 MiB chunks, so 8 is 32 MiB in flight over the lane's connections.
+DEFAULT_SLOTS = 8
+
+
+class Lane:
+    """A thread running an event loop for transfer connections. `start` before use, `stop`
+    after the pool that uses it is closed."""
+
+    def __init__(self, slots: int = DEFAULT_SLOTS, name: str = "sshpool-lane") -> None:
+        self.name = name
+        self.turns = Turns(slots)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            raise RuntimeError("the transfer lane is not started")
+        return self._loop
+
+    def start(self) -> Lane:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+            self._thread.start()
+            self._ready.wait()
+        return self
+
+    def _run(self) -> None:
+        try:
+            import uvloop
+
+            loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+        except ImportError:  # pragma: no cover - uvloop is a dependency of the API
+            loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        self._loop = loop
+        self._ready.set()
+        try:
+            loop.run_forever()
+        finally:
+            pending = asyncio.all_tasks(loop)
+            for task in pending:
+                task.cancel()
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            loop.close()
+
+    def stop(self) -> None:
+        """End the thread (the pool's lane connections closed before: `Pool.close`)."""
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None:
+            return
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        self._thread = None
+        self._loop = None
+
+    def in_lane(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    async def call(self, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any) -> T:
+        """`await fn(*args)` on the lane's loop, from the caller's. A cancelled caller cancels
+        it there and returns once it has ended (so nothing of it runs on after, e.g. on a
+        session the caller closes next)."""
+        loop = self.loop
+        done: concurrent.futures.Future[T] = concurrent.futures.Future()
+        task: list[asyncio.Task[T]] = []
+
+        def start() -> None:
+            t = loop.create_task(fn(*args))
+            task.append(t)
+            t.add_done_callback(lambda t: _settle(t, done))
+
+        def cancel() -> None:
+            if task:
+                task[0].cancel()
+            elif not done.done():  # never started
+                done.cancel()
+
+        try:
+            loop.call_soon_threadsafe(start)
+        except RuntimeError as exc:  # the lane's loop is closed
+            raise ConnectionLost(f"transfer lane stopped: {exc}", started=False) from exc
+        waiter = asyncio.wrap_future(done)
+        try:
+            return await asyncio.shield(waiter)
+        except asyncio.CancelledError:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(cancel)
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(waiter)
+            raise
+
+
+def _settle(task: asyncio.Task[T], done: concurrent.futures.Future[T]) -> None:
+    if done.done():
+        return
+    if task.cancelled():
+        done.cancel()
+    elif (exc := task.exception()) is not None:
+        done.set_exception(exc)
+    else:
+        done.set_result(task.result())
+
+
+class Turns:
+    """At most `slots` chunk operations at once, the waiting ones served tenant by tenant in a
+    ring, and within a tenant transfer by transfer (module docstring). `granted` counts the
+    bytes asked for per tenant (what the tests and the benchmark read)."""
+
+    def __init__(self, slots: int = DEFAULT_SLOTS) -> None:
+        self.slots = max(1, slots)
+        self.busy = 0
+        # tenant -> transfer -> its waiting operations (futures, with the bytes they move).
+        self._waiting: dict[Hashable, dict[Hashable, deque[tuple[asyncio.Future[None], int]]]] = {}
+        self._ring: deque[Hashable] = deque()
+        self.granted: Counter[Hashable] = Counter()
+        self.order: deque[Hashable] = deque(maxlen=1024)  # the last grants' tenants
+        self.queued = 0
+
+    def waiting(self) -> int:
+        return self.queued
+
+    @contextlib.asynccontextmanager
+    async def turn(self, tenant: Hashable, transfer: Hashable, size: int) -> AsyncIterator[None]:
+        if self.busy < self.slots and not self.queued:
+            self._grant(tenant, size)
+        else:
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            transfers = self._waiting.get(tenant)
+            if transfers is None:
+                transfers = self._waiting[tenant] = {}
+                self._ring.append(tenant)
+            transfers.setdefault(transfer, deque()).append((fut, size))
+            self.queued += 1
+            try:
+                await fut
+            except BaseException:
+                if fut.done() and not fut.cancelled():
+                    self._release()  # granted as it was cancelled: pass the turn on
+                else:
+                    self._forget(tenant, transfer, fut)
+                raise
+        try:
+            yield
+        finally:
+            self._release()
+
+    def _grant(self, tenant: Hashable, size: int) -> None:
+        self.busy += 1
+        self.granted[tenant] += size
+        self.order.append(tenant)
+
+    def _forget(self, tenant: Hashable, transfer: Hashable, fut: asyncio.Future[None]) -> None:
+        transfers = self._waiting.get(tenant)
+        if transfers is None or transfer not in transfers:
+            return
+        ops = transfers[transfer]
+        for entry in ops:
+            if entry[0] is fut:
+                ops.remove(entry)
+                self.queued -= 1
+                break
+        if not transfers[transfer]:
+            del transfers[transfer]
+        if not transfers:
+            del self._waiting[tenant]
+            with contextlib.suppress(ValueError):
+                self._ring.remove(tenant)
+
+    def _release(self) -> None:
+        self.busy -= 1
+        while self.busy < self.slots and self._ring:
+            tenant = self._ring.popleft()
+            transfers = self._waiting[tenant]
+            transfer, ops = next(iter(transfers.items()))
+            fut, size = ops.popleft()
+            self.queued -= 1
+            # This transfer goes behind its tenant's others, the tenant behind the others.
+            del transfers[transfer]
+            if ops:
+                transfers[transfer] = ops
+            if transfers:
+                self._ring.append(tenant)
+            else:
+                del self._waiting[tenant]
+            self._grant(tenant, size)
+            fut.set_result(None)
+
+
+class LaneBackend:
+    """A backend whose connections are made, and do all their I/O, on `lane`'s loop."""
+
+    def __init__(self, backend: Backend, lane: Lane) -> None:
+        self.backend = backend
+        self.lane = lane
+        self.name = backend.name
+
+    async def connect(self, target: Target) -> LaneConnection:
+        conn = await self.lane.call(self.backend.connect, target)
+        return LaneConnection(conn, self.lane)
+
+
+class LaneConnection:
+    """A connection living on the lane's loop, used from the caller's. It carries SFTP
+    sessions; `exec` runs there too (the captures are then fed on the lane's thread, so the
+    pool never runs a caller's command on a lane connection)."""
+
+    def __init__(self, conn: Connection, lane: Lane) -> None:
+        self._conn = conn
+        self._lane = lane
+
+    def is_alive(self) -> bool:
+        return self._conn.is_alive()  # a flag the backend sets, read without I/O
+
+    async def exec(
+        self, command: str, stdin: bytes | Stdin | None, stdout: Capture, stderr: Capture
+    ) -> Exit:
+        return await self._lane.call(self._conn.exec, command, stdin, stdout, stderr)
+
+    async def sftp(self) -> LaneSFTP:
+        return LaneSFTP(await self._lane.call(self._conn.sftp), self._lane)
+
+    async def close(self) -> None:
+        with contextlib.suppress(ConnectionLost):
+            await self._lane.call(self._conn.close)
+
+
+class LaneSFTP:
+    """An SFTP session on a lane connection: each call runs on the lane's loop. `tenant`
+    (set by `Pool.sftp`) names whose turns its files' chunks take (`Turns`)."""
+
+    def __init__(self, session: SFTPSession, lane: Lane) -> None:
+        self._s = session
+        self._lane = lane
+        self.tenant: Hashable = None
+
+    async def realpath(self, path: str) -> str:
+        return await self._lane.call(self._s.realpath, path)
+
+    async def stat(self, path: str) -> FileAttrs:
+        return await self._lane.call(self._s.stat, path)
+
+    async def lstat(self, path: str) -> FileAttrs:
+        return await self._lane.call(self._s.lstat, path)
+
+    async def readlink(self, path: str) -> str:
+        return await self._lane.call(self._s.readlink, path)
+
+    async def listdir(self, path: str) -> list[DirEntry]:
+        return await self._lane.call(self._s.listdir, path)
+
+    async def scandir(self, path: str) -> AsyncGenerator[DirEntry, None]:
+        entries = self._s.scandir(path)
+        try:
+            while True:
+                try:
+                    entry = await self._lane.call(_next, entries)
+                except StopAsyncIteration:
+                    return
+                yield entry
+        finally:
+            await self._lane.call(entries.aclose)
+
+    async def open_read(self, path: str, offset: int = 0) -> LaneFile:
+        f = await self._lane.call(self._s.open_read, path, offset)
+        return LaneFile(f, self._lane, self.tenant)
+
+    async def open_write(self, path: str, *, exclusive: bool = True, mode: int = 0o644) -> LaneFile:
+        f = await self._lane.call(_open_write, self._s, path, exclusive, mode)
+        return LaneFile(f, self._lane, self.tenant)
+
+    async def rename(self, old: str, new: str, *, overwrite: bool) -> None:
+        await self._lane.call(_rename, self._s, old, new, overwrite)
+
+    async def remove(self, path: str) -> None:
+        await self._lane.call(self._s.remove, path)
+
+    async def rmdir(self, path: str) -> None:
+        await self._lane.call(self._s.rmdir, path)
+
+    async def mkdir(self, path: str, mode: int = 0o755) -> None:
+        await self._lane.call(self._s.mkdir, path, mode)
+
+    async def setstat(
+        self, path: str, *, mode: int | None = None, mtime: int | None = None
+    ) -> None:
+        await self._lane.call(_setstat, self._s, path, mode, mtime)
+
+    def intact(self) -> bool:
+        return self._s.intact()
+
+    async def close(self) -> None:
+        with contextlib.suppress(ConnectionLost):
+            await self._lane.call(self._s.close)
+
+
+class LaneFile:
+    """An open file of a `LaneSFTP`: each read or write runs on the lane's loop, in its
+    tenant's turn (`Turns`); the bytes cross between the threads as they are (no copy)."""
+
+    def __init__(self, f: Any, lane: Lane, tenant: Hashable) -> None:
+        self._f = f
+        self._lane = lane
+        self._tenant = tenant
+
+    async def read(self, size: int) -> bytes:
+        async with self._lane.turns.turn(self._tenant, self, size):
+            data: bytes = await self._lane.call(self._f.read, size)
+        return data
+
+    async def write(self, data: bytes) -> None:
+        async with self._lane.turns.turn(self._tenant, self, len(data)):
+            await self._lane.call(self._f.write, data)
+
+    async def close(self) -> None:
+        await self._lane.call(self._f.close)
+
+
+async def _next(entries: AsyncGenerator[DirEntry, None]) -> DirEntry:
+    return await entries.__anext__()
+
+
+async def _open_write(s: SFTPSession, path: str, exclusive: bool, mode: int) -> Any:
+    return await s.open_write(path, exclusive=exclusive, mode=mode)
+
+
+async def _rename(s: SFTPSession, old: str, new: str, overwrite: bool) -> None:
+    await s.rename(old, new, overwrite=overwrite)
+
+
+async def _setstat(s: SFTPSession, path: str, mode: int | None, mtime: int | None) -> None:
+    await s.setstat(path, mode=mode, mtime=mtime)
