@@ -43,6 +43,8 @@ T = TypeVar("T")
 # Chunk operations the lane runs at once by default (`Turns`): each moves up to one of the
 # API's 4 MiB chunks, so 8 is 32 MiB in flight over the lane's connections.
 DEFAULT_SLOTS = 8
+# Tenants' tags kept before those that no longer matter are dropped (`Turns`).
+PRUNE_AT = 1024
 
 
 class Lane:
@@ -148,34 +150,38 @@ def _settle(task: asyncio.Task[T], done: concurrent.futures.Future[T]) -> None:
 
 
 class Turns:
-    """At most `slots` chunk operations at once, the waiting ones served tenant by tenant in a
-    ring, and within a tenant transfer by transfer (module docstring). `granted` counts the
-    bytes asked for per tenant (what the tests and the benchmark read)."""
+    """At most `slots` chunk operations at once; the waiting ones are granted by start-time
+    fair queuing over their bytes, tenant first, then transfer within the tenant (module
+    docstring). Each tenant has a tag, the bytes it was granted measured on a virtual clock
+    (the tag of the last grant): the next grant goes to the waiting tenant whose tag is lowest,
+    and within it to its transfer whose own tag is lowest (ties: who waited first). A tenant
+    or transfer that comes back after an idle spell starts at the clock, so it gets its share
+    from then on and no burst for the time it did not ask. `granted` counts bytes per tenant
+    and `order` the tenants of the last grants (what the tests and benchmarks read)."""
 
     def __init__(self, slots: int = DEFAULT_SLOTS) -> None:
         self.slots = max(1, slots)
         self.busy = 0
-        # tenant -> transfer -> its waiting operations (futures, with the bytes they move).
-        self._waiting: dict[Hashable, dict[Hashable, deque[tuple[asyncio.Future[None], int]]]] = {}
-        self._ring: deque[Hashable] = deque()
-        self.granted: Counter[Hashable] = Counter()
-        self.order: deque[Hashable] = deque(maxlen=1024)  # the last grants' tenants
         self.queued = 0
-
-    def waiting(self) -> int:
-        return self.queued
+        # tenant -> [(transfer, future, bytes, arrival)] in arrival order.
+        self._waiting: dict[Hashable, list[tuple[Hashable, asyncio.Future[None], int, int]]] = {}
+        self._clock = 0.0
+        self._tags: dict[Hashable, float] = {}
+        # Per tenant: its transfers' tags and its own clock.
+        self._transfer_tags: dict[tuple[Hashable, Hashable], float] = {}
+        self._tenant_clock: dict[Hashable, float] = {}
+        self._arrivals = 0
+        self.granted: Counter[Hashable] = Counter()
+        self.order: deque[Hashable] = deque(maxlen=4096)
 
     @contextlib.asynccontextmanager
     async def turn(self, tenant: Hashable, transfer: Hashable, size: int) -> AsyncIterator[None]:
         if self.busy < self.slots and not self.queued:
-            self._grant(tenant, size)
+            self._grant(tenant, transfer, size)
         else:
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            transfers = self._waiting.get(tenant)
-            if transfers is None:
-                transfers = self._waiting[tenant] = {}
-                self._ring.append(tenant)
-            transfers.setdefault(transfer, deque()).append((fut, size))
+            self._arrivals += 1
+            self._waiting.setdefault(tenant, []).append((transfer, fut, size, self._arrivals))
             self.queued += 1
             try:
                 await fut
@@ -183,53 +189,65 @@ class Turns:
                 if fut.done() and not fut.cancelled():
                     self._release()  # granted as it was cancelled: pass the turn on
                 else:
-                    self._forget(tenant, transfer, fut)
+                    self._forget(tenant, fut)
                 raise
         try:
             yield
         finally:
             self._release()
 
-    def _grant(self, tenant: Hashable, size: int) -> None:
+    def _grant(self, tenant: Hashable, transfer: Hashable, size: int) -> None:
+        start = max(self._tags.get(tenant, 0.0), self._clock)
+        self._tags[tenant] = start + size
+        self._clock = start
+        inner = max(
+            self._transfer_tags.get((tenant, transfer), 0.0), self._tenant_clock.get(tenant, 0.0)
+        )
+        self._transfer_tags[(tenant, transfer)] = inner + size
+        self._tenant_clock[tenant] = inner
         self.busy += 1
         self.granted[tenant] += size
         self.order.append(tenant)
 
-    def _forget(self, tenant: Hashable, transfer: Hashable, fut: asyncio.Future[None]) -> None:
-        transfers = self._waiting.get(tenant)
-        if transfers is None or transfer not in transfers:
-            return
-        ops = transfers[transfer]
-        for entry in ops:
-            if entry[0] is fut:
-                ops.remove(entry)
+    def _forget(self, tenant: Hashable, fut: asyncio.Future[None]) -> None:
+        ops = self._waiting.get(tenant, [])
+        for i, op in enumerate(ops):
+            if op[1] is fut:
+                del ops[i]
                 self.queued -= 1
                 break
-        if not transfers[transfer]:
-            del transfers[transfer]
-        if not transfers:
-            del self._waiting[tenant]
-            with contextlib.suppress(ValueError):
-                self._ring.remove(tenant)
+        if not ops:
+            self._waiting.pop(tenant, None)
 
     def _release(self) -> None:
         self.busy -= 1
-        while self.busy < self.slots and self._ring:
-            tenant = self._ring.popleft()
-            transfers = self._waiting[tenant]
-            transfer, ops = next(iter(transfers.items()))
-            fut, size = ops.popleft()
-            self.queued -= 1
-            # This transfer goes behind its tenant's others, the tenant behind the others.
-            del transfers[transfer]
-            if ops:
-                transfers[transfer] = ops
-            if transfers:
-                self._ring.append(tenant)
-            else:
+        while self.busy < self.slots and self._waiting:
+            tenant = min(
+                self._waiting,
+                key=lambda t: (max(self._tags.get(t, 0.0), self._clock), self._waiting[t][0][3]),
+            )
+            ops = self._waiting[tenant]
+            clock = self._tenant_clock.get(tenant, 0.0)
+            i = min(
+                range(len(ops)),
+                key=lambda i: (max(self._transfer_tags.get((tenant, ops[i][0]), 0.0), clock), i),
+            )
+            transfer, fut, size, _ = ops.pop(i)
+            if not ops:
                 del self._waiting[tenant]
-            self._grant(tenant, size)
+            self.queued -= 1
+            self._grant(tenant, transfer, size)
             fut.set_result(None)
+        if len(self._tags) > PRUNE_AT:
+            # Tenants behind the clock and not waiting would start at the clock anyway.
+            for t in [t for t, tag in self._tags.items() if tag <= self._clock]:
+                if t not in self._waiting:
+                    del self._tags[t]
+                    self._tenant_clock.pop(t, None)
+
+    def forget_transfer(self, tenant: Hashable, transfer: Hashable) -> None:
+        """A transfer ended: its tag is no longer kept."""
+        self._transfer_tags.pop((tenant, transfer), None)
 
 
 class LaneBackend:
@@ -358,6 +376,7 @@ class LaneFile:
             await self._lane.call(self._f.write, data)
 
     async def close(self) -> None:
+        self._lane.turns.forget_transfer(self._tenant, self)
         await self._lane.call(self._f.close)
 
 
