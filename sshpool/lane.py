@@ -29,6 +29,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import threading
+import time
 from collections import Counter, deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Hashable
 from typing import Any, TypeVar
@@ -45,6 +46,30 @@ T = TypeVar("T")
 DEFAULT_SLOTS = 8
 # Tenants' tags kept before those that no longer matter are dropped (`Turns`).
 PRUNE_AT = 1024
+# Long paths (`wan_sizes`): the bytes of one read or write call of a transfer and the SSH
+# receive window of its channel, from the connection's round trip and the bandwidth a transfer
+# should reach (Limits.transfer_bandwidth). The floor is what loopback and LANs use (the API's
+# 4 MiB chunk, asyncssh's 2 MiB window); the caps bound memory per transfer (two chunks and a
+# window: under 50 MiB).
+MIB = 1 << 20
+MIN_CHUNK = 4 * MIB
+MAX_CHUNK = 16 * MIB
+MIN_WINDOW = 2 * MIB
+MAX_WINDOW = 16 * MIB
+
+
+def wan_sizes(rtt: float | None, bandwidth: float) -> tuple[int, int]:
+    """(chunk, window) for a path of round trip `rtt` seconds (None: not known yet) at
+    `bandwidth` bytes/s. A read call ends with a round trip in which nothing of the file moves
+    (its last reply comes back, then the next call's first request goes out): a chunk of four
+    bandwidth-delay products keeps that pause within a fifth of the time. The window holds two
+    products, so the requests of one chunk are never held back by it."""
+    if rtt is None or rtt <= 0:
+        return MIN_CHUNK, MIN_WINDOW
+    bdp = bandwidth * rtt
+    chunk = min(MAX_CHUNK, max(MIN_CHUNK, -(-int(4 * bdp) // MIB) * MIB))
+    window = min(MAX_WINDOW, max(MIN_WINDOW, int(2 * bdp)))
+    return chunk, window
 
 
 class Lane:
@@ -260,17 +285,37 @@ class LaneBackend:
 
     async def connect(self, target: Target) -> LaneConnection:
         conn = await self.lane.call(self.backend.connect, target)
-        return LaneConnection(conn, self.lane)
+        lane_conn = LaneConnection(conn, self.lane, target.limits.transfer_bandwidth)
+        await lane_conn.probe()
+        return lane_conn
 
 
 class LaneConnection:
     """A connection living on the lane's loop, used from the caller's. It carries SFTP
     sessions; `exec` runs there too (the captures are then fed on the lane's thread, so the
-    pool never runs a caller's command on a lane connection)."""
+    pool never runs a caller's command on a lane connection).
 
-    def __init__(self, conn: Connection, lane: Lane) -> None:
+    `rtt`: the shortest SFTP round trip seen on it (the probe at its start, then every file
+    open), which sizes its sessions' windows and its files' chunks (`wan_sizes`)."""
+
+    def __init__(self, conn: Connection, lane: Lane, bandwidth: float) -> None:
         self._conn = conn
         self._lane = lane
+        self.bandwidth = bandwidth
+        self.rtt: float | None = None
+
+    def saw(self, rtt: float) -> None:
+        self.rtt = rtt if self.rtt is None else min(self.rtt, rtt)
+
+    def sizes(self) -> tuple[int, int]:
+        return wan_sizes(self.rtt, self.bandwidth)
+
+    async def probe(self) -> None:
+        """One SFTP round trip timed (a session opened, `realpath(".")`, closed): the path's
+        round trip before the first transfer's window is chosen. A failure is left to the
+        transfer's own session to meet."""
+        with contextlib.suppress(Exception):
+            self.saw(await self._lane.call(_probe, self._conn))
 
     def is_alive(self) -> bool:
         return self._conn.is_alive()  # a flag the backend sets, read without I/O
@@ -281,7 +326,10 @@ class LaneConnection:
         return await self._lane.call(self._conn.exec, command, stdin, stdout, stderr)
 
     async def sftp(self) -> LaneSFTP:
-        return LaneSFTP(await self._lane.call(self._conn.sftp), self._lane)
+        _chunk, window = self.sizes()
+        if hasattr(self._conn, "sftp_window"):  # asyncssh's: the others keep their libraries'
+            self._conn.sftp_window = None if window <= MIN_WINDOW else window
+        return LaneSFTP(await self._lane.call(self._conn.sftp), self._lane, self)
 
     async def close(self) -> None:
         with contextlib.suppress(ConnectionLost):
@@ -292,9 +340,10 @@ class LaneSFTP:
     """An SFTP session on a lane connection: each call runs on the lane's loop. `tenant`
     (set by `Pool.sftp`) names whose turns its files' chunks take (`Turns`)."""
 
-    def __init__(self, session: SFTPSession, lane: Lane) -> None:
+    def __init__(self, session: SFTPSession, lane: Lane, conn: LaneConnection) -> None:
         self._s = session
         self._lane = lane
+        self._conn = conn
         self.tenant: Hashable = None
 
     async def realpath(self, path: str) -> str:
@@ -325,12 +374,17 @@ class LaneSFTP:
             await self._lane.call(entries.aclose)
 
     async def open_read(self, path: str, offset: int = 0) -> LaneFile:
-        f = await self._lane.call(self._s.open_read, path, offset)
-        return LaneFile(f, self._lane, self.tenant)
+        f, rtt = await self._lane.call(_timed, self._s.open_read, path, offset)
+        return self._file(f, rtt)
 
     async def open_write(self, path: str, *, exclusive: bool = True, mode: int = 0o644) -> LaneFile:
-        f = await self._lane.call(_open_write, self._s, path, exclusive, mode)
-        return LaneFile(f, self._lane, self.tenant)
+        f, rtt = await self._lane.call(_timed, _open_write, self._s, path, exclusive, mode)
+        return self._file(f, rtt)
+
+    def _file(self, f: Any, rtt: float) -> LaneFile:
+        self._conn.saw(rtt)
+        chunk, _window = self._conn.sizes()
+        return LaneFile(f, self._lane, self.tenant, chunk)
 
     async def rename(self, old: str, new: str, *, overwrite: bool) -> None:
         await self._lane.call(_rename, self._s, old, new, overwrite)
@@ -359,12 +413,14 @@ class LaneSFTP:
 
 class LaneFile:
     """An open file of a `LaneSFTP`: each read or write runs on the lane's loop, in its
-    tenant's turn (`Turns`); the bytes cross between the threads as they are (no copy)."""
+    tenant's turn (`Turns`); the bytes cross between the threads as they are (no copy).
+    `chunk`: the bytes its callers should read or write per call on this path (`wan_sizes`)."""
 
-    def __init__(self, f: Any, lane: Lane, tenant: Hashable) -> None:
+    def __init__(self, f: Any, lane: Lane, tenant: Hashable, chunk: int = MIN_CHUNK) -> None:
         self._f = f
         self._lane = lane
         self._tenant = tenant
+        self.chunk = chunk
 
     async def read(self, size: int) -> bytes:
         async with self._lane.turns.turn(self._tenant, self, size):
@@ -384,8 +440,25 @@ async def _next(entries: AsyncGenerator[DirEntry, None]) -> DirEntry:
     return await entries.__anext__()
 
 
+async def _timed(fn: Callable[..., Coroutine[Any, Any, T]], *args: Any) -> tuple[T, float]:
+    """`fn(*args)`'s result and how long it took (one SFTP request: a round trip and the
+    host's work), timed on the lane's loop."""
+    t0 = time.perf_counter()
+    result = await fn(*args)
+    return result, time.perf_counter() - t0
+
+
 async def _open_write(s: SFTPSession, path: str, exclusive: bool, mode: int) -> Any:
     return await s.open_write(path, exclusive=exclusive, mode=mode)
+
+
+async def _probe(conn: Connection) -> float:
+    session = await conn.sftp()
+    try:
+        _, rtt = await _timed(session.realpath, ".")
+    finally:
+        await session.close()
+    return rtt
 
 
 async def _rename(s: SFTPSession, old: str, new: str, overwrite: bool) -> None:

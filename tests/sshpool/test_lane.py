@@ -14,8 +14,8 @@ import pytest
 
 from sshpool import Lane, Pool, PoolTimeout
 from sshpool.backends import BACKENDS
-from sshpool.devhost import LocalHost
-from sshpool.lane import LaneFile, Turns
+from sshpool.devhost import LatencyRelay, LocalHost, RelayedHost
+from sshpool.lane import MIN_CHUNK, MIN_WINDOW, LaneConnection, LaneFile, Turns, wan_sizes
 
 MIB = 1 << 20
 
@@ -206,3 +206,38 @@ async def test_two_tenants_share_a_saturated_lane(tuned_host: LocalHost, big_fil
         assert window.count("alice") <= 65 + 2
     finally:
         lane.stop()
+
+
+# ---- long paths
+
+
+def test_wan_sizes_follow_the_bandwidth_delay_product() -> None:
+    assert wan_sizes(None, 125e6) == (4 * MIB, 2 * MIB)  # not measured yet: the LAN sizes
+    assert wan_sizes(0.0003, 125e6) == (4 * MIB, 2 * MIB)  # loopback
+    chunk, window = wan_sizes(0.020, 125e6)  # 2.5 MB in flight at a gigabit over 20 ms
+    assert chunk == 10 * MIB and window == 5_000_000
+    assert wan_sizes(1.0, 125e6) == (16 * MIB, 16 * MIB)  # the caps on memory per transfer
+
+
+async def test_a_lane_connection_sizes_its_transfers_from_its_round_trip(
+    tuned_host: LocalHost, lane: Lane, big_file: str
+) -> None:
+    """Through the rig's relay at 20 ms: the lane connection measures the round trip, and the
+    files it opens read in bigger calls, on a channel with a bigger window (asyncssh)."""
+    with LatencyRelay((tuned_host.address, tuned_host.port), 20) as relay:
+        target = RelayedHost(tuned_host, relay).target()
+        async with Pool(lane=lane) as pool:
+            async with pool.sftp(target, acquire_timeout=30, tenant="alice", bulk=True) as fs:
+                f = await fs.open_read(big_file)
+                assert isinstance(f, LaneFile)
+                got = 0
+                while data := await f.read(f.chunk):
+                    got += len(data)
+                await f.close()
+            conn = pool._lane_hosts[target].conns[0].conn
+            assert isinstance(conn, LaneConnection)
+            assert conn.rtt is not None and conn.rtt >= 0.020
+            assert f.chunk > MIN_CHUNK  # 4 x bdp: more than loopback's 4 MiB
+            assert conn._conn.sftp_window is not None  # type: ignore[attr-defined]
+            assert conn._conn.sftp_window > MIN_WINDOW  # type: ignore[attr-defined]
+    assert got == 64 * MIB
