@@ -202,6 +202,7 @@ async def test_two_tenants_share_a_saturated_lane(tuned_host: LocalHost, big_fil
         # transfers, got no more than bob (FIFO per transfer would have given her twice his).
         bobs = [i for i, t in enumerate(order) if t == "bob"]
         window = order[bobs[0] : bobs[-1] + 1]
+        print(f"FIGURE lane fair share: bob {window.count('bob')}, alice {window.count('alice')}")
         assert window.count("bob") == 65  # 64 chunks and the read at the end of the file
         assert window.count("alice") <= 65 + 2
     finally:
