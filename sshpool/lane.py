@@ -49,11 +49,13 @@ PRUNE_AT = 1024
 # Long paths (`wan_sizes`): the bytes of one read or write call of a transfer and the SSH
 # receive window of its channel, from the connection's round trip and the bandwidth a transfer
 # should reach (Limits.transfer_bandwidth). The floor is what loopback and LANs use (the API's
-# 4 MiB chunk, asyncssh's 2 MiB window); the caps bound memory per transfer (two chunks and a
-# window: under 50 MiB).
+# 4 MiB chunk, asyncssh's 2 MiB window); the caps bound memory per transfer (an upload holds a
+# chunk gathered, its joined copy and the one being written; a download two chunks and the
+# window): at 16 MiB chunks a run through the relay grew the API's RSS by 45 MiB per transfer,
+# too near the 50 MiB bound, so 8.
 MIB = 1 << 20
 MIN_CHUNK = 4 * MIB
-MAX_CHUNK = 16 * MIB
+MAX_CHUNK = 8 * MIB
 MIN_WINDOW = 2 * MIB
 MAX_WINDOW = 16 * MIB
 

@@ -216,8 +216,9 @@ def test_wan_sizes_follow_the_bandwidth_delay_product() -> None:
     assert wan_sizes(None, 125e6) == (4 * MIB, 2 * MIB)  # not measured yet: the LAN sizes
     assert wan_sizes(0.0003, 125e6) == (4 * MIB, 2 * MIB)  # loopback
     chunk, window = wan_sizes(0.020, 125e6)  # 2.5 MB in flight at a gigabit over 20 ms
-    assert chunk == 10 * MIB and window == 5_000_000
-    assert wan_sizes(1.0, 125e6) == (16 * MIB, 16 * MIB)  # the caps on memory per transfer
+    assert chunk == 8 * MIB and window == 5_000_000  # 4 products (10 MiB), capped at 8
+    assert wan_sizes(0.008, 125e6) == (4 * MIB, 2 * MIB)  # 1 MB in flight: the LAN sizes
+    assert wan_sizes(1.0, 125e6) == (8 * MIB, 16 * MIB)  # the caps on memory per transfer
 
 
 async def test_a_lane_connection_sizes_its_transfers_from_its_round_trip(
