@@ -25,6 +25,7 @@ from api.routes.jobs import router as jobs_router
 from api.routes.live import router as live_router
 from api.routes.nodes import router as nodes_router
 from api.routes.ops import router as ops_router
+from api.routes.webhooks import router as webhooks_router
 from api.routes.whoami import router as whoami_router
 from api.services import running
 from api.settings import Settings
@@ -72,6 +73,7 @@ def create_app(
     routers = (
         jobs_router,
         live_router,
+        webhooks_router,
         hosts_router,
         whoami_router,
         nodes_router,

@@ -82,11 +82,9 @@ class RequestContext:
         finally:
             TIMING.reset(token)
             route = scope.get("route")
-            template = getattr(route, "path_format", None) or getattr(route, "path", "unmatched")
-            method = scope["method"]
-            self.metrics.requests.labels(method, template, str(status)).inc()
-            elapsed = time.perf_counter() - start
-            self.metrics.latency.labels(method, template, str(status)).observe(elapsed)
+            # The route template, never the raw path: bounded label values (RELIABILITY.md).
+            template = getattr(route, "path_format", None) or getattr(route, "path", None)
+            self.metrics.request(scope["method"], template, status, time.perf_counter() - start)
 
 
 def _too_large(limit: int) -> Problem:

@@ -302,6 +302,18 @@ class HostInfo(BaseModel):
         "others get only the pool of their own account, without it (and without `sshd`, the "
         "login host's address, where host details are admin-only).",
     )
+    exec_mode: Literal["channel", "agent", "auto"] = Field(
+        default="auto",
+        description="How the host is configured to run commands: `auto` (the default: one "
+        "executor per connection where the host's python3 answers, a channel per command on "
+        "the others), `agent` or `channel`.",
+    )
+    connections_by_mode: dict[str, int] = Field(
+        default_factory=dict,
+        description="The live connections of the pools shown (an admin's: every account's; "
+        "anyone else's: their own account's) by the mode each is in: `agent` (commands "
+        "through its executor) and `channel`.",
+    )
     nodes: list[dict[str, Any]] = Field(
         default_factory=list,
         description="A host with several login nodes: each node's `name` and `state` (`up`, "

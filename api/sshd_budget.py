@@ -60,26 +60,57 @@ RETRY = 0.5  # while Redis is lost: how often it is tried again
 RETURN_GRACE = 2.0  # after Redis is back: seconds within the static share (> RETRY + a timeout)
 NUDGE_EVERY = 0.2  # at most one nudge per sshd per this many seconds
 
+CLOSE_WAIT = 2.0  # seconds a close asked of another process counts as room coming
+
 # The keys of one sshd (after the prefix and the sshd's address:port), in LEASE's order.
-PARTS = ("live", "c", "cw", "h", "hw", "pen")
+PARTS = ("live", "c", "cw", "h", "hw", "pen", "idle", "closing")
 
 # KEYS: live (zset process -> expiry), connection leases, connection wants, handshake leases,
-# handshake wants (hashes process -> slots), penalty (hash score, at).
+# handshake wants (hashes process -> slots), penalty (hash score, at), idle connections (zset
+# "process|ident" -> wall-clock time idle since), closes asked (zset "process|ident" -> until
+# when the room counts as coming).
 # ARGV: process, ttl, connections total, floor, wanted, handshakes total, floor, wanted,
-# penalty seconds to add.
+# penalty seconds to add, pub/sub channel, sshd key, close wait, connections needed to keep
+# the idle ones and serve every account waiting, n, the n idents of closes
+# asked of this process and handled (closed, or not idle any more), then (since, ident) of
+# each idle connection of this process.
 # Returns {connection lease, connection cap, handshake lease, handshake cap, penalty score,
-# connections leased in all, handshakes leased in all, live processes, wanted but not held}.
+# connections leased in all, handshakes leased in all, live processes, wanted but not held,
+# closes asked of other processes by this call}.
 LEASE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 local me, ttl = ARGV[1], tonumber(ARGV[2])
+local kidle, kclosing = KEYS[7], KEYS[8]
+
+local function drop_of(zset, p)
+  local mark = p .. '|'
+  for _, m in ipairs(redis.call('ZRANGE', zset, 0, -1)) do
+    if string.sub(m, 1, #mark) == mark then redis.call('ZREM', zset, m) end
+  end
+end
+
 for _, p in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)) do
   for i = 2, 5 do redis.call('HDEL', KEYS[i], p) end
+  drop_of(kidle, p)
+  drop_of(kclosing, p)
 end
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 redis.call('ZADD', KEYS[1], now + ttl, me)
 
-local function share(kleases, kwants, total, floor, want)
+-- Closes asked and never done within the wait (their owner gone): no longer room coming.
+redis.call('ZREMRANGEBYSCORE', kclosing, '-inf', now)
+local n = tonumber(ARGV[14])
+for i = 15, 14 + n do redis.call('ZREM', kclosing, me .. '|' .. ARGV[i]) end
+-- This process's idle connections, as it has them now (those asked to close stay out).
+drop_of(kidle, me)
+for i = 15 + n, #ARGV, 2 do
+  local m = me .. '|' .. ARGV[i + 1]
+  if not redis.call('ZSCORE', kclosing, m) then redis.call('ZADD', kidle, ARGV[i], m) end
+end
+local spare = redis.call('ZCARD', kidle) + redis.call('ZCARD', kclosing)
+
+local function share(kleases, kwants, total, floor, want, need, idle)
   redis.call('HSET', kwants, me, want)
   local lease, wants, demands = {}, {}, {}
   local l = redis.call('HGETALL', kleases)
@@ -101,23 +132,26 @@ local function share(kleases, kwants, total, floor, want)
   for p, n in pairs(lease) do if p ~= me then others = others + n end end
   for p, d in pairs(wants) do
     local n = lease[p] or 0
-    if d > n then unmet = unmet + d - n end
     if p ~= me then
-      if d > n then others_want = true end
+      if d > n then others_want = true; unmet = unmet + d - n end
       deficit = deficit + math.max(0, math.min(d, math.floor(level)) - n)
     end
   end
-  local target = want
+  -- What it wants, or up to the fair level while others want more than they hold; with
+  -- nobody short, its idle connections kept beside the new ones (free slots only).
+  local target = math.max(want, need)
   if others_want then target = math.min(want, math.ceil(level)) end
   local free = total - others - mine
   local new, cap
   if target > mine then
     new = mine + math.max(0, math.min(free, target - mine))
     cap = new
-  elseif deficit > free and mine > target then
+  elseif deficit > free + idle and mine > target then
+    -- Idle connections anywhere do not cover the others' due: come down to the level.
     new, cap = target, target
   elseif others_want then
-    new = math.min(mine, want)
+    -- Give back the lease beyond what it holds; its idle connections close when asked.
+    new = math.min(mine, math.max(want, floor))
     cap = new
   else
     new, cap = mine, mine
@@ -125,14 +159,34 @@ local function share(kleases, kwants, total, floor, want)
   if new < floor then new = floor end
   if cap > new then cap = new end
   redis.call('HSET', kleases, me, new)
-  redis.call('EXPIRE', kleases, math.ceil(ttl) * 2)
-  redis.call('EXPIRE', kwants, math.ceil(ttl) * 2)
-  return {new, cap, others + new, unmet}
+  return {new, cap, others + new, unmet + math.max(0, want - new), target}
 end
 
-local c = share(KEYS[2], KEYS[3], tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]))
-local h = share(KEYS[4], KEYS[5], tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]))
-redis.call('EXPIRE', KEYS[1], math.ceil(ttl) * 2)
+local c = share(KEYS[2], KEYS[3], tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]),
+  tonumber(ARGV[13]), spare)
+local h = share(KEYS[4], KEYS[5], tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]), 0, 0)
+for _, i in ipairs({1, 2, 3, 4, 5, 7, 8}) do redis.call('EXPIRE', KEYS[i], math.ceil(ttl) * 2) end
+
+-- Still short with no free slot: ask the owners of the least recently used idle connections
+-- of the sshd (other processes') to close them, as many as the wants no free slot or close
+-- already asked covers.
+local asked = 0
+local free = tonumber(ARGV[3]) - c[3]
+local lack = math.min(c[5], tonumber(ARGV[5])) - c[1]
+local short = c[4] - redis.call('ZCARD', kclosing) - math.max(0, free)
+local k = math.min(lack, short)
+if k > 0 then
+  local mark = me .. '|'
+  for _, m in ipairs(redis.call('ZRANGE', kidle, 0, -1)) do
+    if asked >= k then break end
+    if string.sub(m, 1, #mark) ~= mark then
+      redis.call('ZREM', kidle, m)
+      redis.call('ZADD', kclosing, now + tonumber(ARGV[12]), m)
+      redis.call('PUBLISH', ARGV[10], 'close ' .. ARGV[11] .. ' ' .. m)
+      asked = asked + 1
+    end
+  end
+end
 
 local p = redis.call('HMGET', KEYS[6], 'score', 'at')
 local score = math.max(0, (tonumber(p[1]) or 0) - (now - (tonumber(p[2]) or now)))
@@ -142,7 +196,7 @@ if score > 0 then
   redis.call('EXPIRE', KEYS[6], math.ceil(score) + 1)
 end
 return {c[1], c[2], h[1], h[2], tostring(score), c[3], h[3],
-        redis.call('ZCARD', KEYS[1]), c[4] + h[4]}
+        redis.call('ZCARD', KEYS[1]), c[4] + h[4], asked}
 """
 
 
@@ -178,6 +232,11 @@ class RedisBudget:
         self._leases: dict[str, tuple[int, int]] = {}
         self._reported: dict[str, int] = {}
         self._nudged: dict[str, float] = {}
+        # Per sshd key: idents of the closes other processes asked of this one, handled or
+        # under way, not yet reported to Redis as done.
+        self._asked: dict[str, set[int]] = {}
+        # Per sshd key: the idle connections last offered (given back with the leases).
+        self._offered: dict[str, list[int]] = {}
         # Set while this coordinator changes a share itself: that change needs no new step.
         self._applying = False
         self._closed = False
@@ -215,13 +274,24 @@ class RedisBudget:
     async def listen(self) -> None:
         """Wake the loop on another process's nudge, until cancelled; Redis's failures are
         retried (api/pubsub.py), from RETRY on, and not logged: the loop's own calls say so."""
-        await listen(
-            self._sub,
-            self.channel,
-            lambda _: self._wake.set(),
-            lambda _: None,
-            first_retry=RETRY,
-        )
+        await listen(self._sub, self.channel, self._heard, lambda _: None, first_retry=RETRY)
+
+    def _heard(self, data: bytes) -> None:
+        """A nudge (an sshd's key: step now), or "close <sshd key> <process>|<ident>": another
+        process asks for the room of that idle connection of ours (the least recently used
+        of the sshd's); closed if it still is idle (`Sshd.lend`), its room given back at the
+        next step, which reports it done."""
+        words = data.decode(errors="replace").split(" ")
+        if len(words) == 3 and words[0] == "close":
+            owner, _, ident = words[2].rpartition("|")
+            if owner != self.me or not ident.isdigit():
+                return
+            for sshd in self.sshds:
+                if sshd.key == words[1]:
+                    if not sshd.lend(int(ident)):
+                        sshd.counters["lend_declined"] += 1
+                    self._asked.setdefault(sshd.key, set()).add(int(ident))
+        self._wake.set()
 
     async def step(self) -> None:
         """One call per sshd; on a failure of Redis's, the static shares."""
@@ -255,6 +325,16 @@ class RedisBudget:
         refused = sshd.penalties.refused - self._reported.get(sshd.key, 0)
         add = refused * sshd.penalties.per_failure
         keys = [f"{self.prefix}{sshd.key}:{part}" for part in PARTS]
+        # Closes asked of this process and done (closed, or found busy): no more room coming.
+        lending = set(sshd.lending)
+        asked = self._asked.get(sshd.key, set())
+        done = sorted(asked - lending)
+        loop_now, wall_now = asyncio.get_running_loop().time(), time.time()
+        offered = sshd.idle_connections()
+        self._offered[sshd.key] = [ident for _, ident in offered]
+        idle = [
+            x for since, ident in offered for x in (f"{wall_now - (loop_now - since):.6f}", ident)
+        ]
         reply = await self._lease(
             keys=keys,
             args=[
@@ -262,10 +342,17 @@ class RedisBudget:
                 *(int(sshd.max_total_connections), floor_c, wanted),
                 *(sshd.max_handshakes, floor_h, handshakes),
                 add,
+                *(self.channel, sshd.key, CLOSE_WAIT, used + len(sshd.ring)),
+                *(len(done), *done, *idle),
             ],
         )
+        asked -= set(done)
         lease_c, cap_c, lease_h, cap_h = (int(x) for x in reply[:4])
+        # A close for another process that ended during the call: the reply counted its room.
+        cap_c = max(0, cap_c - len(lending - sshd.lending))
+        sshd.counters["closes_asked"] += int(reply[9])
         self._reported[sshd.key] = sshd.penalties.refused
+        before = self._leases.get(sshd.key, (0, 0))[1]
         self._leases[sshd.key] = (lease_h, lease_c)
         sshd.penalties.merge(float(reply[4]), asyncio.get_running_loop().time())
         sshd.shared = {
@@ -278,14 +365,24 @@ class RedisBudget:
             cap_h = min(cap_h, int(static_share(sshd.max_handshakes, self.processes)))
             cap_c = min(cap_c, int(static_share(sshd.max_total_connections, self.processes)))
         sshd.share_mode = "redis"
+        # Slots no process holds: this share may grow into them at its next step, so a full
+        # share waits for it rather than close one of its idle connections.
+        room_before = sshd.room_coming
+        sshd.room_coming = int(sshd.max_total_connections) > int(reply[5])
         self._allow(sshd, cap_h, cap_c)
+        if room_before and not sshd.room_coming:
+            sshd.dispatch()
         if int(reply[8]) and (cap_c < wanted or cap_h < handshakes):
             await self._nudge(sshd.key, now)
+        elif int(reply[8]) and lease_c < before:
+            # Slots given back while others want them: they take them now, not at a renewal.
+            await self._nudge(sshd.key, now, "freed")
 
-    async def _nudge(self, key: str, now: float) -> None:
-        """This process got less than it wants: ask the others to run their step now."""
-        if now - self._nudged.get(key, 0.0) >= NUDGE_EVERY:
-            self._nudged[key] = now
+    async def _nudge(self, key: str, now: float, why: str = "short") -> None:
+        """This process got less than it wants (or gave slots back): ask the others to run
+        their step now."""
+        if now - self._nudged.get(f"{why}:{key}", 0.0) >= NUDGE_EVERY:
+            self._nudged[f"{why}:{key}"] = now
             await self._redis.publish(self.channel, key)
 
     def _lost(self, exc: Exception) -> None:
@@ -319,6 +416,7 @@ class RedisBudget:
             handshakes = connections = 0
         sshd.share_mode = "fallback"
         sshd.shared = {}
+        sshd.room_coming = False
         self._allow(sshd, handshakes, connections)
 
     def _allow(self, sshd: Sshd, handshakes: float, connections: float) -> None:
@@ -336,10 +434,13 @@ class RedisBudget:
         try:
             for sshd in self.sshds:
                 keys = [f"{self.prefix}{sshd.key}:{part}" for part in PARTS[:5]]
+                idle = [f"{self.me}|{ident}" for ident in self._offered.get(sshd.key, [])]
                 async with self._redis.pipeline(transaction=True) as pipe:
                     pipe.zrem(keys[0], self.me)
                     for key in keys[1:]:
                         pipe.hdel(key, self.me)
+                    if idle:
+                        pipe.zrem(f"{self.prefix}{sshd.key}:idle", *idle)
                     await pipe.execute()
         except Exception as exc:
             log.info("could not give the sshd leases back (%s): they lapse in %g s", exc, self.ttl)

@@ -100,25 +100,68 @@ def drops(host: LocalHost, offset: int) -> int:
 
 
 def connections(port: int) -> int:
-    """TCP connections to `port` established now, as the kernel's socket table has them (the
-    sshd's side of each: whoever opened them, handshakes included). The table is read in pages
-    while it changes: a socket may be counted twice (a few % over at a thousand). The sshd
-    listens on IPv4 loopback, so only /proc/net/tcp; scanned with one regular expression (a
-    thousand HTTP sockets beside it: parsing it line by line in Python ten times a second was
-    9 % of the generator's CPU in py-spy's profile of a 1,000-account burst)."""
-    pattern = rb"^ *\d+: [0-9A-F]{8}:%04X [0-9A-F]{8}:[0-9A-F]{4} 01 " % port
+    """TCP connections to `port` established, as /proc/net/tcp lists them (the sshd's side of
+    each: whoever opened them, handshakes included), each (local, remote) pair once. Not a
+    snapshot: the table (every socket of the machine, thousands) is read page by page while
+    it changes, so a connection closed after its page was read and another opened into a
+    later page are both counted though never open together: 5 against a budget of 4 in 3 of 4
+    runs where the API's own count of its open SSH sockets never passed 4 and netlink never
+    read more than 4 (docs/benchmarks.md, "The kernel's count"). `established` is the
+    figure; this one is kept beside it. Scanned with one regular expression (parsing the
+    table line by line in Python ten times a second was 9 % of the generator's CPU in
+    py-spy's profile of a 1,000-account burst)."""
+    pattern = rb"^ *\d+: ([0-9A-F]{8}:%04X [0-9A-F]{8}:[0-9A-F]{4}) 01 " % port
     try:
         table = Path("/proc/net/tcp").read_bytes()
     except OSError:
         return 0
-    return len(re.findall(pattern, table, re.MULTILINE))
+    return len(set(re.findall(pattern, table, re.MULTILINE)))
 
 
-def config(host: LocalHost, accounts: list[Account], lim: Limits, deadline: float) -> Any:
-    """One host `local`, and one policy rule and key per account (the way before certificates),
-    each for its own subject, unthrottled."""
+async def established(port: int) -> int | None:
+    """TCP connections to `port` established now, through netlink (`ss`, iproute2): the kernel
+    walks its table in one call, filtering it itself, so closes and opens meanwhile are not
+    added up as `connections`' pages are. None: no `ss` here."""
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *("ss", "-Htn", "state", "established", f"( sport = :{port} )"),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+    except OSError:
+        return None
+    out, _ = await proc.communicate()
+    return sum(1 for line in out.splitlines() if line.strip()) if proc.returncode == 0 else None
+
+
+def config(
+    host: LocalHost,
+    accounts: list[Account],
+    lim: Limits,
+    deadline: float,
+    credentials: str = "keys",
+) -> Any:
+    """One host `local`, and one policy rule per account, each for its own subject,
+    unthrottled: with its key (the way before certificates), or (`credentials` "certificate")
+    its name alone, the API minting a certificate of the rig's user CA for it."""
     from api.local import LOCAL_AUDIENCE, LOCAL_ISSUER
 
+    local: dict[str, Any] = {
+        "hostname": host.address,
+        "port": host.port,
+        "username": accounts[0].name,
+        "client_keys": [str(accounts[0].key)],
+        "known_hosts": host.known_hosts,
+        "limits": dataclasses.asdict(lim),
+        # Channels: this measures logins against the per-sshd budget, and its figures compare
+        # with those before the default became "auto" (which would add an executor's start to
+        # each account's connection: docs/pool.md).
+        "exec_mode": "channel",
+    }
+    if credentials == "certificate":
+        del local["client_keys"]
+        local |= {"username": host.username, "credentials": {"kind": "certificate"}}
+        local["credentials"]["ca_key"] = host.user_ca_key
     return {
         # The queue's deadline is the burst's; a job's answer waits for it and its run.
         "api": {
@@ -129,22 +172,17 @@ def config(host: LocalHost, accounts: list[Account], lim: Limits, deadline: floa
             "metrics_require_admin": False,
         },
         "issuers": [{"issuer": LOCAL_ISSUER, "audience": LOCAL_AUDIENCE, "algorithms": ["HS256"]}],
-        "hosts": {
-            "local": {
-                "hostname": host.address,
-                "port": host.port,
-                "username": accounts[0].name,
-                "client_keys": [str(accounts[0].key)],
-                "known_hosts": host.known_hosts,
-                "limits": dataclasses.asdict(lim),
-            }
-        },
+        "hosts": {"local": local},
         "policy": [
             {
                 "issuer": LOCAL_ISSUER,
                 "subject": SUBJECT.format(a.name),
                 "hosts": ["local"],
-                "accounts": {"local": {"username": a.name, "client_keys": [str(a.key)]}},
+                "accounts": {
+                    "local": {"username": a.name}
+                    if credentials == "certificate"
+                    else {"username": a.name, "client_keys": [str(a.key)]}
+                },
                 "rate": 1e6,
                 "burst": 1_000_000,
                 "max_concurrent": 1_000_000,
@@ -330,6 +368,7 @@ class ViaApi:
         workers: int = 1,
         redis_url: str | None = None,
         replicas: int = 1,
+        credentials: str = "keys",
     ):
         from api.config import Config
         from api.local import local_token
@@ -337,7 +376,7 @@ class ViaApi:
 
         self.data = Path(tempfile.mkdtemp(prefix="accounts-api-"))
         secret = secrets.token_urlsafe(32)
-        self.config = config(host, accounts, lim, deadline)
+        self.config = config(host, accounts, lim, deadline, credentials)
         self.env = {
             "SSHAPI_JWT_SECRET": secret,
             "SSHAPI_LOG_LEVEL": "error",
@@ -457,17 +496,23 @@ async def cell(
             args.workers,
             redis.url if redis else args.redis_url,
             args.replicas,
+            args.credentials,
         )
     else:
         via = ViaPool(host, accounts, lim, args.deadline)
-    max_held = 0
+    max_held = max_paged = 0
+    source = "netlink"
     try:
         async with via:
 
             async def sample() -> None:
-                nonlocal max_held
+                nonlocal max_held, max_paged, source
                 while True:
-                    max_held = max(max_held, connections(host.port))
+                    max_paged = max(max_paged, connections(host.port))
+                    now = await established(host.port)
+                    if now is None:
+                        source, now = "/proc/net/tcp", max_paged
+                    max_held = max(max_held, now)
                     await asyncio.sleep(0.1)
 
             def record(status: str, send: float) -> None:
@@ -524,9 +569,12 @@ async def cell(
         # This process: through the API the generator (its share of the 2 cores), through the
         # pool the SSH client again.
         "generator_cpu_ms_per_job": round(cpu[2] / max(1, hist.get_total_count()) * 1000, 2),
+        # The kernel's count (netlink, one walk of its table: `established`), and the same
+        # read page by page (`connections`: it can add up a close and a later open).
         "connections_max": max_held,
-        # The budget's own count (held + closing, the kernel's sample above can count a
-        # socket twice while the table changes).
+        "connections_source": source,
+        "connections_max_paged": max_paged,
+        # The budget's own count (held + closing, and handshakes in flight).
         "budget_connections_max": held,
         "sshd_drop_lines": drops(host, offset),
         # --fault redis: when its Redis was SIGKILLed and when it answered again (s into it);
@@ -569,6 +617,7 @@ async def run_cells(
     }
     rows = []
     parts = [p for p in args.parts if p == "burst" or args.rate > 0]
+    ceilings = [await ceiling(host, accounts, args.ceiling)] if args.ceiling > 0 else []
     for round_ in range(args.rounds):
         # Interleaved, the order flipped every round: neither mode always runs first.
         modes = args.modes if round_ % 2 == 0 else args.modes[::-1]
@@ -576,10 +625,31 @@ async def run_cells(
             for mode in modes:
                 figures = await cell(host, accounts, per_mode[mode], part, args)
                 row = {"mode": mode, "round": round_ + 1, **figures}
+                if ceilings:
+                    # The makespan against the issue's target: accounts / the ceiling.
+                    row["ceiling_per_s"] = ceilings[0]
+                    row["makespan_x_floor"] = round(
+                        row["makespan_s"] / (len(accounts) / ceilings[0]), 2
+                    )
+                row["load"] = [round(x, 2) for x in os.getloadavg()]
                 print(json.dumps(row), flush=True)
                 rows.append(row)
                 await asyncio.sleep(args.pause)
+    if ceilings:
+        after = await ceiling(host, accounts, args.ceiling)
+        print(json.dumps({"ceiling_per_s": [ceilings[0], after]}), flush=True)
     return rows
+
+
+async def ceiling(host: LocalHost, accounts: list[Account], seconds: float) -> float:
+    """The handshake ceiling now: connections per second the sshd completes with 6 handshakes
+    in flight (fresh connection, login, `true`, close; loadtests.handshakes)."""
+    from loadtests.handshakes import cell as handshake_cell
+
+    targets = [a.target(host) for a in accounts]
+    row = await handshake_cell(host, targets, 6, seconds)
+    print(json.dumps({"ceiling": row}), flush=True)
+    return float(row["handshakes_per_s"])
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -647,6 +717,19 @@ def _parser() -> argparse.ArgumentParser:
         "shares, then leases again); worker: one API worker SIGKILLed --fault-at s into the "
         "cell (its leases lapse; its jobs are lost)",
     )
+    parser.add_argument(
+        "--credentials",
+        choices=("keys", "certificate"),
+        default="keys",
+        help="--via api: each account's key file, or certificates the API mints (the rig's CA)",
+    )
+    parser.add_argument(
+        "--ceiling",
+        type=float,
+        default=0.0,
+        help="seconds to measure the handshake ceiling (loadtests.handshakes, 6 in flight) "
+        "before the first cell and after the last; 0: not measured",
+    )
     parser.add_argument("--fault-at", type=float, default=1.0)
     parser.add_argument("--fault-down", type=float, default=1.0)
     parser.add_argument("--data-dir", default=".data-accounts")
@@ -661,18 +744,26 @@ def options(**given: Any) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.via == "pool" and (args.workers != 1 or args.replicas != 1 or args.fault):
         parser.error("--workers, --replicas and --fault need --via api")
     if args.fault == "replica" and args.replicas < 2:
         parser.error("--fault replica needs --replicas 2 or more")
+    return args
+
+
+def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The accounts, the stock host logging them in, and every cell: one row per cell."""
     data_dir = Path(args.data_dir).absolute()
     accounts = ensure_accounts(args.accounts, data_dir=data_dir)
     with LocalHost("accounts", "stock", data_dir=data_dir, researchers=True) as host:
-        rows = asyncio.run(run_cells(host, accounts, args))
-    print(table(rows))
+        return asyncio.run(run_cells(host, accounts, args))
+
+
+def main(argv: list[str] | None = None) -> int:
+    print(table(measure(parse(argv))))
     return 0
 
 

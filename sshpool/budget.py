@@ -28,14 +28,19 @@ Several processes reaching one sshd (API workers and replicas) share its gate an
 through a `Coordinator`: it sets this process's share (`allow`), and the gate and budget above
 are then `gate()` and `budget()`, the lesser of the sshd's limit and the share. A share
 lowered below what the process holds closes idle connections, least recently used first, and
-makes busy ones yield (each closes once its channels end), down to the share. Without a
-coordinator the process owns the whole budget; `StaticShare` gives it budget / processes.
+makes busy ones yield (each closes once its channels end), down to the share. Another
+process may ask for the room of one idle connection of this one (the least recently used of
+the sshd's, `lend`): it closes if still idle, and its room is no longer this process's
+(`budget`). A coordinator that expects slots of the sshd to be free (`room_coming`) has a full
+share wait for it rather than close an idle connection of its own. Without a coordinator the
+process owns the whole budget; `StaticShare` gives it budget / processes.
 
 State changes only in the synchronous methods below; the host pools do the I/O.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections import Counter, deque
@@ -61,7 +66,8 @@ class Member(Protocol):
         ...
 
     def evict(self, conn: Any) -> None:
-        """Close `conn` (one of `evictable()`'s) and report it through `closed()` when done."""
+        """Close `conn` (one of `evictable()`'s, each with an `ident` unique in the process) and
+        report it through `closed()` when done."""
         ...
 
     def holds(self) -> tuple[int, int]:
@@ -141,6 +147,12 @@ class Sshd:
         self.share_mode = "process"
         self.coordinator: Coordinator | None = None
         self.shared: dict[str, Any] = {}
+        # Idents of the idle connections closing at another process's request (`lend`): their
+        # room is that process's already, not this one's.
+        self.lending: set[int] = set()
+        # Set by a coordinator while the sshd has slots no process holds: a full share then
+        # waits for the coordinator to grow it rather than close an idle connection here.
+        self.room_coming = False
 
     def coordinate(self, coordinator: Coordinator) -> None:
         """Share this sshd with other processes through `coordinator` (before the first grant)."""
@@ -152,8 +164,9 @@ class Sshd:
         return min(self.max_handshakes, self.share_handshakes)
 
     def budget(self) -> float:
-        """Connections this process may hold: the sshd's budget, or its share of it."""
-        return min(self.max_total_connections, self.share_connections)
+        """Connections this process may hold: the sshd's budget, or its share of it, less the
+        room it lends (connections closing for another process)."""
+        return min(self.max_total_connections, self.share_connections) - len(self.lending)
 
     def demand(self) -> tuple[int, int, int, int]:
         """(handshakes in flight, handshakes wanted, connections held, connections wanted):
@@ -230,8 +243,9 @@ class Sshd:
                 self._leave()
                 continue
             if self.held + self.connecting >= self.budget():
-                # Full: close the least recently used idle connection, then grant once closed.
-                if self.evicting < self.gate() and self._evict(member):
+                # Full: close the least recently used idle connection, then grant once closed
+                # (unless the share may grow into free slots of the sshd first).
+                if not self.room_coming and self.evicting < self.gate() and self._evict(member):
                     continue
                 break
             since = self._leave()
@@ -267,12 +281,39 @@ class Sshd:
             self.max_held = max(self.max_held, self.held)
         self._changed()
 
-    def closed(self, evicted: bool = False) -> None:
-        """A held connection is closed (its close is done)."""
+    def closed(self, evicted: bool = False, ident: int | None = None) -> None:
+        """A held connection (`ident`) is closed (its close is done)."""
         self.held -= 1
         if evicted:
             self.evicting -= 1
+        if ident in self.lending:
+            # Its room goes to the process that asked: this share is one less until the
+            # coordinator's next lease says so itself.
+            self.lending.discard(ident)
+            self.share_connections -= 1
         self.dispatch()
+
+    def idle_connections(self) -> list[tuple[float, int]]:
+        """(idle since, ident) of each idle connection of this process (no channel in use):
+        what a coordinator offers other processes, least recently used first (`lend`)."""
+        return sorted(
+            (since, conn.ident) for member in self.members for since, conn in member.evictable()
+        )
+
+    def lend(self, ident: int) -> bool:
+        """Another process asked for the room of idle connection `ident` (the least recently
+        used anywhere): close it if it still is idle, its room no longer this process's (see
+        `budget`). False: it has a channel in use again, or is gone; nothing is closed."""
+        for member in self.members:
+            for _, conn in member.evictable():
+                if conn.ident == ident:
+                    self.lending.add(ident)
+                    self.evicting += 1
+                    self.counters["lent"] += 1
+                    member.evict(conn)
+                    self._changed()
+                    return True
+        return False
 
     def _leave(self) -> float:
         """Take the ring's head out; returns since when it waited."""
@@ -320,12 +361,24 @@ class Sshd:
             "accounts_holding": accounts,
             "accounts": len(self.members),
             "connection_wait_seconds": self.wait_seconds,
+            # The refused logins sshd's PerSourcePenalties would count against this address,
+            # and what it holds against it now (seconds; on the pool's loop clock).
+            "logins_refused": self.penalties.refused,
+            "penalty_seconds": round(self.penalties.score(_loop_time()), 3),
+            "penalty_threshold": self.penalties.threshold,
             "share_mode": self.share_mode,
             "share_handshakes": _finite(self.gate()),
             "share_connections": _finite(self.budget()),
             "shared": dict(self.shared),
             "counters": dict(self.counters),
         }
+
+
+def _loop_time() -> float:
+    try:
+        return asyncio.get_running_loop().time()
+    except RuntimeError:  # stats read outside the pool's loop: no penalty drains
+        return math.inf
 
 
 def _finite(value: float) -> float | None:

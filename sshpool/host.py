@@ -25,6 +25,7 @@ from sshpool.backends.base import SFTPSession
 from sshpool.breaker import Breaker
 from sshpool.budget import Sshd
 from sshpool.connect import AgentMode, connect, log_connect_failure
+from sshpool.durations import Durations
 from sshpool.errors import (
     AuthenticationFailed,
     ChannelRefused,
@@ -82,9 +83,11 @@ class HostPool:
         self.penalties = sshd.penalties
         self.trusted = False
         self.counters: Counter[str] = Counter()
+        # Connections made (handshakes that succeeded), slots waited for (timed out ones too).
+        self.create_time, self.wait_time = Durations(), Durations()
         self.tasks: set[asyncio.Task[Any]] = set()
         self.loop = asyncio.get_running_loop()
-        # Agent mode until a connection finds no usable python3 (then channels, for good).
+        # Whether new connections start an executor (Target.exec_mode; `AgentMode`).
         self.agent = AgentMode(target)
         # A drained login node (sshpool.cluster): no new lease, no new connection.
         self.retired = False
@@ -284,7 +287,7 @@ class HostPool:
         try:
             await c.conn.close()
         finally:
-            self.sshd.closed(evicted)
+            self.sshd.closed(evicted, c.ident)
 
     def _connected(self, result: SSHPoolError | None) -> None:
         for fut in self.connect_watchers:
@@ -332,7 +335,8 @@ class HostPool:
         self.trusted = True
         # Beside an executor's channel, the SFTP sessions' (at least one: see ssh_budget).
         sftp = max(1, self.limits.max_sessions - 1) if isinstance(conn, AgentConnection) else None
-        self.conns.append(PooledConn(conn, slots, now, time.perf_counter() - start, sftp))
+        self.create_time.observe(took := time.perf_counter() - start)
+        self.conns.append(PooledConn(conn, slots, now, took, sftp))
         self._connected(None)
         return None
 
@@ -363,6 +367,7 @@ class HostPool:
             c = self._pick(sftp)
             if c is not None:
                 self._lease(c, sftp)
+                self.wait_time.observe(0.0)
                 return c
         now = self.loop.time()
         if self.breaker.is_open(now) and not any(c.conn.is_alive() for c in self.conns):
@@ -381,6 +386,7 @@ class HostPool:
             async with asyncio.timeout_at(deadline):
                 # Shielded: on timeout or cancel we decide what happens to the waiter below.
                 c = await asyncio.shield(fut)
+            self.wait_time.observe(self.loop.time() - now)
         except BaseException as exc:
             self.sftp_waiters.discard(fut)
             if not fut.done():
@@ -393,6 +399,7 @@ class HostPool:
                     self._end_sftp(fut.result())
                 self._release(fut.result())
             if isinstance(exc, TimeoutError):
+                self.wait_time.observe(self.loop.time() - now)
                 self.counters["timeouts_queue"] += 1
                 raise PoolTimeout(f"{self.target}: no channel free before the deadline") from None
             raise
@@ -578,9 +585,16 @@ class HostPool:
         return {
             "target": str(self.target),
             "backend": self.backend.name,
+            # The mode the next connection takes, and the live connections' own (exec_mode
+            # "auto" decides per connection).
             "exec_mode": "agent" if self.agent.on else "channel",
+            "connections_by_mode": {
+                "agent": sum(1 for c in live if isinstance(c.conn, AgentConnection)),
+                "channel": sum(1 for c in live if not isinstance(c.conn, AgentConnection)),
+            },
             "agent_error": self.agent.error,
             "connections": len(live),
+            "connections_used": sum(1 for c in live if c.in_use),
             "channels_in_use": sum(c.in_use for c in self.conns),
             "capacity": sum(c.capacity for c in live if not c.expired),
             "waiters": sum(1 for f in self.waiters if not f.done()),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -37,6 +38,10 @@ T = TypeVar("T")
 MAX_REFUSALS = 20
 
 
+# Each pooled connection's ident, unique in the process (never reused, unlike id()).
+_idents = itertools.count(1)
+
+
 class PooledConn:
     """A pooled connection and its bookkeeping."""
 
@@ -49,6 +54,7 @@ class PooledConn:
         "created",
         "expired",
         "for_room",
+        "ident",
         "idle_since",
         "in_use",
         "leases",
@@ -68,6 +74,8 @@ class PooledConn:
         sftp_capacity: int | None = None,
     ) -> None:
         self.conn = conn
+        # Names it to other processes sharing its sshd (`sshpool.budget.Sshd.lend`).
+        self.ident = next(_idents)
         self.capacity = capacity
         # What capacity grows back to: max_sessions, or agent_max_commands on an executor.
         self.ceiling = capacity

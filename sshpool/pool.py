@@ -440,6 +440,19 @@ class Pool:
                 stats[t]["lane"] = lane.stats()
         return stats
 
+    def durations(self) -> dict[Target, dict[str, Any]]:
+        """Per target: `create_time` (seconds each connection took to make) and `wait_time`
+        (seconds each caller waited for a slot), as `sshpool.durations.Durations` (bucket
+        counts, their sum and number, since the pool began), and its `max_connections`."""
+        return {
+            t: {
+                "create_time": h.create_time,
+                "wait_time": h.wait_time,
+                "max_connections": h.limits.max_connections,
+            }
+            for t, h in self._hosts.items()
+        }
+
     def sshd_stats(self) -> dict[str, dict[str, Any]]:
         """Per sshd (``address:port``, shared by every account reaching it): connections busy,
         idle and closing, the most held at once, handshakes in flight and queued (accounts

@@ -7,9 +7,11 @@ from typing import Literal
 
 from sshpool.certificates import Credentials, UserCA
 
-# How commands reach the host: a session channel each ("channel"), or one resident executor
-# per connection that runs them all ("agent", sshpool.agent; docs/pool.md).
-ExecMode = Literal["channel", "agent"]
+# How commands reach the host: a session channel each ("channel"), one resident executor per
+# connection that runs them all ("agent", sshpool.agent; docs/pool.md), or the executor on each
+# connection where the host's python3 answers and channels on the others ("auto": the API's
+# default; a program using sshpool opts in, Target's default stays "channel").
+ExecMode = Literal["channel", "agent", "auto"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -90,3 +90,29 @@ def test_one_of_two_replicas_killed_mid_stream_frees_its_leases(tmp_path: Path) 
     killed, freed, full = row["fault_s"]
     assert freed is not None and freed - killed <= 10, row
     assert full is not None and full >= freed, row
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_two_workers_with_certificates_and_the_ceiling_of_the_same_run(tmp_path: Path) -> None:
+    """`--workers 2 --credentials certificate --ceiling 1` (issue 40's first target, small):
+    20 accounts logged in with certificates the workers mint, room for 4 connections shared
+    through Redis: every job succeeds, sshd drops nothing and sees at most 4 connections
+    (netlink's count), and the row carries the handshake ceiling measured in the same run."""
+    from tests.api.api_helpers import REDIS_URL
+
+    done = subprocess.run(
+        [sys.executable, "-m", "loadtests.accounts", "--accounts", "20", "--workers", "2",
+         "--redis-url", REDIS_URL, "--credentials", "certificate", "--ceiling", "1",
+         "--modes", "budget", "--parts", "burst", "--max-total-connections", "4",
+         "--pause", "0", "--data-dir", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=190,
+    )  # fmt: skip
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    (row,) = [line for line in lines if "mode" in line]
+    assert row["statuses"] == {"ok": 20}, row
+    assert row["sshd_drop_lines"] == 0
+    assert row["connections_source"] == "netlink" and row["connections_max"] <= 4, row
+    assert row["ceiling_per_s"] > 0 and row["makespan_x_floor"] > 0, row
