@@ -44,8 +44,6 @@ from sshpool.waiters import Waiters
 
 log = logging.getLogger("sshpool")
 
-# After this many clean channel opens since the last refusal, a shrunk capacity grows back by one.
-REGROW_AFTER = 100
 # How long the kill of a timed-out or cancelled command may take, all attempts included.
 KILL_TIMEOUT = 5.0
 
@@ -258,17 +256,6 @@ class HostPool:
             self.counters["connections_lost"] += 1
         self._discard(c)
 
-    def _regrow(self, c: PooledConn) -> None:
-        """A clean channel open: after REGROW_AFTER of them a shrunk connection grows by one."""
-        c.clean_opens += 1
-        if c.clean_opens >= REGROW_AFTER:
-            if c.capacity < c.ceiling:
-                c.capacity += 1
-                c.clean_opens = 0
-            if c.sftp_capacity is not None and c.sftp_capacity < (c.sftp_ceiling or 0):
-                c.sftp_capacity += 1
-                c.clean_opens = 0
-
     def _fail_waiters(self, exc: SSHPoolError) -> None:
         self.sftp_waiters.clear()
         while self.waiters:
@@ -444,7 +431,7 @@ class HostPool:
         if not c.served:
             c.served = True
             self.breaker.served()
-        self._regrow(c)
+        c.regrow()
         self._release(c)
 
     async def _kill(self, c: PooledConn, pgid: int | None) -> None:
@@ -503,7 +490,7 @@ class HostPool:
         except BaseException as exc:
             self._failed(c, exc, sftp=True)
             raise
-        self._regrow(c)
+        c.regrow()
         self.counters["sftp_sessions"] += 1
         c.leases += 1
         return c, session

@@ -36,6 +36,8 @@ T = TypeVar("T")
 
 # A lease refused this many times in a row gives up (sshd refuses even a lone channel).
 MAX_REFUSALS = 20
+# After this many clean channel opens since the last refusal, a shrunk capacity grows back by one.
+REGROW_AFTER = 100
 
 
 # Each pooled connection's ident, unique in the process (never reused, unlike id()).
@@ -97,6 +99,18 @@ class PooledConn:
         self.served = False
         # Something printed before our marker line (warned once per connection).
         self.noisy_login = False
+
+    def regrow(self) -> None:
+        """A clean channel open: after REGROW_AFTER of them a shrunk connection grows by one
+        (called by the host pool, whose state this is, in its synchronous steps)."""
+        self.clean_opens += 1
+        if self.clean_opens >= REGROW_AFTER:
+            if self.capacity < self.ceiling:
+                self.capacity += 1
+                self.clean_opens = 0
+            if self.sftp_capacity is not None and self.sftp_capacity < (self.sftp_ceiling or 0):
+                self.sftp_capacity += 1
+                self.clean_opens = 0
 
     def has_room(self, sftp: bool = False) -> bool:
         if sftp and self.sftp_capacity is not None and self.sftp >= self.sftp_capacity:

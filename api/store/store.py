@@ -275,6 +275,10 @@ class Store:
     async def get(self, job_id: str) -> JobRow | None:
         return await self._one(select(JOBS).where(JOBS.c.id == job_id))
 
+    async def summary(self, job_id: str) -> JobRow | None:
+        """A job without its output columns (as a list reads it): a webhook's `data`."""
+        return await self._one(select(*LISTED).where(JOBS.c.id == job_id))
+
     async def by_key(self, iss: str, sub: str, key: str) -> JobRow | None:
         c = JOBS.c
         return await self._one(

@@ -103,8 +103,10 @@ def test_every_alert_says_what_to_do() -> None:
 
 @needs_prometheus
 def test_promtool_passes_the_rules_and_the_configuration(tmp_path: Path) -> None:
-    """`promtool check rules`, and `promtool check config` on the shipped configuration with
-    its token file where this test can write one (promtool checks that it exists)."""
+    """`promtool check rules`; `promtool test rules` (deploy/prometheus/sshapi-rules.test.yml:
+    series as the API exposes them, the alerts that fire and when); and `promtool check
+    config` on the shipped configuration with its token file where this test can write one
+    (promtool checks that it exists)."""
     done = subprocess.run(
         [PROMTOOL, "check", "rules", str(PROMETHEUS_DIR / "sshapi-rules.yml")],
         capture_output=True,
@@ -113,6 +115,16 @@ def test_promtool_passes_the_rules_and_the_configuration(tmp_path: Path) -> None
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"SUCCESS: {len(rules())} rules found" in done.stdout
+    # The alerts fire when they should, with their annotations filled in, and only then.
+    done = subprocess.run(
+        [PROMTOOL, "test", "rules", "sshapi-rules.test.yml"],
+        cwd=PROMETHEUS_DIR,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "SUCCESS" in done.stdout
     shutil.copy(PROMETHEUS_DIR / "sshapi-rules.yml", tmp_path)
     token = tmp_path / "sshapi.token"
     token.write_text("token\n")

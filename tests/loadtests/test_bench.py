@@ -85,7 +85,7 @@ def test_bench_smoke_run_writes_every_figure(tmp_path: Path) -> None:
         assert (many[mode]["accounts"], many[mode]["via"]) == (8, "api")
         assert sum(many[mode]["statuses"].values()) == 8 and many[mode]["handshakes"] > 0
     assert many["budget"]["failed"] == 0 and many["budget"]["sshd_drop_lines"] == 0
-    assert "| stock auto | 8 accounts, per-account |" in output
+    assert "| stock | 8 accounts, per-account |" in output
 
     r = fig["ratios"]
     api, per = fig["api"], fig["per_request"]
