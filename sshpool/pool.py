@@ -397,15 +397,15 @@ class Pool:
         """Close `target`'s connections now, with whatever still runs on them (the API revokes
         an identity this way, after killing its commands): its waiters fail with PoolTimeout
         and its next call starts afresh, with a new login. Kills already under way get up to
-        KILL_TIMEOUT to finish first. Returns how many connections it closed. A cluster's:
-        on every node."""
+        KILL_TIMEOUT to finish first. Returns how many connections it closed (its transfer
+        connections on the lane included). A cluster's: on every node."""
         if target.nodes:
             closed = [await self.discard(target.node_target(n)) for n in target.nodes]
             return sum(closed)
-        host = self._hosts.get(target)
-        if host is None:
-            return 0
-        return await asyncio.shield(host.discard())
+        # Its transfer connections on the lane too: a revoked identity's download stops.
+        hosts = [h for h in (self._hosts.get(target), self._lane_hosts.get(target)) if h]
+        closed = await asyncio.shield(asyncio.gather(*(h.discard() for h in hosts)))
+        return sum(closed)
 
     # ---- login-node clusters (sshpool.cluster)
 

@@ -12,7 +12,7 @@ from collections.abc import Hashable, Iterator
 
 import pytest
 
-from sshpool import Lane, Pool, PoolTimeout
+from sshpool import ConnectionLost, Lane, Pool, PoolTimeout
 from sshpool.backends import BACKENDS
 from sshpool.devhost import LatencyRelay, LocalHost, RelayedHost
 from sshpool.lane import MIN_CHUNK, MIN_WINDOW, LaneConnection, LaneFile, Turns, wan_sizes
@@ -243,3 +243,21 @@ async def test_a_lane_connection_sizes_its_transfers_from_its_round_trip(
             assert conn._conn.sftp_window is not None  # type: ignore[attr-defined]
             assert conn._conn.sftp_window > MIN_WINDOW  # type: ignore[attr-defined]
     assert got == 64 * MIB
+
+
+async def test_discard_closes_the_lane_connections_too(
+    tuned_host: LocalHost, lane: Lane, big_file: str
+) -> None:
+    """`Pool.discard` (how the API revokes an identity) closes the target's transfer
+    connections as well as its command ones: a download in flight on the lane stops."""
+    target = tuned_host.target()
+    async with Pool(lane=lane) as pool:
+        await pool.run(target, ["true"], timeout=30)
+        with pytest.raises(ConnectionLost):
+            async with pool.sftp(target, acquire_timeout=30, tenant="alice", bulk=True) as fs:
+                f = await fs.open_read(big_file)
+                await f.read(MIB)
+                assert await pool.discard(target) == 2  # the command's and the transfer's
+                while await f.read(4 * MIB):
+                    pass
+        assert pool.stats()[target]["lane"]["connections"] == 0
