@@ -40,6 +40,7 @@ from sshpool.errors import (
 )
 from sshpool.lease import Lease, PooledConn, kill_group, retried
 from sshpool.target import Target
+from sshpool.tracing import waiting
 from sshpool.waiters import Waiters
 
 log = logging.getLogger("sshpool")
@@ -288,7 +289,7 @@ class HostPool:
         """Open one connection (the caller counted it in `connecting`); returns the error."""
         start = time.perf_counter()
         try:
-            conn, slots = await connect(
+            conn, slots, stages = await connect(
                 self.backend, self.target, self.agent, self._wanted, self.counters
             )
         except SSHPoolError as exc:
@@ -323,7 +324,7 @@ class HostPool:
         # Beside an executor's channel, the SFTP sessions' (at least one: see ssh_budget).
         sftp = max(1, self.limits.max_sessions - 1) if isinstance(conn, AgentConnection) else None
         self.create_time.observe(took := time.perf_counter() - start)
-        self.conns.append(PooledConn(conn, slots, now, took, sftp))
+        self.conns.append(PooledConn(conn, slots, now, took, sftp, stages))
         self._connected(None)
         return None
 
@@ -411,7 +412,8 @@ class HostPool:
         - TimeoutError (the command's timeout): the remote group is killed, then released;
         - cancelled: killed and released in the background, so the caller returns at once.
         """
-        lease = Lease(await self.acquire(deadline, tenant, gated=gated), since)
+        acquiring = self.acquire(deadline, tenant, gated=gated)  # traced: sshpool.tracing
+        lease = Lease(await waiting(acquiring, self.target, self.backend.name), since)
         c = lease.conn
         try:
             yield lease
@@ -480,7 +482,8 @@ class HostPool:
     ) -> tuple[PooledConn, SFTPSession]:
         """One try of `open_sftp`: the slot goes as a command's does when its channel fails
         (`_failed`)."""
-        c = await self.acquire(deadline, tenant, sftp=True)
+        acquiring = self.acquire(deadline, tenant, sftp=True)
+        c = await waiting(acquiring, self.target, self.backend.name)
         try:
             session = await c.conn.sftp()
         except RemoteFileError:
