@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import sys
 import threading
 import time
 from collections import Counter, deque
@@ -44,6 +45,8 @@ T = TypeVar("T")
 # Chunk operations the lane runs at once by default (`Turns`): each moves up to one of the
 # API's 4 MiB chunks, so 8 is 32 MiB in flight over the lane's connections.
 DEFAULT_SLOTS = 8
+# The interpreter's switch interval while a lane runs (`Lane.start`), seconds.
+SWITCH_INTERVAL = 0.001
 # Tenants' tags kept before those that no longer matter are dropped (`Turns`).
 PRUNE_AT = 1024
 # Long paths (`wan_sizes`): the bytes of one read or write call of a transfer and the SSH
@@ -93,6 +96,11 @@ class Lane:
 
     def start(self) -> Lane:
         if self._thread is None:
+            # The jobs' loop waits for the GIL after each of its system calls while the lane's
+            # thread runs: at most the switch interval each time (5 ms by default, a job's
+            # few wake-ups then cost tens of ms). 1 ms for the whole process from here on
+            # (`loadtests.lane_choice`'s `thread-1ms`; docs/files.md "Why a thread").
+            sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL))
             self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
             self._thread.start()
             self._ready.wait()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import sys
 import threading
 import uuid
 from collections.abc import Hashable, Iterator
@@ -151,6 +152,8 @@ async def test_transfers_run_on_the_lanes_thread_beside_the_jobs(
 
         await lane.call(where)
         assert threads == ["sshpool-lane"] != [threading.current_thread().name]
+        # While a lane runs, the jobs' thread waits at most 1 ms for the GIL.
+        assert sys.getswitchinterval() <= 0.001
         assert lane.turns.granted["alice"] >= 64 * MIB
 
 
