@@ -496,10 +496,12 @@ class Metrics:
     def request(self, method: str, route: str | None, status: int, seconds: float) -> None:
         """One HTTP request answered: `route` is the route template (None: no route took the
         path, which then counts under `unmatched`, and with no http_route in OTel's family)."""
-        key = (method, route or "", status)
+        # Keyed by the method as labelled: a client sending endless made-up methods must not
+        # grow this dict either.
+        name = method if method in HTTP_METHODS else "_OTHER"
+        key = (name, route or "", status)
         series = self._series.get(key)
         if series is None:
-            name = method if method in HTTP_METHODS else "_OTHER"
             code = str(status)
             old = (name, route or "unmatched", code)
             series = self._series[key] = (

@@ -187,6 +187,11 @@ class JobSummary(BaseModel):
     timings: dict[str, float] = Field(
         default_factory=dict, description="Milliseconds per stage: queue, connect, open, exec."
     )
+    trace_id: str | None = Field(
+        default=None,
+        description="The OpenTelemetry trace the job's spans are in (32 hex digits; the "
+        "caller's own when it sent a `traceparent`); null when the API does not trace.",
+    )
 
     @classmethod
     def of(cls, row: JobRow, details: bool = True) -> Self:
@@ -227,6 +232,7 @@ class JobSummary(BaseModel):
             timings=row.timings or {},
             error_kind=row.error_kind,
             node=row.node if details else None,
+            trace_id=row.traceparent[3:35] if row.traceparent else None,
         )
 
 

@@ -158,6 +158,13 @@ async def _cancel_revoked(jobs: JobService, store: Store, row: JobRow) -> bool:
     return True
 
 
+def _owner_revoked(revocations: Revocations, owner: tuple[str, str]) -> bool:
+    """Whether a revocation of their identity refuses a job owner (an account's revocation
+    needs the token's account claim, which a delivery does not have)."""
+    who = Principal(issuer=owner[0], subject=owner[1], scopes=frozenset())
+    return revocations.refused(who) is not None
+
+
 async def _prewarm(pool: Pool, name: str, host: HostConfig) -> None:
     try:
         await pool.prewarm(host.target())
@@ -318,7 +325,13 @@ async def running(
                 tasks.append(supervisor.spawn(f"prewarm-{name}", prewarm, OnDeath.ONCE))
         # Webhook deliveries: state changes of any replica, this one's woken at once.
         details = not config.api.host_details_require_admin
-        deliverer = Deliverer(the_store, config.webhooks, settings.replica, details=details)
+        deliverer = Deliverer(
+            the_store,
+            config.webhooks,
+            settings.replica,
+            details=details,
+            revoked=functools.partial(_owner_revoked, revocations),
+        )
         stack.push_async_callback(deliverer.close)
         tasks.append(supervisor.spawn("webhooks", deliverer.loop, OnDeath.RESTART))
         # Stopped before the job service closes (the trackers write to the store it uses).

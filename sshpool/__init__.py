@@ -24,6 +24,8 @@ tests/test_layout.py):
     target       `Target` and `Limits`
     certificates short-lived user certificates minted per connection
     errors       the error tree
+    tracing      the stages as OpenTelemetry spans (the OpenTelemetry API only: a no-op
+                 without an SDK), under a caller's recording span only
     agent/       agent mode (the executor and its client)
     backends/    the SSH libraries behind one interface
     devhost/     the development rig: never loaded by `import sshpool`

@@ -20,6 +20,7 @@ from sshpool.agent import AgentConnection, start_agent
 from sshpool.backends import Backend, Connection
 from sshpool.errors import AgentUnavailable, ConnectError, ConnectionLost, SSHPoolError
 from sshpool.target import Target
+from sshpool.tracing import Stages, stamping
 
 log = logging.getLogger("sshpool")
 
@@ -210,20 +211,32 @@ async def connect(
     agent: AgentMode,
     wanted: Callable[[], bool],
     counters: Counter[str],
-) -> tuple[Connection, int]:
-    """One new connection to `target` and the commands it may run at once: the handshake
+) -> tuple[Connection, int, Stages]:
+    """One new connection to `target`, the commands it may run at once, and the stamps of its
+    stages (`sshpool.tracing.Stages`: the commands that waited for it trace them): the handshake
     (`handshake`, retried while `wanted()`), then, while `agent` is on, its executor
     (`start_executor`, counted in `counters["agents_started"]`). A connection whose
     executor does not start (no usable python3) is given as it is, for channels, and tells
-    `agent` (`AgentMode.unavailable`); a connection lost meanwhile is a failed connect."""
-    conn = await handshake(backend, target, wanted, counters)
-    if not agent.on:
-        return conn, target.limits.max_sessions
+    `agent` (`AgentMode.unavailable`); a connection lost meanwhile is a failed connect. A
+    failed connect's error carries its stamps (`stages`)."""
+    stamps = Stages()
     try:
-        executor = await start_executor(conn, target, agent.start_timeout)
-    except AgentUnavailable as exc:
-        agent.unavailable(exc)
-        return conn, target.limits.max_sessions
-    agent.started(executor)
-    counters["agents_started"] += 1
-    return executor, target.limits.agent_max_commands
+        with stamping(stamps):
+            conn = await handshake(backend, target, wanted, counters)
+        if not agent.on:
+            return conn, target.limits.max_sessions, stamps
+        began = time.time_ns()
+        try:
+            executor = await start_executor(conn, target, agent.start_timeout)
+        except AgentUnavailable as exc:
+            agent.unavailable(exc)
+            return conn, target.limits.max_sessions, stamps
+        stamps.mark("executor_start", began)
+        agent.started(executor)
+        counters["agents_started"] += 1
+        return executor, target.limits.agent_max_commands, stamps
+    except SSHPoolError as exc:
+        exc.stages = stamps
+        raise
+    finally:
+        stamps.end = time.time_ns()

@@ -40,12 +40,11 @@ from sshpool.errors import (
 )
 from sshpool.lease import Lease, PooledConn, kill_group, retried
 from sshpool.target import Target
+from sshpool.tracing import waiting
 from sshpool.waiters import Waiters
 
 log = logging.getLogger("sshpool")
 
-# After this many clean channel opens since the last refusal, a shrunk capacity grows back by one.
-REGROW_AFTER = 100
 # How long the kill of a timed-out or cancelled command may take, all attempts included.
 KILL_TIMEOUT = 5.0
 
@@ -258,17 +257,6 @@ class HostPool:
             self.counters["connections_lost"] += 1
         self._discard(c)
 
-    def _regrow(self, c: PooledConn) -> None:
-        """A clean channel open: after REGROW_AFTER of them a shrunk connection grows by one."""
-        c.clean_opens += 1
-        if c.clean_opens >= REGROW_AFTER:
-            if c.capacity < c.ceiling:
-                c.capacity += 1
-                c.clean_opens = 0
-            if c.sftp_capacity is not None and c.sftp_capacity < (c.sftp_ceiling or 0):
-                c.sftp_capacity += 1
-                c.clean_opens = 0
-
     def _fail_waiters(self, exc: SSHPoolError) -> None:
         self.sftp_waiters.clear()
         while self.waiters:
@@ -301,7 +289,7 @@ class HostPool:
         """Open one connection (the caller counted it in `connecting`); returns the error."""
         start = time.perf_counter()
         try:
-            conn, slots = await connect(
+            conn, slots, stages = await connect(
                 self.backend, self.target, self.agent, self._wanted, self.counters
             )
         except SSHPoolError as exc:
@@ -336,7 +324,7 @@ class HostPool:
         # Beside an executor's channel, the SFTP sessions' (at least one: see ssh_budget).
         sftp = max(1, self.limits.max_sessions - 1) if isinstance(conn, AgentConnection) else None
         self.create_time.observe(took := time.perf_counter() - start)
-        self.conns.append(PooledConn(conn, slots, now, took, sftp))
+        self.conns.append(PooledConn(conn, slots, now, took, sftp, stages))
         self._connected(None)
         return None
 
@@ -424,7 +412,8 @@ class HostPool:
         - TimeoutError (the command's timeout): the remote group is killed, then released;
         - cancelled: killed and released in the background, so the caller returns at once.
         """
-        lease = Lease(await self.acquire(deadline, tenant, gated=gated), since)
+        acquiring = self.acquire(deadline, tenant, gated=gated)  # traced: sshpool.tracing
+        lease = Lease(await waiting(acquiring, self.target, self.backend.name), since)
         c = lease.conn
         try:
             yield lease
@@ -444,7 +433,7 @@ class HostPool:
         if not c.served:
             c.served = True
             self.breaker.served()
-        self._regrow(c)
+        c.regrow()
         self._release(c)
 
     async def _kill(self, c: PooledConn, pgid: int | None) -> None:
@@ -493,7 +482,8 @@ class HostPool:
     ) -> tuple[PooledConn, SFTPSession]:
         """One try of `open_sftp`: the slot goes as a command's does when its channel fails
         (`_failed`)."""
-        c = await self.acquire(deadline, tenant, sftp=True)
+        acquiring = self.acquire(deadline, tenant, sftp=True)
+        c = await waiting(acquiring, self.target, self.backend.name)
         try:
             session = await c.conn.sftp()
         except RemoteFileError:
@@ -503,7 +493,7 @@ class HostPool:
         except BaseException as exc:
             self._failed(c, exc, sftp=True)
             raise
-        self._regrow(c)
+        c.regrow()
         self.counters["sftp_sessions"] += 1
         c.leases += 1
         return c, session

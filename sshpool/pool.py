@@ -61,6 +61,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequence
 from typing import Any, cast
 
+from sshpool import tracing
 from sshpool.backends import Backend, load_backend
 from sshpool.backends.base import SFTPSession
 from sshpool.breaker import Penalties
@@ -346,7 +347,8 @@ class Pool:
             if node not in target.nodes:
                 raise ValueError(f"{target}: kill on a cluster needs one of its nodes")
             target = target.node_target(node)
-        await (await self._host(target)).kill(pgid)
+        with tracing.span("ssh.kill", target):
+            await (await self._host(target)).kill(pgid)
 
     async def discard(self, target: Target) -> int:
         """Close `target`'s connections now, with whatever still runs on them (the API revokes

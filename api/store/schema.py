@@ -100,6 +100,9 @@ JOBS = Table(
     # The login node a command started on, on a host with several (`[hosts.X] nodes`): its
     # process group and live output are there.
     Column("node", String(255), nullable=True),
+    # The W3C traceparent of the job's span when it was traced (api/tracing.py): its trace id
+    # is in the job's JSON, and another replica's cancel joins that trace.
+    Column("traceparent", String(55), nullable=True),
     UniqueConstraint("owner_iss", "owner_sub", "idempotency_key", name="sshapi_jobs_idem"),
     Index("sshapi_jobs_owner", "owner_iss", "owner_sub", "id"),
     Index("sshapi_jobs_replica_state", "replica", "state"),
@@ -246,6 +249,7 @@ class JobRow:
     pgid: int | None = None
     cancel_requested: str | None = None
     node: str | None = None
+    traceparent: str | None = None
 
 
 FIELDS = tuple(c.key for c in JOBS.columns)

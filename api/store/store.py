@@ -45,6 +45,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.sql.expression import ClauseElement
 
+from api import tracing
 from api.states import ACTIVE, FINAL
 from api.store import migrate, outbox
 from api.store.postgres import PgWriter, output_bytes
@@ -269,11 +270,16 @@ class Store:
             def add(conn: Connection) -> None:
                 conn.execute(insert(JOBS).values(values))
 
-        await self._write(add, size)
+        with tracing.store_span("INSERT", self.dialect):
+            await self._write(add, size)
         return row
 
     async def get(self, job_id: str) -> JobRow | None:
         return await self._one(select(JOBS).where(JOBS.c.id == job_id))
+
+    async def summary(self, job_id: str) -> JobRow | None:
+        """A job without its output columns (as a list reads it): a webhook's `data`."""
+        return await self._one(select(*LISTED).where(JOBS.c.id == job_id))
 
     async def by_key(self, iss: str, sub: str, key: str) -> JobRow | None:
         c = JOBS.c
@@ -310,7 +316,9 @@ class Store:
                     db.execute(outbox.SQLITE, deliveries)
                 return changed
 
-            return self._evented(bool(await self._write(run, output_bytes(params))), deliveries)
+            with tracing.store_span("UPDATE", self.dialect):
+                changed = bool(await self._write(run, output_bytes(params)))
+            return self._evented(changed, deliveries)
         if self._pg is not None:
             pg = self._pg.sql
             if any(isinstance(v, ClauseElement) for v in values.values()):  # rare: per call
@@ -328,7 +336,9 @@ class Store:
                     await conn.execute(outbox.POSTGRES, *deliveries)
                 return changed
 
-            return self._evented(bool(await self._write(change)), deliveries)
+            with tracing.store_span("UPDATE", self.dialect):
+                changed = bool(await self._write(change))
+            return self._evented(changed, deliveries)
         query = update(JOBS).where(JOBS.c.id == job_id).values(**values)
         if only_active:
             query = query.where(JOBS.c.state.in_(ACTIVE))

@@ -11,11 +11,12 @@ past it, cannot overwrite the outcome of the replica that took the row over)."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import and_, delete, func, insert, or_, select, update
+from sqlalchemy import and_, delete, func, insert, not_, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from api.store.schema import WEBHOOK_DELIVERIES, WEBHOOKS, aware
@@ -128,15 +129,22 @@ class WebhookStore:
             await conn.execute(delete(WEBHOOK_DELIVERIES).where(D.webhook_id == webhook_id))
         return True
 
-    async def due(self, now: float, limit: int) -> list[tuple[str, str, str]]:
-        """Up to `limit` deliveries due and not leased: (id, owner issuer, owner subject). A
-        read: an idle replica polls with it and writes nothing."""
+    async def due(
+        self, now: float, limit: int, skip: Collection[tuple[str, str]] = ()
+    ) -> list[tuple[str, str, str]]:
+        """Up to `limit` deliveries due and not leased, of owners not in `skip` (at their cap
+        of deliveries in flight): (id, owner issuer, owner subject). A read: an idle replica
+        polls with it and writes nothing."""
         query = (
             select(D.id, D.owner_iss, D.owner_sub)
             .where(D.status == "pending", D.next_at <= now, _free(now))
             .order_by(D.next_at)
             .limit(limit)
         )
+        if skip:
+            query = query.where(
+                not_(or_(*(and_(D.owner_iss == iss, D.owner_sub == sub) for iss, sub in skip)))
+            )
         async with self.engine.connect() as conn:
             return [(r.id, r.owner_iss, r.owner_sub) for r in await conn.execute(query)]
 

@@ -11,6 +11,9 @@ within `timeout`, reading at most `max_response_bytes` of the answer. A 2xx is d
 other outcome is retried after `retry_first` seconds doubling to `retry_max`, until
 `retry_for` seconds after the event, then the delivery is `failed` and counted on its webhook.
 
+The deliveries of an identity a revocation refuses are held (not sent: the job data is theirs)
+and retried like failures, so a lift within the retry window lets them go out.
+
 In flight at once: at most `max_in_flight` per process and `max_in_flight_per_identity` per
 identity per process; a claimed delivery over its identity's cap is given back unsent.
 
@@ -27,6 +30,7 @@ import logging
 import random
 import time
 from collections import Counter
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -69,9 +73,18 @@ def signed_headers(secret: str, msg_id: str, now: float, body: bytes) -> dict[st
 
 class Deliverer:
     def __init__(
-        self, store: Store, config: WebhooksConfig, replica: str, *, details: bool
+        self,
+        store: Store,
+        config: WebhooksConfig,
+        replica: str,
+        *,
+        details: bool,
+        revoked: Callable[[tuple[str, str]], bool] = lambda owner: False,
     ) -> None:
         self.store = store
+        # Whether a revocation refuses the owner (api/admin/revocations.py): their deliveries
+        # wait, retried as a failure would be, until it is lifted or their window ends.
+        self.revoked = revoked
         self.config = config
         self.replica = replica
         self.details = details  # the job's `node` in `data` (api.host_details_require_admin)
@@ -115,15 +128,25 @@ class Deliverer:
         if room <= 0:
             return
         now = time.time()
-        due = await self.hooks.due(now, room * 2)
         cap = self.config.max_in_flight_per_identity
         taken: Counter[tuple[str, str]] = Counter()
+        full = {owner for owner, n in self._in_flight.items() if n >= cap}
         ids: list[str] = []
-        for delivery_id, iss, sub in due:
-            owner = (iss, sub)
-            if self._in_flight[owner] + taken[owner] < cap and len(ids) < room:
-                taken[owner] += 1
-                ids.append(delivery_id)
+        # Owners at their cap are left out of the next read, so that one identity's backlog
+        # (thousands due for a receiver that came back) never hides the others' deliveries.
+        while len(ids) < room:
+            due = await self.hooks.due(now, room * 2, full)
+            newly_full = False
+            for delivery_id, iss, sub in due:
+                owner = (iss, sub)
+                if owner not in full and len(ids) < room and delivery_id not in ids:
+                    taken[owner] += 1
+                    ids.append(delivery_id)
+                    if self._in_flight[owner] + taken[owner] >= cap:
+                        full.add(owner)
+                        newly_full = True
+            if len(due) < room * 2 or not newly_full:
+                break  # all due seen, or no owner left out anew: a read would find no more
         lease = self.config.timeout + LEASE_MARGIN
         for delivery in await self.hooks.claim(ids, now, lease, self.replica):
             if self._in_flight[delivery.owner] >= cap:
@@ -134,17 +157,22 @@ class Deliverer:
 
     async def _deliver(self, delivery: Delivery) -> None:
         self._sending[delivery.id] = delivery
+        cancelled = False
         try:
             await self._attempt(delivery)
-            del self._sending[delivery.id]
+        except asyncio.CancelledError:
+            cancelled = True  # closing: left in _sending, which `close` gives back
+            raise
         finally:
+            if not cancelled:  # done, or failed (the store down): its lease runs out
+                self._sending.pop(delivery.id, None)
             self._in_flight[delivery.owner] -= 1
             if self._in_flight[delivery.owner] <= 0:
                 del self._in_flight[delivery.owner]
             self._wake.set()  # its identity may have more due
 
     async def _attempt(self, delivery: Delivery) -> None:
-        row = await self.store.get(delivery.job_id)
+        row = await self.store.summary(delivery.job_id)
         # A job pruned meanwhile (`sshapi db prune`) is announced by its id alone.
         data = (
             JobSummary.of(row, self.details).model_dump(mode="json")
@@ -154,7 +182,12 @@ class Deliverer:
         body = body_of(delivery, data)
         now = time.time()
         headers = signed_headers(delivery.secret, delivery.event_id, now, body)
-        status, error = await self._post(delivery.url, body, headers)
+        status: int | None
+        error: str | None
+        if self.revoked(delivery.owner):
+            status, error = None, "held: the identity is revoked"
+        else:
+            status, error = await self._post(delivery.url, body, headers)
         done = time.time()
         if status is not None and 200 <= status < 300:
             outcome, next_at = "delivered", done

@@ -55,10 +55,12 @@ def test_a_method_no_standard_names_counts_as_other() -> None:
     metrics = Metrics()
     metrics.request("BREW", None, 405, 0.001)
     metrics.request("X" * 40, "/v1/jobs", 405, 0.001)
+    metrics.request("FOO", "/v1/jobs", 405, 0.001)
+    assert len(metrics._series) == 2  # the request path's cache is bounded the same way
     text = metrics.render().decode()
     assert "BREW" not in text and "XXXX" not in text
     other = 'http_request_method="_OTHER",http_response_status_code="405",http_route="/v1/jobs"'
-    assert value(text, f"http_server_request_duration_seconds_count{{{other}}}") == 1
+    assert value(text, f"http_server_request_duration_seconds_count{{{other}}}") == 2
     assert (
         value(text, 'sshapi_http_requests_total{method="_OTHER",route="unmatched",status="405"}')
         == 1

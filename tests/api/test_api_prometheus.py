@@ -31,6 +31,13 @@ PROMETHEUS = os.environ.get("PROMETHEUS_BIN", "/usr/bin/prometheus")
 PROMTOOL = os.environ.get("PROMTOOL_BIN", "/usr/bin/promtool")
 # What Grafana puts in for its variables here: the rig's one host, four 1-s scrapes at least.
 GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$host": "local"}
+# Alerts a loaded box may set pending on a healthy rig (see the end of the last test).
+LOAD_DEPENDENT = {
+    "SshapiPoolWaitP99High",
+    "SshapiPoolSaturated",
+    "SshapiPoolQueueTimeouts",
+    "SshapiStoreSlowCommits",
+}
 DEADLINE = 90.0  # seconds for Prometheus to start, scrape and answer everything
 
 needs_prometheus = pytest.mark.skipif(
@@ -103,8 +110,10 @@ def test_every_alert_says_what_to_do() -> None:
 
 @needs_prometheus
 def test_promtool_passes_the_rules_and_the_configuration(tmp_path: Path) -> None:
-    """`promtool check rules`, and `promtool check config` on the shipped configuration with
-    its token file where this test can write one (promtool checks that it exists)."""
+    """`promtool check rules`; `promtool test rules` (deploy/prometheus/sshapi-rules.test.yml:
+    series as the API exposes them, the alerts that fire and when); and `promtool check
+    config` on the shipped configuration with its token file where this test can write one
+    (promtool checks that it exists)."""
     done = subprocess.run(
         [PROMTOOL, "check", "rules", str(PROMETHEUS_DIR / "sshapi-rules.yml")],
         capture_output=True,
@@ -113,6 +122,16 @@ def test_promtool_passes_the_rules_and_the_configuration(tmp_path: Path) -> None
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"SUCCESS: {len(rules())} rules found" in done.stdout
+    # The alerts fire when they should, with their annotations filled in, and only then.
+    done = subprocess.run(
+        [PROMTOOL, "test", "rules", "sshapi-rules.test.yml"],
+        cwd=PROMETHEUS_DIR,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "SUCCESS" in done.stdout
     shutil.copy(PROMETHEUS_DIR / "sshapi-rules.yml", tmp_path)
     token = tmp_path / "sshapi.token"
     token.write_text("token\n")
@@ -198,7 +217,7 @@ async def test_prometheus_answers_every_rule_and_every_panel_from_the_api(
     api: Api, file_root: tuple[str, Path], prometheus: str, tmp_path: Path
 ) -> None:
     """Every panel's query has series, every rule evaluates (health ok) and answers the query
-    API without error, and none fires on the healthy rig."""
+    API without error, and none that says the rig is broken is even pending."""
     await use_the_api(api, *file_root)
     client = api.client
     panels = panel_queries()
@@ -235,5 +254,9 @@ async def test_prometheus_answers_every_rule_and_every_panel_from_the_api(
     for name, expr in alerts.items():
         answer = await query(client, prometheus, expr)
         assert answer["status"] == "success", (name, answer)
-    firing = await client.get(f"{prometheus}/api/v1/alerts", timeout=10)
-    assert [a["labels"]["alertname"] for a in firing.json()["data"]["alerts"]] == []
+    # Nothing that says the rig is broken is even pending. The pool's wait p99, saturation and
+    # commit time depend on the box's load (a first job waits for its handshake), so they are
+    # not judged here: sshapi-rules.test.yml fires them on series of their own.
+    alerting = await client.get(f"{prometheus}/api/v1/alerts", timeout=10)
+    names = {a["labels"]["alertname"] for a in alerting.json()["data"]["alerts"]}
+    assert names <= LOAD_DEPENDENT, names

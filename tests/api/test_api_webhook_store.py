@@ -35,6 +35,8 @@ async def test_a_state_change_queues_the_owners_subscribed_deliveries_once(store
     assert not await hooks.create(hook("alice", ["job.lost"]), limit=2)  # the cap
     row = await store.insert(job())
     assert await store.update(row.id, only_active=True, state="running")
+    # A batch job's scheduler state changing within `running` writes the state again: no event.
+    assert await store.update(row.id, only_active=True, state="running", scheduler_reason="x")
     assert await store.update(row.id, only_active=True, state="succeeded")
     # A late writer that changes nothing queues nothing.
     assert not await store.update(row.id, only_active=True, state="failed")
