@@ -540,7 +540,12 @@ async def cell(
             memory = sshd_memory(host)
             # sshd's CPU: its listener's reaped children, so the connections closed by now.
             cpu = (via.cpu() - cpu0[0], tree_cpu(host.pid) - cpu0[1], own_seconds() - cpu0[2])
-            evictions, held = await asyncio.to_thread(via.budget)
+            try:
+                evictions, held = await asyncio.to_thread(via.budget)
+            except httpx.HTTPError as exc:
+                # An API too busy to answer /metrics in 10 s: the run's other figures stand.
+                print(json.dumps({"budget_figures": f"not read: {exc!r}"}), flush=True)
+                evictions = held = -1
     finally:
         if redis is not None:
             # Never left running (it would hold our stderr open).
