@@ -4,6 +4,9 @@
 # source build such as pyenv's: docs/benchmarks.md). Else python3 on PATH.
 PYTHON ?= $(firstword $(wildcard /usr/bin/python3) python3)
 VENV := .venv
+# Two stamps: `make run` needs the server alone (RUN_STAMP: its extra, ~20 s on a fresh clone);
+# `make test` and the lint need the test tools, load suite and other SSH libraries too (STAMP).
+RUN_STAMP := $(VENV)/.installed-run-stamp
 STAMP := $(VENV)/.installed-stamp
 # root installs OS packages directly; anyone else through sudo.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
@@ -20,6 +23,8 @@ ZSH_BIN ?= /bin/zsh
 TCSH_BIN ?= /bin/tcsh
 CHROMIUM_BIN ?= /usr/bin/chromium
 CHROMEDRIVER_BIN ?= /usr/bin/chromedriver
+PROMETHEUS_BIN ?= /usr/bin/prometheus
+PROMTOOL_BIN ?= /usr/bin/promtool
 # node and npm wherever PATH finds them (nvm, NodeSource), else Debian's.
 NODE_BIN ?= $(shell command -v node || echo /usr/bin/node)
 NPM_BIN ?= $(shell command -v npm || echo /usr/bin/npm)
@@ -40,14 +45,26 @@ SERVICES_DIR ?= /tmp/sshapi-services-$(shell id -u)
 OPENSSH10_DIR ?= /tmp/sshapi-openssh10-$(shell id -u)
 OPENSSH10_APT ?= apt-get
 
-.PHONY: run test test-fast lint unasync python-venv sshd slurm services deploy-tools shells browser node openssh10
+.PHONY: run test test-fast lint unasync dashboards python-venv sshd slurm services deploy-tools shells browser node openssh10 prometheus
 
 # Create or refresh .venv whenever pyproject.toml changes. An existing .venv keeps the interpreter
-# it was made with: remove it to move to another one.
-$(STAMP): pyproject.toml | python-venv
+# it was made with: remove it to move to another one. scripts/pip_progress.py runs pip with a
+# progress line (pip -q is silent for the whole install); it needs only the venv's python.
+# The OS's pip is left as it is for the server (upgrading it costs seconds of a first `make run`),
+# and --no-compile leaves the bytecode to the first import, which compiles only what the server
+# imports (pip compiles every module of every package: 70-81 s against 47-48 s for the server's
+# install, interleaved, load 9-12: docs/benchmarks.md).
+$(RUN_STAMP): pyproject.toml | python-venv
+	@echo "installing the server into $(VENV) (first run, or pyproject.toml changed)"
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python scripts/pip_progress.py "  server" -- --no-compile -e '.[server]'
+	touch $(RUN_STAMP)
+
+# The rest, on top of the server: the tests' and the load suite's tools, the other SSH libraries.
+$(STAMP): $(RUN_STAMP)
+	@echo "installing the test tools, load suite and SSH backends into $(VENV)"
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q -e '.[server,dev,paramiko,ssh2,loadtests]'
+	$(VENV)/bin/python scripts/pip_progress.py "  tests" -- -e '.[server,dev,paramiko,ssh2,loadtests]'
 	touch $(STAMP)
 
 # Creating .venv with Debian's python3 needs its ensurepip (a separate package there); an existing
@@ -88,6 +105,15 @@ browser:
 	  $(APT_GET) update -q && \
 	  $(APT_GET) install -y -q chromium chromium-driver; }
 
+# The deploy/prometheus and deploy/grafana tests check the rules and configuration with promtool
+# and run a real Prometheus scraping the API (Debian's package brings both). RUNLEVEL=1 keeps the
+# package from starting a system Prometheus on port 9090.
+prometheus:
+	@test -x $(PROMETHEUS_BIN) -a -x $(PROMTOOL_BIN) || { \
+	  echo "installing prometheus (deploy/ tests: promtool checks, a real Prometheus scrapes the API)"; \
+	  $(APT_GET) update -q && \
+	  $(SUDO) env RUNLEVEL=1 DEBIAN_FRONTEND=noninteractive apt-get install -y -q prometheus; }
+
 # The login tests and `sshapi dev --oidc` run the rig's OpenID provider (panva's oidc-provider)
 # with node; its packages come from npm (`npm ci`, sshpool/devhost/oidc.py) and need node >= 18:
 # Debian 12's nodejs (18.20) will do.
@@ -124,8 +150,14 @@ openssh10: $(STAMP)
 # Start the local HPC host (sshd on loopback, `tuned` profile) and the API on 127.0.0.1:PORT
 # (`make run PORT=8125`; else SSHAPI_PORT, else 8000). Only a PORT given on make's command line
 # counts: a PORT some other tool exported must not move the API.
-run: $(STAMP) sshd
+run: $(RUN_STAMP) sshd
 	$(VENV)/bin/sshapi dev$(if $(filter command line,$(origin PORT)), --port $(PORT))
+
+# The Grafana dashboards (deploy/grafana/dashboards/) are generated from the panels listed in
+# scripts/gen_dashboards.py: run this after editing it; tests/api/test_api_prometheus.py fails
+# while the two disagree.
+dashboards: $(STAMP)
+	$(VENV)/bin/python scripts/gen_dashboards.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -137,15 +169,22 @@ lint: $(STAMP)
 unasync: $(STAMP)
 	$(VENV)/bin/python scripts/gen_sync_client.py
 
+# Both tiers run in TEST_WORKERS processes (pytest-xdist), a test file's tests in one of them (its
+# module fixtures built once). Most of a test is waiting on sshd, Slurm or a database, so two
+# processes on two cores finish well before one (figures: docs/benchmarks.md). Each worker
+# has its own rig account (tests/conftest.py). TEST_WORKERS=0: one process, as before.
+TEST_WORKERS ?= 2
+PYTEST_PARALLEL = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+
 # The fast tier: lint, then the pool, the API and the client against the rig's sshd, PostgreSQL
 # and Redis; no Slurm, browser, deploy, docs, load-suite or install tests (their markers:
 # tests/conftest.py). For the edit-test loop; `make test` (CI) runs everything.
 test-fast: $(STAMP) sshd shells services openssh10 lint
-	$(VENV)/bin/pytest -m "not full" --durations=20 --basetemp="$$(mktemp -d /tmp/sshapi-tests.XXXXXX)"
+	$(VENV)/bin/pytest $(PYTEST_PARALLEL) -m "not full" --durations=20 --basetemp="$$(mktemp -d /tmp/sshapi-tests.XXXXXX)"
 
 # The whole suite: lint, then every test (SSH, API, fault and slow ones included); it ends
 # with the 20 slowest tests, to keep the suite's time in view. Each run gets
 # its own temp dir: pytest prunes /tmp/pytest-of-$USER to 3 runs, which would delete the sshd
 # files of a run still going.
-test: $(STAMP) sshd shells slurm services deploy-tools browser node openssh10 lint
-	$(VENV)/bin/pytest --durations=20 --basetemp="$$(mktemp -d /tmp/sshapi-tests.XXXXXX)"
+test: $(STAMP) sshd shells slurm services deploy-tools browser node openssh10 prometheus lint
+	$(VENV)/bin/pytest $(PYTEST_PARALLEL) --durations=20 --basetemp="$$(mktemp -d /tmp/sshapi-tests.XXXXXX)"

@@ -12,7 +12,7 @@ from importlib.metadata import version
 
 from fastapi import FastAPI
 
-from api import docs, problems
+from api import docs, problems, tracing
 from api.config import Config
 from api.gate import TokenGate
 from api.local import resolve_config
@@ -25,6 +25,7 @@ from api.routes.jobs import router as jobs_router
 from api.routes.live import router as live_router
 from api.routes.nodes import router as nodes_router
 from api.routes.ops import router as ops_router
+from api.routes.webhooks import router as webhooks_router
 from api.routes.whoami import router as whoami_router
 from api.services import running
 from api.settings import Settings
@@ -52,6 +53,10 @@ def create_app(
     settings = settings or Settings()
     config = config or resolve_config(settings)
     metrics = Metrics()
+    # Traces when an OTEL_* variable asks for them (api/tracing.py); off, nothing is loaded.
+    traced = tracing.configure(settings.replica)
+    if traced:
+        tracing.install_log_ids()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -66,12 +71,17 @@ def create_app(
         lifespan=lifespan,
         docs_url=None,  # api/docs.py serves /docs and /redoc offline
         redoc_url=None,
+        # FastAPI's own OpenTelemetry (0.16x) turns itself on in any app of a process with a
+        # tracer provider: off, our middleware makes the request's span (api/tracing.py; it
+        # cost less CPU per request: docs/benchmarks.md). Older FastAPI ignores the argument.
+        telemetry={"tracing": False, "metrics": False, "logs": False},
     )
     docs.install(app)
     problems.install(app)
     routers = (
         jobs_router,
         live_router,
+        webhooks_router,
         hosts_router,
         whoami_router,
         nodes_router,
@@ -84,5 +94,7 @@ def create_app(
     # Added first, so it runs inside RequestContext (request id, metrics, body cap) and before
     # the router: the token is checked before any body is read (api/gate.py).
     app.add_middleware(TokenGate, routes=[route for r in routers for route in r.routes])
-    app.add_middleware(RequestContext, metrics=metrics, max_body=config.api.max_body_bytes)
+    app.add_middleware(
+        RequestContext, metrics=metrics, max_body=config.api.max_body_bytes, traced=traced
+    )
     return app

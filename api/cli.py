@@ -36,7 +36,7 @@ db_app = typer.Typer(help="The job database.", no_args_is_help=True, rich_markup
 app.add_typer(db_app, name="db")
 # sshpool.ExecMode, written out: typer reads it when the app is built, and importing sshpool
 # (asyncssh, cryptography) would cost every call (tests/api/test_api_cli.py checks the two agree).
-ExecMode = Literal["channel", "agent"]
+ExecMode = Literal["channel", "agent", "auto"]
 SERVER_EXTRA = "pip install 'sshapi[server]'"
 # The researcher's commands (run, jobs, batch): HTTP to a server, in their own module.
 register_client_commands(app, hosts_app)
@@ -373,10 +373,11 @@ def dev(
     exec_mode: Annotated[
         ExecMode,
         typer.Option(
-            help="How the API runs commands on the local host: a channel each, or through one "
-            "executor per connection (agent)."
+            help="How the API runs commands on the local host: a channel each, through one "
+            "executor per connection (agent), or the executor where the host's python3 "
+            "answers and channels otherwise (auto, the default)."
         ),
-    ] = "channel",
+    ] = "auto",
     nodes: Annotated[
         int,
         typer.Option(
@@ -493,7 +494,7 @@ def dev(
             f"\nLocal HPC host: {host.username}@{','.join(addresses) or host.address}:{host.port}"
             + " (sshd, tuned profile"
             + (", single-node Slurm" if slurm else "")
-            + (", agent mode" if exec_mode == "agent" else "")
+            + {"agent": ", agent mode", "channel": ", channel mode", "auto": ""}[exec_mode]
             + (f", {rtt_ms:g} ms RTT through a relay on port {reached.port})" if rtt_ms else ")")
             + f"\nAPI:            {base}  (docs: {base}/docs)\n\n"
             + (f"Accounts:       {names[0]} ... {names[-1]} on host `hpc`\n\n" if names else "")

@@ -18,6 +18,7 @@ from pydantic import Field, field_validator, model_validator
 
 from api.credentials import CertificateCredentials, Credentials, KeyCredentials, Strict
 from api.settings import read_secret_file
+from api.webhooks.config import WebhooksConfig
 from sshpool import Limits, Target
 
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
@@ -235,9 +236,11 @@ class HostConfig(Strict):
     description: str = ""
     # The SSH library for this host; unset: SSHAPI_BACKEND.
     backend: Literal["asyncssh", "paramiko", "ssh2"] | None = None
-    # How commands reach the host: a session channel each, or one resident executor per
-    # connection ("agent": the login shell runs once per connection; docs/pool.md#agent-mode).
-    exec_mode: Literal["channel", "agent"] = "channel"
+    # How commands reach the host: a session channel each ("channel"), one resident executor
+    # per connection ("agent": the login shell runs once per connection), or the executor on
+    # each connection where the host's python3 answers and channels on the others ("auto",
+    # the default; channels with max_sessions 1). docs/pool.md#agent-mode.
+    exec_mode: Literal["channel", "agent", "auto"] = "auto"
     # Agent mode's interpreter on the host (3.6 or newer), found in the login shell's PATH.
     agent_python: str = Field(default="python3", min_length=1, max_length=256)
     # sshpool's own Limits, validated by pydantic: unknown keys and bad values are refused.
@@ -315,7 +318,7 @@ class HostConfig(Strict):
         connection's channels are its executor's and up to max_sessions - 1 SFTP sessions'
         (commands open none): the same count, and the same spare, as sshd frees an SFTP
         session's slot only after its sftp-server exited; max_sessions 1 would leave no channel
-        for SFTP."""
+        for SFTP ("auto" then runs channels: no finding)."""
         lim, sshd = self.limits, self.sshd
         found = []
         handshakes, gate = self.handshakes(accounts)
@@ -487,6 +490,7 @@ class PolicyRule(Strict):
 
 class Config(Strict):
     api: ApiConfig = Field(default_factory=ApiConfig)
+    webhooks: WebhooksConfig = Field(default_factory=WebhooksConfig)
     issuers: list[IssuerConfig] = Field(min_length=1)
     hosts: dict[Annotated[str, Field(pattern=NAME)], HostConfig] = Field(default_factory=dict)
     templates: dict[Annotated[str, Field(pattern=NAME)], TemplateConfig] = Field(

@@ -15,8 +15,9 @@ Checks, in order (a failed connection step skips the rest for that host):
   pool limits x SSHAPI_REPLICAS x workers checked against them over the whole sshd, all the
   accounts the policy maps to the host together (HostConfig.ssh_budget);
 - agent: whether the host's python3 (`agent_python`) can run agent mode's executor, and the
-  fastest `true` through it; a host in agent mode without one runs its commands as channels
-  (WARN), a host in channel mode is told what agent mode would give it (ok);
+  fastest `true` through it; a host in agent or auto mode (the default) without one runs its
+  commands as channels (WARN), a host in channel mode is told what agent mode would give it
+  (ok);
 - clock (certificate hosts): the host's `date +%s` against ours; certificates are back-dated
   60 s, so a host more than CLOCK_WARN_S behind or ahead is a WARN (run NTP on both);
 - penalties: OpenSSH >= 9.8's PerSourcePenalties from `sshd -T` when readable, and whether this
@@ -399,10 +400,13 @@ def _sshd_limits(
         )
     if not budget:
         per_connection = f"max_sessions {lim.max_sessions}"
-        if host.exec_mode == "agent":
+        if host.exec_mode == "agent" or (host.exec_mode == "auto" and lim.max_sessions > 1):
+            fallback = ""
+            if host.exec_mode == "auto":
+                fallback = f"; max_sessions {lim.max_sessions} where it does not start"
             per_connection = (
                 f"1 executor + {lim.max_sessions - 1} SFTP channels (up to "
-                f"{lim.agent_max_commands} commands through the executor)"
+                f"{lim.agent_max_commands} commands through the executor{fallback})"
             )
         found.append(
             Finding(
@@ -429,21 +433,29 @@ async def _agent(pool: Pool, name: str, host: HostConfig, timeout: float) -> Fin
     except SSHPoolError as exc:
         return Finding(name, "agent", "FAIL", f"{type(exc).__name__}: {exc}")
     stats = pool.stats()[target]
+    tries = host.exec_mode == "agent" or (host.exec_mode == "auto" and host.limits.max_sessions > 1)
     if stats["exec_mode"] != "agent":
-        status: Status = "WARN" if host.exec_mode == "agent" else "ok"
+        # A host that would run agent mode and cannot is told (auto: channels work, but each
+        # account's connection tries again every few minutes, a hanging python3 costing it its
+        # connect_timeout); a channel host only learns what agent mode would do.
+        if host.exec_mode == "agent":
+            advice = "agent mode falls back to channels here; install python3 >= 3.6 or set "
+            advice += f"[hosts.{name}] agent_python"
+        elif tries:
+            advice = "exec_mode auto runs channels here; install python3 >= 3.6, set "
+            advice += f'[hosts.{name}] agent_python, or exec_mode = "channel" to stop trying'
+        else:
+            advice = "agent mode would run as channels here"
         return Finding(
-            name,
-            "agent",
-            status,
-            f"{stats['agent_error']}: "
-            + (
-                "agent mode falls back to channels here; install python3 >= 3.6 or set "
-                f"[hosts.{name}] agent_python"
-                if host.exec_mode == "agent"
-                else "agent mode would run as channels here"
-            ),
+            name, "agent", "WARN" if tries else "ok", f"{stats['agent_error']}: {advice}"
         )
-    how = "exec_mode agent" if host.exec_mode == "agent" else "available (exec_mode channel)"
+    how = {
+        "agent": "exec_mode agent",
+        "auto": "exec_mode auto: agent mode here",
+        "channel": "available (exec_mode channel)",
+    }[host.exec_mode]
+    if host.exec_mode == "auto" and not tries:
+        how = "available (exec_mode auto runs channels: max_sessions 1)"
     return Finding(
         name,
         "agent",

@@ -36,6 +36,7 @@ from api.config import (
 )
 from api.credentials import CertificateCredentials
 from api.settings import Settings, read_secret_file
+from api.webhooks.config import WebhooksConfig
 from sshpool import ExecMode, Limits
 
 LOCAL_AUDIENCE = "sshapi"
@@ -93,7 +94,8 @@ def default_config(local: HostConfig | None = None, hpc: HostConfig | None = Non
     """The local configuration: the local HS256 issuer, the local host as `local` (when there is
     one) and as `hpc` (each caller as their own account: `sshapi dev --accounts`), and a policy
     letting any authenticated subject use it with argv and raw shell lines, and its files under
-    the account's home (file roots are opt-in: written here)."""
+    the account's home (file roots are opt-in: written here). Webhooks may call this machine's
+    loopback over plain http (a receiver beside `make run`), which a server refuses by default."""
     hosts = {"local": local} if local else {}
     if hpc is not None:
         hosts["hpc"] = hpc
@@ -109,6 +111,10 @@ def default_config(local: HostConfig | None = None, hpc: HostConfig | None = Non
             )
         ],
         hosts=hosts,
+        webhooks=WebhooksConfig(
+            allowed_urls=["http://*", "https://*"],
+            allowed_networks=["127.0.0.0/8", "::1/128"],
+        ),
         policy=[
             PolicyRule(
                 issuer=LOCAL_ISSUER,
@@ -160,7 +166,7 @@ def local_host_config(
     host: LocalSshd,
     *,
     slurm: bool = False,
-    exec_mode: ExecMode = "channel",
+    exec_mode: ExecMode = "auto",
     nodes: Sequence[str] = (),
 ) -> HostConfig:
     """The started local host as configuration (with a scheduler when Slurm runs beside it);

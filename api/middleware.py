@@ -1,6 +1,8 @@
 """One pure ASGI middleware for what every response needs: X-Request-ID, Server-Timing, the
-request metrics, and the body size cap (413 before the body is read, for both a declared
-Content-Length and a streamed body that runs over)."""
+request metrics, the body size cap (413 before the body is read, for both a declared
+Content-Length and a streamed body that runs over) and, when traces are on, the request's
+server span (api/tracing.py: our own, not the FastAPI instrumentation, which cost more CPU per
+request: docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from fastapi import HTTPException
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from api import tracing
 from api.metrics import Metrics
 from api.numbers import read_count
 from api.problems import Problem
@@ -26,10 +29,11 @@ STREAMED_BODY = re.compile(r"^/v1/hosts/[^/]+/files/content$")
 
 
 class RequestContext:
-    def __init__(self, app: ASGIApp, metrics: Metrics, max_body: int) -> None:
+    def __init__(self, app: ASGIApp, metrics: Metrics, max_body: int, traced: bool = False) -> None:
         self.app = app
         self.metrics = metrics
         self.max_body = max_body
+        self.traced = traced
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -44,6 +48,13 @@ class RequestContext:
         token = TIMING.set(timing)
         status = 500
         start = time.perf_counter()
+        span = None
+        if self.traced:
+            span = tracing.server_span(headers, scope["method"], scope["path"])
+            if span.is_recording():
+                span_token = tracing.attach(span)
+            else:
+                span = None  # not sampled: nothing below makes a span either
 
         async def send_with_headers(message: Message) -> None:
             nonlocal status
@@ -82,11 +93,13 @@ class RequestContext:
         finally:
             TIMING.reset(token)
             route = scope.get("route")
-            template = getattr(route, "path_format", None) or getattr(route, "path", "unmatched")
-            method = scope["method"]
-            self.metrics.requests.labels(method, template, str(status)).inc()
-            elapsed = time.perf_counter() - start
-            self.metrics.latency.labels(method, template, str(status)).observe(elapsed)
+            # The route template, never the raw path: bounded label values (RELIABILITY.md).
+            template = getattr(route, "path_format", None) or getattr(route, "path", None)
+            if span is not None:
+                tracing.detach(span_token)
+                route_name = str(template or "unmatched")
+                tracing.end_server_span(span, scope["method"], route_name, status, request_id)
+            self.metrics.request(scope["method"], template, status, time.perf_counter() - start)
 
 
 def _too_large(limit: int) -> Problem:

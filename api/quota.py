@@ -92,6 +92,9 @@ class Quota(Protocol):
     async def leave(self, who: Identity, job_id: str, space: Space = "jobs") -> None:
         """The job is no longer active."""
 
+    async def ping(self) -> bool | None:
+        """Does Redis answer now (None: no Redis)? For /metrics' sshapi_redis_up."""
+
     async def close(self) -> None: ...
 
 
@@ -136,6 +139,9 @@ class LocalQuota:
             jobs.discard(job_id)
             if not jobs:
                 del self._active[(space, who)]
+
+    async def ping(self) -> bool | None:
+        return None
 
     async def close(self) -> None:
         pass
@@ -252,6 +258,16 @@ class RedisQuota:
             await self._redis.zrem(self._key("active", who, space), job_id)
         except Exception as exc:
             self._failed(exc)  # the entry expires at its deadline by itself
+
+    async def ping(self) -> bool | None:
+        """One PING within REDIS_TIMEOUT; a failure or a recovery is logged as a call's is."""
+        try:
+            await self._redis.ping()
+        except Exception as exc:
+            self._failed(exc)
+            return False
+        self._ok()
+        return True
 
     async def close(self) -> None:
         await self._redis.aclose()

@@ -187,6 +187,11 @@ class JobSummary(BaseModel):
     timings: dict[str, float] = Field(
         default_factory=dict, description="Milliseconds per stage: queue, connect, open, exec."
     )
+    trace_id: str | None = Field(
+        default=None,
+        description="The OpenTelemetry trace the job's spans are in (32 hex digits; the "
+        "caller's own when it sent a `traceparent`); null when the API does not trace.",
+    )
 
     @classmethod
     def of(cls, row: JobRow, details: bool = True) -> Self:
@@ -227,6 +232,7 @@ class JobSummary(BaseModel):
             timings=row.timings or {},
             error_kind=row.error_kind,
             node=row.node if details else None,
+            trace_id=row.traceparent[3:35] if row.traceparent else None,
         )
 
 
@@ -301,6 +307,18 @@ class HostInfo(BaseModel):
         description="Pool statistics: admins get one per remote account, with its `target`; "
         "others get only the pool of their own account, without it (and without `sshd`, the "
         "login host's address, where host details are admin-only).",
+    )
+    exec_mode: Literal["channel", "agent", "auto"] = Field(
+        default="auto",
+        description="How the host is configured to run commands: `auto` (the default: one "
+        "executor per connection where the host's python3 answers, a channel per command on "
+        "the others), `agent` or `channel`.",
+    )
+    connections_by_mode: dict[str, int] = Field(
+        default_factory=dict,
+        description="The live connections of the pools shown (an admin's: every account's; "
+        "anyone else's: their own account's) by the mode each is in: `agent` (commands "
+        "through its executor) and `channel`.",
     )
     nodes: list[dict[str, Any]] = Field(
         default_factory=list,

@@ -48,6 +48,9 @@ cancellation; every one is logged with its traceback):
 |                     | (api/node_health.py)               |         |                           |
 | `node-health-nudge` | with Redis: the other processes'   | restart | lost, their verdicts come |
 |                     | verdicts as they come              |         | each second (the keys)    |
+| `webhooks`          | sends the webhook outbox's due     | restart | lost, this process sends  |
+|                     | deliveries                         |         | none (other replicas do;  |
+|                     | (api/webhooks/deliver.py)          |         | the outbox keeps them)    |
 
 `restart`: started again after a pause (doubling); the third death within a minute takes the
 process down. Taking it down: the other tasks are cancelled, /readyz answers 503, and the
@@ -83,6 +86,7 @@ import functools
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from importlib.metadata import version
 from typing import Any
 
 import httpx
@@ -104,6 +108,8 @@ from api.settings import Settings
 from api.sshd_budget import RedisBudget, budgets, make_coordinator
 from api.store import JobRow, Store
 from api.tasks import OnDeath, Supervisor
+from api.webhooks.deliver import Deliverer
+from api.webhooks.service import WebhookService
 from sshpool import Pool, SSHPoolError
 
 log = logging.getLogger("sshapi")
@@ -128,6 +134,7 @@ class Services:
     revocations: Revocations
     supervisor: Supervisor
     admin: AdminService
+    webhooks: WebhookService
     accepting: bool = False
 
     @property
@@ -149,6 +156,13 @@ async def _cancel_revoked(jobs: JobService, store: Store, row: JobRow) -> bool:
         current = await store.get(row.id)
         return current is not None and current.state == "cancelled"
     return True
+
+
+def _owner_revoked(revocations: Revocations, owner: tuple[str, str]) -> bool:
+    """Whether a revocation of their identity refuses a job owner (an account's revocation
+    needs the token's account claim, which a delivery does not have)."""
+    who = Principal(issuer=owner[0], subject=owner[1], scopes=frozenset())
+    return revocations.refused(who) is not None
 
 
 async def _prewarm(pool: Pool, name: str, host: HostConfig) -> None:
@@ -264,8 +278,14 @@ async def running(
                 n: the_pool.nodes(host.target()) for n, host in config.hosts.items() if host.nodes
             }
 
-        metrics.watch_pool(pools_by_host, nodes_by_host)
+        def durations_by_host() -> dict[str, list[dict[str, Any]]]:
+            durations = the_pool.durations()
+            return {n: policy.pools(n, durations) for n in config.hosts}
+
+        metrics.watch_pool(pools_by_host, nodes_by_host, durations_by_host)
         metrics.watch_sshds(sshds_by_host)
+        release = version("sshapi")
+        metrics.watch_service(settings.replica, release, the_store.write_stats, jobs.live.stats)
         metrics.watch_trackers(lambda: batch.trackers)
         nudge = RedisNudge(settings.redis_url) if settings.redis_url else None
         if nudge is not None:
@@ -303,6 +323,17 @@ async def running(
             if host.limits.min_connections > 0:
                 prewarm = functools.partial(_prewarm, the_pool, name, host)
                 tasks.append(supervisor.spawn(f"prewarm-{name}", prewarm, OnDeath.ONCE))
+        # Webhook deliveries: state changes of any replica, this one's woken at once.
+        details = not config.api.host_details_require_admin
+        deliverer = Deliverer(
+            the_store,
+            config.webhooks,
+            settings.replica,
+            details=details,
+            revoked=functools.partial(_owner_revoked, revocations),
+        )
+        stack.push_async_callback(deliverer.close)
+        tasks.append(supervisor.spawn("webhooks", deliverer.loop, OnDeath.RESTART))
         # Stopped before the job service closes (the trackers write to the store it uses).
         stack.push_async_callback(supervisor.stop, *tasks)
         services = Services(
@@ -321,6 +352,7 @@ async def running(
             revocations=revocations,
             supervisor=supervisor,
             admin=AdminService(config, policy, the_store, the_pool, revocations, drains),
+            webhooks=WebhookService(deliverer.hooks, config.webhooks),
             accepting=True,
         )
         try:

@@ -17,7 +17,7 @@ from typing import Any
 
 import uvicorn
 
-from api import tasks
+from api import tasks, tracing
 from api.app import create_app
 from api.config import Config
 from api.local import resolve_config
@@ -36,7 +36,12 @@ SUPERVISE_INTERVAL = 0.5
 
 def _configure_logging(settings: Settings) -> None:
     level = logging.getLevelNamesMapping().get(settings.log_level.upper(), logging.INFO)
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    if tracing.enabled():
+        # Each line written in a traced context ends with its trace id (api/tracing.py).
+        tracing.install_log_ids()
+        logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s%(trace)s")
+    else:
+        logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     # asyncssh logs every channel at INFO: far too much for a server running hundreds a second.
     logging.getLogger("asyncssh").setLevel(max(level, logging.WARNING))
 

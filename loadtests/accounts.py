@@ -160,6 +160,10 @@ def config(
         "client_keys": [str(accounts[0].key)],
         "known_hosts": host.known_hosts,
         "limits": dataclasses.asdict(lim),
+        # Channels: this measures logins against the per-sshd budget, and its figures compare
+        # with those before the default became "auto" (which would add an executor's start to
+        # each account's connection: docs/pool.md).
+        "exec_mode": "channel",
     }
     if credentials == "certificate":
         del local["client_keys"]
@@ -752,18 +756,26 @@ def options(**given: Any) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.via == "pool" and (args.workers != 1 or args.replicas != 1 or args.fault):
         parser.error("--workers, --replicas and --fault need --via api")
     if args.fault == "replica" and args.replicas < 2:
         parser.error("--fault replica needs --replicas 2 or more")
+    return args
+
+
+def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The accounts, the stock host logging them in, and every cell: one row per cell."""
     data_dir = Path(args.data_dir).absolute()
     accounts = ensure_accounts(args.accounts, data_dir=data_dir)
     with LocalHost("accounts", "stock", data_dir=data_dir, researchers=True) as host:
-        rows = asyncio.run(run_cells(host, accounts, args))
-    print(table(rows))
+        return asyncio.run(run_cells(host, accounts, args))
+
+
+def main(argv: list[str] | None = None) -> int:
+    print(table(measure(parse(argv))))
     return 0
 
 

@@ -32,10 +32,10 @@ BASHRC = "sleep 0.3\n"
 
 def target_for(host: Any, mode: str, backend: str) -> Target:
     """The API's pooled limits on `host` (a LocalHost or RelayedHost) in `mode`: channel,
-    agent, or per-request (a new connection per command)."""
+    agent, auto (the API's default), or per-request (a new connection per command)."""
     lim = limits("per-request" if mode == "per-request" else "pooled")
     target: Target = host.target(**dataclasses.asdict(lim))
-    exec_mode: ExecMode = "agent" if mode == "agent" else "channel"
+    exec_mode: ExecMode = "agent" if mode == "agent" else "auto" if mode == "auto" else "channel"
     return dataclasses.replace(target, backend=backend, exec_mode=exec_mode)
 
 

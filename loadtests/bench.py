@@ -29,7 +29,8 @@ Per sshd profile:
    per-account limits (`loadtests/accounts.py`, which runs the full-size comparison).
 `--parts` picks some of these (`--parts cpu`: the CPU row alone, about 40 s per sshd).
 `--exec-modes channel agent` runs each part in both modes, one after the other (interleaved),
-with agent mode's targets against channel mode's of the same run (issue 34).
+with agent mode's targets against channel mode's of the same run (issue 34); the default is
+`auto`, the API's own default mode (an executor per connection where python3 answers).
 Every Locust run goes through `experiment.run_cell`, so each keeps its own report under
 `<out>/<time>-bench/runs/`. The figures, ratios and target verdicts go to `bench.json` there
 and print as a table. Latency is in ms from the intended send time (open model).
@@ -64,7 +65,7 @@ PAPER_RATES = (50.0, 90.0)
 LOW_RATE = 10.0
 PARTS = ("raw", "cpu", "api", "per-request", "burst", "floor", "bashrc", "wan", "accounts")
 # The API's pool mode (loadtests/server.py) per exec mode.
-POOL_MODE = {"channel": "pooled", "agent": "agent"}
+POOL_MODE = {"channel": "pooled", "agent": "agent", "auto": "auto"}
 COMMAND = ("hostname",)  # what loadtests/sustained.py runs by default (--remote-command)
 
 
@@ -281,7 +282,8 @@ def cpu_rows(fig: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
 
 
 def label(f: dict[str, Any]) -> str:
-    return f"{f['sshd']} agent" if f.get("exec_mode") == "agent" else str(f["sshd"])
+    mode = f.get("exec_mode")
+    return f"{f['sshd']} {mode}" if mode in ("agent", "auto") else str(f["sshd"])
 
 
 def agent_table(f: dict[str, Any]) -> list[str]:
@@ -585,8 +587,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--exec-modes",
         nargs="+",
         choices=list(POOL_MODE),
-        default=["channel"],
-        help="How commands reach the host: channel, agent, or both (interleaved).",
+        default=["auto"],
+        help="How commands reach the host: channel, agent, auto (the API's default: agent "
+        "where python3 answers), or several (interleaved).",
     )
     p.add_argument(
         "--rtt-ms",

@@ -35,7 +35,7 @@ from typing import Any
 
 from sqlalchemy.engine import make_url
 
-from loadtests import hdr
+from loadtests import hdr, recommend
 from loadtests.cpu import CpuMeter
 from loadtests.replicas import drop_schema
 from loadtests.report import run_dir, versions
@@ -272,6 +272,21 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[str]:
     return images
 
 
+def _advice(
+    args: argparse.Namespace, judged: list[dict[str, Any]], rows: list[dict[str, Any]]
+) -> tuple[list[recommend.Recommendation], str]:
+    """The recommendation per setting of the tuned file for the sshd that ran, and its text
+    ("" when the run did not compare tuned with stock)."""
+    from sshpool.devhost.host import sshd_binary, sshd_version, tuned_settings
+
+    if not {"stock", "tuned"} <= set(args.sshd):
+        return [], ""
+    version = sshd_version(sshd_binary(args.sshd_binary))
+    settings, skipped = tuned_settings(version)
+    found = recommend.recommend(settings, judged, rows, skipped)
+    return found, "\n\n" + recommend.render(found, f"OpenSSH {version[0]}.{version[1]}") + "\n"
+
+
 def _json(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return dataclasses.asdict(value)
@@ -373,18 +388,23 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             rig.stop()
     rows = compare(results)
     judged = verdicts(results)
+    advice = _advice(args, judged, rows)
     meta = {"args": {k: str(v) for k, v in vars(args).items()}, "versions": versions(),
             "cpu_count": os.cpu_count(), "duration_s": round(time.time() - started),
             "load_average_end": os.getloadavg(),
             "sshd_skipped_settings": {p: h.skipped_settings for p, h in hosts.items()}}  # fmt: skip
     (args.out / "comparison.json").write_text(
-        json.dumps({"rows": rows, "verdicts": judged, "meta": meta}, indent=2, default=_json)
-    )
-    # Verdicts first, then the detail, in the file and on the terminal.
+        json.dumps(
+            {"rows": rows, "verdicts": judged, "recommendations": advice[0], "meta": meta},
+            indent=2, default=_json,
+        )
+    )  # fmt: skip
+    # Verdicts first, then the detail, and the recommendation per setting last (the file's last
+    # section, the terminal's last lines before the file's path).
     verdict_text = render_verdicts(judged) + "\n\n" if judged else ""
     detail = render(rows, meta, plot(rows, args.out))
-    (args.out / "comparison.md").write_text(verdict_text + detail)
-    print(verdict_text + detail.split("\n## Runs")[0].strip())
+    (args.out / "comparison.md").write_text(verdict_text + detail + advice[1])
+    print(verdict_text + detail.split("\n## Runs")[0].strip() + advice[1])
     print(f"\ncomparison: {args.out / 'comparison.md'}")
     return {"rows": rows, "verdicts": judged, "results": results}
 

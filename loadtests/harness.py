@@ -18,7 +18,7 @@ from locust import events
 from locust.env import Environment
 from locust.runners import LocalRunner, MasterRunner, WorkerRunner
 
-from loadtests import report
+from loadtests import report, webui
 from loadtests.client import MAX_IDLE, JobClient, Outcome, tokens
 from loadtests.records import DROPPED, Kind, Record, from_wire, to_wire
 from loadtests.summary import CPU_INTERVAL
@@ -66,6 +66,7 @@ def ui_option(group: Any, *names: str, **kwargs: Any) -> None:
     action = group.add_argument(*names, **kwargs)
     action.include_in_web_ui = True
     action.is_secret = action.is_required = action.is_multiple = False
+    webui.UI_OPTIONS[action.dest] = action  # parsed there, as typed in the page
 
 
 def generator_cpu(used: dict[str, dict[str, float]]) -> dict[str, float | None]:
@@ -101,6 +102,7 @@ class Harness:
         self.meta: dict[str, Any] = {}
         self.exit_code = 0
         self.running = False  # between this run's test_start and its test_stop
+        self.finished: list[dict[str, Any]] = []  # each run's verdict and report, for the web UI
         self._sampler: gevent.Greenlet | None = None
         self.describe: Callable[[], dict[str, Any]] = dict
         events.test_start.add_listener(self._on_test_start)
@@ -210,6 +212,7 @@ class Harness:
         runner = environment.runner
         if isinstance(runner, MasterRunner):
             runner.register_message("sshapi_done", self._on_done_message)
+        webui.install(environment, self.finished)
         o = environment.parsed_options
         local = not isinstance(runner, WorkerRunner)
         if local and o is not None and o.use_env_token and not os.environ.get("SSHAPI_TOKEN"):
@@ -276,6 +279,7 @@ class Harness:
         summary = report.write_run(out, records, meta, self.cpu)
         failed = sum(1 for r in records if not r.ok)
         self.exit_code = 1 if failed else 0
+        self.finished.append(webui.row(summary, str(out / "report.md")))
         v = summary["validity"]
         lat = summary["latency_ms"]
         print(

@@ -189,46 +189,68 @@ def finish(proc: subprocess.Popen[str], report_dir: Path, timeout: float) -> dic
 
 def measure(
     replicas: int, profile: str, factor: float, workdir: Path, host: LocalHost
-) -> list[str]:
-    """One sustained run through nginx in front of `replicas` replicas; Markdown table rows, one
-    per measured stage: offered and achieved rate, percentiles of the successes, errors."""
+) -> list[dict[str, Any]]:
+    """One sustained run through nginx in front of `replicas` replicas; one row per measured
+    stage: offered and achieved rate, percentiles of the successes, errors, the run's validity."""
     with cluster(host, workdir / "cluster", replicas) as c:
         env = {"SSHAPI_DATA_DIR": str(workdir / "cluster" / "r1"), **c.env}
         args = ("--load-profile", profile, "--duration-factor", str(factor))
         reports = workdir / "reports"
         s = finish(locust("sustained.py", c.url, env, reports, *args), reports, 3600)
-    verdict = "valid" if s["validity"]["valid"] else "INVALID"
-    rows = []
-    for st in s.get("stages", []):
-        lat = st["latency_ms"]
-        errors = ", ".join(f"{k}: {v}" for k, v in st["errors"].items()) or "-"
-        rows.append(
-            f"| {replicas} | {st['offered_rate']:g} | {st['requests']} | {st['ok']} "
-            f"| {st['throughput'] or 0:.1f} | {lat['p50']} | {lat['p99']} | {errors} | {verdict} |"
-        )
     print(f"replicas={replicas}: {s['run_dir']}", flush=True)
-    return rows
+    return [
+        {
+            "replicas": replicas,
+            "offered_rate": st["offered_rate"],
+            "requests": st["requests"],
+            "ok": st["ok"],
+            "throughput": st["throughput"] or 0,
+            "p50_ms": st["latency_ms"]["p50"],
+            "p99_ms": st["latency_ms"]["p99"],
+            "errors": st["errors"],
+            "valid": bool(s["validity"]["valid"]),
+        }
+        for st in s.get("stages", [])
+    ]
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def row(r: dict[str, Any]) -> str:
+    """One stage as a row of the Markdown table main prints."""
+    errors = ", ".join(f"{k}: {v}" for k, v in r["errors"].items()) or "-"
+    return (
+        f"| {r['replicas']} | {r['offered_rate']:g} | {r['requests']} | {r['ok']} "
+        f"| {r['throughput']:.1f} | {r['p50_ms']} | {r['p99_ms']} | {errors} "
+        f"| {'valid' if r['valid'] else 'INVALID'} |"
+    )
+
+
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--replicas", type=int, nargs="+", default=[1, 2, 1, 2], help="Replica counts, in order."
     )
     parser.add_argument("--load-profile", default="sweep")
     parser.add_argument("--duration-factor", type=float, default=0.5)
-    o = parser.parse_args(argv)
-    workdir = Path(tempfile.mkdtemp(prefix="sshapi-replicas-"))
+    return parser.parse_args(argv)
+
+
+def measure_all(o: argparse.Namespace, host: LocalHost, workdir: Path) -> list[dict[str, Any]]:
+    """Each replica count of `o.replicas` in order, one sustained run each: every stage's row."""
     rows = []
+    for n, count in enumerate(o.replicas):
+        rows += measure(count, o.load_profile, o.duration_factor, workdir / f"{n}-x{count}", host)
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    o = parse(argv)
+    workdir = Path(tempfile.mkdtemp(prefix="sshapi-replicas-"))
     with Rig(RigSpec("replicas", "tuned"), data_dir=workdir / "host") as rig:
-        for n, count in enumerate(o.replicas):
-            rows += measure(
-                count, o.load_profile, o.duration_factor, workdir / f"{n}-x{count}", rig.host
-            )
+        rows = measure_all(o, rig.host, workdir)
     print(f"\n{o.load_profile} x{o.duration_factor:g}, through nginx, {os.cpu_count()} CPUs:\n")
     print("| replicas | offered/s | requests | ok | ok/s | p50 ms | p99 ms | errors | run |")
     print("|---|---|---|---|---|---|---|---|---|")
-    print("\n".join(rows))
+    print("\n".join(map(row, rows)))
 
 
 if __name__ == "__main__":

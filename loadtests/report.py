@@ -116,6 +116,7 @@ def render(summary: dict[str, Any], images: dict[str, str | None]) -> str:
     lines.append("|---|---|---|---|---|---|")
     for name, p in summary["server_timing_ms"].items():
         lines.append(f"| {name} | {_pct_cells(p)} |")
+    lines += _breakdown(summary.get("breakdown_ms") or {})
     lines += ["", "## Plots", ""]
     lines += [f"![{name}]({file})" for name, file in images.items() if file]
     late = v["lateness_ms"] or {}
@@ -141,6 +142,36 @@ def render(summary: dict[str, Any], images: dict[str, str | None]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+# What each part of the breakdown is, beside its name (loadtests.summary.breakdown).
+PARTS = {
+    "sent late": "the generator: intended time (a burst's release) to the send",
+    "untimed": "no Server-Timing stage: the network, the API's accept queue and event loop before "
+    "its timing middleware, the framework, the answer's way back",
+    "total": "the latency",
+}
+
+
+def _breakdown(parts: dict[str, dict[str, float | None]]) -> list[str]:
+    """Where the time went: the parts of each latency, whose means add up to the mean latency."""
+    if not parts:
+        return []
+    lines = [
+        "",
+        "## Where the time went (successes with Server-Timing)",
+        "",
+        "Each latency in parts: the send's lateness, the server's stages, and the untimed rest "
+        "of the round trip. The means add up to the total's; the percentiles are each part's "
+        "own and do not add.",
+        "",
+        "| part | mean | p50 | p99 | what |",
+        "|---|---|---|---|---|",
+    ]
+    for name, p in parts.items():
+        what = PARTS.get(name, "Server-Timing stage")
+        lines.append(f"| {name} | {_ms(p['mean'])} | {_ms(p['p50'])} | {_ms(p['p99'])} | {what} |")
+    return lines
 
 
 def _stage_verdict(v: dict[str, Any]) -> str:

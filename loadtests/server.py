@@ -5,7 +5,9 @@ the experiment, served by the API's own `create_app` in a child process.
 
 The per-request-connection mode is `[hosts.*.limits] reuse = false` with one session per
 connection: the API's own configuration expresses it. The `agent` mode is the pooled limits with
-`exec_mode = "agent"` (one executor per connection runs the commands: docs/pool.md).
+`exec_mode = "agent"` (one executor per connection runs the commands: docs/pool.md), `auto` with
+`exec_mode = "auto"` (the API's default: the executor where the host's python3 answers); the
+other modes pin `exec_mode = "channel"`, so their figures stay channel mode's.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from sshpool import Limits
 if TYPE_CHECKING:
     from sshpool.devhost import LocalHost
 
-POOL_MODES = ("pooled", "per-request", "agent", "channels", "per-account")
+POOL_MODES = ("pooled", "per-request", "agent", "auto", "channels", "per-account")
 READY_TIMEOUT = 30.0
 
 
@@ -65,7 +67,7 @@ def limits(mode: str) -> Limits:
         return Limits(min_connections=1, max_connections=1, max_sessions=16)
     if mode == "per-account":
         return dataclasses.replace(LOCAL_LIMITS, max_handshakes=4, per_sshd=False)
-    if mode not in ("pooled", "agent"):
+    if mode not in ("pooled", "agent", "auto"):
         raise ValueError(f"pool mode {mode!r} is not one of {POOL_MODES}")
     return LOCAL_LIMITS
 
@@ -126,7 +128,7 @@ def start_api(
         "client_keys": [local_host.client_key],
         "known_hosts": local_host.known_hosts,
         "limits": dataclasses.asdict(lim),
-        "exec_mode": "agent" if pool_mode == "agent" else "channel",
+        "exec_mode": pool_mode if pool_mode in ("agent", "auto") else "channel",
     }
     return serve_config(
         config_data(host), backend=backend, data_dir=data_dir, port=port, log=log, env=env

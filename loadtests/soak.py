@@ -147,7 +147,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--backend", default="asyncssh", choices=["asyncssh", "paramiko", "ssh2"])
     p.add_argument("--remote-command", default="hostname")
     p.add_argument(
-        "--pool-mode", default="pooled", choices=["pooled", "agent"], help="agent: exec_mode agent."
+        "--pool-mode",
+        default="auto",
+        choices=["auto", "pooled", "agent"],
+        help="auto: exec_mode auto, the API's default (agent where python3 answers); pooled: "
+        "channels; agent: exec_mode agent.",
     )
     p.add_argument("--out", type=Path, default=Path("reports"))
     return p.parse_args(argv)

@@ -119,6 +119,37 @@ def _group(records: Sequence[Record]) -> dict[str, Any]:
         # What no Server-Timing stage covers: the HTTP round trip, the framework, the handler's
         # own work between stages, the client's parse. With the stages, where a latency went.
         "untimed_ms": _pcts([max(0.0, r.service_ms - sum(r.server.values())) for r in timed]),
+        "breakdown_ms": breakdown(timed),
+    }
+
+
+SENT_LATE = "sent late"
+UNTIMED = "untimed"
+
+
+def breakdown(timed: Sequence[Record]) -> dict[str, dict[str, float | None]]:
+    """Where each latency went, in parts that add up, per request: the send's lateness (from the
+    intended time or the burst's release to the send: latency minus service time), each
+    Server-Timing stage (0 where a request lacks it), and the untimed rest of the round trip
+    (service time minus the stages: the network, the API's accept queue and event loop before
+    its timing middleware, the framework, the answer's way back, the client's read). Per part:
+    the mean, which adds up to the mean latency over the parts, and the p50 and p99 (which do
+    not add: each is its own part's)."""
+    if not timed:
+        return {}
+    names = sorted({name for r in timed for name in r.server})
+    parts: dict[str, list[float]] = {SENT_LATE: [r.latency_ms - r.service_ms for r in timed]}
+    for name in names:
+        parts[name] = [r.server.get(name, 0.0) for r in timed]
+    parts[UNTIMED] = [r.service_ms - sum(r.server.values()) for r in timed]
+    parts["total"] = [r.latency_ms for r in timed]
+    return {
+        name: {
+            "mean": round(statistics.fmean(values), 3),
+            "p50": round(_quantile(values, 0.5), 3),
+            "p99": round(_quantile(values, 0.99), 3),
+        }
+        for name, values in parts.items()
     }
 
 

@@ -18,11 +18,14 @@ tests/test_layout.py):
     lease        a pooled connection, a slot's exec, the one kill and the one retry policy
     budget       one sshd's handshake gate and connection budget, shared by its accounts
     waiters      the tenants' turns
+    durations    bucket counts of the connect and slot-wait times (read by the API's metrics)
     breaker      the circuit breaker and the sshd's login penalties
     command      the command line, its wrapper and captures, the result
     target       `Target` and `Limits`
     certificates short-lived user certificates minted per connection
     errors       the error tree
+    tracing      the stages as OpenTelemetry spans (the OpenTelemetry API only: a no-op
+                 without an SDK), under a caller's recording span only
     agent/       agent mode (the executor and its client)
     backends/    the SSH libraries behind one interface
     devhost/     the development rig: never loaded by `import sshpool`
@@ -33,6 +36,7 @@ from sshpool.budget import Coordinator, Sshd, StaticShare, static_share
 from sshpool.certificates import Credentials, UserCA
 from sshpool.cluster import NodeHealth, Router
 from sshpool.command import CommandResult, OutputStream
+from sshpool.durations import Durations
 from sshpool.errors import (
     AuthenticationFailed,
     ChannelRefused,
@@ -68,6 +72,7 @@ __all__ = [
     "Coordinator",
     "Credentials",
     "DirEntry",
+    "Durations",
     "ExecMode",
     "FileAttrs",
     "FileType",

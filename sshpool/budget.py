@@ -40,6 +40,7 @@ State changes only in the synchronous methods below; the host pools do the I/O.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections import Counter, deque
@@ -360,12 +361,24 @@ class Sshd:
             "accounts_holding": accounts,
             "accounts": len(self.members),
             "connection_wait_seconds": self.wait_seconds,
+            # The refused logins sshd's PerSourcePenalties would count against this address,
+            # and what it holds against it now (seconds; on the pool's loop clock).
+            "logins_refused": self.penalties.refused,
+            "penalty_seconds": round(self.penalties.score(_loop_time()), 3),
+            "penalty_threshold": self.penalties.threshold,
             "share_mode": self.share_mode,
             "share_handshakes": _finite(self.gate()),
             "share_connections": _finite(self.budget()),
             "shared": dict(self.shared),
             "counters": dict(self.counters),
         }
+
+
+def _loop_time() -> float:
+    try:
+        return asyncio.get_running_loop().time()
+    except RuntimeError:  # stats read outside the pool's loop: no penalty drains
+        return math.inf
 
 
 def _finite(value: float) -> float | None:

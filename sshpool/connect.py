@@ -20,6 +20,7 @@ from sshpool.agent import AgentConnection, start_agent
 from sshpool.backends import Backend, Connection
 from sshpool.errors import AgentUnavailable, ConnectError, ConnectionLost, SSHPoolError
 from sshpool.target import Target
+from sshpool.tracing import Stages, stamping
 
 log = logging.getLogger("sshpool")
 
@@ -84,18 +85,19 @@ def log_connect_failure(target: Target, exc: SSHPoolError) -> None:
         log.warning("connect to %s failed: %s%s", target, exc, more)
 
 
-async def start_executor(conn: Connection, target: Target) -> AgentConnection:
+async def start_executor(conn: Connection, target: Target, timeout: float) -> AgentConnection:
     """`conn` with its executor started (agent mode), for limits.agent_max_commands commands
-    at once. AgentUnavailable: the host has no usable python3, and `conn` is left open as it
-    was (usable in channel mode); a connection lost meanwhile is ConnectionLost(started=False)
-    and any other failure is raised as it is, `conn` closed either way."""
+    at once, greeted within `timeout` seconds. AgentUnavailable: the host has no usable python3
+    (missing, too old, hanging, answering junk), and `conn` is left open as it was (usable in
+    channel mode); a connection lost meanwhile is ConnectionLost(started=False) and any other
+    failure is raised as it is, `conn` closed either way."""
     try:
         # Two more for the executor than the pool leases: kills of timed-out commands.
         agent = await start_agent(
             conn,
             target.limits.agent_max_commands + 2,
             python=target.agent_python,
-            timeout=target.limits.agent_start_timeout,
+            timeout=timeout,
         )
     except AgentUnavailable as exc:
         if not conn.is_alive():
@@ -114,23 +116,84 @@ async def start_executor(conn: Connection, target: Target) -> AgentConnection:
     return agent
 
 
+# exec_mode "auto": after a connection whose executor did not start, the host pool's next
+# connections skip it for this long (then try again: a host may gain a python3), so a python3
+# that hangs costs one connection in this many seconds its start timeout, not every one.
+AUTO_RETRY = 300.0
+# The outcomes of "auto" already logged, per host (address, port) and mode: once each for the
+# whole process, whatever the accounts, connections and pools (one line per connection would
+# repeat itself for every account of a host without python3).
+announced: set[tuple[str, int, str]] = set()
+
+
 class AgentMode:
-    """A host pool's agent mode: on (Target.exec_mode "agent") until a connection finds no
-    usable python3, then off for good (`error` says why); `exposed`, why its executors could
-    not make themselves undumpable, once seen. Each is logged once."""
+    """A host pool's agent mode, by its Target.exec_mode: "channel", never; "agent", on until a
+    connection finds no usable python3, then off for good; "auto", tried on each new connection
+    where a connection has a channel to spare beside the executor's (max_sessions >= 2): a
+    connection whose executor does not start runs its commands as channels, and the next ones
+    skip the executor for AUTO_RETRY seconds. `error` says why it last failed; `exposed`, why
+    its executors could not make themselves undumpable, once seen. Logged once each ("auto":
+    once per host and outcome, `announced`)."""
 
     def __init__(self, target: Target) -> None:
         self.target = target
-        self.on = target.exec_mode == "agent"
+        self.mode = target.exec_mode
         self.error: str | None = None
         self.exposed: str | None = None
+        self.off = False
+        self.retry_at = 0.0
+
+    @property
+    def on(self) -> bool:
+        """Does the next connection start an executor?"""
+        if self.mode == "agent":
+            return not self.off
+        if self.mode == "auto":
+            return self.target.limits.max_sessions >= 2 and time.monotonic() >= self.retry_at
+        return False
+
+    @property
+    def start_timeout(self) -> float:
+        """How long the executor's start may take: "auto" counts it in the connect, so a
+        python3 that hangs costs a connection connect_timeout at most before it runs as
+        channels (a login slower than that runs as channels too)."""
+        lim = self.target.limits
+        if self.mode == "auto":
+            return min(lim.agent_start_timeout, lim.connect_timeout)
+        return lim.agent_start_timeout
+
+    def announce(self, mode: str, level: int, message: str, *args: object) -> None:
+        key = (self.target.host, self.target.port, mode)
+        if key not in announced:
+            announced.add(key)
+            log.log(level, message, *args)
 
     def unavailable(self, exc: AgentUnavailable) -> None:
-        if self.on:
-            self.on, self.error = False, str(exc)
+        self.error = str(exc)[:500]
+        if self.mode == "auto":
+            self.retry_at = time.monotonic() + AUTO_RETRY
+            self.announce(
+                "channel",
+                logging.WARNING,
+                "%s: exec_mode auto: %s; connections whose executor does not start run their "
+                "commands as channels (an account's next connections try again after %d s)",
+                self.target,
+                self.error,
+                AUTO_RETRY,
+            )
+        elif not self.off:
+            self.off = True
             log.warning("%s: %s; this host's commands run as channels instead", self.target, exc)
 
     def started(self, agent: AgentConnection) -> None:
+        if self.mode == "auto":
+            self.announce(
+                "agent",
+                logging.INFO,
+                "%s: exec_mode auto: agent mode (python %s answered)",
+                self.target,
+                str(agent.hello.get("python", "?"))[:20],
+            )
         exposed = agent.hello.get("exposed")
         if exposed and self.exposed is None:
             self.exposed = str(exposed)[:300]
@@ -148,20 +211,32 @@ async def connect(
     agent: AgentMode,
     wanted: Callable[[], bool],
     counters: Counter[str],
-) -> tuple[Connection, int]:
-    """One new connection to `target` and the commands it may run at once: the handshake
+) -> tuple[Connection, int, Stages]:
+    """One new connection to `target`, the commands it may run at once, and the stamps of its
+    stages (`sshpool.tracing.Stages`: the commands that waited for it trace them): the handshake
     (`handshake`, retried while `wanted()`), then, while `agent` is on, its executor
-    (`start_executor`, counted in `counters["agents_started"]`). A host without a usable
-    python3 turns `agent` off and gives the connection as it is, for channels; a connection
-    lost meanwhile is a failed connect."""
-    conn = await handshake(backend, target, wanted, counters)
-    if not agent.on:
-        return conn, target.limits.max_sessions
+    (`start_executor`, counted in `counters["agents_started"]`). A connection whose
+    executor does not start (no usable python3) is given as it is, for channels, and tells
+    `agent` (`AgentMode.unavailable`); a connection lost meanwhile is a failed connect. A
+    failed connect's error carries its stamps (`stages`)."""
+    stamps = Stages()
     try:
-        executor = await start_executor(conn, target)
-    except AgentUnavailable as exc:
-        agent.unavailable(exc)
-        return conn, target.limits.max_sessions
-    agent.started(executor)
-    counters["agents_started"] += 1
-    return executor, target.limits.agent_max_commands
+        with stamping(stamps):
+            conn = await handshake(backend, target, wanted, counters)
+        if not agent.on:
+            return conn, target.limits.max_sessions, stamps
+        began = time.time_ns()
+        try:
+            executor = await start_executor(conn, target, agent.start_timeout)
+        except AgentUnavailable as exc:
+            agent.unavailable(exc)
+            return conn, target.limits.max_sessions, stamps
+        stamps.mark("executor_start", began)
+        agent.started(executor)
+        counters["agents_started"] += 1
+        return executor, target.limits.agent_max_commands, stamps
+    except SSHPoolError as exc:
+        exc.stages = stamps
+        raise
+    finally:
+        stamps.end = time.time_ns()

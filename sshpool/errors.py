@@ -31,7 +31,7 @@ RemoteFileError family to 404, 403, 507, 501 and 409.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from sshpool.command import CommandResult
@@ -39,6 +39,10 @@ if TYPE_CHECKING:
 
 class SSHPoolError(Exception):
     """Base class of every error sshpool raises."""
+
+    # A failed connect's stamps (a `sshpool.tracing.Stages`, set by sshpool.connect): the
+    # commands it fails trace its handshake. Typed loosely: tracing imports this module.
+    stages: Any = None
 
 
 class PoolTimeout(SSHPoolError):

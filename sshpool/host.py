@@ -25,6 +25,7 @@ from sshpool.backends.base import SFTPSession
 from sshpool.breaker import Breaker
 from sshpool.budget import Sshd
 from sshpool.connect import AgentMode, connect, log_connect_failure
+from sshpool.durations import Durations
 from sshpool.errors import (
     AuthenticationFailed,
     ChannelRefused,
@@ -39,12 +40,11 @@ from sshpool.errors import (
 )
 from sshpool.lease import Lease, PooledConn, kill_group, retried
 from sshpool.target import Target
+from sshpool.tracing import waiting
 from sshpool.waiters import Waiters
 
 log = logging.getLogger("sshpool")
 
-# After this many clean channel opens since the last refusal, a shrunk capacity grows back by one.
-REGROW_AFTER = 100
 # How long the kill of a timed-out or cancelled command may take, all attempts included.
 KILL_TIMEOUT = 5.0
 
@@ -82,9 +82,11 @@ class HostPool:
         self.penalties = sshd.penalties
         self.trusted = False
         self.counters: Counter[str] = Counter()
+        # Connections made (handshakes that succeeded), slots waited for (timed out ones too).
+        self.create_time, self.wait_time = Durations(), Durations()
         self.tasks: set[asyncio.Task[Any]] = set()
         self.loop = asyncio.get_running_loop()
-        # Agent mode until a connection finds no usable python3 (then channels, for good).
+        # Whether new connections start an executor (Target.exec_mode; `AgentMode`).
         self.agent = AgentMode(target)
         # A drained login node (sshpool.cluster): no new lease, no new connection.
         self.retired = False
@@ -255,17 +257,6 @@ class HostPool:
             self.counters["connections_lost"] += 1
         self._discard(c)
 
-    def _regrow(self, c: PooledConn) -> None:
-        """A clean channel open: after REGROW_AFTER of them a shrunk connection grows by one."""
-        c.clean_opens += 1
-        if c.clean_opens >= REGROW_AFTER:
-            if c.capacity < c.ceiling:
-                c.capacity += 1
-                c.clean_opens = 0
-            if c.sftp_capacity is not None and c.sftp_capacity < (c.sftp_ceiling or 0):
-                c.sftp_capacity += 1
-                c.clean_opens = 0
-
     def _fail_waiters(self, exc: SSHPoolError) -> None:
         self.sftp_waiters.clear()
         while self.waiters:
@@ -298,7 +289,7 @@ class HostPool:
         """Open one connection (the caller counted it in `connecting`); returns the error."""
         start = time.perf_counter()
         try:
-            conn, slots = await connect(
+            conn, slots, stages = await connect(
                 self.backend, self.target, self.agent, self._wanted, self.counters
             )
         except SSHPoolError as exc:
@@ -332,7 +323,8 @@ class HostPool:
         self.trusted = True
         # Beside an executor's channel, the SFTP sessions' (at least one: see ssh_budget).
         sftp = max(1, self.limits.max_sessions - 1) if isinstance(conn, AgentConnection) else None
-        self.conns.append(PooledConn(conn, slots, now, time.perf_counter() - start, sftp))
+        self.create_time.observe(took := time.perf_counter() - start)
+        self.conns.append(PooledConn(conn, slots, now, took, sftp, stages))
         self._connected(None)
         return None
 
@@ -363,6 +355,7 @@ class HostPool:
             c = self._pick(sftp)
             if c is not None:
                 self._lease(c, sftp)
+                self.wait_time.observe(0.0)
                 return c
         now = self.loop.time()
         if self.breaker.is_open(now) and not any(c.conn.is_alive() for c in self.conns):
@@ -381,6 +374,7 @@ class HostPool:
             async with asyncio.timeout_at(deadline):
                 # Shielded: on timeout or cancel we decide what happens to the waiter below.
                 c = await asyncio.shield(fut)
+            self.wait_time.observe(self.loop.time() - now)
         except BaseException as exc:
             self.sftp_waiters.discard(fut)
             if not fut.done():
@@ -393,6 +387,7 @@ class HostPool:
                     self._end_sftp(fut.result())
                 self._release(fut.result())
             if isinstance(exc, TimeoutError):
+                self.wait_time.observe(self.loop.time() - now)
                 self.counters["timeouts_queue"] += 1
                 raise PoolTimeout(f"{self.target}: no channel free before the deadline") from None
             raise
@@ -417,7 +412,8 @@ class HostPool:
         - TimeoutError (the command's timeout): the remote group is killed, then released;
         - cancelled: killed and released in the background, so the caller returns at once.
         """
-        lease = Lease(await self.acquire(deadline, tenant, gated=gated), since)
+        acquiring = self.acquire(deadline, tenant, gated=gated)  # traced: sshpool.tracing
+        lease = Lease(await waiting(acquiring, self.target, self.backend.name), since)
         c = lease.conn
         try:
             yield lease
@@ -437,7 +433,7 @@ class HostPool:
         if not c.served:
             c.served = True
             self.breaker.served()
-        self._regrow(c)
+        c.regrow()
         self._release(c)
 
     async def _kill(self, c: PooledConn, pgid: int | None) -> None:
@@ -486,7 +482,8 @@ class HostPool:
     ) -> tuple[PooledConn, SFTPSession]:
         """One try of `open_sftp`: the slot goes as a command's does when its channel fails
         (`_failed`)."""
-        c = await self.acquire(deadline, tenant, sftp=True)
+        acquiring = self.acquire(deadline, tenant, sftp=True)
+        c = await waiting(acquiring, self.target, self.backend.name)
         try:
             session = await c.conn.sftp()
         except RemoteFileError:
@@ -496,7 +493,7 @@ class HostPool:
         except BaseException as exc:
             self._failed(c, exc, sftp=True)
             raise
-        self._regrow(c)
+        c.regrow()
         self.counters["sftp_sessions"] += 1
         c.leases += 1
         return c, session
@@ -578,9 +575,16 @@ class HostPool:
         return {
             "target": str(self.target),
             "backend": self.backend.name,
+            # The mode the next connection takes, and the live connections' own (exec_mode
+            # "auto" decides per connection).
             "exec_mode": "agent" if self.agent.on else "channel",
+            "connections_by_mode": {
+                "agent": sum(1 for c in live if isinstance(c.conn, AgentConnection)),
+                "channel": sum(1 for c in live if not isinstance(c.conn, AgentConnection)),
+            },
             "agent_error": self.agent.error,
             "connections": len(live),
+            "connections_used": sum(1 for c in live if c.in_use),
             "channels_in_use": sum(c.in_use for c in self.conns),
             "capacity": sum(c.capacity for c in live if not c.expired),
             "waiters": sum(1 for f in self.waiters if not f.done()),

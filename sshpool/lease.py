@@ -29,6 +29,7 @@ from sshpool.command import (
 )
 from sshpool.errors import ChannelRefused, ConnectionLost
 from sshpool.target import Target
+from sshpool.tracing import Stages, exec_spans, recording
 
 log = logging.getLogger("sshpool")
 
@@ -36,6 +37,8 @@ T = TypeVar("T")
 
 # A lease refused this many times in a row gives up (sshd refuses even a lone channel).
 MAX_REFUSALS = 20
+# After this many clean channel opens since the last refusal, a shrunk capacity grows back by one.
+REGROW_AFTER = 100
 
 
 # Each pooled connection's ident, unique in the process (never reused, unlike id()).
@@ -63,6 +66,7 @@ class PooledConn:
         "sftp",
         "sftp_capacity",
         "sftp_ceiling",
+        "stages",
     )
 
     def __init__(
@@ -72,8 +76,11 @@ class PooledConn:
         now: float,
         connect_time: float,
         sftp_capacity: int | None = None,
+        stages: Stages | None = None,
     ) -> None:
         self.conn = conn
+        # Its handshake's stamps: the first lease traces them (sshpool.tracing).
+        self.stages = stages
         # Names it to other processes sharing its sshd (`sshpool.budget.Sshd.lend`).
         self.ident = next(_idents)
         self.capacity = capacity
@@ -97,6 +104,18 @@ class PooledConn:
         self.served = False
         # Something printed before our marker line (warned once per connection).
         self.noisy_login = False
+
+    def regrow(self) -> None:
+        """A clean channel open: after REGROW_AFTER of them a shrunk connection grows by one
+        (called by the host pool, whose state this is, in its synchronous steps)."""
+        self.clean_opens += 1
+        if self.clean_opens >= REGROW_AFTER:
+            if self.capacity < self.ceiling:
+                self.capacity += 1
+                self.clean_opens = 0
+            if self.sftp_capacity is not None and self.sftp_capacity < (self.sftp_ceiling or 0):
+                self.sftp_capacity += 1
+                self.clean_opens = 0
 
     def has_room(self, sftp: bool = False) -> bool:
         if sftp and self.sftp_capacity is not None and self.sftp >= self.sftp_capacity:
@@ -141,17 +160,38 @@ class Lease:
         executor (agent mode) argv starts with no shell; anything else goes through the login
         shell behind the marker line (module docstring of sshpool.command)."""
 
+        # Traced (inside a recording span): its open, run and first output byte become spans
+        # once it ends (`sshpool.tracing.exec_spans`); untraced, none of this is stamped.
+        traced = recording()
+        t_exec = time.time_ns() if traced else 0
+        stamps: dict[str, int] = {}
+
         def started() -> None:
             self.t_started = time.perf_counter()
+            if traced:
+                stamps["started"] = time.time_ns()
             if on_started is not None and out.pgid is not None:
                 on_started(out.pgid)
+
+        if traced:
+            forward = on_output
+
+            def first_byte(stream: OutputStream, chunk: bytes) -> None:
+                if "first" not in stamps:
+                    stamps["first"] = time.time_ns()
+                if forward is not None:
+                    forward(stream, chunk)
+
+            on_output = first_byte
 
         on_out = on_err = None
         if on_output is not None:
             on_out = functools.partial(on_output, "stdout")
             on_err = functools.partial(on_output, "stderr")
         conn = self.conn.conn
-        if isinstance(conn, AgentConnection) and not isinstance(command, str):
+        agent = isinstance(conn, AgentConnection) and not isinstance(command, str)
+        if agent:
+            assert isinstance(conn, AgentConnection) and not isinstance(command, str)
             out = self.out = Capture(max_output, on_data=on_out)
             self.err = Capture(max_output, on_data=on_err)
 
@@ -166,13 +206,24 @@ class Lease:
             out = self.out = Capture(max_output, marker=marker, on_start=started, on_data=on_out)
             self.err = Capture(max_output, on_data=on_err)
             run = conn.exec(wrap(line, marker), stdin, out, self.err)
+        error: BaseException | None = None
+        end: Exit | None = None
         try:
-            return await run
+            end = await run
+            return end
         except ConnectionLost as exc:
             exc.started = exc.started or out.pgid is not None
             exc.remote_pgid = out.pgid
+            error = exc
+            raise
+        except BaseException as exc:
+            error = exc
             raise
         finally:
+            if traced:
+                status = None if end is None else end.status
+                first = stamps.get("first")
+                exec_spans(agent, t_exec, stamps.get("started"), first, status, error)
             if out.preamble and not self.conn.noisy_login:
                 # A login script or ~/.ssh/rc printed before the command: not its output, but
                 # the operator should know (once per connection).

@@ -61,6 +61,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequence
 from typing import Any, cast
 
+from sshpool import tracing
 from sshpool.backends import Backend, load_backend
 from sshpool.backends.base import SFTPSession
 from sshpool.breaker import Penalties
@@ -346,7 +347,8 @@ class Pool:
             if node not in target.nodes:
                 raise ValueError(f"{target}: kill on a cluster needs one of its nodes")
             target = target.node_target(node)
-        await (await self._host(target)).kill(pgid)
+        with tracing.span("ssh.kill", target):
+            await (await self._host(target)).kill(pgid)
 
     async def discard(self, target: Target) -> int:
         """Close `target`'s connections now, with whatever still runs on them (the API revokes
@@ -390,6 +392,19 @@ class Pool:
         """Per target: connections, channels in use, waiters, handshakes in flight, counters.
         Keyed by the Target itself: two targets that differ only in key or limits stay apart."""
         return {t: h.stats() for t, h in self._hosts.items()}
+
+    def durations(self) -> dict[Target, dict[str, Any]]:
+        """Per target: `create_time` (seconds each connection took to make) and `wait_time`
+        (seconds each caller waited for a slot), as `sshpool.durations.Durations` (bucket
+        counts, their sum and number, since the pool began), and its `max_connections`."""
+        return {
+            t: {
+                "create_time": h.create_time,
+                "wait_time": h.wait_time,
+                "max_connections": h.limits.max_connections,
+            }
+            for t, h in self._hosts.items()
+        }
 
     def sshd_stats(self) -> dict[str, dict[str, Any]]:
         """Per sshd (``address:port``, shared by every account reaching it): connections busy,

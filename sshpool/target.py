@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from sshpool import tracing
 from sshpool.certificates import Credentials, UserCA
 
-# How commands reach the host: a session channel each ("channel"), or one resident executor
-# per connection that runs them all ("agent", sshpool.agent; docs/pool.md).
-ExecMode = Literal["channel", "agent"]
+# How commands reach the host: a session channel each ("channel"), one resident executor per
+# connection that runs them all ("agent", sshpool.agent; docs/pool.md), or the executor on each
+# connection where the host's python3 answers and channels on the others ("auto": the API's
+# default; a program using sshpool opts in, Target's default stays "channel").
+ExecMode = Literal["channel", "agent", "auto"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +138,12 @@ class Target:
         client_keys). Called by the backends at each connect, never kept."""
         if self.ca is None:
             return None
-        return self.ca.mint(self.username, self.identity or self.username)
+        began = time.time_ns()
+        creds = self.ca.mint(self.username, self.identity or self.username)
+        stages = tracing.stages()
+        if stages is not None:
+            stages.mark("certificate", began)
+        return creds
 
     def __str__(self) -> str:
         where = f"{self.username}@{self.host}:{self.port}"

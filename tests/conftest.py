@@ -14,6 +14,11 @@ from __future__ import annotations
 
 import itertools
 import os
+
+# Parallel workers (pytest-xdist, `make test`) each get their own rig account before sshpool.devhost
+# reads it: tests plant files in that account's home, which two workers must not share.
+if (_worker := os.environ.get("PYTEST_XDIST_WORKER", "gw0")) != "gw0":
+    os.environ.setdefault("SSHPOOL_DEVHOST_ACCOUNT", f"sshapi-hpc-{_worker}")
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any

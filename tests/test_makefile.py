@@ -52,6 +52,7 @@ RECIPES: dict[str, dict[str, dict[str, str]]] = {
         "chromium-driver": {"CHROMEDRIVER_BIN": "chromedriver"},
     },
     "node": {"nodejs": {"NODE_BIN": "node"}, "npm": {"NPM_BIN": "npm"}},
+    "prometheus": {"prometheus": {"PROMETHEUS_BIN": "prometheus", "PROMTOOL_BIN": "promtool"}},
     "slurm": {
         package: {
             f"SLURM_{program}": program for program, p in SLURM_BINARIES.items() if p == package
@@ -67,7 +68,11 @@ RECIPES: dict[str, dict[str, dict[str, str]]] = {
 REAL_PG_BIN = services.pg_bin_dir(None)
 LINKS = {"pgbin": str(REAL_PG_BIN), "redis-server": services.REDIS_SERVER}
 # Variables the recipe must pass to apt-get install beyond DEBIAN_FRONTEND.
-EXTRA_ENV = {"deploy-tools": {"RUNLEVEL": "1"}, "services": {"RUNLEVEL": "1"}}
+EXTRA_ENV = {
+    "deploy-tools": {"RUNLEVEL": "1"},
+    "services": {"RUNLEVEL": "1"},
+    "prometheus": {"RUNLEVEL": "1"},
+}
 
 FAKE_APT = """\
 #!{python}
@@ -133,10 +138,12 @@ def make(
     for packages in RECIPES.values():
         for programs in packages.values():
             variables |= {var: str(installed / prog) for var, prog in programs.items()}
-    # The venv that runs this test, and a stamp newer than pyproject.toml: no venv rebuild.
-    stamp = tmp / "stamp"
+    # The venv that runs this test, and stamps newer than pyproject.toml: no venv rebuild.
+    run_stamp, stamp = tmp / "run-stamp", tmp / "stamp"
+    run_stamp.touch()
     stamp.touch()
     variables |= {"VENV": str(Path(sys.executable).parent.parent), "STAMP": str(stamp)}
+    variables["RUN_STAMP"] = str(run_stamp)
     # The test run's own servers on free ports, their files beside the fakes.
     variables |= json.loads((tmp / "services.json").read_text())
     variables["PG_ETC"] = str(installed / "pgetc")
@@ -404,3 +411,84 @@ def test_openssh10_without_apt_get_says_why_and_succeeds(fakes: Path) -> None:
     done = make("openssh10", fakes, "", env_extra=extra)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "not found" in done.stderr and not (fakes / "o10" / "root").exists()
+
+
+# A `pip` for a scratch venv: records each call, prints what pip prints while it fetches and
+# installs (12 packages), exits FAKE_PIP_EXIT.
+FAKE_PIP = """\
+import json, os, sys
+with open({log!r}, "a") as f:
+    f.write(json.dumps(sys.argv[1:]) + "\\n")
+if "--upgrade" not in sys.argv:
+    for n in range(12):
+        print(f"Collecting package{{n}}>=1.0 (from sshapi==0.1.0)")
+        print("  Using cached package.whl (10 kB)")
+    print("Installing collected packages: " + ", ".join(f"package{{n}}" for n in range(12)))
+    print("Successfully installed ...")
+sys.exit(int(os.environ.get("FAKE_PIP_EXIT", "0")))
+"""
+
+
+@pytest.fixture
+def scratch_venv(tmp_path: Path) -> Path:
+    """A venv whose pip is FAKE_PIP (no package is installed for real)."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    (site,) = venv.glob("lib/python*/site-packages")
+    (site / "pip").mkdir()
+    (site / "pip" / "__init__.py").write_text("")
+    (site / "pip" / "__main__.py").write_text(FAKE_PIP.format(log=str(tmp_path / "pip.log")))
+    return venv
+
+
+def make_stamp(venv: Path, stamp: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["make", "--no-print-directory", "-C", str(ROOT), f"VENV={venv}", str(venv / stamp)],
+        env={**os.environ, **env}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def pip_calls(venv: Path) -> list[list[str]]:
+    log = venv.parent / "pip.log"
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def test_make_run_installs_the_server_alone_with_progress(scratch_venv: Path) -> None:
+    """`make run`'s stamp installs the `server` extra only, printing what it does and a
+    progress line as pip fetches; the test stamp then adds the test extras without installing
+    the server again; neither installs twice."""
+    done = make_stamp(scratch_venv, ".installed-run-stamp")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert pip_calls(scratch_venv) == [
+        ["install", "--progress-bar", "off", "--no-compile", "-e", ".[server]"]
+    ]
+    out = done.stdout
+    assert "installing the server into" in out
+    assert "server: 10 packages fetched (package9)" in out, out
+    assert "server: 12 fetched, installing 12" in out
+    assert "server: done in" in out
+    assert (scratch_venv / ".installed-run-stamp").exists()
+
+    done = make_stamp(scratch_venv, ".installed-stamp")
+    assert done.returncode == 0, done.stdout + done.stderr
+    calls = pip_calls(scratch_venv)[1:]
+    assert calls == [
+        ["install", "-q", "--upgrade", "pip"],
+        ["install", "--progress-bar", "off", "-e", ".[server,dev,paramiko,ssh2,loadtests]"],
+    ]
+    assert "tests: 12 fetched, installing 12" in done.stdout
+
+    for stamp in (".installed-run-stamp", ".installed-stamp"):
+        again = make_stamp(scratch_venv, stamp)
+        assert again.returncode == 0, again.stdout + again.stderr
+    assert len(pip_calls(scratch_venv)) == 3, "installed again"
+
+
+def test_make_run_install_failure_shows_pips_output(scratch_venv: Path) -> None:
+    """pip failing stops make, with pip's own output (the progress line alone hides why), and
+    leaves no stamp, so the next `make run` tries again."""
+    done = make_stamp(scratch_venv, ".installed-run-stamp", FAKE_PIP_EXIT="1")
+    assert done.returncode != 0
+    assert "Using cached package.whl" in done.stdout
+    assert "server: pip failed (exit 1)" in done.stdout
+    assert not (scratch_venv / ".installed-run-stamp").exists()

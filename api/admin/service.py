@@ -221,8 +221,14 @@ class AdminService:
         if not details:  # a node's name is a host name too, a pool's sshd its address
             nodes = [{"state": n["state"]} for n in nodes]
             pools = [{k: v for k, v in p.items() if k != "sshd"} for p in pools]
+        modes = {"agent": 0, "channel": 0}
+        for p in pools:
+            for mode, n in p.get("connections_by_mode", {}).items():
+                modes[mode] = modes.get(mode, 0) + n
         return HostInfo(
             name=name,
+            exec_mode=host.exec_mode,
+            connections_by_mode=modes,
             hostname=host.name_shown if details else None,
             port=host.port if details else None,
             description=host.description,

@@ -167,6 +167,25 @@ class AsyncClient(_Base):
         """The hosts you may use (`name`, `health`, `shell`, `description`, ...)."""
         return read_answer(await self.request("GET", "/v1/hosts"), objects)
 
+    async def add_webhook(self, url: str, events: Sequence[str]) -> dict[str, Any]:
+        """POST /v1/webhooks: have your jobs' state changes (`job.succeeded`, `job.failed`,
+        `job.running`, ...) POSTed to `url`, signed (docs/portals.md). The answer's `secret`
+        (`whsec_...`) is shown this once: keep it to verify the deliveries."""
+        body = {"url": url, "events": list(events)}
+        return read_answer(await self.request("POST", "/v1/webhooks", json=body), an_object)
+
+    async def webhooks(self) -> list[dict[str, Any]]:
+        """Your webhooks, each with `delivered`, `failed`, `pending` and `last_delivery`."""
+        response = await self.request("GET", "/v1/webhooks")
+        return read_answer(response, lambda body: objects(an_object(body)["items"]))
+
+    async def webhook(self, webhook_id: str) -> dict[str, Any]:
+        return read_answer(await self.request("GET", f"/v1/webhooks/{webhook_id}"), an_object)
+
+    async def remove_webhook(self, webhook_id: str) -> None:
+        """DELETE /v1/webhooks/{id}: no more deliveries, the pending ones dropped."""
+        await self.request("DELETE", f"/v1/webhooks/{webhook_id}")
+
     async def get(self, job_id: str) -> Job:
         response = await self.request("GET", f"/v1/jobs/{job_id}")
         return read_answer(response, a_job)

@@ -162,6 +162,25 @@ class Client(_Base):
         """The hosts you may use (`name`, `health`, `shell`, `description`, ...)."""
         return read_answer(self.request("GET", "/v1/hosts"), objects)
 
+    def add_webhook(self, url: str, events: Sequence[str]) -> dict[str, Any]:
+        """POST /v1/webhooks: have your jobs' state changes (`job.succeeded`, `job.failed`,
+        `job.running`, ...) POSTed to `url`, signed (docs/portals.md). The answer's `secret`
+        (`whsec_...`) is shown this once: keep it to verify the deliveries."""
+        body = {"url": url, "events": list(events)}
+        return read_answer(self.request("POST", "/v1/webhooks", json=body), an_object)
+
+    def webhooks(self) -> list[dict[str, Any]]:
+        """Your webhooks, each with `delivered`, `failed`, `pending` and `last_delivery`."""
+        response = self.request("GET", "/v1/webhooks")
+        return read_answer(response, lambda body: objects(an_object(body)["items"]))
+
+    def webhook(self, webhook_id: str) -> dict[str, Any]:
+        return read_answer(self.request("GET", f"/v1/webhooks/{webhook_id}"), an_object)
+
+    def remove_webhook(self, webhook_id: str) -> None:
+        """DELETE /v1/webhooks/{id}: no more deliveries, the pending ones dropped."""
+        self.request("DELETE", f"/v1/webhooks/{webhook_id}")
+
     def get(self, job_id: str) -> Job:
         response = self.request("GET", f"/v1/jobs/{job_id}")
         return read_answer(response, a_job)

@@ -4,6 +4,7 @@
     sshapi jobs list|show|cancel|logs
     sshapi batch submit SCRIPT
     sshapi files ls|get|put|mkdir|rm  files on a host (docs/files.md; api/client/files_cli.py)
+    sshapi webhooks add|list|rm       job state changes POSTed to a URL (docs/portals.md)
     sshapi login|logout|whoami        sign in through the identity provider (docs/login.md)
 
 The server and token come from SSHAPI_URL / SSHAPI_TOKEN or a profile of the client
@@ -31,6 +32,7 @@ import typer
 
 from api.client.files_cli import files_app
 from api.client.terminal import ERROR_EXIT, AsJson, Profile, client, say
+from api.client.webhooks_cli import webhooks_app
 
 # The client (httpx, pydantic) and rich load when a command runs, not when `sshapi` starts:
 # `sshapi --help` and the server's commands never need them (api/cli.py).
@@ -438,3 +440,4 @@ def register(app: typer.Typer, hosts_app: typer.Typer) -> None:
     app.add_typer(jobs_app, name="jobs")
     app.add_typer(batch_app, name="batch")
     app.add_typer(files_app, name="files")
+    app.add_typer(webhooks_app, name="webhooks")

@@ -14,6 +14,7 @@ import uuid
 from collections.abc import AsyncIterable, AsyncIterator
 from fnmatch import fnmatchcase
 
+from api import tracing
 from api.accounts import AccountLookups
 from api.auth import Principal
 from api.config import Config
@@ -122,8 +123,12 @@ class FileService:
             ) from None
         gauge = self.metrics.file_transfers.labels(direction)
         gauge.inc()
+        target = grant.target
+        where: dict[str, str | int] = {"server.address": target.host, "server.port": target.port}
         try:
-            yield
+            # Traced as its direction and host: never the file's path or contents.
+            with tracing.detached(f"sftp {direction}", where):
+                yield
         finally:
             gauge.dec()
             await self.quota.leave(who.key, tid, space="transfers")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+from api import tracing
 from api.auth import Principal
 from api.jobs.batch import BatchJobs, owner_of
 from api.jobs.runner import CANCEL_WAIT, Runner
@@ -45,8 +46,15 @@ class Cancels:
     """The cancels in progress in this process."""
 
     def __init__(
-        self, policy: Policy, store: Store, pool: Pool, runner: Runner, batch: BatchJobs
+        self,
+        policy: Policy,
+        store: Store,
+        pool: Pool,
+        runner: Runner,
+        batch: BatchJobs,
+        replica: str = "",
     ) -> None:
+        self.replica = replica
         self.policy = policy
         self.store = store
         self.pool = pool
@@ -71,6 +79,14 @@ class Cancels:
         self._cancels = {k: t for k, t in self._cancels.items() if t is not task}
 
     async def _cancel(self, who: Principal, row: JobRow) -> JobRow:
+        """The cancel, traced as `job cancel` in the job's own trace (whichever replica runs
+        it: the row keeps the job's span context), linked to the DELETE's span."""
+        with tracing.in_job(row.traceparent, "job cancel", row.id) as span:
+            if span is not None:
+                span.set_attribute("sshapi.replica", self.replica)
+            return await self._cancel_here_or_elsewhere(who, row)
+
+    async def _cancel_here_or_elsewhere(self, who: Principal, row: JobRow) -> JobRow:
         if row.state in FINAL:
             raise already_finished(row)
         if row.kind == "batch":

@@ -26,6 +26,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from opentelemetry.trace import Span
+
+from api import tracing
 from api.batchspec import BatchRequest
 from api.jobs.batch import BatchJobs
 from api.live import Feed, LiveHub
@@ -67,6 +70,8 @@ class Running:
     cancel_reason: str | None = None
     # Live output of a command, for followers (api/live/).
     feed: Feed | None = None
+    # The job's span when it is traced (api/tracing.py): ended in `Runner._finish`.
+    span: Span | None = None
 
     def on_started(self, pgid: int) -> None:
         self.pgid = pgid
@@ -117,20 +122,35 @@ class Runner:
 
     # ---- starting
 
-    def _admitted(self, row: JobRow, owner: Identity) -> Running:
-        job = Running(row=row, owner=owner)
+    def _admitted(self, row: JobRow, owner: Identity, span: Span | None) -> Running:
+        job = Running(row=row, owner=owner, span=span)
         self._running[row.id] = job
         self.metrics.jobs_active.labels(row.host).inc()
         return job
 
     def start_batch(
-        self, row: JobRow, owner: Identity, target: Target, request: BatchRequest
+        self,
+        row: JobRow,
+        owner: Identity,
+        target: Target,
+        request: BatchRequest,
+        span: Span | None = None,
     ) -> None:
-        job = self._admitted(row, owner)
-        job.runner = self._tasks.spawn(self._submit_batch(job, target, request), f"batch-{row.id}")
+        job = self._admitted(row, owner, span)
+        with tracing.current_or_none(span):
+            job.runner = self._tasks.spawn(
+                self._submit_batch(job, target, request), f"batch-{row.id}"
+            )
 
-    def start_command(self, row: JobRow, owner: Identity, launch: Launch) -> None:
-        job = self._admitted(row, owner)
+    def start_command(
+        self, row: JobRow, owner: Identity, launch: Launch, span: Span | None = None
+    ) -> None:
+        job = self._admitted(row, owner, span)
+        with tracing.current_or_none(span):
+            self._start_command(job, launch)
+
+    def _start_command(self, job: Running, launch: Launch) -> None:
+        row, owner = job.row, job.owner
         # Both tasks exist before the service answers, so a DELETE right after a 202 can always
         # cancel.
         job.feed = self.live.open_command(row, launch.max_output)
@@ -250,6 +270,8 @@ class Runner:
         if job.feed is not None:
             self.live.close_command(row)
         self.metrics.jobs_active.labels(row.host).dec()
+        if job.span is not None:  # a batch job's ends with its submission (sbatch)
+            tracing.end_job_span(job.span, row.state, row.error_kind, row.exit_status)
         if row.state in FINAL:  # a submitted batch job is counted when the scheduler ends it
             self.metrics.jobs.labels(row.host, row.state).inc()
         for name, ms in (row.timings or {}).items():

@@ -35,6 +35,7 @@ import secrets
 from collections.abc import Awaitable, Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
+from api import tracing
 from api.batchspec import BatchOptions, key_digest, validate_script
 from api.output import MAX_READ, OutputChunk
 from api.states import FINAL, State
@@ -201,16 +202,19 @@ class SlurmClient:
         """`starts`: the command starts the owner's work (sbatch), so the pool's gate is asked
         (a revoked owner's is refused); the others read or end it (squeue, scancel, output)."""
         self.commands += 1
-        return await self.pool.run(
-            self.target,
-            argv,
-            stdin=stdin,
-            timeout=self.timeout,
-            acquire_timeout=self.acquire_timeout,
-            max_output=max_output,
-            tenant=self.tenant,
-            gated=starts,
-        )
+        # Traced as its program alone (sbatch, squeue, scancel...): never its arguments.
+        program = (argv.split(maxsplit=1) or [""])[0] if isinstance(argv, str) else argv[0]
+        with tracing.span(f"slurm {program}", {"sshapi.slurm.program": program}):
+            return await self.pool.run(
+                self.target,
+                argv,
+                stdin=stdin,
+                timeout=self.timeout,
+                acquire_timeout=self.acquire_timeout,
+                max_output=max_output,
+                tenant=self.tenant,
+                gated=starts,
+            )
 
     # ---- submit
 

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 
 from sqlalchemy.exc import IntegrityError
 
+from api import tracing
 from api.accounts import AccountLookups
 from api.auth import Principal
 from api.config import Config, PolicyRule
@@ -70,7 +71,7 @@ class JobService:
             store.get, batch.read_bytes, self.quota, config.api.max_followers, relay
         )
         self.runner = Runner(store, pool, metrics, self.quota, batch, self.live)
-        self.cancels = Cancels(policy, store, pool, self.runner, batch)
+        self.cancels = Cancels(policy, store, pool, self.runner, batch, replica)
 
     def start(self, tasks: Supervisor) -> None:
         """Start what runs for the process's life under `tasks` (the live relay's listener)."""
@@ -141,27 +142,30 @@ class JobService:
     ) -> tuple[JobRow, bool]:
         """Admit and launch a job, or replay the one made with the same idempotency key.
         Returns (job, replayed)."""
-        admission = self.policy.admit(who, body)
-        grant, command, stdin, timeout = (
-            admission.grant,
-            admission.command,
-            admission.stdin,
-            admission.timeout,
-        )
+        with tracing.span("admission", {"sshapi.host": body.host}):
+            admission = self.policy.admit(who, body)
+            grant, command, stdin, timeout = (
+                admission.grant,
+                admission.command,
+                admission.stdin,
+                admission.timeout,
+            )
+            # Only a replay compares bodies: without a key there is nothing to hash (CPU).
+            digest: str | None = None
+            if idempotency_key is not None:
+                digest = request_hash(body)
+                replay = await self._replay(who, idempotency_key, digest)
+                if replay is not None:
+                    return replay, True
+            rule = grant.rule
+            owner = who.key
+            await self.quota.take(owner, rule.rate, rule.burst)
+            await self.accounts.check(grant)  # after the rate token: lookups cost the caller
         api = self.config.api
-        # Only a replay compares bodies: without a key there is nothing to hash (a hash costs CPU).
-        digest: str | None = None
-        if idempotency_key is not None:
-            digest = request_hash(body)
-            replay = await self._replay(who, idempotency_key, digest)
-            if replay is not None:
-                return replay, True
-        rule = grant.rule
-        owner = who.key
-        await self.quota.take(owner, rule.rate, rule.burst)
-        await self.accounts.check(grant)  # after the rate token: lookups cost the caller
         batch = body.batch.model_dump() if body.batch is not None else None
         job_id = new_id()
+        # The job's span (None untraced): ended by the runner once the outcome is recorded.
+        span = tracing.job_span(job_id, "batch" if batch else "command", body.host, self.replica)
         # Counted before the insert so concurrent submissions see it; never active for longer
         # than it can wait for a channel and run, plus a margin for the kill and the store. A
         # batch job counts until final: its entry is renewed while it is tracked
@@ -198,11 +202,14 @@ class JobService:
             request_hash=digest,
             kind="batch" if batch else "command",
             batch=batch,
+            traceparent=tracing.traceparent(span),
         )
         try:
             with stage("store"):
                 await self.store.insert(row)
         except IntegrityError:
+            if span is not None:
+                span.end()  # the replayed job's trace is its own
             await self.quota.leave(owner, job_id)
             # A concurrent request with the same key won the insert: answer as its replay.
             assert idempotency_key is not None and digest is not None
@@ -210,11 +217,14 @@ class JobService:
             if replay is None:
                 raise
             return replay, True
-        except BaseException:
+        except BaseException as exc:
+            if span is not None:
+                tracing.failed(span, exc)
+                span.end()
             await self.quota.leave(owner, job_id)
             raise
         if body.batch is not None:
-            self.runner.start_batch(row, owner, grant.target, body.batch)
+            self.runner.start_batch(row, owner, grant.target, body.batch, span)
         else:
             launch = Launch(
                 grant.target,
@@ -224,7 +234,7 @@ class JobService:
                 acquire_timeout=api.queue_timeout,
                 max_output=rule.max_output,
             )
-            self.runner.start_command(row, owner, launch)
+            self.runner.start_command(row, owner, launch, span)
         return row, False
 
     async def _replay(self, who: Principal, key: str, digest: str) -> JobRow | None:

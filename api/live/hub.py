@@ -76,6 +76,17 @@ class LiveHub:
         self._publishers: dict[str, asyncio.Task[None]] = {}
         self._supervisor: Supervisor | None = None
         self._listener: Child | None = None
+        self.followers = 0  # followers in this process, of any feed (finished jobs' too)
+
+    def stats(self) -> dict[str, int]:
+        """For /metrics: followers, feeds of commands run here, watchers of jobs run
+        elsewhere (or batch jobs), publishers of our commands to other replicas."""
+        return {
+            "followers": self.followers,
+            "commands": len(self._commands),
+            "watchers": len(self._watchers),
+            "publishers": len(self._publishers),
+        }
 
     def start(self, tasks: Supervisor) -> None:
         """With a relay: listen, under `tasks`, for other replicas' interest in our commands."""
@@ -152,9 +163,11 @@ class LiveHub:
                 headers=retry_after(5),
             )
         feed.followers += 1
+        self.followers += 1
         try:
             yield feed
         finally:
+            self.followers -= 1
             feed.followers -= 1
             if feed.followers == 0 and row.id in self._watchers:
                 self._watchers.pop(row.id).cancel()

@@ -39,4 +39,7 @@ async def metrics(
         who = await authenticate(svc, credentials)
         if not who.is_admin:
             raise Problem(403, "insufficient-scope", "Insufficient scope", "metrics need admin")
+    # Redis is checked by the scrape itself: an idle API calls it for nothing, so a loss
+    # would otherwise show only with the next job.
+    svc.metrics.redis_up = await svc.quota.ping()
     return Response(svc.metrics.render(), media_type=CONTENT_TYPE_LATEST)

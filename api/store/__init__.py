@@ -7,18 +7,24 @@ prune`). May import `api.states` and `api.tasks` (the supervisor its writer runs
 nothing else of `api`.
 
 Modules: `schema` (the table and the record), `store` (reads, the write queue), `sqlite` and
-`postgres` (each dialect's writer), `migrate` (the schema's Alembic migrations).
+`postgres` (each dialect's writer), `migrate` (the schema's Alembic migrations), `outbox` (the
+webhook deliveries a state change queues in its own transaction), `webhooks` (the webhooks and
+their outbox, for api/webhooks/).
 """
 
 from api.store import migrate
 from api.store.schema import JOBS, JobRow, Revocation, aware, new_id, utcnow
 from api.store.store import Store, prune
+from api.store.webhooks import Delivery, Webhook, WebhookStore
 
 __all__ = [
     "JOBS",
+    "Delivery",
     "JobRow",
     "Revocation",
     "Store",
+    "Webhook",
+    "WebhookStore",
     "aware",
     "migrate",
     "new_id",

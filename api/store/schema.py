@@ -100,6 +100,9 @@ JOBS = Table(
     # The login node a command started on, on a host with several (`[hosts.X] nodes`): its
     # process group and live output are there.
     Column("node", String(255), nullable=True),
+    # The W3C traceparent of the job's span when it was traced (api/tracing.py): its trace id
+    # is in the job's JSON, and another replica's cancel joins that trace.
+    Column("traceparent", String(55), nullable=True),
     UniqueConstraint("owner_iss", "owner_sub", "idempotency_key", name="sshapi_jobs_idem"),
     Index("sshapi_jobs_owner", "owner_iss", "owner_sub", "id"),
     Index("sshapi_jobs_replica_state", "replica", "state"),
@@ -151,6 +154,56 @@ NODE_DRAINS = Table(
 )
 
 
+# Webhooks (api/webhooks/): where an identity's job state changes are POSTed, signed with the
+# webhook's secret (kept: every delivery is signed with it). The last delivery's outcome and the
+# count of deliveries given up are kept on the row, for GET /v1/webhooks/{id}.
+WEBHOOKS = Table(
+    "sshapi_webhooks",
+    METADATA,
+    Column("id", String(36), primary_key=True),
+    Column("owner_iss", String(512), nullable=False),
+    Column("owner_sub", String(512), nullable=False),
+    Column("url", String(2048), nullable=False),
+    # ",job.succeeded,job.failed,": one LIKE '%,<type>,%' selects the webhooks of an event in
+    # SQLite and PostgreSQL alike, inside the state change's own transaction.
+    Column("events", String(512), nullable=False),
+    Column("secret", String(128), nullable=False),
+    Column("created_at", DateTime(timezone=True), nullable=False),
+    Column("last_attempt_at", Float, nullable=True),  # Unix seconds
+    Column("last_status", Integer, nullable=True),  # the receiver's HTTP status, if it answered
+    Column("last_error", String(512), nullable=True),
+    Column("delivered", Integer, nullable=False, default=0),
+    Column("failed", Integer, nullable=False, default=0),  # deliveries given up
+    Index("sshapi_webhooks_owner", "owner_iss", "owner_sub"),
+)
+
+# The outbox: one row per (event, webhook), inserted in the transaction that changed the job's
+# state; any replica delivers it under a lease (`lease_until`, `lease_by`). Times are Unix
+# seconds (Float): compared in SQL on both dialects without conversions.
+WEBHOOK_DELIVERIES = Table(
+    "sshapi_webhook_deliveries",
+    METADATA,
+    Column("id", String(80), primary_key=True),  # "<event id>:<webhook id>"
+    Column("event_id", String(36), nullable=False),  # the `webhook-id` header
+    Column("webhook_id", String(36), nullable=False),
+    Column("owner_iss", String(512), nullable=False),
+    Column("owner_sub", String(512), nullable=False),
+    Column("job_id", String(36), nullable=False),
+    Column("type", String(32), nullable=False),
+    Column("created_at", Float, nullable=False),
+    Column("next_at", Float, nullable=False),
+    Column("attempts", Integer, nullable=False, default=0),
+    # pending -> delivered | failed (given up after the retry window)
+    Column("status", String(16), nullable=False),
+    Column("lease_until", Float, nullable=True),
+    Column("lease_by", String(255), nullable=True),
+    Column("last_status", Integer, nullable=True),
+    Column("last_error", String(512), nullable=True),
+    Index("sshapi_webhook_deliveries_due", "status", "next_at"),
+    Index("sshapi_webhook_deliveries_webhook", "webhook_id"),
+)
+
+
 @dataclass(slots=True, kw_only=True)
 class JobRow:
     """One job as the service holds it: a row of JOBS as a plain record. Not an ORM-mapped
@@ -196,6 +249,7 @@ class JobRow:
     pgid: int | None = None
     cancel_requested: str | None = None
     node: str | None = None
+    traceparent: str | None = None
 
 
 FIELDS = tuple(c.key for c in JOBS.columns)

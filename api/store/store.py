@@ -21,6 +21,8 @@ import asyncio
 import contextlib
 import logging
 import sqlite3
+import time
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -43,8 +45,9 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.sql.expression import ClauseElement
 
+from api import tracing
 from api.states import ACTIVE, FINAL
-from api.store import migrate
+from api.store import migrate, outbox
 from api.store.postgres import PgWriter, output_bytes
 from api.store.schema import (
     FIELDS,
@@ -52,6 +55,7 @@ from api.store.schema import (
     LISTED,
     NODE_DRAINS,
     REVOCATIONS,
+    WEBHOOK_DELIVERIES,
     JobRow,
     Revocation,
     Write,
@@ -84,6 +88,15 @@ class Store:
         self._sql = Sql()
         # PostgreSQL only: the writer's own asyncpg connection.
         self._pg: PgWriter | None = None
+        # For /metrics (`write_stats`): a queue that grows says the database is slower than
+        # the writes coming in.
+        self._pending = 0
+        self._commits = 0
+        self._committed = 0
+        self._commit_seconds = 0.0
+        # Called after a committed state change that may have queued webhook deliveries (the
+        # deliverer's wake-up, api/webhooks/deliver.py): without it they wait for its poll.
+        self.on_event: list[Callable[[], None]] = []
 
     @property
     def dialect(self) -> str:
@@ -132,6 +145,11 @@ class Store:
             await self._engine.dispose()
             self._engine = None
 
+    @property
+    def engine(self) -> AsyncEngine:
+        """For the store's other tables' modules (api/store/webhooks.py)."""
+        return self._started()
+
     def _started(self) -> AsyncEngine:
         """The engine, for reads and the rare statements outside the writer (mark_lost)."""
         if self._engine is None:
@@ -157,13 +175,25 @@ class Store:
             raise RuntimeError("store not started, or its writer is gone")
         done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._writes.put_nowait((write, size, done))
+        self._pending += 1
         return await done
+
+    def write_stats(self) -> dict[str, float]:
+        """Writes accepted and not yet committed (waiting or in the transaction under way),
+        transactions and writes committed, and the seconds those transactions took."""
+        return {
+            "pending": self._pending,
+            "commits": self._commits,
+            "writes": self._committed,
+            "commit_seconds": self._commit_seconds,
+        }
 
     async def _write_loop(self) -> None:
         while True:
             batch = [await self._writes.get()]
             while len(batch) < MAX_BATCH and not self._writes.empty():
                 batch.append(self._writes.get_nowait())
+            start = time.perf_counter()
             try:
                 await self._commit(batch)
             except Exception:
@@ -173,6 +203,10 @@ class Store:
                     with contextlib.suppress(Exception):
                         await self._commit([item])
             finally:
+                self._commits += 1
+                self._committed += len(batch)
+                self._pending -= len(batch)
+                self._commit_seconds += time.perf_counter() - start
                 for _ in batch:
                     self._writes.task_done()
             if self._sqlite is not None:
@@ -236,11 +270,16 @@ class Store:
             def add(conn: Connection) -> None:
                 conn.execute(insert(JOBS).values(values))
 
-        await self._write(add, size)
+        with tracing.store_span("INSERT", self.dialect):
+            await self._write(add, size)
         return row
 
     async def get(self, job_id: str) -> JobRow | None:
         return await self._one(select(JOBS).where(JOBS.c.id == job_id))
+
+    async def summary(self, job_id: str) -> JobRow | None:
+        """A job without its output columns (as a list reads it): a webhook's `data`."""
+        return await self._one(select(*LISTED).where(JOBS.c.id == job_id))
 
     async def by_key(self, iss: str, sub: str, key: str) -> JobRow | None:
         c = JOBS.c
@@ -258,7 +297,9 @@ class Store:
     ) -> bool:
         """Set columns of one job; with only_active, only while it is queued or running (so a
         late writer never overwrites a final state); with unless_cancel_requested, only while
-        no other replica asked to cancel it. True if a row changed."""
+        no other replica asked to cancel it. True if a row changed. A change of `state` queues
+        the owner's webhook deliveries of it in the same transaction (api/store/outbox.py)."""
+        deliveries = outbox.params(job_id, values)
         if self._sqlite is not None:
             exprs = {k: v for k, v in values.items() if isinstance(v, ClauseElement)}
             if exprs:  # rare: built per call, not cached
@@ -270,9 +311,14 @@ class Store:
                 params = [*self._sql.params(values), job_id]
 
             def run(db: sqlite3.Connection) -> bool:
-                return db.execute(sql, params).rowcount > 0
+                changed = db.execute(sql, params).rowcount > 0
+                if changed and deliveries is not None:
+                    db.execute(outbox.SQLITE, deliveries)
+                return changed
 
-            return bool(await self._write(run, output_bytes(params)))
+            with tracing.store_span("UPDATE", self.dialect):
+                changed = bool(await self._write(run, output_bytes(params)))
+            return self._evented(changed, deliveries)
         if self._pg is not None:
             pg = self._pg.sql
             if any(isinstance(v, ClauseElement) for v in values.values()):  # rare: per call
@@ -285,9 +331,14 @@ class Store:
 
             async def change(conn: asyncpg.Connection) -> bool:
                 status: str = await conn.execute(sql, *params)  # "UPDATE <rows>"
-                return status.rsplit(" ", 1)[-1] != "0"
+                changed = status.rsplit(" ", 1)[-1] != "0"
+                if changed and deliveries is not None:
+                    await conn.execute(outbox.POSTGRES, *deliveries)
+                return changed
 
-            return bool(await self._write(change))
+            with tracing.store_span("UPDATE", self.dialect):
+                changed = bool(await self._write(change))
+            return self._evented(changed, deliveries)
         query = update(JOBS).where(JOBS.c.id == job_id).values(**values)
         if only_active:
             query = query.where(JOBS.c.state.in_(ACTIVE))
@@ -295,9 +346,18 @@ class Store:
             query = query.where(JOBS.c.cancel_requested.is_(None))
 
         def execute(conn: Connection) -> bool:
-            return bool(conn.execute(query).rowcount)
+            changed = bool(conn.execute(query).rowcount)
+            if changed and deliveries is not None:
+                conn.execute(text(outbox.CORE), outbox.core_params(deliveries))
+            return changed
 
-        return bool(await self._write(execute))
+        return self._evented(bool(await self._write(execute)), deliveries)
+
+    def _evented(self, changed: bool, deliveries: list[Any] | None) -> bool:
+        if changed and deliveries is not None:
+            for listener in self.on_event:
+                listener()
+        return changed
 
     def _update_with_expressions(
         self,
@@ -363,9 +423,22 @@ class Store:
                 finished_at=utcnow(),
             )
         )
+        found = (
+            select(c.id, c.cancel_requested)
+            .where(c.replica == replica, c.state.in_(ACTIVE))
+            .where(or_(c.kind.is_(None), c.kind != "batch"))
+        )
         async with self._started().begin() as conn:
+            # The jobs first, so that their webhook deliveries commit with their new state.
+            rows = (await conn.execute(found)).all()
             result = await conn.execute(query)
-            return int(result.rowcount)
+            for row in rows:
+                state = "cancelled" if row.cancel_requested is not None else "lost"
+                deliveries = outbox.event_params(row.id, state)
+                await conn.execute(text(outbox.CORE), outbox.core_params(deliveries))
+        if rows:
+            self._evented(True, [])
+        return int(result.rowcount)
 
     async def active_batch(self, replica: str) -> list[JobRow]:
         """Batch jobs of this replica not final yet: tracked again (or resolved) on start."""
@@ -450,7 +523,8 @@ def _fields(revocation: Revocation) -> dict[str, Any]:
 
 
 async def prune(url: str, schema: str | None, ended_before: datetime) -> int:
-    """Delete the jobs that ended before `ended_before`; returns how many. Final jobs only: an
+    """Delete the jobs that ended before `ended_before` (and the webhook deliveries made or
+    given up before then); returns how many jobs. Final jobs only: an
     active job stays whatever its age. A job row keeps up to the policy's max_output of each
     stream, so without this the table only grows (`sshapi db prune`, docs/deploy.md). Safe
     while replicas run: they never write a final row again."""
@@ -461,7 +535,14 @@ async def prune(url: str, schema: str | None, ended_before: datetime) -> int:
     try:
         c = JOBS.c
         query = delete(JOBS).where(c.state.in_(FINAL), c.finished_at < ended_before)
+        # Webhook deliveries made or given up before then go too (pending ones stay: a
+        # receiver may still come back within their retry window).
+        d = WEBHOOK_DELIVERIES.c
+        deliveries = delete(WEBHOOK_DELIVERIES).where(
+            d.status != "pending", d.created_at < ended_before.timestamp()
+        )
         async with engine.begin() as conn:
+            await conn.execute(deliveries)
             return int((await conn.execute(query)).rowcount)
     finally:
         await engine.dispose()

@@ -22,5 +22,6 @@ def rig(args: argparse.Namespace) -> RigSpec | None:
 
 def run(rig: Rig | None, args: argparse.Namespace) -> dict[str, Any]:
     figures = bench.measure(args)
-    # {"stock": {...}, "stock agent": {...}}: one entry per profile and exec mode
+    # {"stock auto": {...}, "stock agent": {...}, "stock": {...} (channel)}: one entry per
+    # profile and exec mode
     return {bench.label(f): f for f in figures} | {"report": str(args.out)}

@@ -125,12 +125,30 @@ class AgentConnection:
         try:
             async with asyncio.timeout(timeout):
                 self.hello = await asyncio.shield(self._greeted)
-                self._ack_every = max(1, int(self.hello.get("window", 2)) // 2)
         except (TimeoutError, SSHPoolError) as exc:
+            ended = self._task.done()
             await self.stop()
+            if not ended:
+                # It never greeted and never exited (a python3 that hangs, or prints junk
+                # forever): closing its channel leaves it running, holding a session slot of
+                # this connection. Its login shell's group goes, as a timed-out command's.
+                await self._kill_start()
             stderr = self._err.getvalue().decode(errors="replace").strip()[-300:]
             why = stderr or str(exc) or f"no answer in {timeout} s"
-            raise AgentUnavailable(f"no usable {python} for agent mode: {why}") from None
+            raise AgentUnavailable(f"no usable {python} for agent mode: {why}"[:500]) from None
+        self._ack_every = max(1, self.hello["window"] // 2)
+
+    async def _kill_start(self) -> None:
+        """Kill the process group of an executor's start that did not end (its pgid from the
+        marker line), within REAP_TIMEOUT; a failure is logged, never raised."""
+        pgid = self._out.pgid
+        if pgid is None or pgid <= 1 or not self.inner.is_alive():
+            return
+        try:
+            async with asyncio.timeout(REAP_TIMEOUT):
+                await self.inner.exec(kill_group_line(pgid), None, Capture(4096), Capture(4096))
+        except (SSHPoolError, TimeoutError) as exc:
+            log.warning("could not kill the failed executor start's group %s: %s", pgid, exc)
 
     # ---- frames
 
@@ -156,8 +174,14 @@ class AgentConnection:
 
     def _dispatch(self, kind: int, rid: int, payload: bytes) -> None:
         if kind == HELLO:
+            hello = json.loads(payload)
+            # Whatever answers as python3 may send anything: a HELLO is an object whose window
+            # is a positive int, or the executor is not ours (ValueError: `_break`).
+            window = hello.get("window") if isinstance(hello, dict) else None
+            if type(window) is not int or window < 1:
+                raise ValueError(f"not the executor's HELLO: {payload[:100]!r}")
             if not self._greeted.done():
-                self._greeted.set_result(json.loads(payload))
+                self._greeted.set_result(hello)
             return
         if kind == PROTO:
             log.warning(
@@ -207,6 +231,11 @@ class AgentConnection:
         """The executor is gone or not to be trusted: fail its jobs (`killed`: their groups
         were killed, `_reap`), stop using it."""
         self._mark_broken(why)
+        if not self._greeted.done():
+            # Broken before its HELLO (junk on the channel): the start fails now, not at its
+            # timeout.
+            self._greeted.set_exception(ConnectionLost(why, started=False))
+            self._greeted.exception()  # retrieved: start() may be gone already
         jobs, self._jobs = self._jobs, {}
         for job in jobs.values():
             if not job.done.done():
@@ -218,7 +247,9 @@ class AgentConnection:
     def _mark_broken(self, why: str) -> None:
         if self._broken is None:
             self._broken = why
-            if not self._stopping:
+            # Before its HELLO, the start fails with the reason (AgentUnavailable), which the
+            # pool logs once per host: one line per connection here would repeat it.
+            if not self._stopping and self._greeted.done():
                 log.warning("the executor ended: %s", why)
 
     async def _reap(self, why: str, groups: list[int]) -> None:

@@ -12,8 +12,8 @@ from sshpool.backends import load_backend
 backend = load_backend("paramiko")   # ImportError naming the extra when paramiko is missing
 ```
 
-This package imports the sshpool core (`target`, `errors`, `command`) and its libraries, nothing
-of the pool (`sshpool.pool`, `host`, `connect`) nor the dev rig.
+This package imports the sshpool core (`target`, `errors`, `command`, `tracing`) and its
+libraries, nothing of the pool (`sshpool.pool`, `host`, `connect`) nor the dev rig.
 """
 
 from __future__ import annotations

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, cast
 
 import asyncssh
 
+from sshpool import tracing
 from sshpool.backends import translate
 from sshpool.backends.base import DirEntry, Exit, FileAttrs
 from sshpool.command import Capture, Stdin
@@ -49,10 +51,21 @@ def _connect_table(exc: BaseException, target: Target) -> SSHPoolError | None:
 
 
 class _Client(asyncssh.SSHClient):
-    """Tracks whether the transport is up, so is_alive() needs no I/O."""
+    """Tracks whether the transport is up, so is_alive() needs no I/O; stamps the key
+    exchange's and the authentication's ends for the connect's trace (`sshpool.tracing`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, stages: tracing.Stages | None = None) -> None:
         self.alive = True
+        self.stages = stages
+
+    def begin_auth(self, username: str) -> None:
+        # asyncssh asks for the userauth service once the first key exchange is done.
+        if self.stages is not None:
+            self.stages.mark("key_exchange")
+
+    def auth_completed(self) -> None:
+        if self.stages is not None:
+            self.stages.mark("authentication")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.alive = False
@@ -381,15 +394,22 @@ class _CoalescingTransport:
 class _Connector:
     """Opens the TCP connection for asyncssh and hands it a `_CoalescingTransport`. asyncssh
     takes any object with this `create_connection` as its `tunnel` (its
-    `_TunnelConnectorProtocol`: what it connects through instead of a plain TCP connection)."""
+    `_TunnelConnectorProtocol`: what it connects through instead of a plain TCP connection).
+    Stamps the TCP connect for the connect's trace (`sshpool.tracing`)."""
+
+    def __init__(self, stages: tracing.Stages | None = None) -> None:
+        self.stages = stages
 
     async def create_connection(
         self, session_factory: Any, remote_host: str, remote_port: int
     ) -> tuple[asyncio.BaseTransport, Any]:
         loop = asyncio.get_running_loop()
+        began = time.time_ns()
         transport, protocol = await loop.create_connection(
             lambda: _CoalescingProtocol(session_factory()), remote_host, remote_port
         )
+        if self.stages is not None:
+            self.stages.mark("connect", began)
         return transport, protocol.conn  # asyncssh wants its own connection object back
 
     def close(self) -> None:
@@ -430,7 +450,8 @@ class AsyncsshBackend:
 
     async def connect(self, target: Target) -> AsyncsshConnection:
         limits = target.limits
-        client = _Client()
+        stages = tracing.stages()
+        client = _Client(stages)
         creds = target.credentials()
         client_keys: list[Any] = list(target.client_keys)
         if creds is not None:
@@ -450,7 +471,7 @@ class AsyncsshBackend:
             "preferred_auth": "publickey",
             "password": None,
             "encryption_algs": list(ENCRYPTION_ALGS),
-            "tunnel": _Connector(),
+            "tunnel": _Connector(stages),
         }
         try:
             conn = await asyncssh.connect(

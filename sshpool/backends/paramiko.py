@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import errno
 import io
 import os
@@ -40,6 +41,7 @@ from collections.abc import AsyncGenerator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, TypeVar
 
+from sshpool import tracing
 from sshpool.backends import translate
 from sshpool.backends.base import DirEntry, Exit, FileAttrs
 from sshpool.command import Capture, Stdin
@@ -148,7 +150,11 @@ def _connect_blocking(target: Target, deadline: float) -> tuple[Any, _WatchedSoc
         known = host_keys.lookup(name)
         if not known:
             raise translate.unknown_host(target)
+        stages = tracing.stages()  # the connect's trace (sshpool.tracing); this thread's copy
+        began = time.time_ns()
         sock = _open_socket(target.host, target.port, deadline)
+        if stages is not None:
+            stages.mark("connect", began)
         transport = _Transport(sock)
         remaining = max(0.001, deadline - time.monotonic())
         transport.banner_timeout = transport.handshake_timeout = remaining
@@ -157,6 +163,8 @@ def _connect_blocking(target: Target, deadline: float) -> tuple[Any, _WatchedSoc
         transport.start_client(timeout=remaining)
         if not transport.initial_kex_done:
             raise ConnectTimeout(f"{target}: no key exchange within {remaining:.1f} s")
+        if stages is not None:
+            stages.mark("key_exchange")
         key = transport.get_remote_server_key()
         if not host_keys.check(name, key):
             raise HostKeyMismatch(
@@ -164,6 +172,8 @@ def _connect_blocking(target: Target, deadline: float) -> tuple[Any, _WatchedSoc
                 f"{target.known_hosts}"
             )
         _authenticate(transport, target, deadline)
+        if stages is not None:
+            stages.mark("authentication")
         return transport, sock
     except BaseException as exc:
         if transport is not None:
@@ -773,7 +783,9 @@ class ParamikoBackend:
     async def connect(self, target: Target) -> ParamikoConnection:
         loop = asyncio.get_running_loop()
         deadline = time.monotonic() + target.limits.connect_timeout
-        fut = loop.run_in_executor(self._executor, _connect_blocking, target, deadline)
+        # In a copy of this context: the connect's stage stamps (sshpool.tracing) reach the thread.
+        run = contextvars.copy_context().run
+        fut = loop.run_in_executor(self._executor, run, _connect_blocking, target, deadline)
         try:
             transport, sock = await asyncio.shield(fut)
         except asyncio.CancelledError:

@@ -51,6 +51,7 @@ import weakref
 from collections.abc import AsyncGenerator, Callable, Iterator
 from typing import Any, TypeVar
 
+from sshpool import tracing
 from sshpool.backends import translate
 from sshpool.backends.base import DirEntry, Exit, FileAttrs
 from sshpool.backends.ssh2_extras import READLINK, forget_pointer, lib_pointer, load_extras
@@ -913,11 +914,19 @@ class Ssh2Backend:
                 known_types = [line.split()[1] for line in lines]
                 preference = translate.hostkey_preference(offered, known_types)
                 session.method_pref(LIBSSH2_METHOD_HOSTKEY, ",".join(preference))
+                stages = tracing.stages()  # the connect's trace (sshpool.tracing)
+                began = time.time_ns()
                 conn = Ssh2Connection(
                     await _open_socket(target.host, target.port), session, target.limits
                 )
+                if stages is not None:
+                    stages.mark("connect", began)
                 await _handshake(conn, session, target, lines)
+                if stages is not None:
+                    stages.mark("key_exchange")
                 await _authenticate(conn, session, target)
+                if stages is not None:
+                    stages.mark("authentication")
         except BaseException as exc:
             if conn is not None:
                 await conn.close()

@@ -88,8 +88,10 @@ EXAMPLE_SERVICE_ACCOUNT = "svc-sshapi"
 PRINCIPALS_INSTALLED = Path("/run/sshapi-devhost/sshapi-principals")
 # The API's addresses as the rig's certificate block names them: the API runs on this machine.
 RIG_API_ADDRESSES = "127.0.0.0/8,::1"
-# The account sshd runs as (and logs in) when we are root.
-ACCOUNT = "sshapi-hpc"
+# The account sshd runs as (and logs in) when we are root. SSHPOOL_DEVHOST_ACCOUNT names another:
+# the suite's parallel workers each take their own (tests/conftest.py), because tests plant files
+# in that account's home and two workers sharing it would see each other's.
+ACCOUNT = os.environ.get("SSHPOOL_DEVHOST_ACCOUNT", "sshapi-hpc")
 ACCOUNT_SHELL = "/bin/sh"
 # The researcher accounts a `researchers` host logs in (sshpool.devhost.accounts names them).
 ACCOUNTS_PATTERN = "sshapi-r*"

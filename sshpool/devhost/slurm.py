@@ -43,6 +43,7 @@ munge``: ``python -m sshpool.devhost.slurm install`` installs them when missing.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import pwd
 import re
@@ -52,6 +53,7 @@ import signal
 import socket
 import stat
 import subprocess
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -72,6 +74,8 @@ BINARIES = {
 SBIN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 START_TIMEOUT = 30.0
 STOP_TIMEOUT = 10.0
+# The longest path a Unix socket may have (sun_path holds 108 bytes with the final NUL).
+SOCKET_PATH_MAX = 107
 # How long finished jobs stay in slurmctld's memory (squeue --states=all, scontrol show job).
 MIN_JOB_AGE = 3600
 
@@ -173,7 +177,24 @@ class LocalSlurm:
 
     @property
     def munge_socket(self) -> Path:
-        return self.dir / "munge" / "munge.socket.2"
+        return self.sockets_dir / "munge" / "munge.socket.2"
+
+    @property
+    def sockets_dir(self) -> Path:
+        """Where the directories holding Unix sockets live: munged's socket, and slurmd's spool,
+        where slurmstepd makes one per step (``<node>_<job>.<step>``, step ids of 10 digits). A
+        socket's path holds at most 107 bytes: under a deep data dir (pytest's per-worker temp
+        dirs) they move to a short directory in /tmp, named after the data dir so that a restart
+        finds it again, removed at stop."""
+        longest = f"spool/{self.node}_{'9' * 10}.{'9' * 10}"
+        if len(f"{self.dir}/{longest}") <= SOCKET_PATH_MAX:
+            return self.dir
+        digest = hashlib.sha256(str(self.dir).encode()).hexdigest()[:16]
+        return Path(tempfile.gettempdir()) / f"sshapi-slurm-{digest}"
+
+    @property
+    def spool_dir(self) -> Path:
+        return self.sockets_dir / "spool"
 
     @property
     def log_dir(self) -> Path:
@@ -215,7 +236,7 @@ class LocalSlurm:
             "CredType=cred/munge",
             f"AuthInfo=socket={self.munge_socket}",
             f"StateSaveLocation={d / 'state'}",
-            f"SlurmdSpoolDir={d / 'spool'}",
+            f"SlurmdSpoolDir={self.spool_dir}",
             f"SlurmctldPidFile={d / 'run' / 'slurmctld.pid'}",
             f"SlurmdPidFile={d / 'run' / 'slurmd.pid'}",
             f"SlurmctldLogFile={self.log_dir / 'slurmctld.log'}",
@@ -258,6 +279,7 @@ class LocalSlurm:
             raise LocalSlurmError("LocalSlurm needs root: slurmd starts jobs as other accounts")
         for sub in ("etc", "state", "spool", "log", "run"):
             (self.dir / sub).mkdir(parents=True, exist_ok=True)
+        self.spool_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
         self.conf_path.write_text(self.render_config())
         os.chmod(self.conf_path, 0o644)
         self._prepare_munge()
@@ -338,6 +360,8 @@ class LocalSlurm:
         procs.signal_all(procs.wait_gone(ours, 3.0), signal.SIGKILL)
         procs.wait_gone(ours, 2.0)
         self.munge_socket.unlink(missing_ok=True)
+        if self.sockets_dir != self.dir:
+            shutil.rmtree(self.sockets_dir, ignore_errors=True)
 
     def __enter__(self) -> Self:
         return self.start()

@@ -43,7 +43,7 @@ PG_URL = os.environ.get("SSHAPI_TEST_PG", "postgresql+asyncpg://postgres@127.0.0
 REDIS_URL = "redis://127.0.0.1:6379/0"
 AUDIENCE = "sshapi-test"
 # The `api_with_own_host` fixture: name -> (the API, the host of that name).
-OwnHostApi = Callable[[str], AbstractAsyncContextManager[tuple["Api", LocalHost]]]
+OwnHostApi = Callable[..., AbstractAsyncContextManager[tuple["Api", LocalHost]]]
 LOCAL_ISS = "test-local"
 KEYS_ISS = "test-keys"
 SSHAPI = str(Path(sys.executable).parent / "sshapi")

@@ -141,13 +141,19 @@ def api_with_own_host(
 ) -> OwnHostApi:
     """`async with api_with_own_host(name) as (api, host)`: the API (SQLite) with one more host
     `name`, a tuned sshd of the test's own that it may kill, restart or re-key. Policy subject
-    `anyhost` may use it."""
+    `anyhost` may use it. `exec_mode`: the host's (unset: the default, "auto")."""
 
     @asynccontextmanager
-    async def start(name: str) -> AsyncIterator[tuple[Api, LocalHost]]:
+    async def start(
+        name: str, exec_mode: str | None = None
+    ) -> AsyncIterator[tuple[Api, LocalHost]]:
         host = make_host("tuned")
         path = tmp_path / f"{name}.toml"
-        path.write_text(config_toml(tuned_host, secret_file, keys) + host_toml(name, host))
+        table = host_toml(name, host)
+        if exec_mode is not None:
+            mode = f'exec_mode = "{exec_mode}"\n'
+            table = table.replace(f"[hosts.{name}]\n", f"[hosts.{name}]\n{mode}")
+        path.write_text(config_toml(tuned_host, secret_file, keys) + table)
         async with running_api(make_settings(tmp_path, path, "sqlite", None), keys, secret) as api:
             yield api, host
 

@@ -171,7 +171,11 @@ async def test_through_a_wan_a_job_costs_fewer_round_trips_in_agent_mode(
         agent_table = agent_table.replace("[hosts.wanagent]\n", AGENT.replace("local", "wanagent"))
         path = tmp_path / "sshapi.toml"
         path.write_text(
-            config_toml(tuned_host, secret_file, keys) + host_toml("wanchannel", far) + agent_table
+            config_toml(tuned_host, secret_file, keys)
+            + host_toml("wanchannel", far).replace(
+                "[hosts.wanchannel]\n", '[hosts.wanchannel]\nexec_mode = "channel"\n'
+            )
+            + agent_table
         )
         settings = make_settings(tmp_path, path, "sqlite", None)
         walls: dict[str, list[float]] = {"wanchannel": [], "wanagent": []}

@@ -147,6 +147,9 @@ username = "{bob}"
 """
     lookups = f"max_lookups = {max_lookups}\n" if max_lookups is not None else ""
     text = cert_config(host, secret_file, keys, lookups)
+    # Channels: the wrapper stands in front of each command, which sshd runs through
+    # ForceCommand in channel mode only (an executor's commands pass it once per connection).
+    text = text.replace("[hosts.hpc.credentials]", 'exec_mode = "channel"\n[hosts.hpc.credentials]')
     text = text.replace("[[policy]]", ops + "[[policy]]", 1)  # the first rule for `ops`
     issuer = f'account_claim = "{CLAIM}"\n'
     path = tmp_path / "sshapi.toml"

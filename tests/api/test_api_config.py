@@ -160,6 +160,16 @@ def test_ssh_budget_in_agent_mode_counts_the_executor_and_sftp_channels() -> Non
     ]
 
 
+def test_exec_mode_auto_is_the_default_and_needs_no_sftp_channel_with_one_session() -> None:
+    """A host that says nothing runs "auto"; with max_sessions 1 "auto" runs channels (an
+    executor would leave SFTP no channel), so the budget names no agent-mode problem."""
+    example = Path(__file__).parents[2] / "api" / "sshapi.example.toml"
+    host = load_config(example).hosts["login1"]
+    assert host.exec_mode == "auto" and host.target().exec_mode == "auto"
+    assert host.model_copy(update={"limits": Limits(max_sessions=1)}).ssh_budget(1) == []
+    assert config(hosts={"h": HOST}).hosts["h"].exec_mode == "auto"
+
+
 _DASH_TEMPLATE = TemplateConfig.model_validate(
     {"argv": ["grep", "-c", "{pattern}", "--", "{path}"], "params": {"pattern": {}, "path": {}}}
 )

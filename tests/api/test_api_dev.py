@@ -63,6 +63,12 @@ def test_dev_answers_and_a_sigterm_stops_the_local_host_too(tmp_path: Path) -> N
         r = httpx.post(f"{url}/v1/jobs", json={"host": "local", "argv": ["cat", name]},
                        headers={**auth, "Prefer": "wait=20"}, timeout=30)  # fmt: skip
         assert r.json()["stdout"] == "one token", r.text
+        # The default mode, auto: the rig's python3 answers, so the job's parent is the
+        # executor of its connection, not a shell of sshd.
+        parent = {"host": "local", "argv": ["sh", "-c", "ps -o args= -p $PPID"]}
+        r = httpx.post(f"{url}/v1/jobs", json=parent, headers={**auth, "Prefer": "wait=20"},
+                       timeout=30)  # fmt: skip
+        assert "sys.stdin.buffer.read" in r.json()["stdout"], r.text
         assert httpx.delete(f"{files}?path={name}", headers=auth).status_code == 204
 
         def sshd_of_data_dir() -> list[psutil.Process]:

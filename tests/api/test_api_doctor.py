@@ -50,6 +50,25 @@ def test_healthy_host_passes_every_check(tuned_host: LocalHost) -> None:
     assert "configured [hosts.h.sshd]" in found["sshd limits"].detail
     assert found["budget"].status == "ok", found["budget"].line()
     assert found["agent"].status == "ok" and "runs the executor" in found["agent"].detail
+    # `sshapi dev`'s host takes the default, "auto": agent mode where python3 answers.
+    assert "exec_mode auto: agent mode here" in found["agent"].detail, found["agent"].line()
+    assert "; max_sessions 8 where it does not start)" in found["budget"].detail
+
+
+def test_auto_host_without_python3_warns_that_it_runs_as_channels(
+    tuned_host: LocalHost,
+) -> None:
+    """A host in the default mode ("auto") whose interpreter is missing: a WARN saying it runs
+    channels and how to give it agent mode or stop trying; nothing fails."""
+    config = local_host_config(tuned_host).model_copy(
+        update={"agent_python": "/nonexistent/python3"}
+    )
+    assert config.exec_mode == "auto"
+    found = doctor(config)
+    assert found["agent"].status == "WARN", found["agent"].line()
+    assert "exec_mode auto runs channels here" in found["agent"].detail
+    assert 'exec_mode = "channel" to stop trying' in found["agent"].detail
+    assert failures(found) == []
 
 
 def test_agent_host_without_python3_warns_that_it_runs_as_channels(

@@ -20,6 +20,7 @@ from api_helpers import (
     Api,
     Keys,
     OwnHostApi,
+    eventually,
     make_settings,
     pg_schema,
     running_api,
@@ -36,9 +37,10 @@ async def test_killed_sshd_session_makes_the_job_lost_and_names_the_orphan(
 ) -> None:
     """SIGKILL of the sshd process serving a running command: the job ends `lost` with no exit
     status (never `succeeded`), its error names the remote process group, and the orphaned
-    command is found running in that group."""
+    command is found running in that group. Channel mode: with an executor (the default mode
+    on this host) the executor's channel closing kills the group instead, tested next."""
     word = f"orphan-{uuid.uuid4().hex[:8]}"
-    async with api_with_own_host("fragile") as (api, fragile):
+    async with api_with_own_host("fragile", exec_mode="channel") as (api, fragile):
         r = await api.submit(
             {"host": "fragile", "command": f"sleep 300 # {word}"}, sub="anyhost", wait=0
         )
@@ -63,6 +65,35 @@ async def test_killed_sshd_session_makes_the_job_lost_and_names_the_orphan(
         fragile.run_local(["pkill", "-f", word])
     figure("sshd session killed: job state, orphans found in the named group",
            (job["state"], len(orphans)))  # fmt: skip
+
+
+async def test_killed_sshd_session_in_the_default_mode_leaves_no_orphan(
+    api_with_own_host: OwnHostApi,
+) -> None:
+    """The same kill with the host in the default mode ("auto": its connection runs an
+    executor): the job ends `lost` with no exit status, and nothing of it runs on (the
+    executor, its channel closed, killed the command's group)."""
+    word = f"orphan-{uuid.uuid4().hex[:8]}"
+    async with api_with_own_host("fragile") as (api, fragile):
+        r = await api.submit(
+            {"host": "fragile", "command": f"sleep 300 # {word}"}, sub="anyhost", wait=0
+        )
+        job_id = r.json()["id"]
+        await api.wait_state(job_id, ("running",), sub="anyhost")
+        hosts = await api.client.get(
+            f"{api.url}/v1/hosts/fragile", headers=api.auth("ops", "admin")
+        )
+        assert hosts.json()["connections_by_mode"] == {"agent": 1, "channel": 0}, hosts.text
+        assert fragile.pid is not None
+        for proc in psutil.Process(fragile.pid).children(recursive=True):
+            if proc.cmdline()[0].startswith("sshd:"):
+                proc.send_signal(signal.SIGKILL)
+        job = await api.until_final(job_id, sub="anyhost")
+    try:
+        assert (job["state"], job["exit_status"]) == ("lost", None), job
+        await eventually(lambda: not fragile.processes(word))
+    finally:
+        fragile.run_local(["pkill", "-f", word])
 
 
 async def test_replaced_host_key_runs_nothing_and_is_502(api_with_own_host: OwnHostApi) -> None:

@@ -532,6 +532,9 @@ client_keys = ["{tuned_host.client_key}"]
     )
     assert pool_lines and all("@" not in line for line in pool_lines)
     assert any(line.startswith('sshpool_connections{host="local"}') for line in pool_lines)
+    # Nor the standard families (OTel's pool name is the host name), nor any other line.
+    assert "otheracct" not in metrics and tuned_host.username not in metrics
+    assert 'ssh_client_connection_count{ssh_client_connection_pool_name="local"' in metrics
 
 
 async def test_unencodable_strings_nul_and_long_subjects_are_4xx_on_every_store(

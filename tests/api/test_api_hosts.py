@@ -79,3 +79,44 @@ async def test_hosts_sharing_an_address_each_see_only_their_own_health(api: Api)
     assert len(twin["pool"]) == 1
     assert twin["pool"][0]["counters"]["connects_failed"] >= 1
     assert twin["pool"][0]["connections"] == 0
+
+
+@pytest.fixture
+async def modes_api(
+    tuned_host: LocalHost, secret_file: Path, secret: str, keys: Keys, tmp_path: Path
+) -> AsyncIterator[Api]:
+    """The test configuration (host `local` in the default mode, "auto") plus, on the same
+    sshd: `nopython` ("auto", its interpreter missing) and `channels` (exec_mode "channel")."""
+    extra = with_setting(
+        "nopython", tuned_host, 'agent_python = "/nonexistent/python3"'
+    ) + with_setting("channels", tuned_host, 'exec_mode = "channel"')
+    path = tmp_path / "modes.toml"
+    path.write_text(config_toml(tuned_host, secret_file, keys, extra))
+    async with running_api(make_settings(tmp_path, path, "sqlite", None), keys, secret) as running:
+        yield running
+
+
+async def test_hosts_show_the_mode_their_connections_are_in(modes_api: Api) -> None:
+    """Jobs succeed on all three hosts; /v1/hosts shows each host's configured mode and its
+    live connections by the mode they are in: `local` through an executor (the rig's python3
+    answers), `nopython` and `channels` as channels. A non-admin sees their own account's
+    counts, and no host details."""
+    api = modes_api
+    for name in ("local", "nopython", "channels"):
+        r = await api.submit({"host": name, "argv": ["echo", name]}, sub="anyhost")
+        assert r.status_code == 201, r.text
+        assert r.json()["stdout"] == f"{name}\n"
+    expected = {
+        "local": ("auto", {"agent": 1, "channel": 0}),
+        "nopython": ("auto", {"agent": 0, "channel": 1}),
+        "channels": ("channel", {"agent": 0, "channel": 1}),
+    }
+    for name, (mode, counts) in expected.items():
+        info = await host(api, name)
+        assert (info["exec_mode"], info["connections_by_mode"]) == (mode, counts), info
+    assert "/nonexistent/python3" in (await host(api, "nopython"))["pool"][0]["agent_error"]
+    r = await api.client.get(f"{api.url}/v1/hosts/local", headers=api.auth("anyhost"))
+    assert r.status_code == 200, r.text
+    mine = r.json()
+    assert mine["connections_by_mode"] == {"agent": 1, "channel": 0}
+    assert mine["hostname"] is None and "target" not in mine["pool"][0]

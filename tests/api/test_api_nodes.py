@@ -334,6 +334,9 @@ nodes = {list(c.addresses)!r}
 port = {c.port}
 username = "{c.username}"
 known_hosts = "{c.known_hosts}"
+# Channels: the attacker's ~/.bashrc judges each command, which bash reads per session in
+# channel mode only (an executor reads it once per connection).
+exec_mode = "channel"
 [hosts.{NAME}.credentials]
 kind = "certificate"
 ca_key = "{c.nodes[0].user_ca_key}"

@@ -2,7 +2,7 @@
 docs/deploy.md asks of it, done from the unit file it installed, as systemd would do it.
 
 - `daemon-reload`: nothing to do.
-- `enable --now NAME@INSTANCE...`: the unit's [Service] with `%i` and `%H` expanded; its
+- `enable --now NAME@INSTANCE... | NAME`: the unit's [Service] with `%i` and `%H` expanded; its
   `Environment=` lines, then its `EnvironmentFile=` (which wins, as in systemd); `ExecStart` as
   `User=`/`Group=`, in a session of its own; the pid goes to SHIM_STATE/NAME@INSTANCE.pid.
 - `reload nginx`: nginx with NGINX_CONF, started when its pid file is absent, else reloaded.
@@ -48,13 +48,16 @@ def service(unit: Path, instance: str) -> tuple[dict[str, str], dict[str, str]]:
 
 
 def start(name: str, units: Path, state: Path) -> None:
-    base, _, instance = name.partition("@")
-    settings, env = service(units / f"{base}@.service", instance)
+    base, at, instance = name.partition("@")
+    unit = units / (f"{base}@.service" if at else f"{name}.service")
+    settings, env = service(unit, instance)
     with (state / f"{name}.log").open("ab") as log:
         proc = subprocess.Popen(
             settings["ExecStart"].split(),
             env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", **env},
-            user=settings["User"], group=settings["Group"], extra_groups=[], cwd="/",
+            # No User=: root, as systemd runs it (the login host's sshd).
+            user=settings.get("User"), group=settings.get("Group"),
+            extra_groups=[] if "User" in settings else None, cwd="/",
             stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
         )  # fmt: skip
     (state / f"{name}.pid").write_text(str(proc.pid))

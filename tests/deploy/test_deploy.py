@@ -162,25 +162,40 @@ def test_systemd_units_verify() -> None:
         assert done.returncode == 0 and not problems, done.stderr
 
 
-def test_sshd_unit_config_recipe_is_valid(tmp_path: Path) -> None:
-    """The dedicated sshd's config as the unit describes it (Port, PidFile, sshd_config.tuned,
-    then an Include of a main config) passes `sshd -T`, and the tuned values win."""
+def test_dedicated_sshd_config_binds_its_own_port_only(tmp_path: Path) -> None:
+    """deploy/sshd_config.sshapi on a login host whose own sshd_config says `Port 22`: `sshd -T`
+    of the dedicated file listens on 2222 alone (before: it included the main file, whose `Port
+    22` added up, and the second sshd failed to bind 22 beside the first), includes nothing, and
+    runs every setting of sshd_config.tuned with the tuned value."""
     subprocess.run(
         ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "key")], check=True
     )
-    main = tmp_path / "sshd_config"
-    main.write_text(f"HostKey {tmp_path / 'key'}\nMaxSessions 10\nMaxStartups 10:30:100\n")
+    site = tmp_path / "sshd_config"  # the site's own, which the dedicated sshd must not read
+    site.write_text(f"Port 22\nHostKey {tmp_path / 'key'}\nMaxSessions 10\n")
+    shipped = (DEPLOY / "sshd_config.sshapi").read_text()
+    assert not re.search(r"^\s*Include", shipped, re.M | re.I)
     conf = tmp_path / "sshd_config.sshapi"
-    tuned = "\n".join(f"{k} {v}" for k, v in tuned_settings()[0])  # what this sshd knows
-    conf.write_text(f"Port 2222\nPidFile {tmp_path}/sshd.pid\n{tuned}\nInclude {main}\n")
+    conf.write_text(
+        shipped.replace("/etc/ssh/ssh_host_ed25519_key", str(tmp_path / "key")).replace(
+            "/run/sshd-sshapi.pid", str(tmp_path / "sshd.pid")
+        )
+    )
     if os.geteuid() == 0:
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # the unit's RuntimeDirectory=sshd
     done = subprocess.run(
         ["/usr/sbin/sshd", "-T", "-f", str(conf)], capture_output=True, text=True, timeout=30
     )
     assert done.returncode == 0, done.stderr
-    assert "maxsessions 16" in done.stdout.splitlines()
-    assert "port 2222" in done.stdout.splitlines()
+    lines = done.stdout.splitlines()
+    assert [line for line in lines if line.startswith("port ")] == ["port 2222"]
+    assert [line for line in lines if line.startswith("listenaddress ")] == [
+        "listenaddress [::]:2222",
+        "listenaddress 0.0.0.0:2222",
+    ]
+    for keyword, value in tuned_settings()[0]:  # what this sshd knows
+        assert f"{keyword.lower()} {value.lower()}" in lines, keyword
+    assert "subsystem sftp /usr/lib/openssh/sftp-server" in lines
+    assert "passwordauthentication no" in lines and "permitrootlogin no" in lines
 
 
 def env_file() -> dict[str, tuple[str, bool]]:

@@ -36,7 +36,8 @@ def test_bench_smoke_run_writes_every_figure(tmp_path: Path) -> None:
     assert done.returncode == 0, output[-3000:]
     (run,) = tmp_path.glob("*-bench")
     assert f"figures: {run / 'bench.json'}" in output
-    assert "| stock | raw sshpool |" in output
+    # The default exec mode, the API's own: auto.
+    assert "| stock auto | raw sshpool |" in output
     (fig,) = json.loads((run / "bench.json").read_text())["figures"]
 
     raw = fig["raw"]

@@ -173,6 +173,30 @@ def test_each_stage_says_where_its_latency_went() -> None:
     assert math.isclose(high["untimed_ms"]["p50"], 4.0 - 2.9, rel_tol=0.01)
 
 
+def test_a_burst_report_says_where_all_of_its_latency_went() -> None:
+    """A burst whose answers took 483 ms from the release while the server's stages account for
+    26 ms (the figures of issue 44): the report's breakdown has the untimed rest and the
+    sends' lateness as rows of their own, and the rows' means add up to the mean latency
+    (before: only the 26 ms of stages were shown)."""
+    stages = {"auth": 1.0, "exec": 20.0, "store": 5.0}
+    records = [
+        rec(483.0 + k, kind="burst", service_ms=463.0 + k, lateness_ms=20.0, stage=0,
+            burst_size=10, server=stages)
+        for k in range(10)
+    ]  # fmt: skip
+    s = summarize(records, {}, {})
+    parts = s["breakdown_ms"]
+    assert list(parts) == ["sent late", "auth", "exec", "store", "untimed", "total"]
+    assert math.isclose(parts["untimed"]["mean"], 463.0 + 4.5 - 26.0)
+    assert math.isclose(parts["sent late"]["mean"], 20.0)
+    total = sum(p["mean"] for name, p in parts.items() if name != "total")
+    assert math.isclose(total, parts["total"]["mean"]) and math.isclose(total, 487.5)
+    text = render(s, {})
+    assert "## Where the time went" in text
+    assert "| untimed | 441.5 | 441.0 | 446.0 | no Server-Timing stage" in text
+    assert "| sent late | 20.0 |" in text and "| total | 487.5 |" in text
+
+
 def test_validity_flags_late_sends_drops_and_busy_cpu() -> None:
     """Each of the three generator problems makes the run invalid with its own reason."""
     ok = [rec() for _ in range(100)]

@@ -126,9 +126,12 @@ def test_each_start_in_the_web_ui_measures_its_own_requests(
     api: tuple[str, Path], tmp_path: Path
 ) -> None:
     """Drive the Locust web UI's HTTP API as a browser does: Start, wait for the end, Start again
-    with another burst size. Before: the second Start sent no request and wrote a report whose
-    records.jsonl was byte-identical to the first's, `run VALID`. Also: the UI listens on
-    127.0.0.1 only, and its page carries the shape's own parameters."""
+    with burst sizes typed as on the command line, `2 3`. Before: the second Start sent no
+    request and wrote a report whose records.jsonl was byte-identical to the first's, `run
+    VALID`; and `2 3` was HTTP 500 (Locust split the field on commas only). Also: the UI
+    listens on 127.0.0.1 only, its page carries the shape's own parameters and the tab of the
+    runs, which lists each run's verdict and report; a value that does not parse is refused
+    with a message, not a 500."""
     import hashlib
 
     import psutil
@@ -175,8 +178,15 @@ def test_each_start_in_the_web_ui_measures_its_own_requests(
                 time.sleep(0.2)
             return sorted(reports.iterdir())[runs - 1]
 
+        assert '"sshapi-runs"' in page  # the tab of the runs
+        for bad in ({"burst_sizes": "10 fifty"}, {"repeats": "1 2"}, {"burst_sizes": " "}):
+            answer = requests.post(f"{ui}/swarm", data={"host": url, **bad}, timeout=5)
+            assert answer.status_code == 200 and answer.json()["success"] is False, answer.text
+            assert next(iter(bad)) in answer.json()["message"]
+        assert not reports.exists()  # nothing started
         first = start_and_wait({"host": url}, 1)
-        second = start_and_wait({"host": url, "burst_sizes": "5"}, 2)
+        second = start_and_wait({"host": url, "burst_sizes": "2 3"}, 2)
+        shown = requests.get(f"{ui}/stats/requests", timeout=5).json()["extended_stats"]
     finally:
         proc.terminate()
         output, _ = proc.communicate(timeout=30)
@@ -184,7 +194,13 @@ def test_each_start_in_the_web_ui_measures_its_own_requests(
     assert [s["requests"] for s in runs] == [3, 5], output[-3000:]
     assert [s["ok"] for s in runs] == [3, 5]
     assert runs[0]["meta"]["started"] <= runs[1]["meta"]["started"]
-    assert runs[1]["meta"]["burst_sizes"] == [5]
+    assert runs[1]["meta"]["burst_sizes"] == [2, 3]
+    # The tab: newest first, each with its verdict and where its report went.
+    assert shown[0]["key"] == "sshapi-runs"
+    rows = shown[0]["data"]
+    assert [r["report"] for r in rows] == [str(second / "report.md"), str(first / "report.md")]
+    assert [r["verdict"] for r in rows] == ["VALID", "VALID"]
+    assert [r["requests"] for r in rows] == [5, 3]
     assert runs[0]["meta"]["subjects"] == 64  # SSHAPI_TOKEN ignored without --use-env-token
     digests = [hashlib.md5((r / "records.jsonl").read_bytes()).hexdigest() for r in (first, second)]
     print(f"web UI runs: requests {[s['requests'] for s in runs]}, records.jsonl md5 {digests}")

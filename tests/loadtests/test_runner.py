@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -112,3 +113,40 @@ def test_the_package_docstring_names_every_module() -> None:
     modules = [p.stem for p in (REPO / "loadtests").glob("*.py") if p.stem != "__init__"]
     missing = [m for m in [*modules, "scenarios"] if f"`{m}`" not in doc]
     assert not missing, f"not in loadtests/__init__.py's docstring: {missing}"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="creating accounts needs root")
+@pytest.mark.timeout(240)
+def test_the_accounts_scenario_runs_through_the_runner(tmp_path: Path) -> None:
+    """`python -m loadtests run accounts`: the accounts program's own options, its cells as the
+    figures (6 accounts through the pool with room for 2 connections: all succeed, at least 4
+    evictions)."""
+    out = loadtests(
+        "run", "--report-dir", str(tmp_path / "runs"), "accounts", "--via", "pool",
+        "--accounts", "6", "--modes", "budget", "--parts", "burst",
+        "--max-total-connections", "2", "--pause", "0", "--data-dir", str(tmp_path / "data"),
+        timeout=200,
+    )  # fmt: skip
+    (line,) = [x for x in out.splitlines() if x.startswith("figures: ")]
+    doc = json.loads(Path(line.removeprefix("figures: ")).read_text())
+    assert figures.problems(doc) == [] and doc["scenario"] == "accounts"
+    (cell,) = doc["figures"]["cells"]
+    assert cell["statuses"] == {"ok": 6} and cell["evictions"] >= 4, cell
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_replicas_scenario_runs_a_replica_behind_nginx(tmp_path: Path) -> None:
+    """`python -m loadtests run replicas`: one replica behind nginx, the smoke profile cut to a
+    fifth: a row per measured stage, every request answered."""
+    out = loadtests(
+        "run", "--report-dir", str(tmp_path), "replicas", "--replicas", "1",
+        "--load-profile", "smoke", "--duration-factor", "0.2",
+        timeout=280,
+    )  # fmt: skip
+    (line,) = [x for x in out.splitlines() if x.startswith("figures: ")]
+    doc = json.loads(Path(line.removeprefix("figures: ")).read_text())
+    assert figures.problems(doc) == [] and doc["scenario"] == "replicas"
+    stages = doc["figures"]["stages"]
+    assert stages and all(s["replicas"] == 1 and s["requests"] > 0 for s in stages), stages
+    assert all(s["ok"] == s["requests"] and not s["errors"] for s in stages), stages

@@ -130,7 +130,9 @@ async def test_endless_drops_end_in_pool_timeout_at_the_deadline_not_a_connect_e
         t0 = time.perf_counter()
         with pytest.raises(PoolTimeout):
             await pool.run(account(1), ["true"], acquire_timeout=1.0)
-        assert 0.9 < time.perf_counter() - t0 < 1.5
+        # Never before the deadline; after it by no more than a loaded box's scheduling delay
+        # (1,000 drops retried without a deadline would take minutes).
+        assert 0.9 < time.perf_counter() - t0 < 10
         await asyncio.sleep(2.5)  # nobody waits any more: the retries stop
         retries = pool.stats()[account(1)]["counters"]["connect_retries"]
         await asyncio.sleep(0.5)
