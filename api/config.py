@@ -93,6 +93,15 @@ class ApiConfig(Strict):
     max_page: int = Field(default=200, ge=1)
     # Live followers (GET /v1/jobs/{id}/output?follow=true, /events) at once per identity.
     max_followers: int = Field(default=8, ge=1)
+    # Job handles (POST /v1/jobs/{id}/handles): unexpired handles one job may have at once (the
+    # TTL's cap is the policy rule's `handle_max_ttl`).
+    max_handles_per_job: int = Field(default=16, ge=1)
+    # The change feed (GET /v1/jobs/events): feeds open at once per identity (over all replicas
+    # with Redis), the seconds between keep-alives of an idle feed, and how long events are kept
+    # for a Last-Event-ID to resume from (older: a `reset` event says some were missed).
+    max_change_feeds: int = Field(default=4, ge=1)
+    change_keepalive: float = Field(default=15.0, gt=0, le=300)
+    change_window: float = Field(default=86400.0, ge=60)
     # Directory listings (api/files/listings.py `Listings`): the most entries one listing reads from
     # the host (413 beyond: it stops reading at one more), how long a listing may take to read,
     # and its snapshot for the next pages: kept this many seconds after its last page, within
@@ -482,6 +491,8 @@ class PolicyRule(Strict):
     # Directory listings one identity may read from hosts at once (429 `too-many-listings`);
     # the next pages of a listing come from its snapshot and take no place.
     max_listings: int = Field(default=2, ge=1)
+    # Job handles: the longest `ttl` a handle gets (a longer one asked for is cut to this).
+    handle_max_ttl: float = Field(default=7 * 86400.0, gt=0)
 
     @model_validator(mode="before")
     @classmethod

@@ -128,6 +128,8 @@ class Policy:
 
     def rule_for(self, who: Principal) -> PolicyRule | None:
         """The first rule whose issuer and subject patterns match the caller."""
+        if who.handle is not None:
+            return None  # a job handle's bearer: no rule, however wide its patterns
         literal = self._literal.get((who.issuer, who.subject))
         first = literal[0] if literal else len(self.config.policy)
         for i, rule in self._globs:
