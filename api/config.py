@@ -486,6 +486,9 @@ class PolicyRule(Strict):
     max_listings: int = Field(default=2, ge=1)
     # Job handles: the longest `ttl` a handle gets (a longer one asked for is cut to this).
     handle_max_ttl: float = Field(default=7 * 86400.0, gt=0)
+    # Webhook URLs (fnmatch, scheme included) this rule's callers may use, within [webhooks]
+    # allowed_urls and allowed_networks: it narrows them, never widens. []: no webhooks.
+    webhook_urls: list[str] = Field(default_factory=lambda: ["*"])
 
     @model_validator(mode="before")
     @classmethod
