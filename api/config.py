@@ -116,6 +116,13 @@ class ApiConfig(Strict):
     checksum_timeout: float = Field(default=10.0, gt=0)
     checksum_min_rate: int = Field(default=32 << 20, gt=0)
     checksum_max_timeout: float = Field(default=600.0, gt=0)
+    # Downloads and uploads move their bytes on connections of their own whose SSH work runs
+    # on a thread of its own (sshpool.lane), not on the event loop that serves jobs; at most
+    # transfer_lane_slots chunk reads or writes at once over all of them, shared by identity
+    # in turns when all are taken (docs/files.md, "The transfer lane"). False: on the jobs'
+    # connections and loop, as before.
+    transfer_lane: bool = True
+    transfer_lane_slots: int = Field(default=8, ge=1, le=256)
 
 
 class IssuerConfig(Strict):

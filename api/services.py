@@ -119,7 +119,7 @@ from api.store import JobRow, Store
 from api.tasks import OnDeath, Supervisor
 from api.webhooks.deliver import Deliverer
 from api.webhooks.service import WebhookService
-from sshpool import Pool, SSHPoolError
+from sshpool import Lane, Pool, SSHPoolError
 
 log = logging.getLogger("sshapi")
 
@@ -239,7 +239,14 @@ async def running(
             )
             stack.push_async_callback(health.close)
             stack.push_async_callback(supervisor.stop, *health_tasks)
-        the_pool = pool or Pool(backend=settings.backend, coordinator=coordinator, health=health)
+        lane = None
+        if pool is None and config.api.transfer_lane:
+            # Stopped after the pool is closed (its lane connections close on its thread).
+            lane = Lane(config.api.transfer_lane_slots).start()
+            stack.callback(lane.stop)
+        the_pool = pool or Pool(
+            backend=settings.backend, coordinator=coordinator, health=health, lane=lane
+        )
         if pool is None:
             stack.push_async_callback(the_pool.close)
         policy = Policy(config)
