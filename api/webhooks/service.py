@@ -17,9 +17,6 @@ from api.webhooks.models import LastDelivery, WebhookCreated, WebhookInfo, Webho
 from api.webhooks.safety import Refused, check_url, resolve
 
 SECRET_BYTES = 24  # 192 bits; the specification asks for 24 to 64
-# What a token's account claim may be to be kept on a webhook (the column's width): a longer
-# one is no account a host or a revocation could name.
-MAX_ACCOUNT = 64
 RULE_REFUSED = "your policy rule does not allow webhooks to this URL (ask your operator which)"
 
 
@@ -68,7 +65,7 @@ class WebhookService:
             await resolve(parsed, self.config)
         except Refused as exc:
             raise Problem(422, "webhook-url-refused", "Webhook URL refused", str(exc)) from None
-        account = who.account if who.account and len(who.account) <= MAX_ACCOUNT else None
+        account = who.kept_account
         events = sorted(set(body.events))
         hook = Webhook(
             id=new_id(),

@@ -10,7 +10,16 @@ import asyncio
 import uuid
 from pathlib import Path
 
-from api_helpers import LOCAL_ISS, Api, Keys, config_toml, eventually, make_settings, running_api
+from api_helpers import (
+    LOCAL_ISS,
+    Api,
+    Keys,
+    config_toml,
+    eventually,
+    make_settings,
+    pg_schema,
+    running_api,
+)
 from test_api_webhooks import HOOKS, add_hook, hook_status, last_attempt
 
 from loadtests.webhook_receiver import Receiver
@@ -150,3 +159,36 @@ async def test_an_account_revocation_holds_the_deliveries_of_its_webhooks(
             await eventually(lambda: len(receiver.received) == 1, timeout=60)
             [got] = receiver.received
             assert got.valid and got.message["data"]["id"] == job["id"]
+
+
+async def test_a_claim_longer_than_any_account_still_makes_webhooks_and_handles(
+    tuned_host: LocalHost, secret_file: Path, keys: Keys, secret: str, tmp_path: Path
+) -> None:
+    """A token whose account claim is 100 characters (no host account or revocation can name
+    one) makes a webhook and a job handle on PostgreSQL, whose owner_account columns hold 64:
+    kept without the account, not a 500."""
+    sub = portal_subject()
+    long_claim = "a" * 100
+    async with Receiver() as receiver, pg_schema() as schema:
+        path = tmp_path / "portal.toml"
+        path.write_text(portal_config(tuned_host, secret_file, keys, sub, ["*"]))
+        settings = make_settings(tmp_path, path, "postgresql", schema)
+        async with running_api(settings, keys, secret) as api:
+            headers = {"Authorization": f"Bearer {api.token(sub, **{CLAIM: long_claim})}"}
+            r = await api.client.post(
+                f"{api.url}/v1/webhooks",
+                json={"url": receiver.url, "events": ["job.succeeded"]},
+                headers=headers,
+            )
+            assert r.status_code == 201, r.text
+            r = await api.client.post(
+                f"{api.url}/v1/jobs?wait=10",
+                json={"host": "local", "argv": ["true"]},
+                headers=headers,
+            )
+            assert r.status_code in (200, 201, 202), r.text
+            job = r.json()["id"]
+            r = await api.client.post(
+                f"{api.url}/v1/jobs/{job}/handles", json={"ttl": 60}, headers=headers
+            )
+            assert r.status_code == 201, r.text
