@@ -71,6 +71,10 @@ class HandleGrant:
     creator: Principal
 
 
+# The widest account claim the store keeps with a record (its owner_account columns).
+MAX_KEPT_ACCOUNT = 64
+
+
 @dataclass(frozen=True, slots=True)
 class Principal:
     """A verified caller. Identity is (issuer, subject): `key`. `account`: the Unix account its
@@ -87,6 +91,13 @@ class Principal:
     scopes: frozenset[str]
     account: str | None = None
     handle: HandleGrant | None = None
+
+    @property
+    def kept_account(self) -> str | None:
+        """The account claim as records keep it (a handle's or a webhook's creator, for
+        revocations by account): None when longer than the store's column, 64 characters, as
+        no host account or revocation can name such a claim."""
+        return self.account if self.account and len(self.account) <= MAX_KEPT_ACCOUNT else None
 
     @property
     def accountable(self) -> Principal:

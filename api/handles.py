@@ -80,7 +80,7 @@ class Handles:
             digest=digest(token),
             owner_iss=who.issuer,
             owner_sub=who.subject,
-            owner_account=who.account,
+            owner_account=who.kept_account,
             cancel=cancel,
             created_at=now,
             expires_at=now + timedelta(seconds=min(ttl, self.max_ttl(who))),

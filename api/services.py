@@ -119,7 +119,7 @@ from api.store import JobRow, Store
 from api.tasks import OnDeath, Supervisor
 from api.webhooks.deliver import Deliverer
 from api.webhooks.service import WebhookService
-from sshpool import Pool, SSHPoolError
+from sshpool import Lane, Pool, SSHPoolError
 
 log = logging.getLogger("sshapi")
 
@@ -169,10 +169,10 @@ async def _cancel_revoked(jobs: JobService, store: Store, row: JobRow) -> bool:
     return True
 
 
-def _owner_revoked(revocations: Revocations, owner: tuple[str, str]) -> bool:
-    """Whether a revocation of their identity refuses a job owner (an account's revocation
-    needs the token's account claim, which a delivery does not have)."""
-    who = Principal(issuer=owner[0], subject=owner[1], scopes=frozenset())
+def _owner_revoked(revocations: Revocations, owner: tuple[str, str], account: str | None) -> bool:
+    """Whether a revocation refuses a webhook's owner: of their identity, or of an account they
+    run as (their rule's, or `account`: the claim their token had when they made the webhook)."""
+    who = Principal(issuer=owner[0], subject=owner[1], scopes=frozenset(), account=account)
     return revocations.refused(who) is not None
 
 
@@ -239,7 +239,14 @@ async def running(
             )
             stack.push_async_callback(health.close)
             stack.push_async_callback(supervisor.stop, *health_tasks)
-        the_pool = pool or Pool(backend=settings.backend, coordinator=coordinator, health=health)
+        lane = None
+        if pool is None and config.api.transfer_lane:
+            # Stopped after the pool is closed (its lane connections close on its thread).
+            lane = Lane(config.api.transfer_lane_slots).start()
+            stack.callback(lane.stop)
+        the_pool = pool or Pool(
+            backend=settings.backend, coordinator=coordinator, health=health, lane=lane
+        )
         if pool is None:
             stack.push_async_callback(the_pool.close)
         policy = Policy(config)
@@ -363,6 +370,7 @@ async def running(
             settings.replica,
             details=details,
             revoked=functools.partial(_owner_revoked, revocations),
+            rule_allows=policy.webhook_url_allowed,
         )
         stack.push_async_callback(deliverer.close)
         tasks.append(supervisor.spawn("webhooks", deliverer.loop, OnDeath.RESTART))
@@ -386,7 +394,7 @@ async def running(
             admin=AdminService(config, policy, the_store, the_pool, revocations, drains),
             handles=Handles(config, policy, the_store),
             changes=changes,
-            webhooks=WebhookService(deliverer.hooks, config.webhooks),
+            webhooks=WebhookService(deliverer.hooks, config.webhooks, policy.webhook_url_allowed),
             accepting=True,
         )
         try:

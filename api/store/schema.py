@@ -234,6 +234,9 @@ WEBHOOKS = Table(
     Column("last_error", String(512), nullable=True),
     Column("delivered", Integer, nullable=False, default=0),
     Column("failed", Integer, nullable=False, default=0),  # deliveries given up
+    # The creator's account claim, if their token had one: a revocation of that account holds
+    # the webhook's deliveries too (api/webhooks/deliver.py).
+    Column("owner_account", String(64), nullable=True),
     Index("sshapi_webhooks_owner", "owner_iss", "owner_sub"),
 )
 
