@@ -51,7 +51,7 @@ NOTHING: AbstractContextManager[None] = nullcontext()
 # Set by `configure` once the SDK is installed: this process traces.
 _on = False
 # The root sampler's bound when it is a trace-id ratio (`OTEL_TRACES_SAMPLER` traceidratio or
-# parentbased_traceidratio): `server_span` then decides a root request itself (`_draw`).
+# parentbased_traceidratio): `server_span` then decides a root request itself (`_DrawnIds`).
 _root_bound: int | None = None
 _TRACE_ID_LIMIT = (1 << 64) - 1
 
