@@ -13,12 +13,13 @@
   `recommend`, its advice per setting of sshd_config.tuned), `soak`,
   `replicas` (API replicas behind nginx), `backend_bench` and `raw_matrix` (the pool alone),
   `accounts`, `certificates` and `handshakes` (many researcher accounts on one sshd), `cluster`
-  (login-node faults), `files_bench`, `list_bench` and `transfer_fairness` (files),
+  (login-node faults), `files_bench`, `list_bench`, `transfer_fairness` and `lane_choice` (files),
   `live_latency` (live output), `cli_startup` (the `sshapi` command's start),
   `webhook_latency` (state change to webhook delivery), `outbox_cost` (the webhook outbox's
   cost to a job without webhooks), `portals_bench` (one change feed against polling 1,000
   running jobs), `metrics_cost` (what /metrics costs, old tree against new),
-  `panels` (dashboard panels as pictures, from a real Prometheus).
+  `panels` (dashboard panels as pictures, from a real Prometheus), `trace_bench` (what
+  OpenTelemetry traces cost per job, off and sampled).
 * What they share: `server` (start the API for a measurement), `cpu` (`CpuMeter`: where the CPU
   went), `bystander` (another identity's short jobs beside a measurement), `schedule` (load
   shapes, pure), `records` (one record per request), `hdr` (HdrHistogram helpers), `summary`
