@@ -318,6 +318,9 @@ class Store(PortalStore):
         no other replica asked to cancel it. True if a row changed. A change of `state` queues
         the owner's webhook deliveries of it in the same transaction (api/store/outbox.py)."""
         deliveries = outbox.params(job_id, values)
+        # Whether the outbox statement queued a delivery: only then is the deliverer woken (a
+        # wake-up costs it a read of the outbox; with no webhook, every job paid three).
+        queued = [False]
         logged = "state" in values  # a job event too (api/store/portals.py)
         if self._sqlite is not None:
             exprs = {k: v for k, v in values.items() if isinstance(v, ClauseElement)}
@@ -335,7 +338,7 @@ class Store(PortalStore):
                 if db.execute(sql, params).rowcount == 0:
                     return False
                 if deliveries is not None:
-                    db.execute(outbox.SQLITE, deliveries)
+                    queued[0] = db.execute(outbox.SQLITE, deliveries).rowcount > 0
                 if logged:  # the job event (its owner: whose change feed to wake)
                     return tuple(db.execute(portals.SQLITE_EVENT_FROM_ROW, event).fetchall()[0])
                 return True
@@ -343,7 +346,7 @@ class Store(PortalStore):
             write: Write = Logged(run) if logged else run
             with tracing.store_span("UPDATE", self.dialect):
                 result = await self._write(write, output_bytes(params))
-            return self._evented(self._logged(result), deliveries)
+            return self._evented(self._logged(result), queued[0])
         if self._pg is not None:
             pg = self._pg.sql
             if any(isinstance(v, ClauseElement) for v in values.values()):  # rare: per call
@@ -361,7 +364,8 @@ class Store(PortalStore):
                 if status.rsplit(" ", 1)[-1] == "0":
                     return False
                 if deliveries is not None:
-                    await conn.execute(outbox.POSTGRES, *deliveries)
+                    inserted: str = await conn.execute(outbox.POSTGRES, *deliveries)
+                    queued[0] = inserted.rsplit(" ", 1)[-1] != "0"  # "INSERT 0 <rows>"
                 if logged:
                     return tuple(await conn.fetchrow(portals.PG_EVENT_FROM_ROW, *pg_event))
                 return True
@@ -369,7 +373,7 @@ class Store(PortalStore):
             pg_write: Write = Logged(change) if logged else change
             with tracing.store_span("UPDATE", self.dialect):
                 result = await self._write(pg_write)
-            return self._evented(self._logged(result), deliveries)
+            return self._evented(self._logged(result), queued[0])
         query = update(JOBS).where(JOBS.c.id == job_id).values(**values)
         if only_active:
             query = query.where(JOBS.c.state.in_(ACTIVE))
@@ -379,7 +383,8 @@ class Store(PortalStore):
         def execute(conn: Connection) -> bool:
             changed = bool(conn.execute(query).rowcount)
             if changed and deliveries is not None:
-                conn.execute(text(outbox.CORE), outbox.core_params(deliveries))
+                params = outbox.core_params(deliveries)
+                queued[0] = conn.execute(text(outbox.CORE), params).rowcount > 0
             if changed and logged:
                 conn.execute(events_of(JOBS.c.id == job_id))
             return changed
@@ -387,7 +392,7 @@ class Store(PortalStore):
         changed = bool(await self._write(Logged(execute) if logged else execute))
         if changed and logged:
             self._changed(None)
-        return self._evented(changed, deliveries)
+        return self._evented(changed, queued[0])
 
     def _logged(self, result: Any) -> bool:
         """An update's result: False, True, or (logged) the owner whose feed to wake."""
@@ -396,8 +401,8 @@ class Store(PortalStore):
             return True
         return bool(result)
 
-    def _evented(self, changed: bool, deliveries: list[Any] | None) -> bool:
-        if changed and deliveries is not None:
+    def _evented(self, changed: bool, queued: bool) -> bool:
+        if changed and queued:
             for listener in self.on_event:
                 listener()
         return changed
@@ -484,7 +489,7 @@ class Store(PortalStore):
             if rows:
                 await conn.execute(events_of(c.id.in_([row.id for row in rows])))
         if rows:
-            self._evented(True, [])
+            self._evented(True, True)
             self._changed(None)
         return int(result.rowcount)
 
