@@ -426,7 +426,16 @@ class HostPool:
             self.spawn(self._kill(c, lease.pgid))
             raise
         except BaseException as exc:
-            if isinstance(exc, ConnectionLost) and lease.t_started is None and not c.served:
+            # Once per connection (the first lease to find it lost; `_failed` expires it): the
+            # breaker counts lost connections, and one idle connection that never served can
+            # carry several leases when its host dies (16 callers on 2 connections opened 3).
+            first = not c.expired
+            if (
+                isinstance(exc, ConnectionLost)
+                and lease.t_started is None
+                and not c.served
+                and first
+            ):
                 self.breaker.lost_before_start(self.loop.time())
             self._failed(c, exc)
             raise
