@@ -9,9 +9,9 @@ import asyncio
 import pytest
 
 from sshpool import ConnectionLost, Limits, Pool, Target
+from sshpool.backends import Exit
 from sshpool.breaker import Breaker
 from sshpool.devhost import FakeBackend
-from sshpool.backends import Exit
 from sshpool.devhost.fake import backlog_queued
 from sshpool.errors import ConnectError, NotAdmitted, PoolFull, PoolTimeout
 
