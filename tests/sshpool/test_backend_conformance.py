@@ -328,7 +328,9 @@ async def test_cancel_signals_the_shell_and_frees_the_exec(
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert time.monotonic() - started < 2.5
+    # At once, not after the 4 MB write the command never reads (which never ends) nor the
+    # 30 s sleep: the bound leaves the loaded box its pauses (it was 2.5 s, which load broke).
+    assert time.monotonic() - started < 10
     try:
         assert await gone(stock_host, word), "the TERM request did not reach the shell"
     finally:
@@ -534,7 +536,8 @@ async def test_silent_server_is_a_connect_timeout(
         started = time.monotonic()
         with pytest.raises(ConnectTimeout):
             await backend.connect(target)
-        assert time.monotonic() - started < 2
+        # Its 0.5 s connect_timeout, not the default 10 s (nor never): the rest is the box's.
+        assert time.monotonic() - started < 5
 
 
 # ---- connection health
