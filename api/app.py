@@ -25,6 +25,7 @@ from api.routes.jobs import router as jobs_router
 from api.routes.live import router as live_router
 from api.routes.nodes import router as nodes_router
 from api.routes.ops import router as ops_router
+from api.routes.portals import router as portals_router
 from api.routes.webhooks import router as webhooks_router
 from api.routes.whoami import router as whoami_router
 from api.services import running
@@ -79,6 +80,7 @@ def create_app(
     docs.install(app)
     problems.install(app)
     routers = (
+        portals_router,  # first: /v1/jobs/events is the change feed, not a job
         jobs_router,
         live_router,
         webhooks_router,

@@ -43,6 +43,8 @@ from api.settings import read_secret_file
 log = logging.getLogger("sshapi.auth")
 
 REQUIRED_CLAIMS = ["exp", "iat", "sub", "aud", "iss"]
+# The issuer of job handles' principals: not a URL, so no configured issuer can be it.
+HANDLE_ISSUER = "sshapi:handle"
 # Checked before any decoding: a real token is well under 2 KiB, and decoding one of megabytes
 # (base64 + JSON, twice) costs seconds of CPU for a 401.
 MAX_TOKEN_BYTES = 8 << 10
@@ -59,15 +61,48 @@ KEY_TYPES: dict[str, tuple[type, ...]] = {
 
 
 @dataclass(frozen=True, slots=True)
+class HandleGrant:
+    """What a job handle (api/handles.py) lets its bearer do: read job `job_id`, and cancel it
+    when `cancel`; on behalf of `creator`, whose revocation ends it and whose buckets pay."""
+
+    id: str
+    job_id: str
+    cancel: bool
+    creator: Principal
+
+
+# The widest account claim the store keeps with a record (its owner_account columns).
+MAX_KEPT_ACCOUNT = 64
+
+
+@dataclass(frozen=True, slots=True)
 class Principal:
     """A verified caller. Identity is (issuer, subject): `key`. `account`: the Unix account its
     issuer's `account_claim` names, unchecked (api/policy.py checks it against the host): None
-    when the issuer has no such claim or the token lacks it, "" when it is not a string."""
+    when the issuer has no such claim or the token lacks it, "" when it is not a string.
+
+    `handle`: set for the bearer of a job handle, whose identity is the handle's own
+    (HANDLE_ISSUER, the handle's id): no policy rule, host, account or job list is theirs, so
+    every feature keyed by identity refuses them by default; the job service lets them read the
+    one job the grant names (api/jobs/service.py `get`)."""
 
     issuer: str
     subject: str
     scopes: frozenset[str]
     account: str | None = None
+    handle: HandleGrant | None = None
+
+    @property
+    def kept_account(self) -> str | None:
+        """The account claim as records keep it (a handle's or a webhook's creator, for
+        revocations by account): None when longer than the store's column, 64 characters, as
+        no host account or revocation can name such a claim."""
+        return self.account if self.account and len(self.account) <= MAX_KEPT_ACCOUNT else None
+
+    @property
+    def accountable(self) -> Principal:
+        """Who answers for this caller's use: a handle's creator, else the caller."""
+        return self.handle.creator if self.handle is not None else self
 
     @property
     def key(self) -> tuple[str, str]:

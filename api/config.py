@@ -17,51 +17,12 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from api.credentials import CertificateCredentials, Credentials, KeyCredentials, Strict
+from api.protected_paths import PROTECTED_PATHS
 from api.settings import read_secret_file
 from api.webhooks.config import WebhooksConfig
 from sshpool import Limits, Target
 
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
-# What the files API never writes, whatever the roots (`[hosts.X] protected_paths`): paths
-# relative to the account's home that sshd or a login shell reads and runs or trusts, each with
-# everything under it. `.ssh/` holds rc (run by sshd before every command when PermitUserRC is
-# on, OpenSSH's default), authorized_keys and environment; the rest are the start-up and logout
-# files of bash, sh, zsh, csh/tcsh, ksh and fish, what Debian's and Fedora's .bashrc source
-# (.bash_aliases, .bashrc.d/), PAM's and the user manager's environment, the files that
-# grant logins or forward mail to a program (.rhosts, .shosts, .k5login, .k5users, .forward),
-# and Python's user site directories (.local/lib/pythonX.Y/site-packages, every version: a
-# usercustomize.py or a .pth file there runs in every python3 the account starts).
-PROTECTED_PATHS = (
-    ".ssh",
-    ".bashrc",
-    ".bash_profile",
-    ".bash_login",
-    ".bash_logout",
-    ".bash_aliases",
-    ".bashrc.d",
-    ".profile",
-    ".zshrc",
-    ".zshenv",
-    ".zprofile",
-    ".zlogin",
-    ".zlogout",
-    ".cshrc",
-    ".tcshrc",
-    ".login",
-    ".logout",
-    ".kshrc",
-    ".mkshrc",
-    ".pam_environment",
-    ".config/fish",
-    ".config/environment.d",
-    ".config/systemd",
-    ".forward",
-    ".rhosts",
-    ".shosts",
-    ".k5login",
-    ".k5users",
-    ".local/lib",
-)
 PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 # The scopes a token can carry (api/auth.py keeps only these).
 SCOPES = ("jobs:read", "jobs:write", "files:read", "files:write", "admin")
@@ -93,6 +54,15 @@ class ApiConfig(Strict):
     max_page: int = Field(default=200, ge=1)
     # Live followers (GET /v1/jobs/{id}/output?follow=true, /events) at once per identity.
     max_followers: int = Field(default=8, ge=1)
+    # Job handles (POST /v1/jobs/{id}/handles): unexpired handles one job may have at once (the
+    # TTL's cap is the policy rule's `handle_max_ttl`).
+    max_handles_per_job: int = Field(default=16, ge=1)
+    # The change feed (GET /v1/jobs/events): feeds open at once per identity (over all replicas
+    # with Redis), the seconds between keep-alives of an idle feed, and how long events are kept
+    # for a Last-Event-ID to resume from (older: a `reset` event says some were missed).
+    max_change_feeds: int = Field(default=4, ge=1)
+    change_keepalive: float = Field(default=15.0, gt=0, le=300)
+    change_window: float = Field(default=86400.0, ge=60)
     # Directory listings (api/files/listings.py `Listings`): the most entries one listing reads from
     # the host (413 beyond: it stops reading at one more), how long a listing may take to read,
     # and its snapshot for the next pages: kept this many seconds after its last page, within
@@ -107,6 +77,11 @@ class ApiConfig(Strict):
     checksum_timeout: float = Field(default=10.0, gt=0)
     checksum_min_rate: int = Field(default=32 << 20, gt=0)
     checksum_max_timeout: float = Field(default=600.0, gt=0)
+    # Transfers on connections of their own whose SSH work runs on a thread (sshpool.lane), at
+    # most transfer_lane_slots chunks at once, fairly shared by identity (docs/files.md, "The
+    # transfer lane"). False: on the jobs' connections and event loop.
+    transfer_lane: bool = True
+    transfer_lane_slots: int = Field(default=8, ge=1, le=256)
 
 
 class IssuerConfig(Strict):
@@ -475,6 +450,11 @@ class PolicyRule(Strict):
     # Directory listings one identity may read from hosts at once (429 `too-many-listings`);
     # the next pages of a listing come from its snapshot and take no place.
     max_listings: int = Field(default=2, ge=1)
+    # Job handles: the longest `ttl` a handle gets (a longer one asked for is cut to this).
+    handle_max_ttl: float = Field(default=7 * 86400.0, gt=0)
+    # Webhook URLs (fnmatch, scheme included) this rule's callers may use, within [webhooks]
+    # allowed_urls and allowed_networks: it narrows them, never widens. []: no webhooks.
+    webhook_urls: list[str] = Field(default_factory=lambda: ["*"])
 
     @model_validator(mode="before")
     @classmethod

@@ -12,7 +12,8 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.routing import BaseRoute
 
 from api.auth import Principal
-from api.problems import Problem, revoked
+from api.handles import is_handle
+from api.problems import Problem, revoked, unauthorized
 from api.services import Services
 from api.timing import stage
 
@@ -45,15 +46,22 @@ async def authenticate(
             "send Authorization: Bearer <token>",
             headers={"WWW-Authenticate": 'Bearer realm="sshapi"'},
         )
+    token = credentials.credentials
     with stage("auth"):
-        who = await svc.auth.authenticate(credentials.credentials)
+        if is_handle(token):
+            who = await svc.handles.authenticate(token)
+        else:
+            who = await svc.auth.authenticate(token)
     refuse_revoked(svc, who)
     return who
 
 
 def refuse_revoked(svc: Services, who: Principal) -> None:
-    """403 `identity-revoked` when a revocation refuses `who`."""
+    """403 `identity-revoked` when a revocation refuses `who`; for a job handle whose creator
+    is refused, 401: the handle itself is over (api/handles.py)."""
     if svc.revocations.refused(who) is not None:
+        if who.handle is not None:
+            raise unauthorized("the handle's creator was revoked")
         raise revoked()
 
 
@@ -102,9 +110,24 @@ def require(scope: str) -> Callable[..., Coroutine[Any, Any, Principal]]:
     return check
 
 
+_write_scope = require("jobs:write")
+
+
+async def may_cancel(who: Annotated[Principal, Depends(get_principal)]) -> Principal:
+    """`jobs:write`, or a job handle made with `cancel: true` (its job only: the service's
+    `get` confines it)."""
+    if who.handle is None:
+        return await _write_scope(who)
+    if not who.handle.cancel:
+        raise Problem(403, "insufficient-scope", "Insufficient scope",
+                      "this handle was made without `cancel`: it only reads")  # fmt: skip
+    return who
+
+
 Svc = Annotated[Services, Depends(get_services)]
 Caller = Annotated[Principal, Depends(get_principal)]
 Reader = Annotated[Principal, Depends(require("jobs:read"))]
 Writer = Annotated[Principal, Depends(require("jobs:write"))]
+Canceller = Annotated[Principal, Depends(may_cancel)]
 FileReader = Annotated[Principal, Depends(require("files:read"))]
 FileWriter = Annotated[Principal, Depends(require("files:write"))]

@@ -51,7 +51,7 @@ class RequestContext:
         span = None
         if self.traced:
             span = tracing.server_span(headers, scope["method"], scope["path"])
-            if span.is_recording():
+            if span is not None and span.is_recording():
                 span_token = tracing.attach(span)
             else:
                 span = None  # not sampled: nothing below makes a span either

@@ -128,14 +128,28 @@ class Policy:
 
     def rule_for(self, who: Principal) -> PolicyRule | None:
         """The first rule whose issuer and subject patterns match the caller."""
-        literal = self._literal.get((who.issuer, who.subject))
+        if who.handle is not None:
+            return None  # a job handle's bearer: no rule, however wide its patterns
+        return self.rule_of(who.issuer, who.subject)
+
+    def rule_of(self, issuer: str, subject: str) -> PolicyRule | None:
+        """The first rule matching an identity (`rule_for` without a caller: a job's or a
+        webhook's owner, whose token is long gone)."""
+        literal = self._literal.get((issuer, subject))
         first = literal[0] if literal else len(self.config.policy)
         for i, rule in self._globs:
             if i >= first:
                 break
-            if fnmatchcase(who.issuer, rule.issuer) and fnmatchcase(who.subject, rule.subject):
+            if fnmatchcase(issuer, rule.issuer) and fnmatchcase(subject, rule.subject):
                 return rule
         return literal[1] if literal else None
+
+    def webhook_url_allowed(self, owner: tuple[str, str], url: str) -> bool:
+        """Whether the owner's rule lets their webhooks call `url` (its `webhook_urls`); an
+        identity without a rule (an admin's, say) has only the server's [webhooks] limits. Asked
+        at creation and again before every delivery: a rule narrowed since stops the calls."""
+        rule = self.rule_of(*owner)
+        return rule is None or _listed(url, rule.webhook_urls)
 
     def visible_hosts(self, who: Principal) -> list[str]:
         """Hosts the caller may use; admins see every host."""

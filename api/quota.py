@@ -42,13 +42,14 @@ PREFIX = "sshapi:"
 # `commits`, one upload's commit per (host, path). The values are what each set's Redis key
 # holds between the kind and the identity: the key format of the previous releases, kept as it
 # was so that replicas of the old and the new release share the caps through a rolling restart.
-Space = Literal["jobs", "transfers", "listings", "followers", "commits"]
+Space = Literal["jobs", "transfers", "listings", "followers", "commits", "changes"]
 SPACES: dict[Space, str] = {
     "jobs": "",
     "transfers": "files\0",
     "listings": "listings\0",
     "followers": "follow:",
     "commits": "files-commit\0",
+    "changes": "changes\0",
 }
 
 # The buckets of one identity: job submissions, and SSH-backed reads (output reads, cancels).

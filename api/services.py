@@ -34,6 +34,13 @@ cancellation; every one is logged with its traceback):
 |                     | drained nodes each second, so a    |         | made on another replica   |
 |                     | drain holds on every replica       |         | never reaches this one    |
 |                     | (api/admin/nodes.py)               |         |                           |
+| `change-prune`      | deletes job events older than the  | restart | lost, the event log grows |
+|                     | change feed's window               |         | until `sshapi db prune`   |
+|                     | (api/live/changes.py)              |         |                           |
+| `change-publish`    | with Redis: tells the replicas     | restart | lost, their feeds see our |
+|                     | whose jobs changed here            |         | changes at a keep-alive   |
+| `change-listen`     | with Redis: wakes this process's   | restart | lost, as above, the other |
+|                     | feeds on the other replicas' news  |         | way                       |
 | `prewarm-<host>`    | opens the host's `min_connections` | once    | best effort: jobs connect |
 |                     | at start                           |         | on demand anyway          |
 | `sshd-budget`       | with Redis: takes, renews and      | restart | lost, the leases lapse    |
@@ -70,6 +77,7 @@ cancels and awaits when it closes, each failure logged:
 | `resolve-<id>`             | api/jobs/batch.py `BatchJobs`                                   |
 | `pub-<id>`, `live-<id>`    | api/live/hub.py `LiveHub`                                       |
 | request-scoped tasks       | the request that starts them (api/routes/files.py, api/files/)  |
+| `handle-<id>`              | a stream read with a job handle (api/handles.py `watching`)     |
 
 Shutdown: not ready (503) first; the trackers, the renewer and the prewarms stopped (the last
 started first); the job service closed (batch lookups, the relay's listener and the live feeds,
@@ -97,8 +105,9 @@ from api.auth import Authenticator, Principal
 from api.client import tls_context
 from api.config import Config, HostConfig
 from api.files import FileService
+from api.handles import Handles
 from api.jobs import BatchJobs, JobService
-from api.live import make_relay
+from api.live import ChangeFeeds, make_relay
 from api.metrics import Metrics
 from api.node_health import RedisNodeHealth
 from api.policy import Policy
@@ -110,7 +119,7 @@ from api.store import JobRow, Store
 from api.tasks import OnDeath, Supervisor
 from api.webhooks.deliver import Deliverer
 from api.webhooks.service import WebhookService
-from sshpool import Pool, SSHPoolError
+from sshpool import Lane, Pool, SSHPoolError
 
 log = logging.getLogger("sshapi")
 
@@ -134,6 +143,8 @@ class Services:
     revocations: Revocations
     supervisor: Supervisor
     admin: AdminService
+    handles: Handles
+    changes: ChangeFeeds
     webhooks: WebhookService
     accepting: bool = False
 
@@ -158,10 +169,10 @@ async def _cancel_revoked(jobs: JobService, store: Store, row: JobRow) -> bool:
     return True
 
 
-def _owner_revoked(revocations: Revocations, owner: tuple[str, str]) -> bool:
-    """Whether a revocation of their identity refuses a job owner (an account's revocation
-    needs the token's account claim, which a delivery does not have)."""
-    who = Principal(issuer=owner[0], subject=owner[1], scopes=frozenset())
+def _owner_revoked(revocations: Revocations, owner: tuple[str, str], account: str | None) -> bool:
+    """Whether a revocation refuses a webhook's owner: of their identity, or of an account they
+    run as (their rule's, or `account`: the claim their token had when they made the webhook)."""
+    who = Principal(issuer=owner[0], subject=owner[1], scopes=frozenset(), account=account)
     return revocations.refused(who) is not None
 
 
@@ -228,7 +239,14 @@ async def running(
             )
             stack.push_async_callback(health.close)
             stack.push_async_callback(supervisor.stop, *health_tasks)
-        the_pool = pool or Pool(backend=settings.backend, coordinator=coordinator, health=health)
+        lane = None
+        if pool is None and config.api.transfer_lane:
+            # Stopped after the pool is closed (its lane connections close on its thread).
+            lane = Lane(config.api.transfer_lane_slots).start()
+            stack.callback(lane.stop)
+        the_pool = pool or Pool(
+            backend=settings.backend, coordinator=coordinator, health=health, lane=lane
+        )
         if pool is None:
             stack.push_async_callback(the_pool.close)
         policy = Policy(config)
@@ -287,6 +305,23 @@ async def running(
         release = version("sshapi")
         metrics.watch_service(settings.replica, release, the_store.write_stats, jobs.live.stats)
         metrics.watch_trackers(lambda: batch.trackers)
+        changes = ChangeFeeds(
+            the_store,
+            quota,
+            cap=config.api.max_change_feeds,
+            keepalive=config.api.change_keepalive,
+            window=config.api.change_window,
+            replica=settings.replica,
+            shared=processes > 1 or settings.database_url is not None,
+            redis_url=settings.redis_url,
+        )
+        stack.push_async_callback(changes.close)
+        the_store.on_change = changes.changed
+
+        def wake_followers() -> None:
+            jobs.live.wake_all()
+            changes.wake_all()
+
         nudge = RedisNudge(settings.redis_url) if settings.redis_url else None
         if nudge is not None:
             stack.push_async_callback(nudge.close)
@@ -295,7 +330,7 @@ async def running(
             the_pool,
             policy,
             functools.partial(_cancel_revoked, jobs, the_store),
-            jobs.live.wake_all,
+            wake_followers,
             settings.replica,
             nudge,
         )
@@ -312,7 +347,11 @@ async def running(
         await drains.refresh()  # a drain survives the restart before any job is taken
         tasks = [
             supervisor.spawn(task_name, loop, OnDeath.RESTART)
-            for task_name, loop in {**batch.loops(), "revocations": revocations.loop}.items()
+            for task_name, loop in {
+                **batch.loops(),
+                **changes.loops(),
+                "revocations": revocations.loop,
+            }.items()
         ]
         if nudge is not None:
             listen = functools.partial(nudge.listen, revocations.heard)
@@ -331,6 +370,7 @@ async def running(
             settings.replica,
             details=details,
             revoked=functools.partial(_owner_revoked, revocations),
+            rule_allows=policy.webhook_url_allowed,
         )
         stack.push_async_callback(deliverer.close)
         tasks.append(supervisor.spawn("webhooks", deliverer.loop, OnDeath.RESTART))
@@ -352,7 +392,9 @@ async def running(
             revocations=revocations,
             supervisor=supervisor,
             admin=AdminService(config, policy, the_store, the_pool, revocations, drains),
-            webhooks=WebhookService(deliverer.hooks, config.webhooks),
+            handles=Handles(config, policy, the_store),
+            changes=changes,
+            webhooks=WebhookService(deliverer.hooks, config.webhooks, policy.webhook_url_allowed),
             accepting=True,
         )
         try:

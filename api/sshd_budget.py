@@ -76,7 +76,8 @@ PARTS = ("live", "c", "cw", "h", "hw", "pen", "idle", "closing")
 # each idle connection of this process.
 # Returns {connection lease, connection cap, handshake lease, handshake cap, penalty score,
 # connections leased in all, handshakes leased in all, live processes, wanted but not held,
-# closes asked of other processes by this call}.
+# closes asked of other processes by this call, connections the others want beyond their
+# leases}.
 LEASE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
@@ -104,7 +105,9 @@ local n = tonumber(ARGV[14])
 for i = 15, 14 + n do redis.call('ZREM', kclosing, me .. '|' .. ARGV[i]) end
 -- This process's idle connections, as it has them now (those asked to close stay out).
 drop_of(kidle, me)
+local own_idle = 0
 for i = 15 + n, #ARGV, 2 do
+  own_idle = own_idle + 1
   local m = me .. '|' .. ARGV[i + 1]
   if not redis.call('ZSCORE', kclosing, m) then redis.call('ZADD', kidle, ARGV[i], m) end
 end
@@ -159,7 +162,7 @@ local function share(kleases, kwants, total, floor, want, need, idle)
   if new < floor then new = floor end
   if cap > new then cap = new end
   redis.call('HSET', kleases, me, new)
-  return {new, cap, others + new, unmet + math.max(0, want - new), target}
+  return {new, cap, others + new, unmet + math.max(0, want - new), target, unmet}
 end
 
 local c = share(KEYS[2], KEYS[3], tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]),
@@ -169,10 +172,10 @@ for _, i in ipairs({1, 2, 3, 4, 5, 7, 8}) do redis.call('EXPIRE', KEYS[i], math.
 
 -- Still short with no free slot: ask the owners of the least recently used idle connections
 -- of the sshd (other processes') to close them, as many as the wants no free slot or close
--- already asked covers.
+-- already asked covers, beyond this process's own idle ones (it closes those itself).
 local asked = 0
 local free = tonumber(ARGV[3]) - c[3]
-local lack = math.min(c[5], tonumber(ARGV[5])) - c[1]
+local lack = math.min(c[5], tonumber(ARGV[5])) - c[1] - own_idle
 local short = c[4] - redis.call('ZCARD', kclosing) - math.max(0, free)
 local k = math.min(lack, short)
 if k > 0 then
@@ -196,7 +199,7 @@ if score > 0 then
   redis.call('EXPIRE', KEYS[6], math.ceil(score) + 1)
 end
 return {c[1], c[2], h[1], h[2], tostring(score), c[3], h[3],
-        redis.call('ZCARD', KEYS[1]), c[4] + h[4], asked}
+        redis.call('ZCARD', KEYS[1]), c[4] + h[4], asked, c[6]}
 """
 
 
@@ -365,10 +368,12 @@ class RedisBudget:
             cap_h = min(cap_h, int(static_share(sshd.max_handshakes, self.processes)))
             cap_c = min(cap_c, int(static_share(sshd.max_total_connections, self.processes)))
         sshd.share_mode = "redis"
-        # Slots no process holds: this share may grow into them at its next step, so a full
-        # share waits for it rather than close one of its idle connections.
+        # Slots no process holds beyond what the others are short of: this share may grow
+        # into them at its next step, so a full share waits for it rather than close one of
+        # its idle connections (slots the others are short of go to them: it closes its own).
         room_before = sshd.room_coming
-        sshd.room_coming = int(sshd.max_total_connections) > int(reply[5])
+        free = int(sshd.max_total_connections) - int(reply[5])
+        sshd.room_coming = free > int(reply[10])
         self._allow(sshd, cap_h, cap_c)
         if room_before and not sshd.room_coming:
             sshd.dispatch()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
@@ -49,6 +50,10 @@ _PROPAGATOR = TraceContextTextMapPropagator()
 NOTHING: AbstractContextManager[None] = nullcontext()
 # Set by `configure` once the SDK is installed: this process traces.
 _on = False
+# The root sampler's bound when it is a trace-id ratio (`OTEL_TRACES_SAMPLER` traceidratio or
+# parentbased_traceidratio): `server_span` then decides a root request itself (`_DrawnIds`).
+_root_bound: int | None = None
+_TRACE_ID_LIMIT = (1 << 64) - 1
 
 
 def on() -> bool:
@@ -90,7 +95,27 @@ def configure(replica: str, environ: Mapping[str, str] | None = None) -> bool:
     )
     if not named:
         attributes["service.name"] = "sshapi"
-    provider = TracerProvider(resource=Resource.create(attributes))
+    global _IDS
+    _IDS = _DrawnIds()
+    resource = Resource.create(attributes)
+
+    class _Resource(Resource):
+        """The exporter groups every span by its resource in a dict: Resource's own hash
+        serialises its attributes to JSON each time (about 15 % of encoding a batch, by
+        py-spy); this one is immutable, so its hash is computed once."""
+
+        _hash = hash(resource)
+
+        def __hash__(self) -> int:
+            return self._hash
+
+        def __eq__(self, other: object) -> bool:
+            return other is self or super().__eq__(other)
+
+    provider = TracerProvider(
+        resource=_Resource(resource.attributes, resource.schema_url), id_generator=_IDS
+    )
+    _root_ratio(provider.sampler)
     exporters: list[SpanExporter] = []
     for name in (env.get("OTEL_TRACES_EXPORTER") or "otlp").split(","):
         name = name.strip().lower()
@@ -115,6 +140,41 @@ def configure(replica: str, environ: Mapping[str, str] | None = None) -> bool:
     return True
 
 
+class _DrawnIds:
+    """The SDK's random ids (RandomIdGenerator's), except that a root trace id drawn by
+    `server_span`'s sampling check is the one the SDK then uses: its sampler, deciding on that
+    same id, agrees with the check. Only the event loop's thread starts root spans."""
+
+    def __init__(self) -> None:
+        from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+
+        self._random = RandomIdGenerator()
+        self.drawn = 0
+
+    def generate_span_id(self) -> int:
+        return self._random.generate_span_id()
+
+    def generate_trace_id(self) -> int:
+        drawn, self.drawn = self.drawn, 0
+        return drawn or self._random.generate_trace_id()
+
+    def is_trace_id_random(self) -> bool:
+        return True
+
+
+_IDS: Any = None
+
+
+def _root_ratio(sampler: object) -> None:
+    """Keep the root sampler's bound when it decides by trace-id ratio (else the SDK decides
+    every request, as it would)."""
+    global _root_bound
+    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
+    root = getattr(sampler, "_root", None) if isinstance(sampler, ParentBased) else sampler
+    _root_bound = root.bound if isinstance(root, TraceIdRatioBased) else None
+
+
 def install_log_ids() -> None:
     """Every log record gets `trace` (" trace_id=<32 hex>" inside a traced context, else ""),
     which the server's log format prints (api/workers.py). Once per process."""
@@ -135,23 +195,36 @@ def install_log_ids() -> None:
 # ---- the request's span (api/middleware.py)
 
 
-def server_span(headers: Mapping[bytes, bytes], method: str, path: str) -> Span:
+def server_span(headers: Mapping[bytes, bytes], method: str, path: str) -> Span | None:
     """The request's SERVER span, continuing the caller's `traceparent` when it is well formed
-    and of a sane size (else a new trace). Named `METHOD` until the route is known (`ended`)."""
-    carrier: dict[str, str] = {}
+    and of a sane size (else a new trace). Named `METHOD` until the route is known (`ended`).
+
+    None for a new trace that the root sampler's trace-id ratio leaves out, decided here on a
+    trace id drawn as the SDK would (the SDK then uses that id, `_DrawnIds`): nine requests in
+    ten at 10 % pay one random draw instead of the SDK's span start and sampler (docs/
+    benchmarks.md "Traces: what they cost")."""
     parent = headers.get(b"traceparent")
+    if parent is None and _root_bound is not None:
+        drawn = random.getrandbits(128)
+        if drawn & _TRACE_ID_LIMIT >= _root_bound:
+            return None
+        _IDS.drawn = drawn
+    carrier: dict[str, str] = {}
     if parent is not None and len(parent) <= MAX_TRACEPARENT:
         carrier["traceparent"] = parent.decode("latin-1")
         state = headers.get(b"tracestate")
         if state is not None and len(state) <= MAX_TRACESTATE:
             carrier["tracestate"] = state.decode("latin-1")
     ctx = _PROPAGATOR.extract(carrier) if carrier else None
-    return TRACER.start_span(
+    made = TRACER.start_span(
         method,
         ctx,
         kind=SpanKind.SERVER,
         attributes={"http.request.method": method, "url.path": path, "url.scheme": "http"},
     )
+    if _IDS is not None:
+        _IDS.drawn = 0  # used by that start, or by none (a current span was its parent)
+    return made
 
 
 def end_server_span(span: Span, method: str, route: str, status: int, request_id: str) -> None:

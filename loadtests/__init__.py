@@ -16,7 +16,8 @@
   (login-node faults), `files_bench`, `list_bench` and `transfer_fairness` (files),
   `live_latency` (live output), `cli_startup` (the `sshapi` command's start),
   `webhook_latency` (state change to webhook delivery), `outbox_cost` (the webhook outbox's
-  cost to a job without webhooks), `metrics_cost` (what /metrics costs, old tree against new),
+  cost to a job without webhooks), `portals_bench` (one change feed against polling 1,000
+  running jobs), `metrics_cost` (what /metrics costs, old tree against new),
   `panels` (dashboard panels as pictures, from a real Prometheus).
 * What they share: `server` (start the API for a measurement), `cpu` (`CpuMeter`: where the CPU
   went), `bystander` (another identity's short jobs beside a measurement), `schedule` (load

@@ -119,9 +119,11 @@ def start_api(
     port: int | None = None,
     log: Path | None = None,
     env: dict[str, str] | None = None,
+    api: dict[str, Any] | None = None,
 ) -> tuple[subprocess.Popen[bytes], str]:
     """Start the API on 127.0.0.1 against a started LocalHost; returns the process and its base
-    URL once /readyz answers. `env` adds SSHAPI_* settings (a shared database, a replica name).
+    URL once /readyz answers. `env` adds SSHAPI_* settings (a shared database, a replica name),
+    `api` options of the configuration's `[api]` table (`transfer_lane`, ...).
     The caller stops the process."""
     lim = limits(pool_mode)
     host = {
@@ -133,9 +135,10 @@ def start_api(
         "limits": dataclasses.asdict(lim),
         "exec_mode": pool_mode if pool_mode in ("agent", "auto") else "channel",
     }
-    return serve_config(
-        config_data(host), backend=backend, data_dir=data_dir, port=port, log=log, env=env
-    )
+    config = config_data(host)
+    if api:
+        config["api"] = api
+    return serve_config(config, backend=backend, data_dir=data_dir, port=port, log=log, env=env)
 
 
 def serve_config(

@@ -8,7 +8,9 @@ Jobs: It starts a local sshd (`tuned`) and one API per variant (`loadtests.serve
 channel mode): `before` (the tree of `--before`, unpacked with `git archive`, imported first
 through PYTHONPATH), `off` (this tree, no OTEL_* variable), `on-100` and `on-10` (this tree,
 `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` at a sink in this process that answers every export and
-keeps nothing; the sampler `parentbased_always_on`, or `parentbased_traceidratio` at 0.1). Each
+keeps nothing; the sampler `parentbased_always_on`, or `parentbased_traceidratio` at 0.1), and
+when asked (`--variants`) `old-on-10` (the tree of `--old` at 10 %: an A/B of a change to the
+traced path), `on-0` (this tree at 0 %: what tracing costs a request it does not sample). Each
 round runs `--jobs` jobs (`argv ["true"]`, `--concurrency` at once, no traceparent: the root
 sampler decides) through each variant in a shuffled order, and reads the API process tree's CPU
 seconds (loadtests/cpu.py) around it: CPU ms per job, per variant and round, interleaved. It
@@ -45,7 +47,7 @@ from loadtests.cpu import own_seconds, tree_seconds
 from loadtests.server import start_api, stop_api, tuned_host
 
 REPO = Path(__file__).resolve().parents[1]
-VARIANTS = ("before", "off", "on-100", "on-10")
+VARIANTS = ("before", "off", "on-100", "on-10", "old-on-10", "on-0")
 TIMEOUT = 60.0
 
 
@@ -76,27 +78,32 @@ class Sink:
 
 def unpack(ref: str, into: Path) -> Path:
     """The tree of git `ref` of this repository, unpacked under `into`."""
-    archive = into / "before.tar"
+    into.mkdir()
+    archive = into / "tree.tar"
     with archive.open("wb") as out:
         subprocess.run(["git", "-C", str(REPO), "archive", ref], stdout=out, check=True)
-    tree = into / "before"
+    tree = into / "tree"
     with tarfile.open(archive) as tar:
         tar.extractall(tree)  # our own repository's archive
     return tree
 
 
-def variant_env(variant: str, sink: str, before: Path) -> dict[str, str]:
+def variant_env(variant: str, sink: str, before: Path, old: Path | None) -> dict[str, str]:
     env = {k: "" for k in os.environ if k.startswith("OTEL_")}  # none inherited
     # `python -m` puts the working directory first on sys.path, before PYTHONPATH: without it,
     # `before` would import this tree.
     env["PYTHONSAFEPATH"] = "1"
     if variant == "before":
         env["PYTHONPATH"] = str(before)
-    elif variant.startswith("on-"):
+    elif variant == "old-on-10":
+        assert old is not None
+        env["PYTHONPATH"] = str(old)
+    if "on-" in variant:
         env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = sink
-        if variant == "on-10":
+        percent = int(variant.rsplit("-", 1)[1])
+        if percent < 100:
             env["OTEL_TRACES_SAMPLER"] = "parentbased_traceidratio"
-            env["OTEL_TRACES_SAMPLER_ARG"] = "0.1"
+            env["OTEL_TRACES_SAMPLER_ARG"] = str(percent / 100)
     return env
 
 
@@ -143,6 +150,8 @@ def check(variant: str, url: str, auth: str, before: Path) -> None:
         "off": None,
         "on-100": "ab" * 16,
         "on-10": "ab" * 16,
+        "old-on-10": "ab" * 16,
+        "on-0": "ab" * 16,
     }
     if seen != wanted[variant]:
         raise RuntimeError(f"{variant}: trace_id {seen!r}, expected {wanted[variant]!r}")
@@ -160,7 +169,8 @@ def job_costs(args: argparse.Namespace) -> dict[str, list[float]]:
             scratch,
         ),
     ):
-        before = unpack(args.before, Path(tmp))
+        before = unpack(args.before, Path(tmp) / "before")
+        old = unpack(args.old, Path(tmp) / "old") if "old-on-10" in variants else None
         apis: dict[str, tuple[subprocess.Popen[bytes], str, str]] = {}
         try:
             for v in variants:
@@ -171,7 +181,7 @@ def job_costs(args: argparse.Namespace) -> dict[str, list[float]]:
                     pool_mode="pooled",
                     data_dir=data,
                     log=scratch / f"{v}.log",
-                    env=variant_env(v, sink.url, before),
+                    env=variant_env(v, sink.url, before, old),
                 )
                 apis[v] = (proc, url, token(data))
                 check(v, url, apis[v][2], before)
@@ -270,11 +280,18 @@ def summary(costs: dict[str, list[float]], base: str, unit: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m loadtests.trace_bench", description=__doc__)
     p.add_argument("--before", default="main", help="git ref of the code before traces.")
+    p.add_argument(
+        "--old",
+        default="main",
+        help="git ref of older traced code, run at 10 %% sampling as variant old-on-10.",
+    )
     p.add_argument("--jobs", type=int, default=400, help="Jobs per variant and round.")
     p.add_argument("--concurrency", type=int, default=8, help="Jobs at once.")
     p.add_argument("--rounds", type=int, default=5, help="Interleaved rounds.")
     p.add_argument(
-        "--variants", default=",".join(VARIANTS), help="Which of before,off,on-100,on-10 to run."
+        "--variants",
+        default=",".join(VARIANTS[:4]),
+        help="Which of before,off,on-100,on-10,old-on-10,on-0 to run.",
     )
     p.add_argument("--spans", type=int, default=2000, help="Requests per server-span variant.")
     args = p.parse_args(argv)
@@ -284,6 +301,9 @@ def main(argv: list[str] | None = None) -> None:
         costs = job_costs(args)
         print(f"API CPU per job, ms ({args.jobs} jobs x {args.rounds} rounds, interleaved):")
         summary(costs, "before" if "before" in costs else next(iter(costs)), "ms")
+        if "on-10" in costs and "old-on-10" in costs:
+            print("  on-10 against old-on-10:")
+            summary({v: costs[v] for v in ("old-on-10", "on-10")}, "old-on-10", "ms")
     if args.spans:
         spans = asyncio.run(span_costs(args.spans, args.rounds))
         print(f"CPU per GET /healthz in-process, µs ({args.spans} x {args.rounds} rounds):")

@@ -1,6 +1,7 @@
-"""Another identity's job latency while one identity downloads big files (issue 33, F10).
+"""Another identity's job latency while one identity downloads big files (issue 33, F10;
+issue 41's transfer lane).
 
-    python -m loadtests.transfer_fairness --size-mib 1024 --downloads 4
+    python -m loadtests.transfer_fairness --size-mib 1024 --downloads 4 --lane on,off --rounds 2
 
 It starts a local sshd (`tuned`) and the API (`loadtests.server.start_api`, pooled), makes a
 sparse file of `--size-mib` on the host, then: `bob` submits `true` jobs one after the other
@@ -9,7 +10,10 @@ downloads of the file at once (the bytes discarded) while bob goes on until they
 `--cap-seconds`). It prints bob's p50/p90/max alone and during, the medians of his answers'
 Server-Timing stages during (a `queue` near 0 means his commands never waited for a channel:
 what is left is not queueing), the downloads' rate and the CPU seconds of the API process and
-of sshd (with its session processes) during them. Bounded: one file, N downloads, one cap.
+of sshd (with its session processes) during them. `--lane on,off` runs it once per API
+configuration (`[api] transfer_lane`), interleaved over `--rounds`; each round ends with
+`--downloads` parallel `scp` of the same file over the same sshd (OpenSSH's figure beside the
+API's, in the same run). Bounded: one file, N downloads, one cap per run.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -98,6 +103,8 @@ async def run(
 
 
 def report(result: dict[str, Any]) -> str:
+    if "runs" in result:
+        return "\n".join(_report_many(result))
     alone, during = result["alone_ms"], result["during_ms"]
     mb, seconds = result["downloaded_mb"], result["seconds"]
     return "\n".join(
@@ -115,24 +122,101 @@ def report(result: dict[str, Any]) -> str:
     )
 
 
+def _report_many(result: dict[str, Any]) -> list[str]:
+    lines = []
+    for run in result["runs"]:
+        if run["kind"] == "scp":
+            lines.append(
+                f"round {run['round']}: {run['downloads']} parallel scp: {run['mb_per_s']:.0f} "
+                f"MB/s ({run['mib_per_s']:.0f} MiB/s) in {run['seconds']:.1f} s; load "
+                f"{run['load']:.1f}"
+            )
+            continue
+        alone, during = run["alone_ms"], run["during_ms"]
+        ratio = pct(during, 0.5) / pct(alone, 0.5)
+        mb = run["downloaded_mb"] / run["seconds"]
+        lines.append(
+            f"round {run['round']}, lane {run['lane']}: bob p50 alone {pct(alone, 0.5):.1f} ms, "
+            f"during {pct(during, 0.5):.1f} ms (x{ratio:.2f}; target <= 2.5), p90 "
+            f"{pct(during, 0.9):.1f}, max {max(during):.0f}; downloads {mb:.0f} MB/s "
+            f"({mb * 1e6 / MIB:.0f} MiB/s, {mb / run['scp_mb_per_s']:.0%} of scp's in this round);"
+            f" CPU API {run['api_cpu_s']:.1f} s, sshd {run['sshd_cpu_s']:.1f} s; stages "
+            f"{run['stages_during_ms']}; failed {run['failed']}; load {run['load']:.1f}"
+        )
+    return lines
+
+
+def scp_downloads(host: Any, path: str, n: int) -> dict[str, Any]:
+    """`n` scp of `path` at once to /dev/null, over the host's sshd with its key."""
+    from loadtests.files_bench import scp_argv
+
+    ssh_argv = host.ssh_argv()
+    argv = [*scp_argv(ssh_argv), f"{ssh_argv[-1]}:{path}", "/dev/null"]
+    t0 = time.perf_counter()
+    procs = [subprocess.Popen(argv) for _ in range(n)]
+    for proc in procs:
+        if proc.wait(timeout=600) != 0:
+            raise RuntimeError(f"scp failed: {proc.returncode}")
+    seconds = time.perf_counter() - t0
+    size = os.path.getsize(path) * n
+    return {
+        "kind": "scp",
+        "downloads": n,
+        "seconds": seconds,
+        "mb_per_s": size / seconds / 1e6,
+        "mib_per_s": size / seconds / MIB,
+        "load": os.getloadavg()[0],
+    }
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m loadtests.transfer_fairness")
     ap.add_argument("--size-mib", type=int, default=1024, help="size of the file downloaded")
     ap.add_argument("--downloads", type=int, default=4, help="downloads at once (alice)")
     ap.add_argument("--base-seconds", type=float, default=8.0, help="bob alone, first")
     ap.add_argument("--cap-seconds", type=float, default=150.0, help="the downloads' limit")
+    ap.add_argument(
+        "--lane",
+        default="",
+        help="on,off: one run per [api] transfer_lane setting, interleaved, with scp's figure",
+    )
+    ap.add_argument("--rounds", type=int, default=1, help="rounds of the --lane runs")
     return ap.parse_args(argv)
 
 
 def measure(host: Any, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """Run the measurement against the started LocalHost `host`."""
+    path = os.path.join(host.account.home, f"fairness-{os.getpid()}.bin")
+    host.run_local(["truncate", "-s", str(args.size_mib * MIB), path])
+    try:
+        if not args.lane:
+            return _measure_one(host, args, workdir, path, None)
+        runs: list[dict[str, Any]] = []
+        for n in range(args.rounds):
+            these = []
+            for lane in args.lane.split(","):
+                run = _measure_one(host, args, workdir / f"{n}-{lane}", path, lane == "on")
+                these.append({**run, "kind": "api", "lane": lane, "round": n + 1})
+            scp = {**scp_downloads(host, path, args.downloads), "round": n + 1}
+            for run in these:
+                run["scp_mb_per_s"] = scp["mb_per_s"]
+            runs += [*these, scp]
+        return {"runs": runs}
+    finally:
+        host.run_local(["rm", "-f", path])
+
+
+def _measure_one(
+    host: Any, args: argparse.Namespace, workdir: Path, path: str, lane: bool | None
+) -> dict[str, Any]:
     from api.local import local_token, resolve_config
     from api.settings import Settings
 
-    path = os.path.join(host.account.home, f"fairness-{os.getpid()}.bin")
-    host.run_local(["truncate", "-s", str(args.size_mib * MIB), path])
     api_dir = workdir / "api"
-    proc, url = start_api(host, backend="asyncssh", pool_mode="pooled", data_dir=api_dir)
+    options = None if lane is None else {"transfer_lane": lane}
+    proc, url = start_api(
+        host, backend="asyncssh", pool_mode="pooled", data_dir=api_dir, api=options
+    )
     try:
         settings = Settings(data_dir=api_dir)
         config = resolve_config(settings)
@@ -141,7 +225,6 @@ def measure(host: Any, args: argparse.Namespace, workdir: Path) -> dict[str, Any
         return asyncio.run(run(url, (alice, bob), path, args, (proc.pid, host.pid)))
     finally:
         stop_api(proc)
-        host.run_local(["rm", "-f", path])
 
 
 def main(argv: list[str] | None = None) -> int:

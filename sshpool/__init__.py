@@ -13,6 +13,8 @@ tests/test_layout.py):
                  clusters; the host pool's invariants in its docstring
     cluster      login-node clusters (`Router`), seeing the pool through `NodePools` only
     host         `HostPool`, one target's state machine: leases, kills, SFTP, the gate
+    lane         the transfer lane: bulk SFTP on connections whose I/O runs on a thread of
+                 its own (`Lane`), and its fair turns of chunks
     connect      the connect path as plain I/O: handshake retried after drops, executor start
                  (and a host's agent mode, `AgentMode`)
     lease        a pooled connection, a slot's exec, the one kill and the one retry policy
@@ -58,6 +60,7 @@ from sshpool.errors import (
     RemoteUnsupported,
     SSHPoolError,
 )
+from sshpool.lane import Lane
 from sshpool.pool import Pool
 from sshpool.target import ExecMode, Limits, Target
 
@@ -78,6 +81,7 @@ __all__ = [
     "FileType",
     "HostKeyMismatch",
     "HostUnavailable",
+    "Lane",
     "Limits",
     "NodeFailed",
     "NodeHealth",

@@ -581,16 +581,13 @@ class HostPool:
 
     def stats(self) -> dict[str, Any]:
         live = [c for c in self.conns if c.conn.is_alive()]
+        agents = sum(1 for c in live if isinstance(c.conn, AgentConnection))
         return {
             "target": str(self.target),
             "backend": self.backend.name,
-            # The mode the next connection takes, and the live connections' own (exec_mode
-            # "auto" decides per connection).
+            # The next connection's mode; the live ones' own ("auto" decides per connection).
             "exec_mode": "agent" if self.agent.on else "channel",
-            "connections_by_mode": {
-                "agent": sum(1 for c in live if isinstance(c.conn, AgentConnection)),
-                "channel": sum(1 for c in live if not isinstance(c.conn, AgentConnection)),
-            },
+            "connections_by_mode": {"agent": agents, "channel": len(live) - agents},
             "agent_error": self.agent.error,
             "connections": len(live),
             "connections_used": sum(1 for c in live if c.in_use),

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import socket
 import time
@@ -70,6 +71,7 @@ from sshpool.cluster import NodeHealth, Router
 from sshpool.command import CommandResult, OutputStream, command_line
 from sshpool.errors import CommandTimeout, ConnectionLost, RemoteFileError
 from sshpool.host import HostPool
+from sshpool.lane import Lane, LaneBackend, LaneSFTP
 from sshpool.lease import retried
 from sshpool.target import Target
 
@@ -100,8 +102,14 @@ class Pool:
         backend: str | Backend = "asyncssh",
         coordinator: Coordinator | None = None,
         health: NodeHealth | None = None,
+        lane: Lane | None = None,
     ) -> None:
         self.backend = load_backend(backend) if isinstance(backend, str) else backend
+        # Bulk SFTP sessions (`sftp(bulk=True)`) on connections of their own whose I/O runs on
+        # the lane's thread (`sshpool.lane`); None: on the command connections, on this loop.
+        self.lane = lane
+        self._lane_hosts: dict[Target, HostPool] = {}
+        self._lane_backends: dict[str, LaneBackend] = {}
         # Shares each sshd's gate and budget with other processes (`sshpool.budget`); None:
         # this process has them all.
         self.coordinator = coordinator
@@ -152,6 +160,30 @@ class Pool:
             self._maintenance = asyncio.create_task(self._maintain())
         return host
 
+    async def _lane_host(self, target: Target) -> HostPool:
+        """The host pool of `target`'s transfer connections: made on the lane (channels only,
+        whatever the target's exec mode), in the same sshd budget as its command connections
+        (a member like another account: counted, gated, evicted alike)."""
+        lane = self.lane
+        assert lane is not None
+        await self._host(target)  # the sshd resolved and the maintenance started, in turn
+        host = self._lane_hosts.get(target)
+        if host is None:
+            name = target.backend or self.backend.name
+            backend = self._lane_backends.get(name)
+            if backend is None:
+                backend = self._lane_backends[name] = LaneBackend(self._backends[name], lane)
+            sshd = self._hosts[target].sshd
+            host = self._lane_hosts[target] = HostPool(
+                dataclasses.replace(target, exec_mode="channel"),
+                backend,
+                sshd,
+                lambda t, tenant: self.admit(target, tenant),
+            )
+            lim = target.limits
+            sshd.join(host, lim.max_handshakes, lim.max_total_connections)
+        return host
+
     async def _new_host(self, target: Target) -> HostPool:
         sshd = await self._sshd(target)
         name = target.backend or self.backend.name
@@ -191,7 +223,7 @@ class Pool:
     async def _maintain(self) -> None:
         while True:
             await asyncio.sleep(MAINTENANCE_INTERVAL)
-            for host in list(self._hosts.values()):
+            for host in [*self._hosts.values(), *self._lane_hosts.values()]:
                 host.maintain()
 
     async def prewarm(self, target: Target) -> None:
@@ -283,7 +315,12 @@ class Pool:
 
     @contextlib.asynccontextmanager
     async def sftp(
-        self, target: Target, *, acquire_timeout: float | None = None, tenant: Hashable = None
+        self,
+        target: Target,
+        *,
+        acquire_timeout: float | None = None,
+        tenant: Hashable = None,
+        bulk: bool = False,
     ) -> AsyncIterator[SFTPSession]:
         """An SFTP session on a pooled connection to `target`, held for the `async with` body
         (several operations may use it, one at a time).
@@ -305,15 +342,23 @@ class Pool:
         cut short (cancelled) where the backend's session says it left the connection unusable
         (`SFTPSession.intact`): ssh2's; asyncssh's and paramiko's keep it. When the body ends
         (whatever way) the session's channel is closed and its slot released.
+
+        `bulk` (a transfer, with a `lane`): the session is on a transfer connection of the
+        target's, whose I/O runs on the lane's thread, and its files' reads and writes take
+        `tenant`'s turns of the lane (`sshpool.lane`). Same admission, same sshd budget; a
+        cluster's sessions stay on its command connections.
         """
         if target.nodes:
             async with self._router.sftp(target, acquire_timeout, tenant) as session:
                 yield session
             return
-        host = await self._host(target)
+        lane = bulk and self.lane is not None
+        host = await (self._lane_host(target) if lane else self._host(target))
         t0 = time.perf_counter()
         deadline = None if acquire_timeout is None else host.loop.time() + acquire_timeout
         c, session = await host.open_sftp(deadline, t0, tenant)
+        if isinstance(session, LaneSFTP):
+            session.tenant = tenant
         healthy = False
         try:
             yield session
@@ -354,15 +399,15 @@ class Pool:
         """Close `target`'s connections now, with whatever still runs on them (the API revokes
         an identity this way, after killing its commands): its waiters fail with PoolTimeout
         and its next call starts afresh, with a new login. Kills already under way get up to
-        KILL_TIMEOUT to finish first. Returns how many connections it closed. A cluster's:
-        on every node."""
+        KILL_TIMEOUT to finish first. Returns how many connections it closed (its transfer
+        connections on the lane included). A cluster's: on every node."""
         if target.nodes:
             closed = [await self.discard(target.node_target(n)) for n in target.nodes]
             return sum(closed)
-        host = self._hosts.get(target)
-        if host is None:
-            return 0
-        return await asyncio.shield(host.discard())
+        # Its transfer connections on the lane too: a revoked identity's download stops.
+        hosts = [h for h in (self._hosts.get(target), self._lane_hosts.get(target)) if h]
+        closed = await asyncio.shield(asyncio.gather(*(h.discard() for h in hosts)))
+        return sum(closed)
 
     # ---- login-node clusters (sshpool.cluster)
 
@@ -391,7 +436,11 @@ class Pool:
     def stats(self) -> dict[Target, dict[str, Any]]:
         """Per target: connections, channels in use, waiters, handshakes in flight, counters.
         Keyed by the Target itself: two targets that differ only in key or limits stay apart."""
-        return {t: h.stats() for t, h in self._hosts.items()}
+        stats = {t: h.stats() for t, h in self._hosts.items()}
+        for t, lane in self._lane_hosts.items():
+            if t in stats:
+                stats[t]["lane"] = lane.stats()
+        return stats
 
     def durations(self) -> dict[Target, dict[str, Any]]:
         """Per target: `create_time` (seconds each connection took to make) and `wait_time`
@@ -432,16 +481,15 @@ class Pool:
         if self._closed:
             return
         self._closed = True
-        for host in self._hosts.values():
+        hosts = [*self._lane_hosts.values(), *self._hosts.values()]
+        for host in hosts:
             host.sshd.stopped = True
         await self._router.close()
         if self._maintenance is not None:
             self._maintenance.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._maintenance
-        await asyncio.shield(
-            asyncio.gather(*(h.close() for h in self._hosts.values()), return_exceptions=True)
-        )
+        await asyncio.shield(asyncio.gather(*(h.close() for h in hosts), return_exceptions=True))
 
 
 class _Nodes:

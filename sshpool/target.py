@@ -57,6 +57,10 @@ class Limits:
     # False: the handshake gate and the connection count per account instead of per sshd, and a
     # dropped handshake retried once (the pool before issue 29), for comparisons.
     per_sshd: bool = True
+    # Bytes per second one transfer on the lane should be able to reach (sshpool.lane): with
+    # the round trip measured on each lane connection it sizes the SSH window and the bytes
+    # per SFTP call (the bandwidth-delay product); 125e6 is a gigabit link.
+    transfer_bandwidth: float = 125e6
     # Agent mode (Target.exec_mode "agent"): commands one executor runs at once per connection
     # (it takes two more, for kills), and how long its start (the login shell, python3) may take.
     agent_max_commands: int = 32

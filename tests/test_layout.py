@@ -260,6 +260,7 @@ TASK_STARTERS = {
     "api/jobs/runner.py": "a job's command and marker, awaited by the job's runner task",
     "api/files/transfers.py": "a transfer's next read or write, awaited by the request",
     "api/routes/files.py": "a checksum and its disconnect watch, awaited by the request",
+    "api/handles.py": "a live stream's check of its job handle, awaited by the stream",
 }
 
 

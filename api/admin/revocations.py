@@ -174,8 +174,8 @@ class Revocations:
         return target.ca is None or target.identity not in self._key_ids
 
     def refused(self, who: Principal) -> Revocation | None:
-        """The revocation that refuses `who`, if any."""
-        return refusing(self.known.values(), who, self.policy)
+        """The revocation that refuses `who` (a job handle's bearer: its creator), if any."""
+        return refusing(self.known.values(), who.accountable, self.policy)
 
     def stops(self, who: Principal) -> Callable[[], bool]:
         """For a live follower of `who`: true once a revocation refuses them. It asks again only
@@ -243,6 +243,9 @@ class Revocations:
         self.known[revocation.id] = revocation
         self._index()
         self._came()
+        if revocation.issuer is not None and revocation.subject is not None:
+            # Their job handles end with them, even if the revocation is lifted later.
+            await self.store.drop_handles(owner=(revocation.issuer, revocation.subject))
         if self.nudge is not None:
             await self.nudge.send()
         return await self._end(revocation, everywhere=True)

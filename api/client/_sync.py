@@ -285,6 +285,60 @@ class Client(_Base):
             sleep(delay)
             attempt += 1
 
+    def watch(self, last_event_id: str | None = None) -> Iterator[Event]:
+        """Your jobs' state changes, from the change feed (`GET /v1/jobs/events`), for as long
+        as you iterate: `job.<state>` events (`data["data"]` is the job), after a `ready` (and a
+        `reset` when `last_event_id` is older than the server keeps). Reconnects with
+        Last-Event-ID after a dropped connection, so no change is lost or repeated; failures
+        take the retries as any call (`_delay`), counted afresh after each event."""
+        attempt = 0
+        where = f"GET {self.url}/v1/jobs/events"
+        while True:
+            headers = {"Last-Event-ID": last_event_id} if last_event_id else {}
+            try:
+                with self.http.stream(
+                    "GET", "/v1/jobs/events", headers=headers, timeout=httpx.Timeout(60, read=None)
+                ) as response:
+                    if response.status_code >= 400:
+                        response.read()
+                        raise_for_problem(response)
+                    parser = SSEParser()
+                    for line in response.iter_lines():
+                        if (event := parser.feed(line)) is None:
+                            continue
+                        last_event_id = event.id or last_event_id
+                        attempt = 0
+                        yield event
+                        if event.event == "revoked":
+                            return
+            except httpx.TransportError as exc:
+                sleep(self._delay_after(attempt, exc, where))
+                attempt += 1
+                continue
+            delay = self._delay(attempt, None)  # the server ended the stream: paced
+            if delay is None:
+                raise TransportError(f"{where}: the stream ended {attempt + 1} times")
+            sleep(delay)
+            attempt += 1
+
+    # ---- job handles (docs/portals.md)
+
+    def create_handle(self, job_id: str, ttl: float, *, cancel: bool = False) -> dict[str, Any]:
+        """A handle of the job: `handle` (the bearer token, shown once: give it to whatever
+        follows the job, as `token=` of a client), `id` (to delete it), `expires_at`."""
+        body = {"ttl": ttl, "cancel": cancel}
+        response = self.request("POST", f"/v1/jobs/{job_id}/handles", json=body)
+        return read_answer(response, an_object)
+
+    def handles(self, job_id: str) -> Sequence[dict[str, Any]]:
+        """The job's handles (without their tokens)."""
+        response = self.request("GET", f"/v1/jobs/{job_id}/handles")
+        return read_answer(response, lambda body: objects(an_object(body)["items"]))
+
+    def delete_handle(self, job_id: str, handle_id: str) -> None:
+        """Revoke a handle: its next request is 401."""
+        self.request("DELETE", f"/v1/jobs/{job_id}/handles/{handle_id}")
+
     # ---- files (docs/files.md)
 
     def list_files(self, host: str, path: str = "~") -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """The client commands of `sshapi`: talk HTTP to a server (`api.client`), never SSH.
 
     sshapi run HOST -- ARGV...        live stdout/stderr, exits with the remote exit status
-    sshapi jobs list|show|cancel|logs
+    sshapi jobs list|show|cancel|logs|watch
+    sshapi handles create|list|delete tokens that read one job (docs/portals.md)
     sshapi batch submit SCRIPT
     sshapi files ls|get|put|mkdir|rm  files on a host (docs/files.md; api/client/files_cli.py)
     sshapi webhooks add|list|rm       job state changes POSTed to a URL (docs/portals.md)
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from api.client.files_cli import files_app
+from api.client.portals_cli import handles_app, jobs_watch
 from api.client.terminal import ERROR_EXIT, AsJson, Profile, client, say
 from api.client.webhooks_cli import webhooks_app
 
@@ -437,7 +439,9 @@ def register(app: typer.Typer, hosts_app: typer.Typer) -> None:
     app.command("login")(login)
     app.command("logout")(logout)
     app.command("whoami")(whoami)
+    jobs_app.command("watch")(jobs_watch)
     app.add_typer(jobs_app, name="jobs")
+    app.add_typer(handles_app, name="handles")
     app.add_typer(batch_app, name="batch")
     app.add_typer(files_app, name="files")
     app.add_typer(webhooks_app, name="webhooks")

@@ -75,6 +75,7 @@ class Job(BaseModel):
     started_at: datetime | None = None
     finished_at: datetime | None = None
     timings: dict[str, float] = Field(default_factory=dict)
+    trace_id: str | None = None  # the job's OpenTelemetry trace; null when the API does not trace
     stdout: str = ""
     stderr: str = ""
     encoding: Literal["utf-8; invalid bytes replaced by U+FFFD"] = (

@@ -85,9 +85,10 @@ class FileService:
         await self.quota.take(who.key, grant.rule.rate, grant.rule.burst)
 
     @contextlib.asynccontextmanager
-    async def open(self, who: Principal, host: str) -> AsyncIterator[Files]:
+    async def open(self, who: Principal, host: str, bulk: bool = False) -> AsyncIterator[Files]:
         """A confined SFTP view for `who` on `host`, the rate token spent; SSH errors before
-        and during become their problems (RemoteFileError: 404/403/507/409, connection: 502)."""
+        and during become their problems (RemoteFileError: 404/403/507/409, connection: 502).
+        `bulk` (downloads, uploads): on the pool's transfer lane, when it has one."""
         grant, roots = self.grant(who, host)
         await self.spend(who, grant)
         await self.accounts.check(grant)
@@ -96,6 +97,7 @@ class FileService:
                 grant.target,
                 acquire_timeout=self.config.api.queue_timeout,
                 tenant=who.key,  # in turns with the caller's jobs
+                bulk=bulk,
             ) as fs:
                 confinement = await self.confinements.get(fs, grant, who, roots)
                 yield Files(fs, grant, who, confinement)
@@ -251,7 +253,7 @@ class FileService:
         if links:
             async with contextlib.AsyncExitStack() as stack:
                 if files is None:  # a page from a snapshot: a session only for its symlinks
-                    files = await stack.enter_async_context(self.open(who, host))
+                    files = await stack.enter_async_context(self.open(who, host, bulk=True))
                 for i in links:
                     with contextlib.suppress(RemoteFileError):
                         targets[i] = await files.fs.readlink(f"{snap.path}/{snap.names[i]}")
@@ -315,7 +317,7 @@ class FileService:
         and a transfer slot until its body ends or it is closed; a 304 holds nothing."""
         stack = contextlib.AsyncExitStack()
         try:
-            files = await stack.enter_async_context(self.open(who, host))
+            files = await stack.enter_async_context(self.open(who, host, bulk=True))
             place = await files.resolve(given)
             attrs = await files.fs.stat(place.path)
             if attrs.type != "file":
@@ -365,7 +367,7 @@ class FileService:
         its preconditions fail, streamed to a temporary name, renamed into place (see
         `transfers.store`)."""
         conditions = Preconditions.parse(if_match, if_none_match)
-        async with self.open(who, host) as files:
+        async with self.open(who, host, bulk=True) as files:
             grant = files.grant
             limit = min(grant.rule.max_file_size, grant.rule.max_transfer_bytes)
             if declared is not None and declared > limit:

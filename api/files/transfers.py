@@ -42,6 +42,13 @@ NEW_FILE_MODE = 0o666
 RANGE = re.compile(r"^bytes=([0-9]*)-([0-9]*)$")
 
 
+def chunk_of(remote: RemoteFile) -> int:
+    """Bytes per read or write call for `remote`: a file on the transfer lane says how many
+    its path wants (a long round trip wants more: sshpool.lane `wan_sizes`), else CHUNK."""
+    chunk: int = getattr(remote, "chunk", CHUNK)
+    return chunk
+
+
 def etag_of(attrs: FileAttrs) -> str:
     return f'"{attrs.size:x}-{attrs.mtime:x}"'
 
@@ -144,6 +151,7 @@ class Upload:
     def __init__(self, limit: int, remote: RemoteFile, counter: Counter) -> None:
         self.limit = limit
         self.remote = remote
+        self.chunk = chunk_of(remote)
         self.counter = counter
         self.size = 0
         self.sha256 = hashlib.sha256()
@@ -157,7 +165,7 @@ class Upload:
             raise Problem(413, "too-large", "File too large", f"at most {self.limit} bytes")
         self._pieces.append(data)
         self._gathered += len(data)
-        if self._gathered >= CHUNK:
+        if self._gathered >= self.chunk:
             await self._flush()
 
     async def finish(self) -> None:
@@ -298,10 +306,11 @@ class Download:
         remote, counter = self._remote, self._counter
         assert remote is not None and counter is not None, "a 304 has no body"
         remaining = self._length
+        chunk = chunk_of(remote)
         ahead: asyncio.Future[bytes] | None = None
         try:
             while remaining > 0:
-                data = await (ahead or remote.read(min(CHUNK, remaining)))
+                data = await (ahead or remote.read(min(chunk, remaining)))
                 if not data:
                     # The file shrank since the stat: the client sees a short body and knows.
                     raise ConnectionLost("file shrank during download", started=True)
@@ -309,7 +318,7 @@ class Download:
                 # The next chunk is read from the host while this one goes to the client (one
                 # chunk ahead at most); alternating, each side sat idle while the other worked.
                 ahead = (
-                    asyncio.ensure_future(remote.read(min(CHUNK, remaining))) if remaining else None
+                    asyncio.ensure_future(remote.read(min(chunk, remaining))) if remaining else None
                 )
                 counter.inc(len(data))
                 yield data

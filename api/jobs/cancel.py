@@ -38,6 +38,13 @@ from sshpool import Pool, SSHPoolError
 CANCEL_POLL = (0.02, 0.5)
 
 
+def canceller(who: Principal) -> str:
+    """Who cancelled, as the job's `error` says: a handle's bearer by its creator's name."""
+    if who.handle is not None:
+        return f"{who.handle.creator.subject} (handle {who.handle.id})"
+    return who.subject
+
+
 def already_finished(row: JobRow) -> Problem:
     return Problem(409, "job-finished", "Job already finished", f"job {row.id} is {row.state}")
 
@@ -98,7 +105,7 @@ class Cancels:
         job = self.runner.get(row.id)
         if job is None or job.command is None:
             return await self._cancel_elsewhere(who, row)
-        done = await self.runner.cancel(job, f"cancelled by {who.subject}")
+        done = await self.runner.cancel(job, f"cancelled by {canceller(who)}")
         if done.state != "cancelled":
             raise already_finished(done)
         return done
@@ -108,7 +115,7 @@ class Cancels:
         killed here and answered once its owner recorded `cancelled` (still active after
         CANCEL_WAIT: its owner is down; it turns `cancelled` when that replica restarts). A
         queued job is answered at once, as it is: its owner cancels it when it would start."""
-        reason = f"cancelled by {who.subject}"
+        reason = f"cancelled by {canceller(who)}"
         with stage("store"):
             marked = await self.store.update(row.id, only_active=True, cancel_requested=reason)
             current = await self.store.get(row.id)

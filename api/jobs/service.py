@@ -80,7 +80,7 @@ class JobService:
     # ---- reading
 
     def _read_rate(self, who: Principal) -> tuple[float, int]:
-        rule = self.policy.rule_for(who)
+        rule = self.policy.rule_for(who.accountable)
         if rule is None:
             fields = PolicyRule.model_fields
             return fields["rate"].default, fields["burst"].default
@@ -91,7 +91,8 @@ class JobService:
         follower's reads of a batch job's files): the rule's rate and burst, a bucket apart from
         submissions'."""
         rate, burst = self._read_rate(who)
-        await self.quota.take(who.key, rate, burst, "reads")
+        # A job handle's reads are its creator's: many handles are no way around the rate.
+        await self.quota.take(who.accountable.key, rate, burst, "reads")
 
     def read_spend(self, who: Principal) -> Spend:
         """How a live follower of `who` pays for its SSH reads (api/live/feeds.py `Cursor.pay`): a
@@ -119,7 +120,8 @@ class JobService:
             raise Problem(404, "job-not-found", "No such job", "no such job id") from None
         with stage("store"):
             row = await self.store.get(job_id)
-        if row is None or not (who.is_admin or owner_of(row) == who.key):
+        granted = who.handle is not None and who.handle.job_id == job_id
+        if row is None or not (who.is_admin or owner_of(row) == who.key or granted):
             raise Problem(404, "job-not-found", "No such job", f"no job {job_id!r}")
         return row
 
@@ -280,7 +282,7 @@ class JobService:
     async def following(self, who: Principal, job_id: str) -> AsyncIterator[Feed]:
         """The live feed of a job the caller may see, for one follower (api/live/hub.py)."""
         row = await self.get(who, job_id)
-        async with self.live.following(who.key, row) as feed:
+        async with self.live.following(who.accountable.key, row) as feed:
             yield feed
 
     async def close(self, grace: float) -> None:

@@ -49,13 +49,17 @@ and `make_relay`. The modules:
                                                                        api.store, api.tasks
     relay      RedisRelay: a command's feed copied between replicas    feeds, hub, api.pubsub,
                                                                        api.quota
+    changes    ChangeFeeds: the per-identity change feed's waking      api.pubsub, api.quota,
+               (GET /v1/jobs/events), nudged between replicas          api.store
 
 It may import api.numbers, api.output, api.problems, api.pubsub, api.quota, api.states,
-api.store's JobRow and new_id, and api.tasks (its listener is a task of the supervisor's). It
-imports no HTTP framework itself (fastapi, starlette: api/routes/live.py makes the responses),
-no route and no other feature (api.jobs, api.files).
+api.store's JobRow and new_id (and its event log, api.store.portals), and api.tasks (its
+listener is a task of the supervisor's). It imports no HTTP framework itself (fastapi,
+starlette: api/routes/live.py makes the responses), no route and no other feature (api.jobs,
+api.files).
 """
 
+from api.live.changes import ChangeFeeds
 from api.live.feeds import STREAMS, Feed, OutputGone, Spend
 from api.live.followers import (
     Cutoff,
@@ -74,6 +78,7 @@ from api.live.relay import RedisRelay, make_relay
 
 __all__ = [
     "STREAMS",
+    "ChangeFeeds",
     "Cutoff",
     "Feed",
     "Gap",

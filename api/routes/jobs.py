@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 import uuid
 from typing import Annotated, Any, Literal
@@ -10,7 +11,7 @@ from fastapi import APIRouter, Body, Header, Query, Response
 from fastapi.responses import StreamingResponse
 
 from api.config import NAME, ApiConfig
-from api.deps import Reader, Svc, Writer
+from api.deps import Canceller, Reader, Svc, Writer
 from api.output import MAX_READ
 from api.policy import host_details
 from api.problems import MEDIA_TYPE, Problem, error_problem, retry_after
@@ -65,6 +66,36 @@ def job_response(
     return Response(body, status, headers, media_type="application/json")
 
 
+def etag_of(body: bytes) -> str:
+    """A strong validator: the body's bytes decide it (the same bytes, the same ETag)."""
+    return '"' + hashlib.sha256(body).hexdigest()[:32] + '"'
+
+
+def matches(if_none_match: str | None, etag: str) -> bool:
+    """RFC 9110 If-None-Match: weak comparison (W/ ignored), a list, or `*`."""
+    if if_none_match is None:
+        return False
+    if if_none_match.strip() == "*":
+        return True
+    wanted = etag.removeprefix("W/")
+    return any(t.strip().removeprefix("W/") == wanted for t in if_none_match.split(","))
+
+
+def conditional(body: bytes, if_none_match: str | None) -> Response:
+    """200 with the body and its ETag, or 304 (no body) when the client has those bytes."""
+    etag = etag_of(body)
+    headers = {"ETag": etag, "Cache-Control": "private, no-cache"}
+    if matches(if_none_match, etag):
+        return Response(status_code=304, headers=headers)
+    return Response(body, 200, headers, media_type="application/json")
+
+
+IfNoneMatch = Annotated[
+    str | None,
+    Header(max_length=4096, description="ETags you hold: 304 when the answer is one of them."),
+]
+
+
 def answer(row: JobRow, details: bool, headers: dict[str, str]) -> Response:
     """201 when finished, 202 while queued or running (+ Location); a job that could not start
     is the SSH failure's problem, naming the job."""
@@ -115,20 +146,34 @@ async def submit(
     return answer(row, host_details(who, svc.config.api), headers)
 
 
-@router.get("/{job_id}", response_model=Job, responses=ERRORS, summary="One job")
-async def get_job(job_id: str, who: Reader, svc: Svc) -> Response:
-    return job_response(await svc.jobs.get(who, job_id), host_details(who, svc.config.api))
+CONDITIONAL: dict[int | str, dict[str, Any]] = {
+    304: {"description": "Unchanged: your `If-None-Match` holds the current `ETag`."},
+    **ERRORS,
+}
 
 
-@router.get("", response_model=JobList, responses=ERRORS, summary="Your jobs, newest first")
+@router.get("/{job_id}", response_model=Job, responses=CONDITIONAL, summary="One job")
+async def get_job(
+    job_id: str, who: Reader, svc: Svc, if_none_match: IfNoneMatch = None
+) -> Response:
+    row = await svc.jobs.get(who, job_id)
+    body = Job.of(row, host_details(who, svc.config.api)).model_dump_json().encode()
+    return conditional(body, if_none_match)
+
+
+@router.get("", response_model=JobList, responses=CONDITIONAL, summary="Your jobs, newest first")
 async def list_jobs(
     who: Reader,
     svc: Svc,
+    if_none_match: IfNoneMatch = None,
     state: State | None = None,
     host: Annotated[str | None, Query(max_length=64, pattern=NAME)] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
     cursor: Annotated[str | None, Query(description="`next_cursor` of the previous page.")] = None,
-) -> JobList:
+) -> Response:
+    if who.handle is not None:
+        raise Problem(403, "handle-not-allowed", "Not with a handle",
+                      "a job handle reads its job only; listing needs a token")  # fmt: skip
     if cursor is not None:
         try:
             uuid.UUID(cursor)
@@ -139,7 +184,8 @@ async def list_jobs(
         who, state=state, host=host, limit=limit, cursor=cursor
     )
     details = host_details(who, svc.config.api)
-    return JobList(items=[JobSummary.of(r, details) for r in rows], next_cursor=next_cursor)
+    page = JobList(items=[JobSummary.of(r, details) for r in rows], next_cursor=next_cursor)
+    return conditional(page.model_dump_json().encode(), if_none_match)
 
 
 @router.get(
@@ -211,7 +257,7 @@ async def job_output(
     },
     summary="Cancel a job: kill its remote process tree",
 )
-async def cancel_job(job_id: str, who: Writer, svc: Svc) -> Response:
+async def cancel_job(job_id: str, who: Canceller, svc: Svc) -> Response:
     row = await svc.jobs.cancel(who, job_id)
     # 202: another replica owns it and has not recorded the cancel yet (busy, or down).
     return job_response(row, host_details(who, svc.config.api), 200 if row.state in FINAL else 202)

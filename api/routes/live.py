@@ -71,18 +71,27 @@ def not_kept(exc: OutputGone) -> Problem:
     )
 
 
-async def start_following(svc: Svc, who: Reader, job_id: str) -> tuple[Feed, Any]:
-    """Enter the follower's context now, so 404 and 429 are answered before any byte."""
+async def start_following(
+    svc: Svc, who: Reader, job_id: str
+) -> tuple[Feed, Any, Callable[[], bool]]:
+    """Enter the follower's context now, so 404 and 429 are answered before any byte. Also
+    returns when the follower must stop: its caller revoked, or its job handle gone."""
     stack = contextlib.AsyncExitStack()
-    feed = await stack.enter_async_context(svc.jobs.following(who, job_id))
-    return feed, stack
+    try:
+        feed = await stack.enter_async_context(svc.jobs.following(who, job_id))
+        handle_gone = await stack.enter_async_context(svc.handles.watching(who, feed.wake))
+    except BaseException:
+        await stack.aclose()
+        raise
+    revoked = svc.revocations.stops(who)
+    return feed, stack, lambda: revoked() or handle_gone()
 
 
 async def follow_output(svc: Svc, who: Reader, job_id: str, stream: Stream, offset: int) -> Any:
     """The body of `output?follow=true`: the bytes of one stream from `offset` as they arrive,
     until the job is final (or this follower fell out of the window: then the body just ends
     early, and the client resumes with the offset it reached)."""
-    feed, stack = await start_following(svc, who, job_id)
+    feed, stack, stop = await start_following(svc, who, job_id)
     try:
         if feed.refill is None and feed.streams[stream].read(offset) is None:
             raise not_kept(OutputGone(stream, offset, feed.streams[stream].tail_start))
@@ -94,7 +103,7 @@ async def follow_output(svc: Svc, who: Reader, job_id: str, stream: Stream, offs
         # Trimmed since the check, or revoked (Stopped): the body ends; resuming from the
         # offset reached says which (a 416, a 403 identity-revoked).
         with contextlib.suppress(OutputGone):
-            spend, stop = svc.jobs.read_spend(who), svc.revocations.stops(who)
+            spend = svc.jobs.read_spend(who)
             items = follow(feed, {stream: offset}, states=False, gaps=False, spend=spend, stop=stop)
             async for item in items:
                 if isinstance(item, Output):
@@ -165,7 +174,7 @@ async def job_events(
                 "send the id of an event of this stream: <stdout offset>-<stderr offset>",
             )
         offsets = parsed
-    feed, stack = await start_following(svc, who, job_id)
+    feed, stack, stop = await start_following(svc, who, job_id)
 
     async def body() -> AsyncIterator[bytes]:
         sent = dict(offsets)  # bytes sent per stream: the event ids
@@ -183,7 +192,7 @@ async def job_events(
             payload = {"stream": stream, "offset": start, "bytes": cut, "text": text}
             return sse("output", payload, sent)
 
-        spend, stop = svc.jobs.read_spend(who), svc.revocations.stops(who)
+        spend = svc.jobs.read_spend(who)
         details = host_details(who, svc.config.api)
         async for item in follow(feed, dict(offsets), spend=spend, stop=stop):
             if isinstance(item, Output):
@@ -206,6 +215,8 @@ async def job_events(
                 yield b": keep-alive\n\n"
             elif isinstance(item, Stopped):
                 detail = "an administrator revoked your access"  # as a request's 403 says
+                if who.handle is not None:  # its next request is 401
+                    detail = "this job handle was deleted, expired or its creator revoked"
                 yield sse("revoked", {"detail": detail}, sent)
                 return
         for stream in STREAMS:

@@ -13,13 +13,16 @@ their outbox, for api/webhooks/).
 """
 
 from api.store import migrate
-from api.store.schema import JOBS, JobRow, Revocation, aware, new_id, utcnow
+from api.store.portals import JobEvent
+from api.store.schema import JOBS, JobHandle, JobRow, Revocation, aware, new_id, utcnow
 from api.store.store import Store, prune
 from api.store.webhooks import Delivery, Webhook, WebhookStore
 
 __all__ = [
     "JOBS",
     "Delivery",
+    "JobEvent",
+    "JobHandle",
     "JobRow",
     "Revocation",
     "Store",

@@ -10,6 +10,7 @@ import asyncpg
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 
+from api.store.portals import EVENTS_LOCK, Logged
 from api.store.schema import JOBS, Write
 from api.store.sqlite import Sql
 
@@ -66,6 +67,9 @@ class PgWriter:
             if self.conn is None or self.conn.is_closed():
                 self.conn = await asyncpg.connect(self.dsn, server_settings=self.settings)
             async with self.conn.transaction():
+                if any(isinstance(write, Logged) for write in writes):
+                    # First, before any row lock: events commit in seq order (portals.py).
+                    await self.conn.execute("SELECT pg_advisory_xact_lock($1)", EVENTS_LOCK)
                 return [await write(self.conn) for write in writes]
         except (asyncpg.InterfaceError, asyncpg.PostgresConnectionError, OSError) as exc:
             await self.close()

@@ -18,6 +18,7 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     Boolean,
     Column,
     DateTime,
@@ -154,6 +155,65 @@ NODE_DRAINS = Table(
 )
 
 
+# Every state change of every job (issue 43: one change feed per identity), in commit order:
+# `seq` is the feed's event id (Last-Event-ID). Written in the transaction that changes the job's
+# state (api/store/store.py), so an event exists exactly when the change does; on PostgreSQL
+# those transactions take one advisory lock first, so that a higher seq never commits before a
+# lower one (a follower reading "after 41" must not pass 42 still uncommitted). Kept for the
+# feed's resume window (`[api] change_window`), then pruned.
+JOB_EVENTS = Table(
+    "sshapi_job_events",
+    METADATA,
+    Column(
+        "seq",
+        BigInteger().with_variant(Integer, "sqlite"),
+        primary_key=True,
+        autoincrement=True,
+    ),
+    Column("owner_iss", String(512), nullable=False),
+    Column("owner_sub", String(512), nullable=False),
+    Column("job_id", String(36), nullable=False),
+    Column("state", String(16), nullable=False),
+    Column("at", DateTime(timezone=True), nullable=False),
+    Index("sshapi_job_events_owner", "owner_iss", "owner_sub", "seq"),
+    Index("sshapi_job_events_at", "at"),
+    sqlite_autoincrement=True,  # never reuse a pruned seq: a resumed feed would skip events
+)
+
+# Job handles (issue 43): bearer tokens that read one job. Only the SHA-256 of the token is kept
+# (`digest`): the store never holds what would let its reader act as the handle. The creator's
+# identity and token account are kept so that a revocation of either ends the handle.
+JOB_HANDLES = Table(
+    "sshapi_job_handles",
+    METADATA,
+    Column("id", String(36), primary_key=True),
+    Column("job_id", String(36), nullable=False),
+    Column("digest", String(64), nullable=False, unique=True),
+    Column("owner_iss", String(512), nullable=False),
+    Column("owner_sub", String(512), nullable=False),
+    Column("owner_account", String(64), nullable=True),
+    Column("cancel", Boolean, nullable=False, default=False),
+    Column("created_at", DateTime(timezone=True), nullable=False),
+    Column("expires_at", DateTime(timezone=True), nullable=False),
+    Index("sshapi_job_handles_job", "job_id"),
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JobHandle:
+    """One row of JOB_HANDLES."""
+
+    id: str
+    job_id: str
+    digest: str
+    owner_iss: str
+    owner_sub: str
+    owner_account: str | None
+    cancel: bool
+    created_at: datetime
+    expires_at: datetime
+
+
 # Webhooks (api/webhooks/): where an identity's job state changes are POSTed, signed with the
 # webhook's secret (kept: every delivery is signed with it). The last delivery's outcome and the
 # count of deliveries given up are kept on the row, for GET /v1/webhooks/{id}.
@@ -174,6 +234,9 @@ WEBHOOKS = Table(
     Column("last_error", String(512), nullable=True),
     Column("delivered", Integer, nullable=False, default=0),
     Column("failed", Integer, nullable=False, default=0),  # deliveries given up
+    # The creator's account claim, if their token had one: a revocation of that account holds
+    # the webhook's deliveries too (api/webhooks/deliver.py).
+    Column("owner_account", String(64), nullable=True),
     Index("sshapi_webhooks_owner", "owner_iss", "owner_sub"),
 )
 

@@ -24,7 +24,7 @@ from sqlalchemy.pool import ConnectionPoolEntry
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.expression import ClauseElement
 
-from api.store.schema import ACTIVE_SQL, JOBS, Write
+from api.store.schema import ACTIVE_SQL, JOBS, Write, utcnow
 
 log = logging.getLogger("sshapi.store")
 
@@ -71,6 +71,10 @@ class Sql:
             convert = self.process[key]
             out.append(convert(value) if convert is not None and value is not None else value)
         return out
+
+    def now(self) -> list[Any]:
+        """The time now as a parameter of this dialect (a job event's `at`)."""
+        return self.params({"created_at": utcnow()})
 
     def _built(self, shape: tuple[Any, ...], build: Callable[[], str]) -> str:
         """The statement of `shape`: built on its first use, then taken from the cache."""

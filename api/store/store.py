@@ -47,10 +47,13 @@ from sqlalchemy.sql.expression import ClauseElement
 
 from api import tracing
 from api.states import ACTIVE, FINAL
-from api.store import migrate, outbox
+from api.store import migrate, outbox, portals
+from api.store.portals import Logged, PortalStore, events_of
 from api.store.postgres import PgWriter, output_bytes
 from api.store.schema import (
     FIELDS,
+    JOB_EVENTS,
+    JOB_HANDLES,
     JOBS,
     LISTED,
     NODE_DRAINS,
@@ -70,9 +73,11 @@ log = logging.getLogger("sshapi.store")
 
 MAX_BATCH = 256  # writes per transaction: bounds the time one commit holds the lock
 _Queued = tuple[Write, int, "asyncio.Future[Any]"]  # a write, the output it carries, its caller
+# Told after the commit whose job changed state (None: anyone's): api/live/changes.py.
+OnChange = Callable[[tuple[str, str] | None], None]
 
 
-class Store:
+class Store(PortalStore):
     def __init__(self, url: str, *, schema: str | None = None, upgrade: bool = True) -> None:
         """`upgrade`: bring the schema to this release's revision at start (else only check
         it, and refuse to start when it differs: api/store/migrate.py)."""
@@ -97,6 +102,11 @@ class Store:
         # Called after a committed state change that may have queued webhook deliveries (the
         # deliverer's wake-up, api/webhooks/deliver.py): without it they wait for its poll.
         self.on_event: list[Callable[[], None]] = []
+        self.on_change: OnChange | None = None
+
+    def _changed(self, owner: tuple[str, str] | None) -> None:
+        if self.on_change is not None:
+            self.on_change(owner)
 
     @property
     def dialect(self) -> str:
@@ -249,29 +259,37 @@ class Store:
             sql, params = self._sql.insert(tuple(values)), self._sql.params(values)
             size = output_bytes(params)
 
+            event = [row.owner_iss, row.owner_sub, row.id, row.state, *self._sql.now()]
+
             def add(db: sqlite3.Connection) -> None:
                 try:
                     db.execute(sql, params)
                 except sqlite3.IntegrityError as exc:
                     # The same exception as from SQLAlchemy: callers catch one kind.
                     raise IntegrityError(sql, params, exc) from None
+                db.execute(portals.SQLITE_EVENT_VALUES, event)
         elif self._pg is not None:
             pg = self._pg.sql
             values = pg.with_defaults(values)
             sql, params = pg.insert(tuple(values)), pg.params(values)
+
+            pg_event = [row.owner_iss, row.owner_sub, row.id, row.state, *pg.now()]
 
             async def add(conn: asyncpg.Connection) -> None:
                 try:
                     await conn.execute(sql, *params)
                 except asyncpg.UniqueViolationError as exc:
                     raise IntegrityError(sql, params, exc) from None
+                await conn.execute(portals.PG_EVENT_VALUES, *pg_event)
         else:
 
             def add(conn: Connection) -> None:
                 conn.execute(insert(JOBS).values(values))
+                conn.execute(events_of(JOBS.c.id == row.id))
 
         with tracing.store_span("INSERT", self.dialect):
-            await self._write(add, size)
+            await self._write(Logged(add), size)
+        self._changed((row.owner_iss, row.owner_sub))
         return row
 
     async def get(self, job_id: str) -> JobRow | None:
@@ -300,6 +318,7 @@ class Store:
         no other replica asked to cancel it. True if a row changed. A change of `state` queues
         the owner's webhook deliveries of it in the same transaction (api/store/outbox.py)."""
         deliveries = outbox.params(job_id, values)
+        logged = "state" in values  # a job event too (api/store/portals.py)
         if self._sqlite is not None:
             exprs = {k: v for k, v in values.items() if isinstance(v, ClauseElement)}
             if exprs:  # rare: built per call, not cached
@@ -310,15 +329,21 @@ class Store:
                 sql = self._sql.update(tuple(values), only_active, unless_cancel_requested)
                 params = [*self._sql.params(values), job_id]
 
-            def run(db: sqlite3.Connection) -> bool:
-                changed = db.execute(sql, params).rowcount > 0
-                if changed and deliveries is not None:
-                    db.execute(outbox.SQLITE, deliveries)
-                return changed
+            event = [*self._sql.now(), job_id] if logged else []
 
+            def run(db: sqlite3.Connection) -> Any:
+                if db.execute(sql, params).rowcount == 0:
+                    return False
+                if deliveries is not None:
+                    db.execute(outbox.SQLITE, deliveries)
+                if logged:  # the job event (its owner: whose change feed to wake)
+                    return tuple(db.execute(portals.SQLITE_EVENT_FROM_ROW, event).fetchall()[0])
+                return True
+
+            write: Write = Logged(run) if logged else run
             with tracing.store_span("UPDATE", self.dialect):
-                changed = bool(await self._write(run, output_bytes(params)))
-            return self._evented(changed, deliveries)
+                result = await self._write(write, output_bytes(params))
+            return self._evented(self._logged(result), deliveries)
         if self._pg is not None:
             pg = self._pg.sql
             if any(isinstance(v, ClauseElement) for v in values.values()):  # rare: per call
@@ -329,16 +354,22 @@ class Store:
                 sql = pg.update(tuple(values), only_active, unless_cancel_requested)
                 params = [*pg.params(values), job_id]
 
-            async def change(conn: asyncpg.Connection) -> bool:
-                status: str = await conn.execute(sql, *params)  # "UPDATE <rows>"
-                changed = status.rsplit(" ", 1)[-1] != "0"
-                if changed and deliveries is not None:
-                    await conn.execute(outbox.POSTGRES, *deliveries)
-                return changed
+            pg_event = [*pg.now(), job_id] if logged else []
 
+            async def change(conn: asyncpg.Connection) -> Any:
+                status: str = await conn.execute(sql, *params)  # "UPDATE <rows>"
+                if status.rsplit(" ", 1)[-1] == "0":
+                    return False
+                if deliveries is not None:
+                    await conn.execute(outbox.POSTGRES, *deliveries)
+                if logged:
+                    return tuple(await conn.fetchrow(portals.PG_EVENT_FROM_ROW, *pg_event))
+                return True
+
+            pg_write: Write = Logged(change) if logged else change
             with tracing.store_span("UPDATE", self.dialect):
-                changed = bool(await self._write(change))
-            return self._evented(changed, deliveries)
+                result = await self._write(pg_write)
+            return self._evented(self._logged(result), deliveries)
         query = update(JOBS).where(JOBS.c.id == job_id).values(**values)
         if only_active:
             query = query.where(JOBS.c.state.in_(ACTIVE))
@@ -349,9 +380,21 @@ class Store:
             changed = bool(conn.execute(query).rowcount)
             if changed and deliveries is not None:
                 conn.execute(text(outbox.CORE), outbox.core_params(deliveries))
+            if changed and logged:
+                conn.execute(events_of(JOBS.c.id == job_id))
             return changed
 
-        return self._evented(bool(await self._write(execute)), deliveries)
+        changed = bool(await self._write(Logged(execute) if logged else execute))
+        if changed and logged:
+            self._changed(None)
+        return self._evented(changed, deliveries)
+
+    def _logged(self, result: Any) -> bool:
+        """An update's result: False, True, or (logged) the owner whose feed to wake."""
+        if isinstance(result, tuple):
+            self._changed((result[0], result[1]))
+            return True
+        return bool(result)
 
     def _evented(self, changed: bool, deliveries: list[Any] | None) -> bool:
         if changed and deliveries is not None:
@@ -429,6 +472,8 @@ class Store:
             .where(or_(c.kind.is_(None), c.kind != "batch"))
         )
         async with self._started().begin() as conn:
+            if conn.dialect.name == "postgresql":  # first: events commit in seq order
+                await conn.execute(text(f"SELECT pg_advisory_xact_lock({portals.EVENTS_LOCK})"))
             # The jobs first, so that their webhook deliveries commit with their new state.
             rows = (await conn.execute(found)).all()
             result = await conn.execute(query)
@@ -436,8 +481,11 @@ class Store:
                 state = "cancelled" if row.cancel_requested is not None else "lost"
                 deliveries = outbox.event_params(row.id, state)
                 await conn.execute(text(outbox.CORE), outbox.core_params(deliveries))
+            if rows:
+                await conn.execute(events_of(c.id.in_([row.id for row in rows])))
         if rows:
             self._evented(True, [])
+            self._changed(None)
         return int(result.rowcount)
 
     async def active_batch(self, replica: str) -> list[JobRow]:
@@ -543,6 +591,9 @@ async def prune(url: str, schema: str | None, ended_before: datetime) -> int:
         )
         async with engine.begin() as conn:
             await conn.execute(deliveries)
+            # Job events of then go too, and expired job handles whatever their job.
+            await conn.execute(delete(JOB_EVENTS).where(JOB_EVENTS.c.at < ended_before))
+            await conn.execute(delete(JOB_HANDLES).where(JOB_HANDLES.c.expires_at < utcnow()))
             return int((await conn.execute(query)).rowcount)
     finally:
         await engine.dispose()

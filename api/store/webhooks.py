@@ -34,6 +34,7 @@ class Webhook:
     events: list[str]
     secret: str
     created_at: datetime
+    owner_account: str | None = None  # the creator's account claim (a revocation's target)
     last_attempt_at: float | None = None
     last_status: int | None = None
     last_error: str | None = None
@@ -50,6 +51,7 @@ class Delivery:
     event_id: str
     webhook_id: str
     owner: tuple[str, str]
+    owner_account: str | None
     job_id: str
     type: str
     created_at: float
@@ -88,6 +90,7 @@ class WebhookStore:
             "events": events_column(hook.events),
             "secret": hook.secret,
             "created_at": hook.created_at,
+            "owner_account": hook.owner_account,
             "delivered": 0,
             "failed": 0,
         }
@@ -167,7 +170,7 @@ class WebhookStore:
             if not claimed:
                 return []
             query = (
-                select(WEBHOOK_DELIVERIES, W.url, W.secret)
+                select(WEBHOOK_DELIVERIES, W.url, W.secret, W.owner_account)
                 .join(WEBHOOKS, W.id == D.webhook_id)
                 .where(D.id.in_(claimed))
             )
@@ -178,6 +181,7 @@ class WebhookStore:
                 event_id=r.event_id,
                 webhook_id=r.webhook_id,
                 owner=(r.owner_iss, r.owner_sub),
+                owner_account=r.owner_account,
                 job_id=r.job_id,
                 type=r.type,
                 created_at=r.created_at,

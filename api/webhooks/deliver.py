@@ -11,8 +11,12 @@ within `timeout`, reading at most `max_response_bytes` of the answer. A 2xx is d
 other outcome is retried after `retry_first` seconds doubling to `retry_max`, until
 `retry_for` seconds after the event, then the delivery is `failed` and counted on its webhook.
 
-The deliveries of an identity a revocation refuses are held (not sent: the job data is theirs)
-and retried like failures, so a lift within the retry window lets them go out.
+The deliveries of an identity a revocation refuses (of their identity, or of an account they
+run as: one their rule maps, or the account claim their token had when the webhook was made) are
+held (not sent: the job data is theirs) and retried like failures, so a lift within the retry
+window lets them go out. A delivery whose URL the owner's policy rule no longer allows
+(`webhook_urls` narrowed since the webhook was made) is not sent and is `failed` at once: no
+retry could change the rule's answer before the operator does.
 
 In flight at once: at most `max_in_flight` per process and `max_in_flight_per_identity` per
 identity per process; a claimed delivery over its identity's cap is given back unsent.
@@ -79,12 +83,15 @@ class Deliverer:
         replica: str,
         *,
         details: bool,
-        revoked: Callable[[tuple[str, str]], bool] = lambda owner: False,
+        revoked: Callable[[tuple[str, str], str | None], bool] = lambda owner, account: False,
+        rule_allows: Callable[[tuple[str, str], str], bool] = lambda owner, url: True,
     ) -> None:
         self.store = store
-        # Whether a revocation refuses the owner (api/admin/revocations.py): their deliveries
-        # wait, retried as a failure would be, until it is lifted or their window ends.
+        # Whether a revocation refuses the owner (api/admin/revocations.py), given their
+        # recorded account claim: their deliveries wait, retried as a failure would be, until
+        # it is lifted or their window ends.
         self.revoked = revoked
+        self.rule_allows = rule_allows  # Policy.webhook_url_allowed, asked at every attempt
         self.config = config
         self.replica = replica
         self.details = details  # the job's `node` in `data` (api.host_details_require_admin)
@@ -184,13 +191,22 @@ class Deliverer:
         headers = signed_headers(delivery.secret, delivery.event_id, now, body)
         status: int | None
         error: str | None
-        if self.revoked(delivery.owner):
+        refused = False
+        if self.revoked(delivery.owner, delivery.owner_account):
             status, error = None, "held: the identity is revoked"
+        elif not self.rule_allows(delivery.owner, delivery.url):
+            status, error, refused = (
+                None,
+                "refused: your policy rule no longer allows this URL",
+                True,
+            )
         else:
             status, error = await self._post(delivery.url, body, headers)
         done = time.time()
         if status is not None and 200 <= status < 300:
             outcome, next_at = "delivered", done
+        elif refused:
+            outcome, next_at = "failed", done
         else:
             deadline = delivery.created_at + self.config.retry_for
             next_at = min(done + backoff(delivery.attempts, self.config), deadline)

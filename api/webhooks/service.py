@@ -1,11 +1,13 @@
 """Creating, listing and deleting an identity's webhooks (the routes' face): the URL checked
-against the configuration (api/webhooks/safety.py, its DNS answer too), at most
-`max_per_identity` per identity, the secret made here and shown once."""
+against the configuration (api/webhooks/safety.py, its DNS answer too) and the caller's policy
+rule (`webhook_urls`), at most `max_per_identity` per identity, the secret made here and shown
+once."""
 
 from __future__ import annotations
 
 import base64
 import secrets
+from collections.abc import Callable
 
 from api.auth import Principal
 from api.problems import Problem
@@ -15,6 +17,7 @@ from api.webhooks.models import LastDelivery, WebhookCreated, WebhookInfo, Webho
 from api.webhooks.safety import Refused, check_url, resolve
 
 SECRET_BYTES = 24  # 192 bits; the specification asks for 24 to 64
+RULE_REFUSED = "your policy rule does not allow webhooks to this URL (ask your operator which)"
 
 
 def new_secret() -> str:
@@ -42,15 +45,27 @@ def info(hook: Webhook) -> WebhookInfo:
 
 
 class WebhookService:
-    def __init__(self, hooks: WebhookStore, config: WebhooksConfig) -> None:
+    def __init__(
+        self,
+        hooks: WebhookStore,
+        config: WebhooksConfig,
+        rule_allows: Callable[[tuple[str, str], str], bool] = lambda owner, url: True,
+    ) -> None:
         self.hooks = hooks
         self.config = config
+        self.rule_allows = rule_allows  # Policy.webhook_url_allowed
 
     async def create(self, who: Principal, body: WebhookRequest) -> WebhookCreated:
         try:
-            await resolve(check_url(body.url, self.config), self.config)
+            parsed = check_url(body.url, self.config)
+            # The rule before any DNS work: a portal's identity asking for another receiver
+            # learns only that its rule says no, not where the name resolves.
+            if not self.rule_allows(who.key, body.url):
+                raise Refused(RULE_REFUSED)
+            await resolve(parsed, self.config)
         except Refused as exc:
             raise Problem(422, "webhook-url-refused", "Webhook URL refused", str(exc)) from None
+        account = who.kept_account
         events = sorted(set(body.events))
         hook = Webhook(
             id=new_id(),
@@ -60,6 +75,7 @@ class WebhookService:
             events=list(events),
             secret=new_secret(),
             created_at=utcnow(),
+            owner_account=account,
         )
         if not await self.hooks.create(hook, self.config.max_per_identity):
             raise Problem(

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from sshpool.devhost.host import adopt_home
 from sshpool.target import Limits, Target
 
 if TYPE_CHECKING:
@@ -152,6 +153,8 @@ def _ensure_user(name: str) -> None:
     # 9: the name exists (another process created it meanwhile).
     if done.returncode not in (0, 9):
         raise AccountError(f"useradd {name} failed: {done.stderr.strip()}")
+    if done.returncode == 0:
+        adopt_home(name)
 
 
 def _ensure_key(path: Path) -> None:

@@ -305,7 +305,20 @@ def _ensure_account(name: str, shell: str = ACCOUNT_SHELL) -> Account:
         # '*' instead of useradd's '!': no password can match, yet the account is not "locked"
         # (sshd without PAM refuses locked accounts when it can read the shadow file).
         subprocess.run(["usermod", "-p", "*", name], capture_output=True, check=False)
+        adopt_home(name)
     return Account.from_pwd(pwd.getpwnam(name))
+
+
+def adopt_home(name: str) -> None:
+    """Give account ``name`` its home back when an earlier account of that name left it (the
+    machine's accounts were made again, the home kept): useradd keeps an existing home as it is,
+    owned by the old uid, and every write of the new account there fails."""
+    entry = pwd.getpwnam(name)
+    home = Path(entry.pw_dir)
+    if home.is_dir() and home.stat().st_uid != entry.pw_uid:
+        for directory, dirs, files in os.walk(home):
+            for path in (directory, *(os.path.join(directory, f) for f in dirs + files)):
+                os.lchown(path, entry.pw_uid, entry.pw_gid)
 
 
 # --------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Self
+from typing import TYPE_CHECKING, Any, Self
 
 from sshpool.target import Limits, Target
 
@@ -205,6 +205,26 @@ class RelayedHost:
     @property
     def profile(self) -> str:
         return self.host.profile
+
+    @property
+    def account(self) -> Any:
+        return self.host.account
+
+    def run_local(self, argv: list[str]) -> Any:
+        return self.host.run_local(argv)
+
+    def ssh_argv(self, *remote: str) -> list[str]:
+        """The host's OpenSSH client argv, through the relay (its port, its known_hosts)."""
+        argv = self.host.ssh_argv(*remote)
+        at = argv.index("-p")
+        argv[at + 1] = str(self.port)
+        argv = [
+            f"UserKnownHostsFile={self.known_hosts}" if a.startswith("UserKnownHostsFile=") else a
+            for a in argv
+        ]
+        where = f"{self.username}@{self.host.address}"
+        argv[argv.index(where)] = f"{self.username}@{self.address}"
+        return argv
 
     def target(self, **limits: object) -> Target:
         return Target(

@@ -179,18 +179,27 @@ async def test_unreachable_store_is_503_and_runs_nothing(
     config_file: Path, secret: str, keys: Keys, tmp_path: Path, tuned_host: LocalHost
 ) -> None:
     """PostgreSQL goes away (its connections reset, new ones refused): a job request is 503
-    + Retry-After before anything is launched, /readyz says not ready, and nothing ran; once
+    + Retry-After before anything is launched (a job handle's request too), /readyz says not
+    ready, and nothing ran; once
     the store is back, jobs run again."""
     flag = f"unrecorded-{uuid.uuid4().hex[:8]}"
     async with Proxy("127.0.0.1", 5432) as proxy, pg_schema() as schema:
         settings = make_settings(tmp_path, config_file, "postgresql", schema)
         settings.database_url = PG_URL.replace(":5432/", f":{proxy.port}/")
         async with running_api(settings, keys, secret) as api:
-            assert (await api.submit({"host": "local", "argv": ["true"]})).status_code == 201
+            first = await api.submit({"host": "local", "argv": ["true"]})
+            assert first.status_code == 201
+            job_url = f"{api.url}/v1/jobs/{first.json()['id']}"
+            made = await api.client.post(f"{job_url}/handles", json={"ttl": 60}, headers=api.auth())
+            handle = {"Authorization": f"Bearer {made.json()['handle']}"}
             await proxy.cut()
             r = await api.submit({"host": "local", "argv": ["touch", flag]})
+            # A job handle is checked against the store ahead of the app: the same 503.
+            by_handle = await api.client.get(job_url, headers=handle)
             ready = await api.client.get(f"{api.url}/readyz")
             await proxy.restore()
+            assert by_handle.status_code == 503, by_handle.text
+            assert by_handle.json()["type"].endswith("store-unavailable")
             assert tuned_host.run_local(["test", "-e", flag]).returncode != 0
             assert r.status_code == 503, r.text
             assert r.headers["Content-Type"] == "application/problem+json"

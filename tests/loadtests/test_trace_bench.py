@@ -18,9 +18,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_trace_benchmark_measures_every_variant() -> None:
-    """A tiny run prints a CPU figure per job for before, off, on-100 and on-10, and a CPU
-    figure per request for each server-span variant, with the load average around them."""
-    argv = ["--before", "HEAD", "--jobs", "8", "--rounds", "1", "--concurrency", "2"]
+    """A tiny run prints a CPU figure per job for before, off, on-100, on-10, old-on-10 and on-0,
+    a CPU figure per request for each server-span variant, with the load average around them."""
+    argv = ["--before", "HEAD", "--old", "HEAD", "--variants", ",".join(VARIANTS)]
+    argv += ["--jobs", "8", "--rounds", "1", "--concurrency", "2"]
     done = subprocess.run(
         [sys.executable, "-m", "loadtests.trace_bench", *argv, "--spans", "50"],
         cwd=ROOT,

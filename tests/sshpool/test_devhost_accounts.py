@@ -78,3 +78,21 @@ def test_only_root_creates_accounts(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     monkeypatch.setattr("os.geteuid", lambda: 1000)
     with pytest.raises(AccountError):
         ensure_accounts(1, data_dir=tmp_path)
+
+
+def test_an_account_made_again_gets_back_the_home_its_name_left(tmp_path: Path) -> None:
+    """The machine's accounts made again while /home was kept (a new uid for the same name):
+    useradd keeps the old home, owned by the old uid, where the new account could write nothing
+    (every file test of a run failed so). The rig gives it to the new account."""
+    (name,) = account_names(1, REMOVED_FIRST + 2)
+    remove_accounts([name], data_dir=tmp_path)
+    home = Path("/home") / name
+    (home / ".ssh").mkdir(parents=True)
+    (home / "kept").write_text("from before")
+    try:
+        (account,) = ensure_accounts(1, data_dir=tmp_path, first=REMOVED_FIRST + 2)
+        assert account.home == home and home.stat().st_uid == account.uid
+        assert (home / "kept").stat().st_uid == account.uid
+        assert (home / ".ssh" / "authorized_keys").stat().st_uid == account.uid
+    finally:
+        remove_accounts([name], data_dir=tmp_path)

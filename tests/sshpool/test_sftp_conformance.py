@@ -89,6 +89,22 @@ async def test_written_bytes_read_back_whole_and_from_an_offset(
     assert (await fs.stat(f"{tmpdir}/a.bin")).size == len(data)
 
 
+async def test_a_read_past_the_end_returns_the_rest_and_the_session_stays_in_step(
+    fs: SFTPSession, tmpdir: str
+) -> None:
+    """A read asking for far more than is left (many requests in flight past the end, as
+    paramiko's pipelined reads send them) returns what is left, the next read b"", and the
+    session answers the next operations in step."""
+    data = os.urandom(5 * (1 << 20) + 777)
+    await put(fs, f"{tmpdir}/b.bin", data)
+    f = await fs.open_read(f"{tmpdir}/b.bin", 4 * (1 << 20))
+    assert await f.read(8 << 20) == data[4 * (1 << 20) :]
+    assert await f.read(8 << 20) == b""
+    await f.close()
+    assert (await fs.stat(f"{tmpdir}/b.bin")).size == len(data)
+    assert await get(fs, f"{tmpdir}/b.bin") == data
+
+
 async def test_listing_reports_files_dirs_and_symlinks_without_following(
     fs: SFTPSession, tmpdir: str
 ) -> None:
