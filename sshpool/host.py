@@ -426,16 +426,9 @@ class HostPool:
             self.spawn(self._kill(c, lease.pgid))
             raise
         except BaseException as exc:
-            # Once per connection (the first lease to find it lost; `_failed` expires it): the
-            # breaker counts lost connections, and one idle connection that never served can
-            # carry several leases when its host dies (16 callers on 2 connections opened 3).
-            first = not c.expired
-            if (
-                isinstance(exc, ConnectionLost)
-                and lease.t_started is None
-                and not c.served
-                and first
-            ):
+            # Once per connection, however many leases it carried (`_failed` expires it).
+            lost = isinstance(exc, ConnectionLost) and lease.t_started is None
+            if lost and not c.served and not c.expired:
                 self.breaker.lost_before_start(self.loop.time())
             self._failed(c, exc)
             raise
