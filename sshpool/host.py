@@ -426,7 +426,9 @@ class HostPool:
             self.spawn(self._kill(c, lease.pgid))
             raise
         except BaseException as exc:
-            if isinstance(exc, ConnectionLost) and lease.t_started is None and not c.served:
+            # Once per connection, however many leases it carried (`_failed` expires it).
+            lost = isinstance(exc, ConnectionLost) and lease.t_started is None
+            if lost and not c.served and not c.expired:
                 self.breaker.lost_before_start(self.loop.time())
             self._failed(c, exc)
             raise

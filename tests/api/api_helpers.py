@@ -49,8 +49,10 @@ KEYS_ISS = "test-keys"
 SSHAPI = str(Path(sys.executable).parent / "sshapi")
 
 
-async def eventually(predicate: Callable[[], object], timeout: float = 10.0) -> None:
-    """Poll a synchronous check (e.g. the host's process list) until it is true."""
+async def eventually(predicate: Callable[[], object], timeout: float = 60.0) -> None:
+    """Poll a synchronous check (e.g. the host's process list) until it is true. `timeout` is a
+    hang bound, never a speed claim: it was 10 s, which a loaded box (load 10-20, 2 cores) can
+    spend before a queued job's processes show; a condition that never holds still fails."""
     async with asyncio.timeout(timeout):
         while not predicate():  # noqa: ASYNC110 (an outside condition: nothing to await)
             await asyncio.sleep(0.05)

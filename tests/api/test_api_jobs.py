@@ -52,8 +52,10 @@ async def test_wait_elapses_then_202_while_the_job_runs(api_any_store: Api) -> N
     r = await api.submit({"host": "local", "command": "sleep 3"}, wait=1)
     elapsed = time.monotonic() - start
     assert r.status_code == 202, r.text
+    # Answered before the job's end (state running: the 3 s sleep goes on) and not before
+    # the wait; how soon after the wait is the box's load, not asserted.
     assert r.json()["state"] == "running"
-    assert 0.9 <= elapsed < 2.5
+    assert elapsed >= 0.9
     await api.client.delete(f"{api.url}/v1/jobs/{r.json()['id']}", headers=api.auth())
 
 

@@ -877,7 +877,9 @@ def test_a_wrong_url_is_said_at_once_naming_it_and_where_it_came_from(
     assert f"GET {url}/v1/jobs" in result.stderr and "Connection refused" in result.stderr
     assert f"{url} came from SSHAPI_URL" in result.stderr, result.stderr
     assert "profile" in result.stderr, result.stderr
-    assert took < 1.0, took
+    # No retries: their schedule takes 9 s; a refused connect takes milliseconds, the rest of
+    # the bound is the loaded box's (it was 1.0 s, which load alone broke).
+    assert took < 5, took
     monkeypatch.delenv("SSHAPI_URL")
     monkeypatch.delenv("SSHAPI_TOKEN")
     client_env.write_text(f'default = "dev"\n[profiles.dev]\nurl = "{url}"\ntoken = "t"\n')
@@ -894,7 +896,7 @@ def test_a_wrong_url_is_said_at_once_naming_it_and_where_it_came_from(
         c.list()
     with pytest.raises(TransportError, match=url):
         asyncio.run(asyncio.wait_for(follow(), 5))
-    assert time.monotonic() - started < 1.0
+    assert time.monotonic() - started < 5 + 4  # the follow's own bound, and no 9 s of retries
 
 
 def test_events_of_a_server_gone_for_good_end_once_the_retries_are_spent(

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import time
 import uuid
@@ -178,16 +179,24 @@ async def test_login_shell_runs_once_per_connection(make_host: MakeHost) -> None
 
 
 async def test_commands_past_maxsessions_on_one_connection(stock_host: LocalHost) -> None:
-    """Stock MaxSessions is 10: one connection in agent mode runs 30 commands at once."""
+    """Stock MaxSessions is 10: one connection in agent mode runs 30 commands at once. Each
+    waits until all 30 have started (a barrier of files): 10 at a time, none would pass.
+    (Before: 30 x 0.5 s within 1.5 s, a bound the box's load could break.)"""
+    barrier = f"barrier-{uuid.uuid4().hex[:8]}"
+    wait_all = f"until [ $(ls {barrier} | wc -l) -ge 30 ]; do sleep 0.05; done"
     async with Pool() as pool:
         target = agent(stock_host.target(max_connections=1, agent_max_commands=30))
         await pool.run(target, ["true"])
-        started = time.monotonic()
-        results = await asyncio.gather(*(pool.run(target, ["sleep", "0.5"]) for _ in range(30)))
-        elapsed = time.monotonic() - started
+        join = f"mkdir -p {barrier}; touch {barrier}/$$"
+        try:
+            results = await asyncio.wait_for(
+                asyncio.gather(*(pool.run(target, f"{join}; {wait_all}") for _ in range(30))),
+                120,  # not a speed bound: commands that never meet wait here forever
+            )
+        finally:
+            shutil.rmtree(Path(stock_host.account.home, barrier), ignore_errors=True)
         assert all(r.exit_status == 0 for r in results)
         assert pool.stats()[target]["connections"] == 1
-    assert elapsed < 1.5, f"30 x 0.5 s took {elapsed:.1f} s on one connection"
 
 
 async def test_output_flood_keeps_memory_bounded(stock_host: LocalHost) -> None:

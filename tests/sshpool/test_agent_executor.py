@@ -228,7 +228,9 @@ async def test_detached_process_is_bounded_after_a_kill(agent: Agent) -> None:
     agent.send(client.KILL, 1)
     t0 = time.monotonic()
     _end, out, _ = await agent.until_exit(1)
-    assert out == b"started\n" and time.monotonic() - t0 < 3
+    # After the kill's grace, not when the detached sleep 30 ends (it was < 3 s, which a
+    # loaded box's pauses could break).
+    assert out == b"started\n" and time.monotonic() - t0 < 20
     survivors = alive(w)
     assert survivors, "the detached process is expected to survive (it left the group)"
     for p in survivors:

@@ -83,6 +83,11 @@ async def test_refused_accounts_do_not_lock_the_others_out_on_openssh10(
         tried = await stream
         stats = pool.stats()
     attempts = sum(stats[t]["counters"].get("connects_failed", 0) for t in refused)
-    # Two refusals at once, then one per 5 s (authfail): far fewer logins than jobs.
-    assert tried > 100 and good_runs > 20
-    assert attempts <= 2 + STREAM / 5 + 1, attempts
+    # Two refusals at once, then one per 5 s (authfail): far fewer logins than jobs. The
+    # lock-out is what the good account's runs prove: each a new login, every one of them
+    # answered (a refused address lasts 15 s, past their 10 s acquire_timeout: a run raises).
+    # How many there were is the box's speed (20 exactly at load 15, > 30 idle): not asserted
+    # beyond the loop having run across the stream.
+    logins = 2 + STREAM / 5 + 1
+    assert tried > 3 * logins and good_runs >= 2, (tried, good_runs)
+    assert attempts <= logins, attempts

@@ -215,7 +215,9 @@ async def test_host_down_fails_fast_then_breaker_opens(make_host: MakeHost) -> N
         for _ in range(3):
             with pytest.raises(ConnectError):
                 await pool.run(target, ["true"], acquire_timeout=10)
-        assert time.monotonic() - started < 1.5
+        # At once: none waited its acquire_timeout (10 s) for the host to come back. A
+        # refused connect takes milliseconds; the bound leaves the loaded box its pauses.
+        assert time.monotonic() - started < 10
         with pytest.raises(HostUnavailable) as info:
             await pool.run(target, ["true"], acquire_timeout=10)
         assert 0 < info.value.retry_after <= 5
@@ -265,7 +267,9 @@ async def test_queue_deadline_and_waiter_bound(tuned_host: LocalHost) -> None:
         started = time.monotonic()
         with pytest.raises(PoolFull):
             await pool.run(target, ["true"])
-        assert time.monotonic() - started < 0.1
+        # Refused without queueing: the slots stay busy for 3 s (sleep 3), a queued caller
+        # would wait that long; the refusal itself is synchronous, whatever the load.
+        assert time.monotonic() - started < 2.5
         with pytest.raises(PoolTimeout):
             await waiter
         for task in busy:

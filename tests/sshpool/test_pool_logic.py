@@ -9,6 +9,7 @@ import asyncio
 import pytest
 
 from sshpool import ConnectionLost, Limits, Pool, Target
+from sshpool.backends import Exit
 from sshpool.breaker import Breaker
 from sshpool.devhost import FakeBackend
 from sshpool.devhost.fake import backlog_queued
@@ -70,6 +71,26 @@ async def test_connection_lost_before_start_is_retried_on_a_fresh_connection() -
         result = await pool.run(target(), ["true"])
     assert result.ok
     assert result.stdout == b"conn1"
+    assert len(backend.conns) == 2
+
+
+async def test_one_lost_connection_counts_once_however_many_leases_it_carried() -> None:
+    """An idle connection that never served, leased by 4 callers when it is found lost, is one
+    lost connection to the breaker (threshold 3), not 4: the callers retry on a fresh one.
+    Before, each lease counted, the breaker opened and they got HostUnavailable (the restart
+    test in test_pool.py, under load, when every command had run on the other connection)."""
+    backend = FakeBackend()
+    t = target(max_connections=1, min_connections=1, max_sessions=8, breaker_threshold=3)
+
+    async def dead(*args: object) -> Exit:
+        await asyncio.sleep(0.01)  # the host's reset arrives once every lease is out
+        raise ConnectionLost("reset", started=False)
+
+    async with Pool(backend) as pool:
+        await pool.prewarm(t)
+        backend.conns[0].exec = dead  # type: ignore[method-assign]
+        results = await asyncio.gather(*(pool.run(t, ["true"]) for _ in range(4)))
+    assert [r.stdout for r in results] == [b"conn1"] * 4
     assert len(backend.conns) == 2
 
 
