@@ -183,7 +183,11 @@ async def test_commands_past_maxsessions_on_one_connection(stock_host: LocalHost
     waits until all 30 have started (a barrier of files): 10 at a time, none would pass.
     (Before: 30 x 0.5 s within 1.5 s, a bound the box's load could break.)"""
     barrier = f"barrier-{uuid.uuid4().hex[:8]}"
-    wait_all = f"until [ $(ls {barrier} | wc -l) -ge 30 ]; do sleep 0.05; done"
+    # Each gives up after 120 s (2,400 naps): a run cut short leaves no process looping on.
+    wait_all = (
+        f"n=0; until [ $(ls {barrier} 2>/dev/null | wc -l) -ge 30 ]; "
+        "do [ $n -ge 2400 ] && exit 1; n=$((n+1)); sleep 0.05; done"
+    )
     async with Pool() as pool:
         target = agent(stock_host.target(max_connections=1, agent_max_commands=30))
         await pool.run(target, ["true"])

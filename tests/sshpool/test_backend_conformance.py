@@ -279,7 +279,11 @@ async def test_many_concurrent_execs_share_one_connection(
     after another, the first waits forever. (Before: 16 x 0.5 s within 4 s, a bound the box's
     load could break.)"""
     barrier = f"barrier-{uuid.uuid4().hex[:8]}"
-    wait_all = f"until [ $(ls {barrier} | wc -l) -ge 16 ]; do sleep 0.05; done"
+    # Each gives up after 120 s (2,400 naps): a run cut short leaves no process looping on.
+    wait_all = (
+        f"n=0; until [ $(ls {barrier} 2>/dev/null | wc -l) -ge 16 ]; "
+        "do [ $n -ge 2400 ] && exit 1; n=$((n+1)); sleep 0.05; done"
+    )
     join = f"mkdir -p {barrier}; touch {barrier}/$$"  # every slot in use: no extra channel
     conn = await backend.connect(tuned_host.target())
     try:
