@@ -2,11 +2,9 @@
 task with group commit, handed to the dialect's writer (api/store/sqlite.py,
 api/store/postgres.py) or, for any other URL, to SQLAlchemy Core.
 
-Writes go through one writer task with group commit: whatever insert and update calls arrive
-while a transaction commits are applied together in the next one, and each caller's await
-returns only once the transaction holding its write has committed. So durability is per call as
-before, but a burst of jobs costs a few commits instead of one each, and SQLite never sees two
-writers fighting for its lock (which made the losers sleep in its busy handler for seconds).
+Group commit: the writes that arrive while a transaction commits go together in the next one,
+and each caller's await returns once the transaction holding its write has committed: durable per
+call, a burst costs a few commits, and SQLite never sees two writers fight for its lock.
 
 The writer is a task of the process's supervisor (api/tasks.py), handed to `start`: a writer loop
 that dies is logged and started again (the queue, and so every caller's write, survives it);
@@ -99,8 +97,8 @@ class Store(PortalStore):
         self._commits = 0
         self._committed = 0
         self._commit_seconds = 0.0
-        # Called after a committed state change that may have queued webhook deliveries (the
-        # deliverer's wake-up, api/webhooks/deliver.py): without it they wait for its poll.
+        # Called after a committed state change that queued webhook deliveries (the deliverer's
+        # wake-up, api/webhooks/deliver.py), so they need not wait for its poll.
         self.on_event: list[Callable[[], None]] = []
         self.on_change: OnChange | None = None
 
@@ -318,10 +316,8 @@ class Store(PortalStore):
         no other replica asked to cancel it. True if a row changed. A change of `state` queues
         the owner's webhook deliveries of it in the same transaction (api/store/outbox.py)."""
         deliveries = outbox.params(job_id, values)
-        # Whether the outbox statement queued a delivery: only then is the deliverer woken (a
-        # wake-up costs it a read of the outbox; with no webhook, every job paid three).
-        queued = [False]
         logged = "state" in values  # a job event too (api/store/portals.py)
+        queued = [False]  # a delivery queued: only then wake the deliverer (it reads the outbox)
         if self._sqlite is not None:
             exprs = {k: v for k, v in values.items() if isinstance(v, ClauseElement)}
             if exprs:  # rare: built per call, not cached
@@ -383,8 +379,8 @@ class Store(PortalStore):
         def execute(conn: Connection) -> bool:
             changed = bool(conn.execute(query).rowcount)
             if changed and deliveries is not None:
-                params = outbox.core_params(deliveries)
-                queued[0] = conn.execute(text(outbox.CORE), params).rowcount > 0
+                found = conn.execute(text(outbox.CORE), outbox.core_params(deliveries))
+                queued[0] = found.rowcount > 0
             if changed and logged:
                 conn.execute(events_of(JOBS.c.id == job_id))
             return changed

@@ -137,10 +137,11 @@ def test_the_knee_and_the_targets_count_only_stages_the_generator_kept_up_with()
 def test_bench_agent_parts_compare_the_modes_through_the_relay(tmp_path: Path) -> None:
     """`--exec-modes channel agent --rtt-ms 5 --parts floor wan`: sshd's CPU per command in both
     modes beside the posix_spawn floor, and the p50 through the relay per mode and per
-    request, each at least the RTT; agent mode's targets judged."""
+    request, each at least the RTT; agent mode's targets judged. 40 commands: agent mode's
+    ~1 ms of sshd CPU each must add up to several of /proc's 10-ms ticks (10 read 0 once)."""
     done = subprocess.run(
         [sys.executable, "-m", "loadtests.bench", "--sshd", "stock", "--parts", "floor", "wan",
-         "--exec-modes", "channel", "agent", "--rtt-ms", "5", "--floor-commands", "10",
+         "--exec-modes", "channel", "agent", "--rtt-ms", "5", "--floor-commands", "40",
          "--wan-commands", "5", "--out", str(tmp_path)],
         cwd=REPO, capture_output=True, text=True, timeout=110,
     )  # fmt: skip
