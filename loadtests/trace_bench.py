@@ -270,10 +270,12 @@ def summary(costs: dict[str, list[float]], base: str, unit: str) -> None:
         med = statistics.median(values)
         spread = f"{min(values):.3f}-{max(values):.3f}"
         paired = statistics.median(v - b for v, b in zip(values, costs[base], strict=True))
+        # A base of 0: too few jobs for one of /proc's 10-ms ticks (a short run on an idle box).
+        ratio = f"{(med / ref - 1) * 100:+6.1f} %" if ref else "   n/a  "
+        share = f"{paired / ref * 100:+.1f} %" if ref else "n/a"
         print(
             f"  {name:<20} median {med:8.3f} {unit} (rounds {spread}) "
-            f"{(med / ref - 1) * 100:+6.1f} % vs {base}; paired {paired:+.3f} {unit} "
-            f"({paired / ref * 100:+.1f} %)"
+            f"{ratio} vs {base}; paired {paired:+.3f} {unit} ({share})"
         )
 
 

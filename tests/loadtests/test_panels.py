@@ -27,7 +27,9 @@ def test_panels_draws_the_pool_dashboard_during_a_burst(
         return draw(series, out)
 
     monkeypatch.setattr(panels, "draw", keep)
-    args = ["--out", str(tmp_path), "--jobs", "48", "--in-flight", "24", "--seconds", "0.2"]
+    # 48 jobs of 1.5 s, 24 at once: about 3 s of used connections, three 1-s scrapes at least
+    # (0.2-s jobs were over between two scrapes once, on an idle box).
+    args = ["--out", str(tmp_path), "--jobs", "48", "--in-flight", "24", "--seconds", "1.5"]
     assert panels.main(args) == 0
     png = tmp_path / "pool-panels.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
