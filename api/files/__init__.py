@@ -11,6 +11,8 @@ What this package exports is below (`__all__`); the modules:
     listings   snapshots of directories, cursors                api.problems
     transfers  the upload protocol, a download's body, ranges   confine, api.numbers
     checksum   sha256sum on the host                            errors, api.config, api.policy
+    resumable  uploads in chunks (`Resumable`): the protocol,   confine, transfers, checksum,
+               their state in the store (through a Protocol)    api.config, api.metrics
     service    `FileService`: the operations and the            all of the above, api.quota,
                per-identity limits (transfers, listings,        api.metrics
                the commit lock)
@@ -26,6 +28,7 @@ and no other feature (api.jobs, api.live, api.store).
 from api.files.confine import MAX_PATH
 from api.files.errors import file_problem
 from api.files.listings import SNAPSHOTS_PER_IDENTITY, Listings, Snapshot
+from api.files.resumable import Resumable, UploadState, digest_header, parse_digest
 from api.files.service import FileService
 from api.files.transfers import CHUNK, Download, Uploaded
 
@@ -36,7 +39,11 @@ __all__ = [
     "Download",
     "FileService",
     "Listings",
+    "Resumable",
     "Snapshot",
+    "UploadState",
     "Uploaded",
+    "digest_header",
     "file_problem",
+    "parse_digest",
 ]
