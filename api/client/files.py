@@ -1,8 +1,10 @@
-"""What the files methods of both clients share: paths, upload headers, and the part file that
-lets a download resume."""
+"""What the files methods of both clients share: paths, upload headers (a resumable upload's
+chunks' too), and the part file that lets a download resume."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import os
 import posixpath
@@ -27,6 +29,38 @@ def _upload_headers(size: int, create_only: bool) -> dict[str, str]:
     if create_only:
         headers["If-None-Match"] = "*"
     return headers
+
+
+# Bytes per chunk of a resumable upload (`upload_resumable`): what one lost connection costs
+# again at most. The server's cap is in its answers' `Upload-Limit` (max-append-size).
+UPLOAD_CHUNK = 16 << 20
+
+
+def _chunk_headers(offset: int, data: bytes, last: bool) -> dict[str, str]:
+    """One chunk of a resumable upload: where it starts, whether it ends the file, and its
+    RFC 9530 digest (the server refuses it, and counts nothing of it, if a byte differs)."""
+    digest = base64.b64encode(hashlib.sha256(data).digest()).decode()
+    return {
+        "Upload-Offset": str(offset),
+        "Upload-Complete": "?1" if last else "?0",
+        "Content-Digest": f"sha-256=:{digest}:",
+        "Content-Type": "application/partial-upload",
+    }
+
+
+def _upload_offset(response: httpx.Response) -> int | None:
+    """The `Upload-Offset` of an answer (a HEAD, a 409), or None."""
+    value = response.headers.get("upload-offset", "")
+    return int(value) if value.isascii() and value.isdigit() else None
+
+
+def _chunk_limit(response: httpx.Response, wanted: int) -> int:
+    """`wanted`, within the server's `Upload-Limit: max-append-size=N`."""
+    for member in response.headers.get("upload-limit", "").split(","):
+        key, _, value = member.strip().partition("=")
+        if key == "max-append-size" and value.isascii() and value.isdigit():
+            return max(1, min(wanted, int(value)))
+    return wanted
 
 
 def _parent(path: str) -> str | None:

@@ -42,6 +42,9 @@ class AsyncFile:
     async def write(self, data: bytes) -> None:
         await _in_thread(self.raw.write, data)
 
+    async def seek(self, offset: int) -> None:
+        await _in_thread(self.raw.seek, offset)
+
     def close(self) -> None:
         self.raw.close()
 
@@ -66,6 +69,9 @@ class SyncFile:
 
     def write(self, data: bytes) -> None:
         self.raw.write(data)
+
+    def seek(self, offset: int) -> None:
+        self.raw.seek(offset)
 
     def close(self) -> None:
         self.raw.close()
