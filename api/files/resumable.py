@@ -36,7 +36,7 @@ import hashlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Protocol
@@ -160,7 +160,7 @@ class UploadTable(Protocol):
     async def delete(self, upload_id: str, token: str | None = None) -> None: ...
     async def expired(
         self, now: float, token: str, until: float, limit: int
-    ) -> list[UploadRecord]: ...
+    ) -> Sequence[UploadRecord]: ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from sqlalchemy import and_, delete, func, insert, or_, select, update
+from sqlalchemy import ColumnElement, and_, delete, func, insert, or_, select, update
 from sqlalchemy.engine import Row
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -54,7 +54,7 @@ def _row(row: Row[tuple[object, ...]]) -> UploadRow:
     return UploadRow(**dict(row._mapping))
 
 
-def _free(now: float) -> object:
+def _free(now: float) -> ColumnElement[bool]:
     return or_(U.busy_until.is_(None), U.busy_until < now)
 
 
