@@ -7,7 +7,6 @@ in a thread here, the plain calls there: the one difference besides waiting)."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 from asyncio import sleep
 from collections.abc import AsyncIterator, Sequence
@@ -37,18 +36,22 @@ from api.client.errors import (
     InvalidRequest,
     JobFailed,
     NotFound,
-    SshapiError,
     TransportError,
     _raise,
     raise_for_problem,
 )
 from api.client.files import (
     CHUNK,
+    CHUNK_TIMEOUT,
     UPLOAD_CHUNK,
     Partial,
     Progress,
+    Sent,
+    _check_sha256,
     _chunk_headers,
     _chunk_limit,
+    _chunk_refused,
+    _creation,
     _parent,
     _upload_headers,
     _upload_offset,
@@ -498,94 +501,63 @@ class AsyncClient(_Base):
         create_only: bool = False,
         progress: Progress | None = None,
     ) -> dict[str, Any]:
-        """Upload a local file to `path` in chunks of `chunk_size` bytes (a resumable upload:
-        docs/files.md), each with its sha-256 digest. A lost connection costs at most the chunk
-        it cut: the client asks the server where the upload stands (HEAD) and goes on from
-        there. The server hashes the whole file on the host before renaming it into place;
-        that hash is checked against the local file's. Answers `path`, `size`, `sha256`."""
+        """Upload a local file to `path` in chunks of `chunk_size` bytes, each with its sha-256
+        digest (a resumable upload: docs/files.md). A lost connection costs at most the chunk it
+        cut: the client asks where the upload stands (HEAD) and goes on. The host's sha256 of
+        the whole file is checked against the local file's. Answers `path`, `size`, `sha256`."""
         size = await AsyncFile.size(source)
-        headers = {"Upload-Length": str(size)}
-        if create_only:
-            headers["If-None-Match"] = "*"
+        headers = _creation(size, create_only)
         created = await self.request(
             "POST", files_path(host, "/uploads"), params={"path": path}, headers=headers
         )
         location = created.headers["location"]
         chunk_size = _chunk_limit(created, chunk_size)
-        local = await AsyncFile.open(source)
-        whole = hashlib.sha256()
-        hashed = offset = attempt = 0
+        local, sent = await AsyncFile.open(source), Sent()
+        offset = attempt = 0
         answer: dict[str, Any] | None = None
         try:
-            while True:
+            while answer is None:
                 await local.seek(offset)
                 data = await local.read(min(chunk_size, size - offset))
                 last = offset + len(data) >= size
+                headers = _chunk_headers(offset, data, last)
                 try:
                     response = await self.http.request(
-                        "PATCH",
-                        location,
-                        content=data,
-                        headers=_chunk_headers(offset, data, last),
-                        timeout=httpx.Timeout(60, write=300),
+                        "PATCH", location, content=data, headers=headers, timeout=CHUNK_TIMEOUT
                     )
                 except httpx.TransportError as exc:
                     await sleep(self._delay_after(attempt, exc, f"PATCH {location}"))
                     attempt += 1
                     offset, answer = await self._upload_stands(location)
-                    if answer is not None:
-                        break
                     continue
-                problem = response.headers.get("content-type", "").startswith("application/prob")
-                kind = response.json().get("type", "") if problem else ""
-                stands = _upload_offset(response)
-                if response.status_code == 409 and stands is not None:
-                    offset = stands  # not where the server stands: go on from there
-                    continue
+                moved, damaged = _chunk_refused(response)
                 retry = self._delay(attempt, response)
-                if retry is None and kind.endswith(":digest-mismatch") and attempt < self.retries:
+                if retry is None and damaged and attempt < self.retries:
                     retry = 0.0  # the chunk was damaged on the way: send it again
-                if retry is not None:
-                    await sleep(retry)
-                    attempt += 1
+                if moved is not None or retry is not None:
+                    await sleep(retry or 0)
+                    offset, attempt = (offset, attempt + 1) if moved is None else (moved, attempt)
                     continue
                 raise_for_problem(response)
-                if offset == hashed:
-                    whole.update(data)
-                    hashed += len(data)
-                offset += len(data)
-                attempt = 0
+                sent.confirmed(offset, data)
+                offset, attempt = offset + len(data), 0
                 if progress is not None:
                     progress(offset, size)
                 if last:
                     answer = read_answer(response, an_upload)
-                    break
         finally:
             local.close()
-        if hashed != size:  # resumed past bytes never hashed here: hash the file itself
-            whole = hashlib.sha256()
-            local = await AsyncFile.open(source)
-            try:
-                while data := await local.read(CHUNK):
-                    whole.update(data)
-            finally:
-                local.close()
-        assert answer is not None  # the loop ends with the final chunk's answer
-        if answer.get("sha256") != whole.hexdigest():
-            raise SshapiError(
-                f"{path} on {host}: the server's sha256 {answer.get('sha256')} is not the local "
-                f"file's {whole.hexdigest()} (the local file changed during the upload?)"
-            )
+        _check_sha256(answer, sent.hexdigest(size) or await AsyncFile.sha256(source), host, path)
         return answer
 
     async def _upload_stands(self, location: str) -> tuple[int, dict[str, Any] | None]:
         """Where a resumable upload stands on the server (HEAD), and once complete its answer
         (GET): the chunk whose answer was lost may have been the last."""
         response = await self.request("HEAD", location)
-        if response.headers.get("upload-complete") == "?1":
-            done = read_answer(await self.request("GET", location), an_upload)
-            return _upload_offset(response) or 0, {k: done[k] for k in ("path", "size", "sha256")}
-        return _upload_offset(response) or 0, None
+        if response.headers.get("upload-complete") != "?1":
+            return _upload_offset(response) or 0, None
+        done = read_answer(await self.request("GET", location), an_upload)
+        return _upload_offset(response) or 0, {k: done[k] for k in ("path", "size", "sha256")}
 
     async def mkdir(self, host: str, path: str, *, parents: bool = False) -> dict[str, Any]:
         """Create a directory (409 Conflict if it exists, 404 NotFound if its parent does not).

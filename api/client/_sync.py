@@ -3,7 +3,6 @@ never this file. `Client`, the synchronous client."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Iterator, Sequence
 from time import monotonic, sleep
@@ -32,18 +31,22 @@ from api.client.errors import (
     InvalidRequest,
     JobFailed,
     NotFound,
-    SshapiError,
     TransportError,
     _raise,
     raise_for_problem,
 )
 from api.client.files import (
     CHUNK,
+    CHUNK_TIMEOUT,
     UPLOAD_CHUNK,
     Partial,
     Progress,
+    Sent,
+    _check_sha256,
     _chunk_headers,
     _chunk_limit,
+    _chunk_refused,
+    _creation,
     _parent,
     _upload_headers,
     _upload_offset,
@@ -489,94 +492,63 @@ class Client(_Base):
         create_only: bool = False,
         progress: Progress | None = None,
     ) -> dict[str, Any]:
-        """Upload a local file to `path` in chunks of `chunk_size` bytes (a resumable upload:
-        docs/files.md), each with its sha-256 digest. A lost connection costs at most the chunk
-        it cut: the client asks the server where the upload stands (HEAD) and goes on from
-        there. The server hashes the whole file on the host before renaming it into place;
-        that hash is checked against the local file's. Answers `path`, `size`, `sha256`."""
+        """Upload a local file to `path` in chunks of `chunk_size` bytes, each with its sha-256
+        digest (a resumable upload: docs/files.md). A lost connection costs at most the chunk it
+        cut: the client asks where the upload stands (HEAD) and goes on. The host's sha256 of
+        the whole file is checked against the local file's. Answers `path`, `size`, `sha256`."""
         size = SyncFile.size(source)
-        headers = {"Upload-Length": str(size)}
-        if create_only:
-            headers["If-None-Match"] = "*"
+        headers = _creation(size, create_only)
         created = self.request(
             "POST", files_path(host, "/uploads"), params={"path": path}, headers=headers
         )
         location = created.headers["location"]
         chunk_size = _chunk_limit(created, chunk_size)
-        local = SyncFile.open(source)
-        whole = hashlib.sha256()
-        hashed = offset = attempt = 0
+        local, sent = SyncFile.open(source), Sent()
+        offset = attempt = 0
         answer: dict[str, Any] | None = None
         try:
-            while True:
+            while answer is None:
                 local.seek(offset)
                 data = local.read(min(chunk_size, size - offset))
                 last = offset + len(data) >= size
+                headers = _chunk_headers(offset, data, last)
                 try:
                     response = self.http.request(
-                        "PATCH",
-                        location,
-                        content=data,
-                        headers=_chunk_headers(offset, data, last),
-                        timeout=httpx.Timeout(60, write=300),
+                        "PATCH", location, content=data, headers=headers, timeout=CHUNK_TIMEOUT
                     )
                 except httpx.TransportError as exc:
                     sleep(self._delay_after(attempt, exc, f"PATCH {location}"))
                     attempt += 1
                     offset, answer = self._upload_stands(location)
-                    if answer is not None:
-                        break
                     continue
-                problem = response.headers.get("content-type", "").startswith("application/prob")
-                kind = response.json().get("type", "") if problem else ""
-                stands = _upload_offset(response)
-                if response.status_code == 409 and stands is not None:
-                    offset = stands  # not where the server stands: go on from there
-                    continue
+                moved, damaged = _chunk_refused(response)
                 retry = self._delay(attempt, response)
-                if retry is None and kind.endswith(":digest-mismatch") and attempt < self.retries:
+                if retry is None and damaged and attempt < self.retries:
                     retry = 0.0  # the chunk was damaged on the way: send it again
-                if retry is not None:
-                    sleep(retry)
-                    attempt += 1
+                if moved is not None or retry is not None:
+                    sleep(retry or 0)
+                    offset, attempt = (offset, attempt + 1) if moved is None else (moved, attempt)
                     continue
                 raise_for_problem(response)
-                if offset == hashed:
-                    whole.update(data)
-                    hashed += len(data)
-                offset += len(data)
-                attempt = 0
+                sent.confirmed(offset, data)
+                offset, attempt = offset + len(data), 0
                 if progress is not None:
                     progress(offset, size)
                 if last:
                     answer = read_answer(response, an_upload)
-                    break
         finally:
             local.close()
-        if hashed != size:  # resumed past bytes never hashed here: hash the file itself
-            whole = hashlib.sha256()
-            local = SyncFile.open(source)
-            try:
-                while data := local.read(CHUNK):
-                    whole.update(data)
-            finally:
-                local.close()
-        assert answer is not None  # the loop ends with the final chunk's answer
-        if answer.get("sha256") != whole.hexdigest():
-            raise SshapiError(
-                f"{path} on {host}: the server's sha256 {answer.get('sha256')} is not the local "
-                f"file's {whole.hexdigest()} (the local file changed during the upload?)"
-            )
+        _check_sha256(answer, sent.hexdigest(size) or SyncFile.sha256(source), host, path)
         return answer
 
     def _upload_stands(self, location: str) -> tuple[int, dict[str, Any] | None]:
         """Where a resumable upload stands on the server (HEAD), and once complete its answer
         (GET): the chunk whose answer was lost may have been the last."""
         response = self.request("HEAD", location)
-        if response.headers.get("upload-complete") == "?1":
-            done = read_answer(self.request("GET", location), an_upload)
-            return _upload_offset(response) or 0, {k: done[k] for k in ("path", "size", "sha256")}
-        return _upload_offset(response) or 0, None
+        if response.headers.get("upload-complete") != "?1":
+            return _upload_offset(response) or 0, None
+        done = read_answer(self.request("GET", location), an_upload)
+        return _upload_offset(response) or 0, {k: done[k] for k in ("path", "size", "sha256")}
 
     def mkdir(self, host: str, path: str, *, parents: bool = False) -> dict[str, Any]:
         """Create a directory (409 Conflict if it exists, 404 NotFound if its parent does not).

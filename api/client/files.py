@@ -34,6 +34,7 @@ def _upload_headers(size: int, create_only: bool) -> dict[str, str]:
 # Bytes per chunk of a resumable upload (`upload_resumable`): what one lost connection costs
 # again at most. The server's cap is in its answers' `Upload-Limit` (max-append-size).
 UPLOAD_CHUNK = 16 << 20
+CHUNK_TIMEOUT = httpx.Timeout(60, write=300)  # a chunk's send may wait on a slow host
 
 
 def _chunk_headers(offset: int, data: bytes, last: bool) -> dict[str, str]:
@@ -46,6 +47,48 @@ def _chunk_headers(offset: int, data: bytes, last: bool) -> dict[str, str]:
         "Content-Digest": f"sha-256=:{digest}:",
         "Content-Type": "application/partial-upload",
     }
+
+
+def _creation(size: int, create_only: bool) -> dict[str, str]:
+    """A resumable upload's creation: the file's size, and `If-None-Match: *` to create only."""
+    return {"Upload-Length": str(size), **({"If-None-Match": "*"} if create_only else {})}
+
+
+def _chunk_refused(response: httpx.Response) -> tuple[int | None, bool]:
+    """A chunk's refusal the client acts on: the offset a 409 says the upload stands at (send
+    from there), and whether the chunk arrived damaged (400 `digest-mismatch`: send it again)."""
+    if response.status_code == 409:
+        return _upload_offset(response), False
+    problem = response.headers.get("content-type", "").startswith("application/problem")
+    kind = response.json().get("type", "") if problem and response.status_code == 400 else ""
+    return None, str(kind).endswith(":digest-mismatch")
+
+
+class Sent:
+    """The local file's sha256 over the chunks a resumable upload sent, in order: the whole
+    file's once they cover it without a gap (a resume past bytes never hashed here leaves a
+    gap: then the file is hashed again at the end)."""
+
+    def __init__(self) -> None:
+        self._sha = hashlib.sha256()
+        self._hashed = 0
+
+    def confirmed(self, offset: int, data: bytes) -> None:
+        if offset == self._hashed:
+            self._sha.update(data)
+            self._hashed += len(data)
+
+    def hexdigest(self, size: int) -> str | None:
+        return self._sha.hexdigest() if self._hashed == size else None
+
+
+def _check_sha256(answer: Mapping[str, object], local: str, host: str, path: str) -> None:
+    """The server's sha256 of the file it renamed into place is the local file's."""
+    if answer.get("sha256") != local:
+        raise SshapiError(
+            f"{path} on {host}: the host's sha256 {answer.get('sha256')} is not the local file's "
+            f"{local} (did the local file change during the upload?)"
+        )
 
 
 def _upload_offset(response: httpx.Response) -> int | None:

@@ -5,6 +5,7 @@ generated _sync.py, where the calls are the plain ones."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +22,14 @@ async def _in_thread(call: Callable[..., T], *args: object) -> T:
     return await to_thread(call, *args)
 
 
+def _sha256(path: str | os.PathLike[str]) -> str:
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        while data := f.read(1 << 20):
+            digest.update(data)
+    return digest.hexdigest()
+
+
 class AsyncFile:
     """A local file whose blocking calls run in a thread."""
 
@@ -35,6 +44,10 @@ class AsyncFile:
     @staticmethod
     async def size(path: str | os.PathLike[str]) -> int:
         return (await _in_thread(os.stat, path)).st_size
+
+    @staticmethod
+    async def sha256(path: str | os.PathLike[str]) -> str:
+        return await _in_thread(_sha256, path)
 
     async def read(self, size: int) -> bytes:
         return await _in_thread(self.raw.read, size)
@@ -63,6 +76,10 @@ class SyncFile:
     @staticmethod
     def size(path: str | os.PathLike[str]) -> int:
         return os.path.getsize(path)
+
+    @staticmethod
+    def sha256(path: str | os.PathLike[str]) -> str:
+        return _sha256(path)
 
     def read(self, size: int) -> bytes:
         return self.raw.read(size)
