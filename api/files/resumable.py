@@ -251,15 +251,16 @@ class Resumable:
             raise Problem(400, "completed-upload", "The upload is complete", None)
         grant, _ = self.service.grant(who, host)
         cap = min(self.api.max_upload_chunk, grant.rule.max_transfer_bytes)
-        if declared is not None:
-            if declared > cap:
-                raise Problem(413, "too-large", "Chunk too large", f"at most {cap} bytes a chunk")
-            if offset + declared > row.length or (complete and offset + declared != row.length):
-                raise inconsistent(f"the upload is {row.length} bytes long")
+        if declared is not None and declared > cap:
+            raise Problem(413, "too-large", "Chunk too large", f"at most {cap} bytes a chunk")
         async with self._lease(row) as token, self.service.open(who, host, bulk=True) as files:
             held = await self._held(files, row)
             if offset != held:
                 raise mismatch(held, offset)
+            if declared is not None and (
+                held + declared > row.length or (complete and held + declared != row.length)
+            ):
+                raise inconsistent(f"the upload is {row.length} bytes long")
             room = min(cap, row.length - held)
             async with self.service.transfer(who, files.grant, "upload"):
                 written = await self._write(files, row, token, held, room, digest, body)
