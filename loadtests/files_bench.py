@@ -344,18 +344,21 @@ def _measure(
         with httpx.Client(timeout=httpx.Timeout(600.0)) as client:
             for n in range(rounds):
                 up = api_upload(client, url, token, pids, source, remotes["api"], sha256)
-                if chunk:
-                    chunked = api_chunked_upload(
-                        client, url, token, pids, source, remotes["api"], sha256, chunk
-                    )
-                    chunked.round = n + 1
-                    transfers.append(chunked)
+                chunked = (
+                    [
+                        api_chunked_upload(
+                            client, url, token, pids, source, remotes["api"], sha256, chunk
+                        )
+                    ]
+                    if chunk
+                    else []
+                )
                 sftp_up = sftp_transfer(host, backend, True, source, remotes["sftp"], sha256)
                 scp_up = scp_transfer(host, True, source, remotes["scp"], back)
                 down = api_download(client, url, token, pids, size, remotes["api"], sha256)
                 sftp_down = sftp_transfer(host, backend, False, source, remotes["sftp"], sha256)
                 scp_down = scp_transfer(host, False, source, remotes["scp"], back)
-                for t in (up, sftp_up, scp_up, down, sftp_down, scp_down):
+                for t in (up, *chunked, sftp_up, scp_up, down, sftp_down, scp_down):
                     t.round = n + 1
                     transfers.append(t)
                 ratios["upload"].append(up.mb_per_s / scp_up.mb_per_s)
