@@ -182,7 +182,9 @@ def api_chunked_upload(
                     "Content-Digest": f"sha-256=:{digest}:",
                     "Content-Type": "application/partial-upload",
                 }
-                r = client.patch(location, content=data, headers=headers)
+                pieces = [data[n : n + PIECE] for n in range(0, len(data), PIECE)]
+                headers["Content-Length"] = str(len(data))
+                r = client.patch(location, content=pieces, headers=headers)
                 if r.status_code not in ((200, 201) if last else (204,)):
                     raise RuntimeError(f"chunk at {offset}: {r.status_code} {r.text[:300]}")
                 offset += len(data)

@@ -520,10 +520,10 @@ class AsyncClient(_Base):
                 await local.seek(offset)
                 data = await local.read(min(chunk_size, size - offset))
                 last = offset + len(data) >= size
-                headers = _chunk_headers(offset, data, last)
+                headers, pieces = _chunk_headers(offset, data, last), AsyncFile.pieces(data)
                 try:
                     response = await self.http.request(
-                        "PATCH", location, content=data, headers=headers, timeout=CHUNK_TIMEOUT
+                        "PATCH", location, content=pieces, headers=headers, timeout=CHUNK_TIMEOUT
                     )
                 except httpx.TransportError as exc:
                     await sleep(self._delay_after(attempt, exc, f"PATCH {location}"))

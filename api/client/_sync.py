@@ -511,10 +511,10 @@ class Client(_Base):
                 local.seek(offset)
                 data = local.read(min(chunk_size, size - offset))
                 last = offset + len(data) >= size
-                headers = _chunk_headers(offset, data, last)
+                headers, pieces = _chunk_headers(offset, data, last), SyncFile.pieces(data)
                 try:
                     response = self.http.request(
-                        "PATCH", location, content=data, headers=headers, timeout=CHUNK_TIMEOUT
+                        "PATCH", location, content=pieces, headers=headers, timeout=CHUNK_TIMEOUT
                     )
                 except httpx.TransportError as exc:
                     sleep(self._delay_after(attempt, exc, f"PATCH {location}"))

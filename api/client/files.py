@@ -42,6 +42,7 @@ def _chunk_headers(offset: int, data: bytes, last: bool) -> dict[str, str]:
     RFC 9530 digest (the server refuses it, and counts nothing of it, if a byte differs)."""
     digest = base64.b64encode(hashlib.sha256(data).digest()).decode()
     return {
+        "Content-Length": str(len(data)),  # sent in pieces (`AsyncFile.pieces`), not chunked
         "Upload-Offset": str(offset),
         "Upload-Complete": "?1" if last else "?0",
         "Content-Digest": f"sha-256=:{digest}:",

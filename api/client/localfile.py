@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO, TypeVar
 
 T = TypeVar("T")
+PIECE = 1 << 20  # bytes per part of a body sent from memory (`pieces`)
 
 
 async def _in_thread(call: Callable[..., T], *args: object) -> T:
@@ -49,6 +50,13 @@ class AsyncFile:
     async def sha256(path: str | os.PathLike[str]) -> str:
         return await _in_thread(_sha256, path)
 
+    @staticmethod
+    async def pieces(data: bytes) -> AsyncIterator[bytes]:
+        """`data` in PIECE-sized parts, for a request's body: httpx sent one 64 MiB `bytes`
+        body at a third of the rate of the same bytes in parts (loopback, 2026-11-28)."""
+        for n in range(0, len(data), PIECE):
+            yield data[n : n + PIECE]
+
     async def read(self, size: int) -> bytes:
         return await _in_thread(self.raw.read, size)
 
@@ -80,6 +88,12 @@ class SyncFile:
     @staticmethod
     def sha256(path: str | os.PathLike[str]) -> str:
         return _sha256(path)
+
+    @staticmethod
+    def pieces(data: bytes) -> Iterator[bytes]:
+        """`data` in PIECE-sized parts, for a request's body."""
+        for n in range(0, len(data), PIECE):
+            yield data[n : n + PIECE]
 
     def read(self, size: int) -> bytes:
         return self.raw.read(size)
