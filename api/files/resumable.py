@@ -18,9 +18,10 @@ not move). docs/files.md has the contract; the choices that are ours:
   writes over them, from `received`, so nothing unconfirmed is ever counted.
 - A chunk cut off mid-way: without a digest, what landed counts (the draft: the server keeps
   what it received); with one, nothing of it counts (it cannot be checked).
-- The whole file's sha256 is computed on the host (api/files/checksum.py's script) from the
-  complete temporary file before the rename, whichever API processes took the chunks: it is the
-  hash of the bytes renamed into place, not of bytes some process saw go by.
+- The whole file's sha256: when every chunk came to this process in order and counted whole,
+  the running hash of the bytes it wrote (as PUT's), kept in memory between chunks; otherwise
+  (a chunk on another replica, a restart, a cut chunk) computed on the host (the checksum
+  script of api/files/checksum.py) from the complete temporary file before the rename.
 - One chunk at a time per upload (the row's lease), any replica; state in the store, so a chunk
   may land on another replica or after a restart. Expired uploads' temporary files are removed
   by the supervisor's `upload-expiry` task (`Resumable.loop`).
@@ -30,10 +31,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterable, AsyncIterator, Callable
+from typing import Any
 
 from api.auth import Principal
 from api.config import ApiConfig
@@ -50,6 +54,7 @@ from api.files.transfers import (
 )
 from api.files.uploads import (
     SHA256,
+    Both,
     FileOps,
     UploadRecord,
     UploadState,
@@ -68,6 +73,8 @@ log = logging.getLogger("sshapi.files.uploads")
 # process that dies mid-chunk blocks the upload's next chunk for this long at most.
 LEASE = 30.0
 RENEW = LEASE / 3
+# Uploads whose whole file's running hash a process keeps at most (about 200 bytes each).
+RUNNING = 4096
 # Expired uploads the sweep takes per pass.
 SWEEP_BATCH = 100
 
@@ -88,6 +95,15 @@ class Resumable:
         self.table = table
         self.api = api
         self.clock = clock
+        # The whole file's running sha256 per upload whose chunks all came here in order:
+        # upload id -> (the bytes it covers, the hash). Gone (a chunk elsewhere, a restart, a
+        # cut): the commit hashes the file on the host instead. At most RUNNING, oldest first.
+        self._running: OrderedDict[str, tuple[int, Any]] = OrderedDict()
+
+    def _keep_running(self, upload_id: str, covered: int, whole: Any) -> None:
+        self._running[upload_id] = (covered, whole)
+        while len(self._running) > RUNNING:
+            self._running.popitem(last=False)
 
     # ---- create, state, cancel
 
@@ -156,6 +172,7 @@ class Resumable:
                 await self.table.delete(upload_id)
                 raise
             await self.table.release(upload_id, upload_id)
+        self._keep_running(upload_id, 0, hashlib.sha256())
         return UploadState(upload_id, host, given, length, 0, now + self.api.upload_ttl)
 
     async def _record(self, who: Principal, host: str, upload_id: str) -> UploadRecord:
@@ -198,6 +215,7 @@ class Resumable:
     async def cancel(self, who: Principal, host: str, upload_id: str) -> None:
         """Forget the upload; an open one's temporary file is removed first."""
         row = await self._record(who, host, upload_id)
+        self._running.pop(upload_id, None)
         if row.state == "complete":
             await self.table.delete(upload_id)
             return
@@ -306,7 +324,11 @@ class Resumable:
         one whose digest does not match counts for nothing (400 `digest-mismatch`)."""
         counter = self.service.metrics.file_bytes.labels("upload")
         remote = await files.fs.open_resume(row.temp, held)
-        upload = Upload(room, remote, counter)
+        # The file's running hash goes on only from exactly where it stopped, as a copy: kept
+        # if the chunk counts whole, else the commit hashes the file on the host.
+        covered, whole = self._running.pop(row.id, (-1, None))
+        both = Both(whole.copy()) if covered == held else None
+        upload = Upload(room, remote, counter, both)
         loop = asyncio.get_running_loop()
         renewed = loop.time()
         try:
@@ -348,24 +370,30 @@ class Resumable:
                 "nothing of it counts, send it again",
                 headers={"Upload-Offset": str(held)},
             )
+        if both is not None:
+            self._keep_running(row.id, held + upload.size, both.whole)
         return upload.size
 
     async def _commit(self, files: Files, row: UploadRecord) -> Uploaded:
-        """The complete temporary file hashed on the host, then renamed into place under the
-        path's commit lock, its preconditions checked again (as PUT's)."""
+        """The complete temporary file's sha256 (the running one of its chunks, else computed
+        on the host), then the rename into place under the path's commit lock, its
+        preconditions checked again (as PUT's)."""
         service = self.service
         grant = files.grant
-        timeout = checksums.timeout_for(service.config.api, grant, row.length)
-        sha256 = await checksums.compute(
-            service.pool,
-            grant,
-            row.host,
-            row.path,
-            row.temp,
-            timeout=timeout,
-            acquire_timeout=service.config.api.queue_timeout,
-            tenant=files.who.key,
-        )
+        covered, whole = self._running.pop(row.id, (-1, None))
+        if covered == row.length:
+            sha256: str = whole.hexdigest()
+        else:
+            sha256 = await checksums.compute(
+                service.pool,
+                grant,
+                row.host,
+                row.path,
+                row.temp,
+                timeout=checksums.timeout_for(service.config.api, grant, row.length),
+                acquire_timeout=service.config.api.queue_timeout,
+                tenant=files.who.key,
+            )
         conditions = Preconditions.parse(row.if_match, "*" if row.create_only else None)
         place = Place(row.path, row.resolved)
         async with service.commit_lock(row.host, row.resolved):

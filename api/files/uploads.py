@@ -11,7 +11,7 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from api.auth import Principal
 from api.config import Config
@@ -207,3 +207,22 @@ def inconsistent(detail: str) -> Problem:
 
 def not_found(upload_id: str) -> Problem:
     return Problem(404, "upload-not-found", "No such upload", f"no open upload {upload_id!r}")
+
+
+class Both:
+    """A chunk's sha256 and the whole file's running one, fed the same bytes at once (an
+    `Upload`'s hasher, in its thread): `digest` is the chunk's."""
+
+    def __init__(self, whole: Any) -> None:
+        self.chunk = hashlib.sha256()
+        self.whole = whole
+
+    def update(self, data: bytes, /) -> None:
+        self.chunk.update(data)
+        self.whole.update(data)
+
+    def digest(self) -> bytes:
+        return self.chunk.digest()
+
+    def hexdigest(self) -> str:
+        return self.chunk.hexdigest()
