@@ -19,7 +19,16 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from api_helpers import Api, Keys, config_toml, eventually, make_settings, replicas, running_api
+from api_helpers import (
+    Api,
+    Keys,
+    OwnHostApi,
+    config_toml,
+    eventually,
+    make_settings,
+    replicas,
+    running_api,
+)
 
 from api.client import AsyncClient
 from sshpool.devhost import LocalHost
@@ -63,6 +72,11 @@ async def api(
     path.write_text(config_text(tuned_host, secret_file, keys))
     async with running_api(make_settings(tmp_path, path, "sqlite", None), keys, secret) as running:
         yield running
+
+
+def _temp_of(host: LocalHost, name: str) -> Path:
+    """The temporary file of the upload of `name` in the account's home."""
+    return next(Path(host.account.home).glob(f".{name}.sshapi-*.part"))
 
 
 def digest(data: bytes) -> str:
@@ -435,3 +449,50 @@ async def test_a_chunk_lands_on_another_api_process_sharing_the_store(
             assert done.status_code == 201, done.text
             assert done.json()["sha256"] == hashlib.sha256(data).hexdigest()
             assert (user.root / "r.bin").read_bytes() == data
+
+
+async def test_the_ssh_connection_lost_mid_chunk_leaves_the_confirmed_offset(
+    api_with_own_host: OwnHostApi,
+) -> None:
+    """The host's sessions killed during a chunk: 502, and once the host is back HEAD says the
+    offset the chunks before confirmed (the cut chunk's bytes on the host were never
+    confirmed); going on from there makes the file byte for byte."""
+    async with api_with_own_host("flaky") as (api, host):
+        auth = api.auth("anyhost", RW)
+        name = f"lost-{uuid.uuid4().hex[:10]}.bin"
+        data = os.urandom(12 * MIB)
+        base = f"{api.url}/v1/hosts/flaky/files"
+        made = await api.client.post(
+            f"{base}/uploads",
+            params={"path": name},
+            headers={**auth, "Upload-Length": str(len(data))},
+        )
+        assert made.status_code == 201, made.text
+        url = f"{api.url}{made.headers['location']}"
+        first = await api.client.patch(
+            url, content=data[: 4 * MIB], headers={**auth, "Upload-Offset": "0"}
+        )
+        assert first.status_code == 204, first.text
+        temp = _temp_of(host, name)
+
+        async def body() -> AsyncIterator[bytes]:
+            for n in range(4 * MIB, 12 * MIB, MIB):
+                if n == 9 * MIB:  # once the chunk is writing on the host (4 MiB writes)
+                    await eventually(lambda: temp.stat().st_size > 4 * MIB)
+                    host.stop(kill_sessions=True)
+                yield data[n : n + MIB]
+
+        cut = await api.client.patch(
+            url, content=body(), headers={**auth, "Upload-Offset": str(4 * MIB)}
+        )
+        assert cut.status_code == 502, cut.text
+        host.start()
+        async with asyncio.timeout(60):
+            while (r := await api.client.head(url, headers=auth)).status_code != 204:  # noqa: ASYNC110
+                await asyncio.sleep(0.2)  # the pool reconnecting after the host came back
+        assert r.headers["upload-offset"] == str(4 * MIB)
+        rest = {**auth, "Upload-Offset": str(4 * MIB), "Upload-Complete": "?1"}
+        done = await api.client.patch(url, content=data[4 * MIB :], headers=rest)
+        assert done.status_code == 201, done.text
+        assert (Path(host.account.home) / name).read_bytes() == data
+        assert done.json()["sha256"] == hashlib.sha256(data).hexdigest()
