@@ -398,6 +398,10 @@ class LaneSFTP:
         f, rtt = await self._lane.call(_timed, _open_write, self._s, path, exclusive, mode)
         return self._file(f, rtt)
 
+    async def open_resume(self, path: str, offset: int) -> LaneFile:
+        f, rtt = await self._lane.call(_timed, self._s.open_resume, path, offset)
+        return self._file(f, rtt)
+
     def _file(self, f: Any, rtt: float) -> LaneFile:
         self._conn.saw(rtt)
         chunk, _window = self._conn.sizes()

@@ -226,6 +226,13 @@ class AsyncsshSFTP:
             f = await self._sftp.open(path, "xb" if exclusive else "wb", attrs)
         return AsyncsshFile(self._sftp, f, path)
 
+    async def open_resume(self, path: str, offset: int) -> AsyncsshFile:
+        # "r+b": READ|WRITE, no CREAT, no TRUNC; each write names its offset (the file's own).
+        async with _sftp_errors(path):
+            f = await self._sftp.open(path, "r+b")
+        await f.seek(offset)
+        return AsyncsshFile(self._sftp, f, path)
+
     async def rename(self, old: str, new: str, *, overwrite: bool) -> None:
         async with _sftp_errors(old):
             if overwrite:

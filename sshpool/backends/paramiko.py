@@ -572,6 +572,16 @@ class ParamikoSFTP:
         f = await self._c.call(path, self._open_write_blocking, path, exclusive, mode)
         return ParamikoFile(self._c, self._sftp, f, path)
 
+    def _open_resume_blocking(self, path: str, offset: int) -> Any:
+        f = self._sftp.open(path, "r+b")  # READ|WRITE: no CREAT, no TRUNC
+        f.seek(offset)
+        f.set_pipelined(True)
+        return f
+
+    async def open_resume(self, path: str, offset: int) -> ParamikoFile:
+        f = await self._c.call(path, self._open_resume_blocking, path, offset)
+        return ParamikoFile(self._c, self._sftp, f, path)
+
     async def rename(self, old: str, new: str, *, overwrite: bool) -> None:
         fn = self._sftp.posix_rename if overwrite else self._sftp.rename
         await self._c.call(old, fn, old, new)
