@@ -84,6 +84,57 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(getattr(pytest.mark, tier))
         if tiers:
             item.add_marker(pytest.mark.full)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items[:] = longest_first(items)
+
+
+# The order pytest-xdist hands the files out (`--dist loadfile`: a whole file to whichever worker
+# is free). By default xdist sorts them by test count, most first, which left the few-test, long
+# files (the deploy guide, the benchmarks' runs) to the end: one worker spent the run's last
+# minute on them while the other had nothing left. `make test` turns that sort off
+# (--no-loadscope-reorder) and the workers collect these files first, longest first, then the
+# rest as xdist would have them: the run ends on short files. Seconds of one file on one worker
+# (setup + call + teardown, the "longest files" that `--durations` prints below), 2026-11-28,
+# idle box; a file not listed here is under 15 s or was not measured.
+LONGEST_FILES = {
+    "tests/deploy/test_deploy_doc.py": 70,
+}
+
+
+def longest_first(items: list[pytest.Item]) -> list[pytest.Item]:
+    """`items` grouped by file, LONGEST_FILES first, longest first, then the other files by
+    test count, most first (a stable sort: equal counts keep their collection order)."""
+    by_file: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        by_file.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    order = sorted(by_file, key=lambda f: (-LONGEST_FILES.get(f, 0), -len(by_file[f])))
+    return [item for file in order for item in by_file[file]]
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    """With `--durations`: the longest files and each worker's busy seconds, which say whether
+    LONGEST_FILES still puts the long files first and how evenly the workers ended."""
+    if config.option.durations is None:
+        return
+    files: dict[str, float] = {}
+    workers: dict[str, float] = {}
+    ran_on: dict[str, str] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if not isinstance(report, pytest.TestReport):
+                continue
+            file = report.nodeid.split("::", 1)[0]
+            files[file] = files.get(file, 0.0) + report.duration
+            if node := getattr(report, "node", None):
+                ran_on[file] = node.gateway.id
+                workers[ran_on[file]] = workers.get(ran_on[file], 0.0) + report.duration
+    write = terminalreporter.write_line
+    terminalreporter.section("longest files (setup + call + teardown; LONGEST_FILES in conftest)")
+    for file, seconds in sorted(files.items(), key=lambda kv: -kv[1])[:15]:
+        listed = "" if file in LONGEST_FILES else "  (not in LONGEST_FILES)" * (seconds >= 15)
+        write(f"{seconds:7.1f} s  {ran_on.get(file, ''):4}  {file}{listed}")
+    if workers:
+        write("busy per worker: " + ", ".join(f"{w} {s:.0f} s" for w, s in sorted(workers.items())))
 
 
 SLURM_CPUS = 16
