@@ -40,7 +40,12 @@ from loadtests.server import wait_ready
 from sshpool.devhost import LocalHost, RelayedHost
 
 PG_URL = os.environ.get("SSHAPI_TEST_PG", "postgresql+asyncpg://postgres@127.0.0.1:5432/test")
-REDIS_URL = "redis://127.0.0.1:6379/0"
+# Each xdist worker its own Redis database (gw0 and a lone process: 0, gwN: N), as it has its own
+# rig account: the keys (job caps, sshd budgets, node health...) of one worker's servers are
+# none of another's. Pub/sub channels span databases, but ours name the sshd or node
+# (address:port, a port of this worker's rig) or only nudge a re-read (revocations, changes).
+REDIS_DB = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+REDIS_URL = f"redis://127.0.0.1:6379/{REDIS_DB}"
 AUDIENCE = "sshapi-test"
 # The `api_with_own_host` fixture: name -> (the API, the host of that name).
 OwnHostApi = Callable[..., AbstractAsyncContextManager[tuple["Api", LocalHost]]]

@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 from api_helpers import (
+    REDIS_URL,
     Api,
     Keys,
     config_toml,
@@ -434,7 +435,7 @@ async def test_two_uploads_with_one_if_match_never_both_succeed(
     through one API process or through two that share Redis. One wins (200), the other gets
     412, and the file holds the winner's bytes; three rounds."""
     path = write_config(tuned_host, secret_file, keys, tmp_path)
-    redis = "redis://127.0.0.1:6379/0" if where != "one replica" else None
+    redis = REDIS_URL if where != "one replica" else None
     async with contextlib.AsyncExitStack() as stack:
         apis = []
         for name in ("a", "b") if redis else ("a",):

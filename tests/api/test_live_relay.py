@@ -10,8 +10,8 @@ from datetime import UTC, datetime
 
 from api.live import Cutoff, Feed, Gap, Output, RedisRelay, follow
 from api.store import JobRow
+from tests.api.api_helpers import REDIS_URL
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
 SIZE = 2 << 20  # well past the 256-512 KiB window
 HEAD = 1024  # the owner's max_output
 DATA = bytes(i % 251 for i in range(SIZE))  # every byte tells its offset

@@ -32,6 +32,7 @@ import pytest
 from loadtests.replicas import PG_URL
 from loadtests.server import free_port
 from sshpool.devhost import oidc
+from tests.api.api_helpers import REDIS_URL
 
 REPO = Path(__file__).resolve().parents[2]
 PAGE = REPO / "docs" / "deploy.md"
@@ -161,7 +162,7 @@ def site(request: pytest.FixtureRequest, prefix: Path) -> Iterator[dict[str, str
         "HTTPS_PORT": str(free_port()),
         "DATABASE_URL": f"postgresql+asyncpg://{database}:pw-{tag}@127.0.0.1:5432/{database}",
         "PG_ADMIN_URL": pg.rsplit("/", 1)[0] + "/postgres",
-        "REDIS_URL": "redis://127.0.0.1:6379/0",
+        "REDIS_URL": REDIS_URL,
         "NGINX_CONF": str(nginx / "nginx.conf"),
         "INIT": request.param,
         "IDP_ISSUER": provider.issuer,
