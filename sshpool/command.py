@@ -28,6 +28,14 @@ from typing import Literal
 _INERT = frozenset(range(0x20, 0x7F)) - frozenset(b"'!\\%")
 
 
+def _quote(arg: str) -> str:
+    """shlex's quoting, and a word starting with `=` quoted too: shlex leaves `=0` bare, which
+    zsh expands to the path of the command `0` (its EQUALS option) and tcsh to a directory of
+    its stack (`=0`: the working directory)."""
+    quoted = shlex.quote(arg)
+    return f"'{arg}'" if quoted == arg and arg.startswith("=") else quoted
+
+
 def command_line(argv: Sequence[str]) -> str:
     """Quote argv for the remote login shell so that every element arrives byte-exact.
 
@@ -41,7 +49,7 @@ def command_line(argv: Sequence[str]) -> str:
     for arg in argv:
         if "\0" in arg:
             raise ValueError("arguments cannot contain NUL bytes")
-    line = shlex.join(argv)
+    line = " ".join(map(_quote, argv))
     if "\n" not in line and "!" not in line:
         return line
     escaped = "".join(

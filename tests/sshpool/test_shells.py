@@ -86,6 +86,9 @@ def test_login_shell_is_the_one_asked_for(
 # background) before the pool escaped newlines and `!` for csh-family shells.
 @example(args=["x\n", "\ntouch injected\n"])
 @example(args=["\n", "&\n", "!!"])
+# Found by this test: shlex leaves `=0` unquoted; zsh expanded it to a command's path (or
+# failed: "0 not found") and tcsh to its directory stack's first entry.
+@example(args=["=0", "=printf", "a=b"])
 def test_argv_round_trips_byte_exact(
     shell_host: LocalHost, runner: asyncio.Runner, pool: Pool, args: list[str]
 ) -> None:
