@@ -170,12 +170,14 @@ unasync: $(STAMP)
 	$(VENV)/bin/python scripts/gen_sync_client.py
 
 # Both tiers run in TEST_WORKERS processes (pytest-xdist), a test file's tests in one of them (its
-# module fixtures built once). Most of a test is waiting on sshd, Slurm or a database, so two
-# processes on two cores finish well before one (figures: docs/benchmarks.md). Each worker
-# has its own rig account (tests/conftest.py). TEST_WORKERS=0: one process, as before. The files
+# module fixtures built once). Most of a test is waiting on sshd, Slurm or a database, so more
+# processes than cores pay: on 2 cores the fast tier took 432 s with 2, 302 and 287 s with 3,
+# 253 and 332 s with 4 (docs/benchmarks.md, "The test suite's time"); 3, as 4 failed a Redis job-cap
+# test once. Each worker has its own rig account and Redis database (tests/conftest.py,
+# tests/api/api_helpers.py). TEST_WORKERS=0: one process, as before. The files
 # are handed out longest first, in the order the workers collect them (--no-loadscope-reorder:
 # not xdist's most-tests-first; tests/conftest.py LONGEST_FILES).
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 PYTEST_PARALLEL = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 # The tests run with Python's bytecode cache on, whatever the environment says: the suite starts
 # some hundreds of Python processes (servers, the load suite, the CLI), and with
