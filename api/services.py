@@ -78,6 +78,8 @@ cancels and awaits when it closes, each failure logged:
 | `pub-<id>`, `live-<id>`    | api/live/hub.py `LiveHub`                                       |
 | request-scoped tasks       | the request that starts them (api/routes/files.py, api/files/)  |
 | `handle-<id>`              | a stream read with a job handle (api/handles.py `watching`)     |
+| `store-transaction`        | its caller, through a shield (api/store/shielded.py): the store |
+|                            | waits for those a cancelled caller left before it closes        |
 
 Shutdown: not ready (503) first; the trackers, the renewer and the prewarms stopped (the last
 started first); the job service closed (batch lookups, the relay's listener and the live feeds,

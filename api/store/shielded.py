@@ -23,6 +23,8 @@ from typing import Any, TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from api.tasks import TaskSet
+
 log = logging.getLogger("sshapi.store")
 
 T = TypeVar("T")
@@ -37,7 +39,8 @@ class Transactions:
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
-        self._running: set[asyncio.Task[Any]] = set()
+        # Failures go to their callers (an orphan's are logged here): none is logged twice.
+        self._running = TaskSet("store transaction", expected=(Exception,))
         self._orphans: set[asyncio.Task[Any]] = set()  # their caller was cancelled
 
     def __len__(self) -> int:
@@ -82,13 +85,11 @@ class Transactions:
             return await work(conn)
 
     def _spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
-        task = asyncio.create_task(coro, name="store-transaction")
-        self._running.add(task)
+        task = self._running.spawn(coro, "store-transaction")
         task.add_done_callback(self._done)
         return task
 
     def _done(self, task: asyncio.Task[Any]) -> None:
-        self._running.discard(task)
         orphan = task in self._orphans
         self._orphans.discard(task)
         if task.cancelled():
@@ -108,14 +109,11 @@ class Transactions:
         seconds; cancel what is left (the engine is disposed next)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while self._running and (left := deadline - loop.time()) > 0:
-            await asyncio.wait(list(self._running), timeout=left)
-        stuck = list(self._running)
-        for task in stuck:
-            log.warning("a store transaction still running at close: cancelled")
-            task.cancel()
-        if stuck:
-            await asyncio.wait(stuck)
+        while len(self._running) and (left := deadline - loop.time()) > 0:
+            await self._running.wait(left)
+        if len(self._running):
+            log.warning("%d store transaction(s) still running at close: cancelled", len(self))
+            await self._running.close()
 
 
 async def _awaited(coro: Awaitable[T]) -> T:
