@@ -151,3 +151,51 @@ async def test_a_store_closed_right_after_a_cancelled_write_leaves_nothing_locke
             await current.close()
         await assert_unlocked(store.url, barrier.pids, store)
         delivered = await all_or_none(store, delivery, delivered)
+
+
+async def test_a_claim_whose_caller_is_cancelled_gives_its_leases_back(store: Store) -> None:
+    """The deliverer stopped in the middle of a claim: the claim commits or not, and if it did
+    the leases are given back, so the next process sends the deliveries at once (not after
+    their leases run out)."""
+    hooks = WebhookStore(store.transactions)
+    alices = hook("alice", ["job.succeeded"])
+    assert await hooks.create(alices, limit=10)
+    barrier = Barrier(store)
+    d = WEBHOOK_DELIVERIES.c
+    try:
+        for i in range(ROUNDS // 5):
+            row = await store.insert(job())
+            assert await store.update(row.id, only_active=True, state="succeeded")
+            now = time.time() + 1
+            ids = [delivery_id for delivery_id, _, _ in await hooks.due(now, 100)]
+            assert len(ids) == 1
+            barrier.sent.clear()
+            task = asyncio.create_task(hooks.claim(ids, now, 30, "a"))
+            sent = asyncio.ensure_future(barrier.sent.wait())
+            await asyncio.wait([task, sent], return_when=asyncio.FIRST_COMPLETED)
+            assert barrier.sent.is_set()
+            sent.cancel()
+            for _ in range(i % 4):
+                await asyncio.sleep(0)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await store.transactions.wait()
+            await assert_unlocked(store.url, barrier.pids, store)
+            assert [x for x, _, _ in await hooks.due(now, 100)] == ids  # free again
+            async with store.transactions.engine.connect() as conn:
+                query = select(d.attempts, d.lease_by).where(d.id == ids[0])
+                assert tuple((await conn.execute(query)).one()) == (0, None)
+            # Delivered, so that the next round's due holds only its own.
+            [claimed_now] = await hooks.claim(ids, now, 30, "a")
+            assert await hooks.record(
+                claimed_now,
+                "a",
+                status="delivered",
+                now=now,
+                next_at=now,
+                http_status=204,
+                error=None,
+            )
+    finally:
+        barrier.remove()
