@@ -62,8 +62,8 @@ class Transactions:
         except asyncio.CancelledError:
             if not task.done():
                 self._orphans.add(task)
-                if abandoned is not None:
-                    task.add_done_callback(lambda t: self._abandon(t, abandoned))
+            if abandoned is not None:  # (at once if it had ended before the caller resumed)
+                task.add_done_callback(lambda t: self._abandon(t, abandoned))
             raise
 
     async def rowcount(self, *statements: Any) -> int:
