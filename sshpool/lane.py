@@ -405,6 +405,12 @@ class LaneSFTP:
         self._conn.saw(rtt)
         return LaneFile(f, self._lane, self.tenant, MIN_CHUNK)
 
+    async def open_resume(self, path: str, offset: int) -> LaneFile:
+        """A resumable upload's file at `offset`, written in MIN_CHUNK calls (open_write)."""
+        f, rtt = await self._lane.call(_timed, self._s.open_resume, path, offset)
+        self._conn.saw(rtt)
+        return LaneFile(f, self._lane, self.tenant, MIN_CHUNK)
+
     async def receive_window(self) -> int | None:
         """Its channel's receive window as its backend reports it, read on the lane's thread
         (None: the backend does not say)."""

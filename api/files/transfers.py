@@ -15,6 +15,7 @@ from collections.abc import AsyncGenerator, AsyncIterable, Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Protocol
 
 from prometheus_client import Counter
 
@@ -137,6 +138,14 @@ class Preconditions:
                 raise Problem(412, "etag-mismatch", "File changed", "If-Match did not match")
 
 
+class Hasher(Protocol):
+    """hashlib's sha256 as an upload uses it (api/files/uploads.py's `Both` is one too)."""
+
+    def update(self, data: bytes, /) -> None: ...
+    def digest(self) -> bytes: ...
+    def hexdigest(self) -> str: ...
+
+
 class Upload:
     """An upload's bytes on their way to the open temporary file: counted as they arrive (the
     size caps enforced there), gathered into CHUNK-sized writes, each hashed and written while
@@ -151,13 +160,16 @@ class Upload:
     thread (hashlib lets go of the GIL on large buffers), beside the event loop that drives
     both connections."""
 
-    def __init__(self, limit: int, remote: RemoteFile, counter: Counter) -> None:
+    def __init__(
+        self, limit: int, remote: RemoteFile, counter: Counter, sha256: Hasher | None = None
+    ) -> None:
         self.limit = limit
         self.remote = remote
         self.chunk = chunk_of(remote)
         self.counter = counter
         self.size = 0
-        self.sha256 = hashlib.sha256()
+        # What hashes the bytes (a resumable upload's chunk: the chunk's and the file's).
+        self.sha256: Hasher = sha256 or hashlib.sha256()
         self._pieces: list[bytes] = []
         self._gathered = 0
         self._pending: asyncio.Future[None] | None = None

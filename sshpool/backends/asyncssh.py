@@ -145,12 +145,14 @@ class AsyncsshFile:
     for their answers: on a long path the pipe does not empty between two calls (a round trip
     per call otherwise; docs/files.md, "Long paths"). At most two calls' bytes are in flight."""
 
-    def __init__(self, sftp: asyncssh.SFTPClient, f: asyncssh.SFTPClientFile, path: str) -> None:
+    def __init__(
+        self, sftp: asyncssh.SFTPClient, f: asyncssh.SFTPClientFile, path: str, offset: int = 0
+    ) -> None:
         self._sftp = sftp
         self._f = f
         self._path = path
         self._closed = False
-        self._offset = 0
+        self._offset = offset  # where the next write goes
         self._behind: asyncio.Future[None] | None = None
 
     async def read(self, size: int) -> bytes:
@@ -250,6 +252,13 @@ class AsyncsshSFTP:
         async with _sftp_errors(path):
             f = await self._sftp.open(path, "xb" if exclusive else "wb", attrs)
         return AsyncsshFile(self._sftp, f, path)
+
+    async def open_resume(self, path: str, offset: int) -> AsyncsshFile:
+        # "r+b": READ|WRITE, no CREAT, no TRUNC; each write names its offset (the file's own).
+        async with _sftp_errors(path):
+            f = await self._sftp.open(path, "r+b")
+        await f.seek(offset)
+        return AsyncsshFile(self._sftp, f, path, offset)
 
     async def rename(self, old: str, new: str, *, overwrite: bool) -> None:
         async with _sftp_errors(old):

@@ -132,6 +132,12 @@ class SFTPSession(Protocol):
         exists, never following a symlink there). RemoteFileFailure when it exists."""
         ...
 
+    async def open_resume(self, path: str, offset: int) -> RemoteFile:
+        """Open the existing file `path` for writing at `offset` (SFTP OPEN with WRITE only:
+        never created, never truncated): what is written next replaces the bytes from `offset`
+        on, and those before it stay. A resumable upload's next chunk (api/files/resumable.py)."""
+        ...
+
     async def rename(self, old: str, new: str, *, overwrite: bool) -> None:
         """Rename `old` to `new`. With `overwrite`, atomically replace an existing `new`
         (posix-rename@openssh.com where the server offers it); without, fail with

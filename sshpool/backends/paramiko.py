@@ -493,10 +493,10 @@ class _Writes:
     that an answer another call of the session reads first lands in its `_async_response`
     (an error status saved there) instead of being dropped."""
 
-    def __init__(self, f: Any, depth: int) -> None:
+    def __init__(self, f: Any, depth: int, offset: int = 0) -> None:
         self.f = f
         self.depth = depth
-        self.offset = 0
+        self.offset = offset  # where the next request writes
         self.pending: collections.deque[int] = collections.deque()
 
     def write(self, data: bytes) -> None:
@@ -526,13 +526,15 @@ class _Writes:
 
 
 class ParamikoFile:
-    def __init__(self, confined: _Confined, sftp: Any, f: Any, path: str, depth: int) -> None:
+    def __init__(
+        self, confined: _Confined, sftp: Any, f: Any, path: str, depth: int, offset: int = 0
+    ) -> None:
         self._c = confined
         self._sftp = sftp
         self._f = f
         self._path = path
         self._depth = depth
-        self._writes = _Writes(f, depth)
+        self._writes = _Writes(f, depth, offset)
         self._closed = False
 
     async def read(self, size: int) -> bytes:
@@ -636,6 +638,13 @@ class ParamikoSFTP:
     ) -> ParamikoFile:
         f = await self._c.call(path, self._open_write_blocking, path, exclusive, mode)
         return ParamikoFile(self._c, self._sftp, f, path, self._depth)
+
+    def _open_resume_blocking(self, path: str) -> Any:
+        return self._sftp.open(path, "r+b")  # READ|WRITE: no CREAT, no TRUNC
+
+    async def open_resume(self, path: str, offset: int) -> ParamikoFile:
+        f = await self._c.call(path, self._open_resume_blocking, path)
+        return ParamikoFile(self._c, self._sftp, f, path, self._depth, offset)
 
     async def rename(self, old: str, new: str, *, overwrite: bool) -> None:
         fn = self._sftp.posix_rename if overwrite else self._sftp.rename

@@ -747,6 +747,11 @@ class Ssh2SFTP:
         flags = LIBSSH2_FXF_WRITE | LIBSSH2_FXF_CREAT | LIBSSH2_FXF_TRUNC
         return await self._open(path, flags | (LIBSSH2_FXF_EXCL if exclusive else 0), mode)
 
+    async def open_resume(self, path: str, offset: int) -> Ssh2File:
+        f = await self._open(path, LIBSSH2_FXF_WRITE, 0)  # no CREAT, no TRUNC
+        f._h.seek64(offset)  # local: the next write request starts there
+        return f
+
     async def rename(self, old: str, new: str, *, overwrite: bool) -> None:
         if overwrite:
             assert _EXTRAS is not None

@@ -224,6 +224,28 @@ async def test_exclusive_create_refuses_an_existing_file(fs: SFTPSession, tmpdir
     assert await get(fs, f"{tmpdir}/f") == b"new"
 
 
+async def test_open_resume_overwrites_from_its_offset_and_keeps_what_is_before(
+    fs: SFTPSession, tmpdir: str
+) -> None:
+    """open_resume writes from its offset over what is there (a resumable upload's chunk after
+    a cut one), keeps the bytes before it, never truncates, and never creates the file."""
+    head, junk, tail = os.urandom(1 << 20), os.urandom(70_000), os.urandom((1 << 20) + 5)
+    await put(fs, f"{tmpdir}/r.bin", head + junk)
+    f = await fs.open_resume(f"{tmpdir}/r.bin", len(head))
+    try:
+        await f.write(tail)
+    finally:
+        await f.close()
+    assert await get(fs, f"{tmpdir}/r.bin") == head + tail
+    f = await fs.open_resume(f"{tmpdir}/r.bin", 3)
+    await f.write(b"xyz")
+    await f.close()
+    assert (await get(fs, f"{tmpdir}/r.bin"))[:9] == head[:3] + b"xyz" + head[6:9]
+    assert (await fs.stat(f"{tmpdir}/r.bin")).size == len(head + tail)
+    with pytest.raises(RemoteNotFound):
+        await fs.open_resume(f"{tmpdir}/missing", 0)
+
+
 async def test_rename_without_overwrite_refuses_and_with_overwrite_replaces(
     fs: SFTPSession, tmpdir: str
 ) -> None:
