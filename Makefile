@@ -172,19 +172,27 @@ unasync: $(STAMP)
 # Both tiers run in TEST_WORKERS processes (pytest-xdist), a test file's tests in one of them (its
 # module fixtures built once). Most of a test is waiting on sshd, Slurm or a database, so two
 # processes on two cores finish well before one (figures: docs/benchmarks.md). Each worker
-# has its own rig account (tests/conftest.py). TEST_WORKERS=0: one process, as before.
+# has its own rig account (tests/conftest.py). TEST_WORKERS=0: one process, as before. The files
+# are handed out longest first, in the order the workers collect them (--no-loadscope-reorder:
+# not xdist's most-tests-first; tests/conftest.py LONGEST_FILES).
 TEST_WORKERS ?= 2
-PYTEST_PARALLEL = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+PYTEST_PARALLEL = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
+# The tests run with Python's bytecode cache on, whatever the environment says: the suite starts
+# some hundreds of Python processes (servers, the load suite, the CLI), and with
+# PYTHONDONTWRITEBYTECODE set (container images and CI runners often set it) each compiled the
+# server's packages again (`make run` installs them without bytecode) and pytest rewrote every
+# test module in every worker again: 1-2 s of CPU a process (docs/benchmarks.md).
+PYTEST = env -u PYTHONDONTWRITEBYTECODE $(VENV)/bin/pytest
 
 # The fast tier: lint, then the pool, the API and the client against the rig's sshd, PostgreSQL
 # and Redis; no Slurm, browser, deploy, docs, load-suite or install tests (their markers:
 # tests/conftest.py). For the edit-test loop; `make test` (CI) runs everything.
 test-fast: $(STAMP) sshd shells services openssh10 lint
-	$(VENV)/bin/pytest $(PYTEST_PARALLEL) -m "not full" --durations=20 --basetemp="$$(mktemp -d /tmp/sshapi-tests.XXXXXX)"
+	$(PYTEST) $(PYTEST_PARALLEL) -m "not full" --durations=20 --basetemp="$$(mktemp -d /tmp/sshapi-tests.XXXXXX)"
 
 # The whole suite: lint, then every test (SSH, API, fault and slow ones included); it ends
 # with the 20 slowest tests, to keep the suite's time in view. Each run gets
 # its own temp dir: pytest prunes /tmp/pytest-of-$USER to 3 runs, which would delete the sshd
 # files of a run still going.
 test: $(STAMP) sshd shells slurm services deploy-tools browser node openssh10 prometheus lint
-	$(VENV)/bin/pytest $(PYTEST_PARALLEL) --durations=20 --basetemp="$$(mktemp -d /tmp/sshapi-tests.XXXXXX)"
+	$(PYTEST) $(PYTEST_PARALLEL) --durations=20 --basetemp="$$(mktemp -d /tmp/sshapi-tests.XXXXXX)"

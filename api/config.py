@@ -77,6 +77,14 @@ class ApiConfig(Strict):
     checksum_timeout: float = Field(default=10.0, gt=0)
     checksum_min_rate: int = Field(default=32 << 20, gt=0)
     checksum_max_timeout: float = Field(default=600.0, gt=0)
+    # Resumable uploads (POST .../files/uploads, docs/files.md): an upload no chunk has reached
+    # for upload_ttl seconds expires (its temporary file removed by the sweep, every
+    # upload_sweep seconds); at most max_open_uploads open per identity; a chunk (one PATCH)
+    # carries at most max_upload_chunk bytes.
+    upload_ttl: float = Field(default=24 * 3600.0, gt=0)
+    upload_sweep: float = Field(default=60.0, gt=0)
+    max_open_uploads: int = Field(default=16, ge=1)
+    max_upload_chunk: int = Field(default=256 << 20, ge=1)
     # Transfers on connections of their own whose SSH work runs on a thread (sshpool.lane), at
     # most transfer_lane_slots chunks at once, fairly shared by identity (docs/files.md, "The
     # transfer lane"). False: on the jobs' connections and event loop.

@@ -24,8 +24,10 @@ from api.timing import TIMING, Timing
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
-# Uploads stream their body to the host under the policy's own caps (api/files/), not this one.
+# Uploads stream their body to the host under the policy's own caps (api/files/), not this one:
+# a PUT of a whole file, and a resumable upload's chunk (a PATCH, max_upload_chunk).
 STREAMED_BODY = re.compile(r"^/v1/hosts/[^/]+/files/content$")
+STREAMED_CHUNK = re.compile(r"^/v1/hosts/[^/]+/files/uploads/[^/]+$")
 
 
 class RequestContext:
@@ -68,7 +70,9 @@ class RequestContext:
 
         received = 0
         max_body = self.max_body
-        if scope["method"] == "PUT" and STREAMED_BODY.match(scope["path"]):
+        if (scope["method"] == "PUT" and STREAMED_BODY.match(scope["path"])) or (
+            scope["method"] == "PATCH" and STREAMED_CHUNK.match(scope["path"])
+        ):
             max_body = 1 << 62
 
         async def capped_receive() -> Message:

@@ -58,6 +58,9 @@ cancellation; every one is logged with its traceback):
 | `webhooks`          | sends the webhook outbox's due     | restart | lost, this process sends  |
 |                     | deliveries                         |         | none (other replicas do;  |
 |                     | (api/webhooks/deliver.py)          |         | the outbox keeps them)    |
+| `upload-expiry`     | removes expired resumable uploads' | restart | lost, this process sweeps |
+|                     | temporary files and records        |         | none (other replicas do); |
+|                     | (api/files/resumable.py)           |         | it catches its own errors |
 
 `restart`: started again after a pause (doubling); the third death within a minute takes the
 process down. Taking it down: the other tasks are cancelled, /readyz answers 503, and the
@@ -106,7 +109,7 @@ from api.admin import AdminService, NodeDrains, RedisNudge, Revocations
 from api.auth import Authenticator, Principal
 from api.client import tls_context
 from api.config import Config, HostConfig
-from api.files import FileService
+from api.files import FileService, Resumable
 from api.handles import Handles
 from api.jobs import BatchJobs, JobService
 from api.live import ChangeFeeds, make_relay
@@ -117,7 +120,7 @@ from api.problems import Problem
 from api.quota import Quota, make_quota
 from api.settings import Settings
 from api.sshd_budget import RedisBudget, budgets, make_coordinator
-from api.store import JobRow, Store
+from api.store import JobRow, Store, UploadStore
 from api.tasks import OnDeath, Supervisor
 from api.webhooks.deliver import Deliverer
 from api.webhooks.service import WebhookService
@@ -273,6 +276,7 @@ async def running(
         )
         stack.push_async_callback(jobs.close, settings.shutdown_grace)
         files = FileService(config, policy, the_pool, quota, metrics, lookups)
+        resumable = files.resumable = Resumable(files, UploadStore(the_store.transactions), config.api)
         for name, host in config.hosts.items():
             # Every worker of every replica has its own pool: the host sees all of them, unless
             # they share each sshd's budget through Redis (api/sshd_budget.py). Counted over the
@@ -376,6 +380,7 @@ async def running(
         )
         stack.push_async_callback(deliverer.close)
         tasks.append(supervisor.spawn("webhooks", deliverer.loop, OnDeath.RESTART))
+        tasks.append(supervisor.spawn("upload-expiry", resumable.loop, OnDeath.RESTART))
         # Stopped before the job service closes (the trackers write to the store it uses).
         stack.push_async_callback(supervisor.stop, *tasks)
         services = Services(

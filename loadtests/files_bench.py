@@ -4,7 +4,9 @@
 
 It starts a local sshd (`tuned`) and the API (`loadtests.server.start_api`, pooled), writes a
 file of random bytes, then uploads it with `PUT .../files/content` and downloads it with `GET`
-(streamed both ways, the download hashed on arrival and checked), sampling the API process's RSS
+(streamed both ways, the download hashed on arrival and checked; with `--chunk-mib N`, also as
+a resumable upload in N-MiB chunks, each with its Content-Digest, right after the PUT), sampling
+the API process's RSS
 every 50 ms (psutil) during each. Then the same backend moves it through SFTP alone, in this
 process, with the API's chunk size (what the SSH library costs without HTTP), and `scp` moves
 it both ways over the same sshd with the same key and known_hosts (OpenSSH 9's scp speaks SFTP
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import hashlib
 import os
 import statistics
@@ -141,6 +144,58 @@ def api_upload(
     return _transfer("API upload", size, seconds, rss, cpu)
 
 
+def api_chunked_upload(
+    client: httpx.Client,
+    url: str,
+    token: str,
+    pids: tuple[int, int | None],
+    source: Path,
+    remote: str,
+    sha256: str,
+    chunk: int,
+) -> Transfer:
+    """`source` to `remote` as a resumable upload (docs/files.md): POST, then PATCH chunks of
+    `chunk` bytes, each with its Content-Digest; the last one's sha256 (hashed on the host)
+    checked."""
+    size = source.stat().st_size
+    auth = {"Authorization": f"Bearer {token}"}
+    with RssSampler(pids[0]) as rss, CpuMeter(*pids, sample=SAMPLE) as cpu:
+        t0 = time.perf_counter()
+        made = client.post(
+            f"{url}/v1/hosts/local/files/uploads",
+            params={"path": remote},
+            headers={**auth, "Upload-Length": str(size)},
+        )
+        if made.status_code != 201:
+            raise RuntimeError(f"upload not created: {made.status_code} {made.text[:300]}")
+        location = f"{url}{made.headers['location']}"
+        with source.open("rb") as f:
+            offset = 0
+            while True:
+                data = f.read(chunk)
+                last = offset + len(data) >= size
+                digest = base64.b64encode(hashlib.sha256(data).digest()).decode()
+                headers = {
+                    **auth,
+                    "Upload-Offset": str(offset),
+                    "Upload-Complete": "?1" if last else "?0",
+                    "Content-Digest": f"sha-256=:{digest}:",
+                    "Content-Type": "application/partial-upload",
+                }
+                pieces = [data[n : n + PIECE] for n in range(0, len(data), PIECE)]
+                headers["Content-Length"] = str(len(data))
+                r = client.patch(location, content=pieces, headers=headers)
+                if r.status_code not in ((200, 201) if last else (204,)):
+                    raise RuntimeError(f"chunk at {offset}: {r.status_code} {r.text[:300]}")
+                offset += len(data)
+                if last:
+                    break
+        seconds = time.perf_counter() - t0
+    if r.json()["sha256"] != sha256:
+        raise RuntimeError("the chunked upload's sha256 differs from the file's")
+    return _transfer(f"API chunks {chunk // MIB} MiB", size, seconds, rss, cpu)
+
+
 def api_download(
     client: httpx.Client,
     url: str,
@@ -237,20 +292,26 @@ def measure(
     backend: str = "asyncssh",
     rounds: int = 1,
     rtt_ms: float = 0.0,
+    chunk: int = 0,
 ) -> dict[str, Any]:
     """`_measure` on `host`, or through the rig's relay at `rtt_ms` (the API, SFTP alone and
     scp alike: all three reach sshd through it)."""
     if rtt_ms <= 0:
-        return _measure(host, size, workdir, backend, rounds)
+        return _measure(host, size, workdir, backend, rounds, chunk)
     from sshpool.devhost import LatencyRelay, RelayedHost
 
     with LatencyRelay((host.address, host.port), rtt_ms) as relay:
-        result = _measure(RelayedHost(host, relay), size, workdir, backend, rounds)
+        result = _measure(RelayedHost(host, relay), size, workdir, backend, rounds, chunk)
     return {**result, "rtt_ms": rtt_ms}
 
 
 def _measure(
-    host: Any, size: int, workdir: Path, backend: str = "asyncssh", rounds: int = 1
+    host: Any,
+    size: int,
+    workdir: Path,
+    backend: str = "asyncssh",
+    rounds: int = 1,
+    chunk: int = 0,
 ) -> dict[str, Any]:
     """Start the API against the started LocalHost `host` and move a `size`-byte file `rounds`
     times: each round uploads it through the API, through SFTP alone and with scp back to back,
@@ -285,12 +346,21 @@ def _measure(
         with httpx.Client(timeout=httpx.Timeout(600.0)) as client:
             for n in range(rounds):
                 up = api_upload(client, url, token, pids, source, remotes["api"], sha256)
+                chunked = (
+                    [
+                        api_chunked_upload(
+                            client, url, token, pids, source, remotes["api"], sha256, chunk
+                        )
+                    ]
+                    if chunk
+                    else []
+                )
                 sftp_up = sftp_transfer(host, backend, True, source, remotes["sftp"], sha256)
                 scp_up = scp_transfer(host, True, source, remotes["scp"], back)
                 down = api_download(client, url, token, pids, size, remotes["api"], sha256)
                 sftp_down = sftp_transfer(host, backend, False, source, remotes["sftp"], sha256)
                 scp_down = scp_transfer(host, False, source, remotes["scp"], back)
-                for t in (up, sftp_up, scp_up, down, sftp_down, scp_down):
+                for t in (up, *chunked, sftp_up, scp_up, down, sftp_down, scp_down):
                     t.round = n + 1
                     transfers.append(t)
                 ratios["upload"].append(up.mb_per_s / scp_up.mb_per_s)
@@ -369,6 +439,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--rtt-ms", type=float, default=0.0, help="Through the rig's relay at this round trip."
     )
+    p.add_argument(
+        "--chunk-mib",
+        type=int,
+        default=0,
+        help="Also upload through the API as a resumable upload in chunks of this many MiB.",
+    )
     return p.parse_args(argv)
 
 
@@ -377,7 +453,13 @@ def main(argv: list[str] | None = None) -> int:
     with tuned_host("files-bench") as (host, tmp):
         out = args.out or tmp
         result = measure(
-            host, args.size_mib * MIB, out / "run", args.backend, args.rounds, args.rtt_ms
+            host,
+            args.size_mib * MIB,
+            out / "run",
+            args.backend,
+            args.rounds,
+            args.rtt_ms,
+            args.chunk_mib * MIB,
         )
     print(report(result))
     return 0

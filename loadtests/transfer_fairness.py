@@ -13,7 +13,10 @@ what is left is not queueing), the downloads' rate and the CPU seconds of the AP
 of sshd (with its session processes) during them. `--lane on,off` runs it once per API
 configuration (`[api] transfer_lane`), interleaved over `--rounds`; each round ends with
 `--downloads` parallel `scp` of the same file over the same sshd (OpenSSH's figure beside the
-API's, in the same run). Bounded: one file, N downloads, one cap per run.
+API's, in the same run), bob's jobs running through an API beside them as beside the API's
+downloads: his ratio during the scp is what the box itself leaves him while that many bytes
+move (sshd's ciphers and the copies on the same cores). Bounded: one file, N downloads, one cap
+per run.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -73,23 +77,35 @@ async def download(client: httpx.AsyncClient, url: str, token: str, path: str) -
 
 
 async def run(
-    url: str, tokens: tuple[str, str], path: str, args: argparse.Namespace, pids: tuple[int, int]
+    url: str,
+    tokens: tuple[str, str],
+    path: str,
+    args: argparse.Namespace,
+    pids: tuple[int, int],
+    scp: Callable[[], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
+    """Bob alone, then bob while alice downloads through the API, or, with `scp`, while
+    `scp()` runs (OpenSSH moving the same bytes: what the box itself leaves bob)."""
     alice, bob = tokens
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=32)) as client:
         with Bystander(url, bob, every=0.05, wait=30) as alone:
             await asyncio.sleep(args.base_seconds)
         with Bystander(url, bob, every=0.05, wait=30) as during:
             api0, sshd0, t0 = cpu_seconds(pids[0]), cpu_seconds(pids[1]), time.perf_counter()
-            received = await asyncio.wait_for(
-                asyncio.gather(
-                    *(download(client, url, alice, path) for _ in range(args.downloads))
-                ),
-                args.cap_seconds,
-            )
+            if scp is not None:
+                copied = await asyncio.wait_for(asyncio.to_thread(scp), args.cap_seconds)
+                received = [int(copied["mb_per_s"] * copied["seconds"] * 1e6)]
+            else:
+                received = await asyncio.wait_for(
+                    asyncio.gather(
+                        *(download(client, url, alice, path) for _ in range(args.downloads))
+                    ),
+                    args.cap_seconds,
+                )
             wall = time.perf_counter() - t0
             api_cpu, sshd_cpu = cpu_seconds(pids[0]) - api0, cpu_seconds(pids[1]) - sshd0
     return {
+        **(copied if scp is not None else {}),
         "alone_ms": alone.ms,
         "during_ms": during.ms,
         "failed": alone.failed + during.failed,
@@ -126,10 +142,13 @@ def _report_many(result: dict[str, Any]) -> list[str]:
     lines = []
     for run in result["runs"]:
         if run["kind"] == "scp":
+            alone, during = run["alone_ms"], run["during_ms"]
             lines.append(
                 f"round {run['round']}: {run['downloads']} parallel scp: {run['mb_per_s']:.0f} "
-                f"MB/s ({run['mib_per_s']:.0f} MiB/s) in {run['seconds']:.1f} s; load "
-                f"{run['load']:.1f}"
+                f"MB/s ({run['mib_per_s']:.0f} MiB/s) in {run['seconds']:.1f} s; bob p50 alone "
+                f"{pct(alone, 0.5):.1f} ms, during the scp {pct(during, 0.5):.1f} ms "
+                f"(x{pct(during, 0.5) / pct(alone, 0.5):.2f}: what the box leaves him); failed "
+                f"{run['failed']}; load {run['load']:.1f}"
             )
             continue
         alone, during = run["alone_ms"], run["during_ms"]
@@ -197,7 +216,8 @@ def measure(host: Any, args: argparse.Namespace, workdir: Path) -> dict[str, Any
             for lane in args.lane.split(","):
                 run = _measure_one(host, args, workdir / f"{n}-{lane}", path, lane == "on")
                 these.append({**run, "kind": "api", "lane": lane, "round": n + 1})
-            scp = {**scp_downloads(host, path, args.downloads), "round": n + 1}
+            scp = _measure_one(host, args, workdir / f"{n}-scp", path, None, scp=True)
+            scp = {**scp, "round": n + 1}
             for run in these:
                 run["scp_mb_per_s"] = scp["mb_per_s"]
             runs += [*these, scp]
@@ -207,7 +227,13 @@ def measure(host: Any, args: argparse.Namespace, workdir: Path) -> dict[str, Any
 
 
 def _measure_one(
-    host: Any, args: argparse.Namespace, workdir: Path, path: str, lane: bool | None
+    host: Any,
+    args: argparse.Namespace,
+    workdir: Path,
+    path: str,
+    lane: bool | None,
+    *,
+    scp: bool = False,
 ) -> dict[str, Any]:
     from api.local import local_token, resolve_config
     from api.settings import Settings
@@ -222,7 +248,8 @@ def _measure_one(
         config = resolve_config(settings)
         alice = local_token(settings, config, "alice", ["files:read"])
         bob = local_token(settings, config, "bob", ["jobs:read", "jobs:write"])
-        return asyncio.run(run(url, (alice, bob), path, args, (proc.pid, host.pid)))
+        copy = (lambda: scp_downloads(host, path, args.downloads)) if scp else None
+        return asyncio.run(run(url, (alice, bob), path, args, (proc.pid, host.pid), copy))
     finally:
         stop_api(proc)
 

@@ -84,6 +84,84 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(getattr(pytest.mark, tier))
         if tiers:
             item.add_marker(pytest.mark.full)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items[:] = longest_first(items)
+
+
+# The order pytest-xdist hands the files out (`--dist loadfile`: a whole file to whichever worker
+# is free). By default xdist sorts them by test count, most first, which left the few-test, long
+# files (the deploy guide, the benchmarks' runs) to the end: one worker spent the run's last
+# minute on them while the other had nothing left. `make test` turns that sort off
+# (--no-loadscope-reorder) and the workers collect these files first, longest first, then the
+# rest as xdist would have them: the run ends on short files. Seconds of one file on one of two
+# workers (setup + call + teardown: the "longest files" that `--durations` prints below), rounded,
+# 2026-11-28: the load tier (`pytest -n 2 tests/loadtests`, load 3-6), the deploy guide, docs,
+# login and Makefile files alone (load 4-5), the rest from `make test-fast TEST_WORKERS=4` at
+# load 6-8 scaled by 0.55 (test_login.py: 66.5 s there, 36.6 s alone). Only the order counts;
+# files under ~20 s are left to xdist's order. Refresh from a `make test` run's summary.
+LONGEST_FILES = {
+    "tests/loadtests/test_accounts_bench.py": 76,
+    "tests/loadtests/test_bench.py": 74,
+    "tests/deploy/test_deploy_doc.py": 68,
+    "tests/api/test_client.py": 54,
+    "tests/api/test_sshd_budget.py": 45,
+    "tests/loadtests/test_runner.py": 45,
+    "tests/sshpool/test_backend_conformance.py": 41,
+    "tests/api/test_api_webhooks.py": 40,
+    "tests/api/test_api_revocations.py": 37,
+    "tests/api/test_login.py": 37,
+    "tests/loadtests/test_loadtests_smoke.py": 33,
+    "tests/api/test_api_agent.py": 33,
+    "tests/api/test_api_hostile.py": 31,
+    "tests/loadtests/test_portals_bench.py": 27,
+    "tests/docs/test_docs.py": 26,
+    "tests/test_makefile.py": 25,
+    "tests/api/test_api_workers.py": 25,
+    "tests/api/test_api_files.py": 23,
+    "tests/api/test_api_jobs.py": 23,
+    "tests/api/test_api_dev.py": 22,
+    "tests/api/test_api_files_limits.py": 21,
+    "tests/loadtests/test_panels.py": 21,
+    "tests/loadtests/test_soak.py": 21,
+    "tests/loadtests/test_files_bench.py": 20,
+    "tests/api/test_api_portals.py": 20,
+}
+
+
+def longest_first(items: list[pytest.Item]) -> list[pytest.Item]:
+    """`items` grouped by file, LONGEST_FILES first, longest first, then the other files by
+    test count, most first (a stable sort: equal counts keep their collection order)."""
+    by_file: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        by_file.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    order = sorted(by_file, key=lambda f: (-LONGEST_FILES.get(f, 0), -len(by_file[f])))
+    return [item for file in order for item in by_file[file]]
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    """With `--durations`: the longest files and each worker's busy seconds, which say whether
+    LONGEST_FILES still puts the long files first and how evenly the workers ended."""
+    if config.option.durations is None:
+        return
+    files: dict[str, float] = {}
+    workers: dict[str, float] = {}
+    ran_on: dict[str, str] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if not isinstance(report, pytest.TestReport):
+                continue
+            file = report.nodeid.split("::", 1)[0]
+            files[file] = files.get(file, 0.0) + report.duration
+            if node := getattr(report, "node", None):
+                ran_on[file] = node.gateway.id
+                workers[ran_on[file]] = workers.get(ran_on[file], 0.0) + report.duration
+    write = terminalreporter.write_line
+    terminalreporter.section("longest files (setup + call + teardown; LONGEST_FILES in conftest)")
+    for file, seconds in sorted(files.items(), key=lambda kv: -kv[1])[:15]:
+        listed = "" if file in LONGEST_FILES else "  (not in LONGEST_FILES)" * (seconds >= 20)
+        write(f"{seconds:7.1f} s  {ran_on.get(file, ''):4}  {file}{listed}")
+    if workers:
+        write("busy per worker: " + ", ".join(f"{w} {s:.0f} s" for w, s in sorted(workers.items())))
 
 
 SLURM_CPUS = 16

@@ -22,6 +22,8 @@
   defined when `python -m` runs the module (loadtests.certificates named a function defined
   below it, and `python -m loadtests.certificates` failed with NameError while every test,
   which imports the module, passed).
+* The test files that tests/conftest.py hands to the xdist workers first (LONGEST_FILES) exist: a
+  renamed one would drop to the end of the run unnoticed.
 """
 
 from __future__ import annotations
@@ -391,3 +393,17 @@ def test_routes_touch_no_store_pool_or_policy() -> None:
             ):
                 found.append(f"{rel}:{node.lineno}: .{node.attr}")
     assert found == []
+
+
+def test_the_longest_test_files_named_for_xdist_exist() -> None:
+    tree = ast.parse((ROOT / "tests" / "conftest.py").read_text())
+    [listing] = [
+        node.value
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and [getattr(t, "id", None) for t in node.targets] == ["LONGEST_FILES"]
+    ]
+    assert isinstance(listing, ast.Dict)
+    named = [ast.literal_eval(key) for key in listing.keys if key is not None]
+    assert len(named) > 10
+    assert [f for f in named if not (ROOT / f).is_file()] == []

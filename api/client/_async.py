@@ -42,10 +42,19 @@ from api.client.errors import (
 )
 from api.client.files import (
     CHUNK,
+    CHUNK_TIMEOUT,
+    UPLOAD_CHUNK,
     Partial,
     Progress,
+    Sent,
+    _check_sha256,
+    _chunk_headers,
+    _chunk_limit,
+    _chunk_refused,
+    _creation,
     _parent,
     _upload_headers,
+    _upload_offset,
     files_path,
     resumable,
 )
@@ -481,6 +490,74 @@ class AsyncClient(_Base):
             await self.mkdir(host, parent, parents=True)
             response = await self.request("PUT", files_path(host, "/content"), **put)
         return read_answer(response, an_upload)
+
+    async def upload_resumable(
+        self,
+        host: str,
+        source: str | os.PathLike[str],
+        path: str,
+        *,
+        chunk_size: int = UPLOAD_CHUNK,
+        create_only: bool = False,
+        progress: Progress | None = None,
+    ) -> dict[str, Any]:
+        """Upload a local file to `path` in chunks of `chunk_size` bytes, each with its sha-256
+        digest (a resumable upload: docs/files.md). A lost connection costs at most the chunk it
+        cut: the client asks where the upload stands (HEAD) and goes on. The host's sha256 of
+        the whole file is checked against the local file's. Answers `path`, `size`, `sha256`."""
+        size = await AsyncFile.size(source)
+        headers = _creation(size, create_only)
+        created = await self.request(
+            "POST", files_path(host, "/uploads"), params={"path": path}, headers=headers
+        )
+        location = created.headers["location"]
+        chunk_size = _chunk_limit(created, chunk_size)
+        local, sent = await AsyncFile.open(source), Sent()
+        offset = attempt = 0
+        answer: dict[str, Any] | None = None
+        try:
+            while answer is None:
+                await local.seek(offset)
+                data = await local.read(min(chunk_size, size - offset))
+                last = offset + len(data) >= size
+                headers, pieces = _chunk_headers(offset, data, last), AsyncFile.pieces(data)
+                try:
+                    response = await self.http.request(
+                        "PATCH", location, content=pieces, headers=headers, timeout=CHUNK_TIMEOUT
+                    )
+                except httpx.TransportError as exc:
+                    await sleep(self._delay_after(attempt, exc, f"PATCH {location}"))
+                    attempt += 1
+                    offset, answer = await self._upload_stands(location)
+                    continue
+                moved, damaged = _chunk_refused(response)
+                retry = self._delay(attempt, response)
+                if retry is None and damaged and attempt < self.retries:
+                    retry = 0.0  # the chunk was damaged on the way: send it again
+                if moved is not None or retry is not None:
+                    await sleep(retry or 0)
+                    offset, attempt = (offset, attempt + 1) if moved is None else (moved, attempt)
+                    continue
+                raise_for_problem(response)
+                sent.confirmed(offset, data)
+                offset, attempt = offset + len(data), 0
+                if progress is not None:
+                    progress(offset, size)
+                if last:
+                    answer = read_answer(response, an_upload)
+        finally:
+            local.close()
+        _check_sha256(answer, sent.hexdigest(size) or await AsyncFile.sha256(source), host, path)
+        return answer
+
+    async def _upload_stands(self, location: str) -> tuple[int, dict[str, Any] | None]:
+        """Where a resumable upload stands on the server (HEAD), and once complete its answer
+        (GET): the chunk whose answer was lost may have been the last."""
+        response = await self.request("HEAD", location)
+        if response.headers.get("upload-complete") != "?1":
+            return _upload_offset(response) or 0, None
+        done = read_answer(await self.request("GET", location), an_upload)
+        return _upload_offset(response) or 0, {k: done[k] for k in ("path", "size", "sha256")}
 
     async def mkdir(self, host: str, path: str, *, parents: bool = False) -> dict[str, Any]:
         """Create a directory (409 Conflict if it exists, 404 NotFound if its parent does not).

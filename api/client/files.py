@@ -1,8 +1,10 @@
-"""What the files methods of both clients share: paths, upload headers, and the part file that
-lets a download resume."""
+"""What the files methods of both clients share: paths, upload headers (a resumable upload's
+chunks' too), and the part file that lets a download resume."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import os
 import posixpath
@@ -27,6 +29,82 @@ def _upload_headers(size: int, create_only: bool) -> dict[str, str]:
     if create_only:
         headers["If-None-Match"] = "*"
     return headers
+
+
+# Bytes per chunk of a resumable upload (`upload_resumable`): what one lost connection costs
+# again at most. The server's cap is in its answers' `Upload-Limit` (max-append-size).
+UPLOAD_CHUNK = 16 << 20
+CHUNK_TIMEOUT = httpx.Timeout(60, write=300)  # a chunk's send may wait on a slow host
+
+
+def _chunk_headers(offset: int, data: bytes, last: bool) -> dict[str, str]:
+    """One chunk of a resumable upload: where it starts, whether it ends the file, and its
+    RFC 9530 digest (the server refuses it, and counts nothing of it, if a byte differs)."""
+    digest = base64.b64encode(hashlib.sha256(data).digest()).decode()
+    return {
+        "Content-Length": str(len(data)),  # sent in pieces (`AsyncFile.pieces`), not chunked
+        "Upload-Offset": str(offset),
+        "Upload-Complete": "?1" if last else "?0",
+        "Content-Digest": f"sha-256=:{digest}:",
+        "Content-Type": "application/partial-upload",
+    }
+
+
+def _creation(size: int, create_only: bool) -> dict[str, str]:
+    """A resumable upload's creation: the file's size, and `If-None-Match: *` to create only."""
+    return {"Upload-Length": str(size), **({"If-None-Match": "*"} if create_only else {})}
+
+
+def _chunk_refused(response: httpx.Response) -> tuple[int | None, bool]:
+    """A chunk's refusal the client acts on: the offset a 409 says the upload stands at (send
+    from there), and whether the chunk arrived damaged (400 `digest-mismatch`: send it again)."""
+    if response.status_code == 409:
+        return _upload_offset(response), False
+    problem = response.headers.get("content-type", "").startswith("application/problem")
+    kind = response.json().get("type", "") if problem and response.status_code == 400 else ""
+    return None, str(kind).endswith(":digest-mismatch")
+
+
+class Sent:
+    """The local file's sha256 over the chunks a resumable upload sent, in order: the whole
+    file's once they cover it without a gap (a resume past bytes never hashed here leaves a
+    gap: then the file is hashed again at the end)."""
+
+    def __init__(self) -> None:
+        self._sha = hashlib.sha256()
+        self._hashed = 0
+
+    def confirmed(self, offset: int, data: bytes) -> None:
+        if offset == self._hashed:
+            self._sha.update(data)
+            self._hashed += len(data)
+
+    def hexdigest(self, size: int) -> str | None:
+        return self._sha.hexdigest() if self._hashed == size else None
+
+
+def _check_sha256(answer: Mapping[str, object], local: str, host: str, path: str) -> None:
+    """The server's sha256 of the file it renamed into place is the local file's."""
+    if answer.get("sha256") != local:
+        raise SshapiError(
+            f"{path} on {host}: the host's sha256 {answer.get('sha256')} is not the local file's "
+            f"{local} (did the local file change during the upload?)"
+        )
+
+
+def _upload_offset(response: httpx.Response) -> int | None:
+    """The `Upload-Offset` of an answer (a HEAD, a 409), or None."""
+    value = response.headers.get("upload-offset", "")
+    return int(value) if value.isascii() and value.isdigit() else None
+
+
+def _chunk_limit(response: httpx.Response, wanted: int) -> int:
+    """`wanted`, within the server's `Upload-Limit: max-append-size=N`."""
+    for member in response.headers.get("upload-limit", "").split(","):
+        key, _, value = member.strip().partition("=")
+        if key == "max-append-size" and value.isascii() and value.isdigit():
+            return max(1, min(wanted, int(value)))
+    return wanted
 
 
 def _parent(path: str) -> str | None:

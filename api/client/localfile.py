@@ -5,12 +5,14 @@ generated _sync.py, where the calls are the plain ones."""
 
 from __future__ import annotations
 
+import hashlib
 import os
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO, TypeVar
 
 T = TypeVar("T")
+PIECE = 1 << 20  # bytes per part of a body sent from memory (`pieces`)
 
 
 async def _in_thread(call: Callable[..., T], *args: object) -> T:
@@ -19,6 +21,14 @@ async def _in_thread(call: Callable[..., T], *args: object) -> T:
     from asyncio import to_thread
 
     return await to_thread(call, *args)
+
+
+def _sha256(path: str | os.PathLike[str]) -> str:
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        while data := f.read(1 << 20):
+            digest.update(data)
+    return digest.hexdigest()
 
 
 class AsyncFile:
@@ -36,11 +46,25 @@ class AsyncFile:
     async def size(path: str | os.PathLike[str]) -> int:
         return (await _in_thread(os.stat, path)).st_size
 
+    @staticmethod
+    async def sha256(path: str | os.PathLike[str]) -> str:
+        return await _in_thread(_sha256, path)
+
+    @staticmethod
+    async def pieces(data: bytes) -> AsyncIterator[bytes]:
+        """`data` in PIECE-sized parts, for a request's body: httpx sent one 64 MiB `bytes`
+        body at a third of the rate of the same bytes in parts (loopback, 2026-11-28)."""
+        for n in range(0, len(data), PIECE):
+            yield data[n : n + PIECE]
+
     async def read(self, size: int) -> bytes:
         return await _in_thread(self.raw.read, size)
 
     async def write(self, data: bytes) -> None:
         await _in_thread(self.raw.write, data)
+
+    async def seek(self, offset: int) -> None:
+        await _in_thread(self.raw.seek, offset)
 
     def close(self) -> None:
         self.raw.close()
@@ -61,11 +85,24 @@ class SyncFile:
     def size(path: str | os.PathLike[str]) -> int:
         return os.path.getsize(path)
 
+    @staticmethod
+    def sha256(path: str | os.PathLike[str]) -> str:
+        return _sha256(path)
+
+    @staticmethod
+    def pieces(data: bytes) -> Iterator[bytes]:
+        """`data` in PIECE-sized parts, for a request's body."""
+        for n in range(0, len(data), PIECE):
+            yield data[n : n + PIECE]
+
     def read(self, size: int) -> bytes:
         return self.raw.read(size)
 
     def write(self, data: bytes) -> None:
         self.raw.write(data)
+
+    def seek(self, offset: int) -> None:
+        self.raw.seek(offset)
 
     def close(self) -> None:
         self.raw.close()

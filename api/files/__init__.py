@@ -11,6 +11,10 @@ What this package exports is below (`__all__`); the modules:
     listings   snapshots of directories, cursors                api.problems
     transfers  the upload protocol, a download's body, ranges   confine, api.numbers
     checksum   sha256sum on the host                            errors, api.config, api.policy
+    uploads    resumable uploads' pieces: their store's face    confine, transfers,
+               (Protocols), `UploadState`, digests, problems    api.config, api.metrics
+    resumable  uploads in chunks (`Resumable`): the protocol,   uploads, confine, transfers,
+               the commit, cancel, the expiry sweep             checksum
     service    `FileService`: the operations and the            all of the above, api.quota,
                per-identity limits (transfers, listings,        api.metrics
                the commit lock)
@@ -26,8 +30,10 @@ and no other feature (api.jobs, api.live, api.store).
 from api.files.confine import MAX_PATH
 from api.files.errors import file_problem
 from api.files.listings import SNAPSHOTS_PER_IDENTITY, Listings, Snapshot
+from api.files.resumable import Resumable
 from api.files.service import FileService
 from api.files.transfers import CHUNK, Download, Uploaded
+from api.files.uploads import UploadState, digest_header, parse_digest
 
 __all__ = [
     "CHUNK",
@@ -36,7 +42,11 @@ __all__ = [
     "Download",
     "FileService",
     "Listings",
+    "Resumable",
     "Snapshot",
+    "UploadState",
     "Uploaded",
+    "digest_header",
     "file_problem",
+    "parse_digest",
 ]

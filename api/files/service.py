@@ -30,6 +30,7 @@ from api.files.listings import (
     describe,
     encode_cursor,
 )
+from api.files.resumable import Resumable
 from api.files.transfers import (
     COMMIT_TTL,
     COMMIT_WAIT,
@@ -69,9 +70,17 @@ class FileService:
         self.quota = quota
         self.metrics = metrics
         self.confinements = Confinements()
+        # Resumable uploads (api/files/resumable.py): set where the store is (api/services.py).
+        self.resumable: Resumable | None = None
 
         api = config.api
         self.listings = Listings(api.list_snapshot_ttl, api.list_snapshot_bytes)
+
+    @property
+    def uploads(self) -> Resumable:
+        if self.resumable is None:
+            raise Problem(501, "not-supported", "Resumable uploads are not set up here", None)
+        return self.resumable
 
     def grant(self, who: Principal, host: str) -> tuple[Grant, list[str]]:
         grant = self.policy.grant(who, host)

@@ -1,6 +1,6 @@
-"""/v1/hosts/{host}/files: list, stat, download (ranges), upload (streamed), delete, mkdir,
-move, checksum. Each calls the file service (api/files/) and turns its answer into HTTP; none
-touches the SFTP session. docs/files.md has the contract."""
+"""/v1/hosts/{host}/files: list, stat, download (ranges), upload (streamed, or resumable in
+chunks: /uploads), delete, mkdir, move, checksum. Each calls the file service (api/files/) and
+turns its answer into HTTP; none touches the SFTP session. docs/files.md has the contract."""
 
 from __future__ import annotations
 
@@ -10,14 +10,18 @@ from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, Header, Query, Request, Response
+from fastapi import Path as PathParam
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.requests import ClientDisconnect
 
+from api.auth import Principal
 from api.deps import FileReader, FileWriter, Svc
-from api.files import MAX_PATH
+from api.files import MAX_PATH, UploadState, parse_digest
 from api.numbers import read_count
 from api.problems import MEDIA_TYPE, Problem, revoked
 from api.sending import DeadlineResponse
+from api.services import Services
 
 router = APIRouter(prefix="/v1/hosts/{host}/files", tags=["files"])
 
@@ -146,6 +150,168 @@ async def _body(request: Request, stop: Callable[[], bool]) -> AsyncIterator[byt
             yield data
     except ClientDisconnect:
         raise Problem(400, "client-disconnected", "The upload was cut off") from None
+
+
+# ---- resumable uploads (draft-ietf-httpbis-resumable-upload; docs/files.md)
+
+UploadId = Annotated[
+    str, PathParam(pattern="^[0-9a-f]{32}$", description="The upload's id (its `Location`).")
+]
+UPLOAD_ERRORS: dict[int | str, dict[str, Any]] = {
+    **ERRORS,
+    400: _problem(
+        "`digest-mismatch` (the chunk does not match its `Content-Digest`: nothing of it "
+        "counts), `digest-invalid-value`, `digest-unsupported-algorithms`, "
+        "`inconsistent-upload-length`, `completed-upload`, `client-disconnected`."
+    ),
+    404: _problem("No such upload of yours (expired, cancelled, another identity's)."),
+    409: _problem(
+        "`mismatching-upload-offset`: `Upload-Offset` is not where the upload stands; the "
+        "answer's `Upload-Offset` (and `expected-offset`) says where."
+    ),
+    503: _problem("`upload-busy`: another chunk of this upload is being written (`Retry-After`)."),
+}
+
+
+def _header_count(value: str | None, name: str) -> int | None:
+    """A structured-field Integer header (`Upload-Length`, `Upload-Offset`), or None."""
+    if value is None:
+        return None
+    count = read_count(value.strip())
+    if count is None:
+        raise Problem(422, "invalid-header", f"Invalid {name}", "a non-negative integer")
+    return count
+
+
+def _upload_headers(state: UploadState, svc: Services, who: Principal) -> dict[str, str]:
+    """What the draft's answers carry: the offset, whether complete, the length, the limits."""
+    grant, _ = svc.files.grant(who, state.host)
+    api = svc.config.api
+    chunk = min(api.max_upload_chunk, grant.rule.max_transfer_bytes)
+    expires = max(0, int(state.expires_at - svc.files.uploads.clock()))
+    return {
+        "Upload-Offset": str(state.offset),
+        "Upload-Complete": "?1" if state.complete else "?0",
+        "Upload-Length": str(state.length),
+        "Upload-Limit": f"max-size={grant.rule.max_file_size}, max-append-size={chunk}, "
+        f"expires={expires}",
+        "Cache-Control": "no-store",
+    }
+
+
+@router.post(
+    "/uploads",
+    status_code=201,
+    responses={
+        201: {"description": "Created: `Location` is the upload, `Upload-Offset: 0`."},
+        412: _problem("`If-Match` / `If-None-Match: *` not met (checked again at the commit)."),
+        413: _problem("`Upload-Length` over max_file_size."),
+        429: _problem("Rate limit, or `too-many-uploads` (max_open_uploads open at once)."),
+        **UPLOAD_ERRORS,
+    },
+    summary="Start a resumable upload (its chunks follow by PATCH)",
+)
+async def create_upload(
+    host: str,
+    path: Path,
+    who: FileWriter,
+    svc: Svc,
+    request: Request,
+    response: Response,
+    upload_length: Annotated[
+        str | None, Header(description="The file's size in bytes (required).")
+    ] = None,
+    if_match: Annotated[str | None, Header()] = None,
+    if_none_match: Annotated[str | None, Header()] = None,
+) -> dict[str, Any]:
+    length = _header_count(upload_length, "Upload-Length")
+    state = await svc.files.uploads.create(who, host, path, length, if_match, if_none_match)
+    response.headers.update(_upload_headers(state, svc, who))
+    response.headers["Location"] = f"{request.url.path}/{state.id}"
+    return state.describe()
+
+
+@router.head(
+    "/uploads/{upload_id}",
+    status_code=204,
+    responses=UPLOAD_ERRORS,
+    summary="Where a resumable upload stands (`Upload-Offset`: read on the host)",
+)
+async def upload_offset(host: str, upload_id: UploadId, who: FileWriter, svc: Svc) -> Response:
+    state = await svc.files.uploads.state(who, host, upload_id)
+    return Response(status_code=204, headers=_upload_headers(state, svc, who))
+
+
+@router.get(
+    "/uploads/{upload_id}",
+    responses=UPLOAD_ERRORS,
+    summary="A resumable upload's state, and once complete its file's size and sha256",
+)
+async def upload_state(
+    host: str, upload_id: UploadId, who: FileWriter, svc: Svc, response: Response
+) -> dict[str, Any]:
+    state = await svc.files.uploads.state(who, host, upload_id)
+    response.headers.update(_upload_headers(state, svc, who))
+    return state.describe()
+
+
+@router.patch(
+    "/uploads/{upload_id}",
+    status_code=204,
+    responses={
+        200: {"description": "The final chunk: the file replaced an existing one."},
+        201: {"description": "The final chunk: the file was created."},
+        204: {"description": "Chunk written: `Upload-Offset` is where the next one starts."},
+        412: _problem("The final chunk: `If-Match` / `If-None-Match: *` no longer met."),
+        413: _problem("Chunk over max_upload_chunk / max_transfer_bytes."),
+        **UPLOAD_ERRORS,
+    },
+    summary="Append a chunk at `Upload-Offset` (`Upload-Complete: ?1` on the last)",
+)
+async def append_upload(
+    host: str,
+    upload_id: UploadId,
+    who: FileWriter,
+    svc: Svc,
+    request: Request,
+    upload_offset: Annotated[str | None, Header(description="Where the chunk starts.")] = None,
+    upload_complete: Annotated[
+        str | None, Header(description="`?1` on the final chunk, else `?0` (the default).")
+    ] = None,
+    content_digest: Annotated[
+        str | None, Header(description="RFC 9530 `sha-256=:<base64>:` of this chunk.")
+    ] = None,
+) -> Response:
+    offset = _header_count(upload_offset, "Upload-Offset")
+    complete = (upload_complete or "?0").strip()
+    if complete not in ("?0", "?1"):
+        raise Problem(422, "invalid-header", "Invalid Upload-Complete", "`?1` or `?0`")
+    digest = parse_digest(content_digest)
+    declared = read_count(request.headers.get("content-length", ""), saturate=True)
+    body = _body(request, svc.revocations.stops(who))
+    state = await svc.files.uploads.append(
+        who, host, upload_id, offset, complete == "?1", declared, digest, body
+    )
+    headers = _upload_headers(state, svc, who)
+    if state.result is None:
+        return Response(status_code=204, headers=headers)
+    headers["ETag"] = state.result.etag
+    return JSONResponse(
+        {"path": state.path, "size": state.result.size, "sha256": state.result.sha256},
+        status_code=200 if state.result.replaced else 201,
+        headers=headers,
+    )
+
+
+@router.delete(
+    "/uploads/{upload_id}",
+    status_code=204,
+    responses=UPLOAD_ERRORS,
+    summary="Cancel a resumable upload (its temporary file removed)",
+)
+async def cancel_upload(host: str, upload_id: UploadId, who: FileWriter, svc: Svc) -> Response:
+    await svc.files.uploads.cancel(who, host, upload_id)
+    return Response(status_code=204)
 
 
 @router.delete("", status_code=204, responses=ERRORS, summary="Delete a file or empty directory")

@@ -240,6 +240,39 @@ WEBHOOKS = Table(
     Index("sshapi_webhooks_owner", "owner_iss", "owner_sub"),
 )
 
+# Resumable uploads (api/files/resumable.py): one row per upload, so that any replica (or the
+# same one after a restart) takes its next chunk. `received`: the bytes confirmed written to the
+# temporary file `temp` on the host (the host may hold more: a chunk cut or refused, overwritten
+# by the next one). A chunk holds the row's lease (`busy_until`, `busy_by`) while it is written;
+# the expiry sweep takes the same lease. Times are Unix seconds (Float).
+UPLOADS = Table(
+    "sshapi_uploads",
+    METADATA,
+    Column("id", String(36), primary_key=True),
+    Column("owner_iss", String(512), nullable=False),
+    Column("owner_sub", String(512), nullable=False),
+    Column("owner_account", String(64), nullable=True),  # the token's account claim
+    Column("host", String(64), nullable=False),
+    Column("path", Text, nullable=False),  # as the client gave it (answers name it)
+    Column("resolved", Text, nullable=False),  # where it lands on the host (confined)
+    Column("temp", Text, nullable=False),
+    Column("length", BigInteger, nullable=False),
+    Column("received", BigInteger, nullable=False),
+    Column("if_match", Text, nullable=True),
+    Column("create_only", Boolean, nullable=False),
+    Column("state", String(16), nullable=False),  # open, complete
+    Column("created_at", Float, nullable=False),
+    Column("expires_at", Float, nullable=False),
+    Column("busy_until", Float, nullable=True),
+    Column("busy_by", String(36), nullable=True),
+    # A complete upload's answer, kept until it expires (HEAD and GET after a lost answer).
+    Column("sha256", String(64), nullable=True),
+    Column("etag", String(64), nullable=True),
+    Column("replaced", Boolean, nullable=True),
+    Index("sshapi_uploads_owner", "owner_iss", "owner_sub"),
+    Index("sshapi_uploads_expiry", "expires_at"),
+)
+
 # The outbox: one row per (event, webhook), inserted in the transaction that changed the job's
 # state; any replica delivers it under a lease (`lease_until`, `lease_by`). Times are Unix
 # seconds (Float): compared in SQL on both dialects without conversions.

@@ -65,12 +65,20 @@ class RemoteFile(Protocol):
         ...
 
     async def write(self, data: bytes) -> None:
-        """Write all of `data` at the current position. A full filesystem raises RemoteNoSpace."""
+        """Write all of `data` at the current position. A full filesystem raises RemoteNoSpace.
+        It may return while the last of its requests are still unanswered (at most one call's
+        bytes: the next call's requests then go out behind them, so a long round trip does not
+        empty the pipe between two calls); their failure is raised by a later write, `flush`
+        or `close`."""
+        ...
+
+    async def flush(self) -> None:
+        """Wait until every write so far is answered by the host; raises a failed one's error."""
         ...
 
     async def close(self) -> None:
-        """Close the handle; for a written file, raises the RemoteFileError of a failed flush.
-        Idempotent."""
+        """Close the handle (flushed first); for a written file, raises the RemoteFileError of a
+        failed write or flush. Idempotent."""
         ...
 
 
@@ -122,6 +130,12 @@ class SFTPSession(Protocol):
     ) -> RemoteFile:
         """Create `path` for writing (O_CREAT|O_TRUNC; with `exclusive`, O_EXCL: fail when it
         exists, never following a symlink there). RemoteFileFailure when it exists."""
+        ...
+
+    async def open_resume(self, path: str, offset: int) -> RemoteFile:
+        """Open the existing file `path` for writing at `offset` (SFTP OPEN with WRITE only:
+        never created, never truncated): what is written next replaces the bytes from `offset`
+        on, and those before it stay. A resumable upload's next chunk (api/files/resumable.py)."""
         ...
 
     async def rename(self, old: str, new: str, *, overwrite: bool) -> None:

@@ -117,6 +117,9 @@ class FakeSFTP:
     ) -> RemoteFile:
         raise RemoteNotFound("no such directory", path)
 
+    async def open_resume(self, path: str, offset: int) -> RemoteFile:
+        raise RemoteNotFound("no such file", path)
+
     async def rename(self, old: str, new: str, *, overwrite: bool) -> None:
         raise RemoteNotFound("no such file", old)
 

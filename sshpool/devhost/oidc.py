@@ -9,7 +9,9 @@ started and nothing else; `issuer_toml` is the `[[issuers]]` entry that makes th
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -23,16 +25,29 @@ AUDIENCE = "sshapi"
 SCOPES = ["jobs:read", "jobs:write", "files:read", "files:write"]
 CLI_CLIENT = "sshapi"  # the device-flow client `sshapi login` uses by default
 CI_CLIENT = "ci"
+# Written into node_modules when `npm ci` has finished there.
+INSTALLED = ".sshapi-installed"
 
 
 def install() -> None:
-    """oidc-provider into ./oidc/node_modules, at the version package-lock.json pins."""
-    if (HERE / "node_modules" / "oidc-provider").is_dir():
+    """oidc-provider into ./oidc/node_modules, at the version package-lock.json pins: once,
+    by whichever process asks first. The test workers of a fresh checkout ask at once, and a
+    second `npm ci` deletes the tree the first is filling (or a provider starts from half of
+    it), so the install holds a lock on ./oidc and ends by writing INSTALLED."""
+    installed = HERE / "node_modules" / INSTALLED
+    if installed.exists():
         return
     npm = shutil.which("npm")
     if npm is None:
         raise RuntimeError("npm not found: the rig's OpenID provider needs node and npm")
-    subprocess.run([npm, "ci", "--no-audit", "--no-fund"], cwd=HERE, check=True)
+    fd = os.open(HERE, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if not installed.exists():
+            subprocess.run([npm, "ci", "--no-audit", "--no-fund"], cwd=HERE, check=True)
+            installed.touch()
+    finally:
+        os.close(fd)  # and the lock with it
 
 
 def free_port() -> int:

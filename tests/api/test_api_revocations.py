@@ -603,3 +603,38 @@ async def test_upload_under_way_is_refused_at_its_next_piece(api: Api) -> None:
         f"{api.url}/v1/hosts/local/files", params={"path": folder}, headers=erin
     )
     assert (listed.status_code, listed.json()["items"]) == (200, []), listed.text
+
+
+async def test_a_resumable_uploads_next_chunk_after_a_revocation_is_refused(api: Api) -> None:
+    """dave's resumable upload takes a chunk; revoked, his next chunk is 403 identity-revoked
+    and nothing lands under the file's name (its temporary file waits for the upload's
+    expiry)."""
+    folder = f"up-{uuid.uuid4().hex[:8]}"
+    erin = headers(api, "erin", "files:read files:write")
+    made = await api.client.post(
+        f"{api.url}/v1/hosts/local/files/mkdir", json={"path": folder}, headers=erin
+    )
+    assert made.status_code == 201, made.text
+    dave = headers(api, "dave", "files:write files:read")
+    created = await api.client.post(
+        f"{api.url}/v1/hosts/local/files/uploads",
+        params={"path": f"{folder}/r"},
+        headers={**dave, "Upload-Length": str(2 << 20)},
+    )
+    assert created.status_code == 201, created.text
+    url = f"{api.url}{created.headers['location']}"
+    first = await api.client.patch(
+        url, content=b"\0" * (1 << 20), headers={**dave, "Upload-Offset": "0"}
+    )
+    assert first.status_code == 204, first.text
+    posted = await revoke(api, {"issuer": LOCAL_ISS, "subject": "dave"})
+    assert posted.status_code == 201, posted.text
+    second = await api.client.patch(
+        url, content=b"\0" * (1 << 20), headers={**dave, "Upload-Offset": str(1 << 20)}
+    )
+    assert second.status_code == 403, second.text
+    listed = await api.client.get(
+        f"{api.url}/v1/hosts/local/files", params={"path": folder}, headers=erin
+    )
+    names = [i["name"] for i in listed.json()["items"]]
+    assert "r" not in names and all(n.endswith(".part") for n in names), names

@@ -109,8 +109,9 @@ def test_nginx_streams_large_uploads_and_still_caps_json_bodies(
     tuned_host: LocalHost, tmp_path: Path
 ) -> None:
     """Through the shipped nginx: an 8 MiB upload (past the 1 MiB JSON cap) is stored whole
-    (201, same sha256) and downloads back identical, while a 2 MiB JSON body to /v1/jobs is
-    still refused by nginx (413)."""
+    (201, same sha256) and downloads back identical, and so is one sent as a resumable upload
+    in two 4 MiB chunks (round robin over the two replicas), while a 2 MiB JSON body to
+    /v1/jobs is still refused by nginx (413)."""
     data = os.urandom(8 << 20)
     remote = f"{tuned_host.account.home}/nginx-upload-{uuid.uuid4().hex[:8]}.bin"
     with cluster(tuned_host, tmp_path / "cluster", replicas=2) as c:
@@ -125,14 +126,34 @@ def test_nginx_streams_large_uploads_and_still_caps_json_bodies(
             with httpx.Client(timeout=60) as client:
                 up = client.put(content, params={"path": remote}, content=data, headers=headers)
                 down = client.get(content, params={"path": remote}, headers=headers)
+                made = client.post(
+                    f"{c.url}/v1/hosts/local/files/uploads",
+                    params={"path": remote + ".chunks"},
+                    headers={**headers, "Upload-Length": str(len(data))},
+                )
+                assert made.status_code == 201, made.text
+                chunks = [
+                    client.patch(
+                        f"{c.url}{made.headers['location']}",
+                        content=data[n : n + (4 << 20)],
+                        headers={
+                            **headers,
+                            "Upload-Offset": str(n),
+                            "Upload-Complete": "?1" if n else "?0",
+                        },
+                    )
+                    for n in (0, 4 << 20)
+                ]
                 big = client.post(
                     f"{c.url}/v1/jobs",
                     json={"host": "local", "command": "true", "pad": "x" * (2 << 20)},
                     headers=headers,
                 )
         finally:
-            tuned_host.run_local(["rm", "-f", remote])
+            tuned_host.run_local(["rm", "-f", remote, remote + ".chunks"])
     assert up.status_code == 201, up.text
+    assert [r.status_code for r in chunks] == [204, 201], chunks[-1].text
+    assert chunks[1].json()["sha256"] == hashlib.sha256(data).hexdigest()
     assert up.json()["sha256"] == hashlib.sha256(data).hexdigest()
     assert down.status_code == 200
     assert down.content == data

@@ -1,6 +1,7 @@
 """docs/deploy.md, run as written: each ```bash block in order, as root, from the checkout, after
-the page's first block (its variables). A scratch PREFIX holds /etc, /opt, /var and /run; this
-machine is the login host too: the page's own dedicated sshd on a free loopback port, with a
+the page's first block (its variables). A scratch PREFIX holds /etc, /opt, /var and /run (one
+for both runs: the second finds the first's installed venv, see `prefix`); this machine is the
+login host too: the page's own dedicated sshd on a free loopback port, with a
 host key, a login account and a researcher's account made here as a site has them; the site's
 identity provider is the rig's (sshpool/devhost/oidc.py), its sign-in approved in Chromium;
 the accounts, PostgreSQL role and database are real and removed after. With INIT=systemd,
@@ -63,17 +64,47 @@ def fingerprint(public_key: Path) -> str:
     return done.stdout.split()[1]
 
 
-@pytest.fixture(params=["systemd", "none"])
-def site(request: pytest.FixtureRequest) -> Iterator[dict[str, str]]:
-    """The page's variables for this machine, and everything the page creates removed after."""
+# What one run of the page leaves for the next (under $OPT): the venv and the wheel it installed.
+KEPT = {("opt", "sshapi", ".venv"), ("opt", "sshapi", "dist")}
+
+
+@pytest.fixture(scope="module")
+def prefix() -> Iterator[Path]:
+    """The scratch PREFIX of both runs. Between them everything goes but KEPT, so the second
+    run's install block, run as written, finds the package and its ~65 dependencies installed
+    (pip: already satisfied) instead of installing and compiling them again, as when the page
+    is run again on a machine that has it; the first run installs from nothing."""
     if os.geteuid() != 0:
         pytest.skip("the deploy page runs as root (useradd, runuser)")
-    tag = uuid.uuid4().hex[:6]
     # Not under pytest's 0700 temp dir: the service account must reach its files. Not under
     # /tmp either: sshd runs the principals command only from directories only root may write.
     # Not named sshapi-*: the page's at_prefix would take /var/lib/sshapi-... for its state dir.
-    prefix = Path(tempfile.mkdtemp(prefix="deploy-doc-", dir="/var/lib"))
-    prefix.chmod(0o755)
+    path = Path(tempfile.mkdtemp(prefix="deploy-doc-", dir="/var/lib"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_all_but(directory: Path, kept: set[tuple[str, ...]]) -> None:
+    """Remove what `directory` holds but the paths `kept` names (each a tuple of names)."""
+    for path in directory.iterdir():
+        inner = {k[1:] for k in kept if k[0] == path.name}
+        if () in inner:
+            continue
+        if path.is_dir() and not path.is_symlink():
+            if inner:
+                remove_all_but(path, inner)
+            else:
+                shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
+@pytest.fixture(params=["systemd", "none"])
+def site(request: pytest.FixtureRequest, prefix: Path) -> Iterator[dict[str, str]]:
+    """The page's variables for this machine, and everything the page creates removed after
+    (but KEPT)."""
+    tag = uuid.uuid4().hex[:6]
     # The login host as a site has it: its host key, and the account jobs run as (its home
     # under the PREFIX, its authorized_keys filled in by "the administrator" below).
     ssh_etc = prefix / "etc" / "ssh"
@@ -171,7 +202,7 @@ def site(request: pytest.FixtureRequest) -> Iterator[dict[str, str]]:
              "-c", f'DROP ROLE IF EXISTS "{database}"'],
             check=False, capture_output=True,
         )  # fmt: skip
-        shutil.rmtree(prefix, ignore_errors=True)
+        remove_all_but(prefix, KEPT)
 
 
 @pytest.mark.timeout(600)  # the first block installs the package: 2-4 min on a loaded box

@@ -6,11 +6,13 @@ output). Each command is verified for real, by the kind of its program:
 
 - `make X`: `make -n X` succeeds (the target exists and its recipe expands);
 - `.venv/bin/sshapi SUB... --opt`: `sshapi SUB... --help` succeeds and lists every option used;
-  `sshapi token` is also run, with a fresh data directory, and must print a token;
+  `sshapi token` is also run, with a fresh data directory, and must print a token (both in this
+  process, through the console script's typer app: tests/api/test_api_cli.py starts the script);
 - `.venv/bin/python -m MOD ARGS`: `python -m MOD ARGS --help` succeeds (argparse parses the
   values given before it reaches --help) and lists every option used;
 - `.venv/bin/locust -f FILE ARGS`: `locust -f FILE ARGS --list` succeeds: Locust parses the exact
-  arguments, the locustfile's own included, then lists the user classes and exits;
+  arguments, the locustfile's own included, then lists the user classes and exits (each in a
+  process of its own, forked from one that imported Locust once for all of them);
 - `.venv/bin/pytest PATHS`: each path exists;
 - every command of docs/deploy.md: run, block by block, by tests/deploy/test_deploy_doc.py;
 - `pip install sshapi` / `'sshapi[EXTRA]'`: pyproject.toml names the project `sshapi` and has
@@ -32,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import json
 import os
 import re
 import runpy
@@ -48,7 +51,9 @@ from pathlib import Path
 
 import jwt
 import pytest
+from typer.testing import CliRunner
 
+from api.cli import app as sshapi_app
 from loadtests.server import wait_ready
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -177,11 +182,20 @@ def assert_listed(command: Command, used: list[str], help_text: str) -> None:
     assert not missing, f"{command}\n  options not in its --help: {missing}"
 
 
+def sshapi(args: list[str], env: dict[str, str | None]) -> tuple[int, str]:
+    """`sshapi ARGS` in this process: its exit status and what it printed. The console script
+    is `api.cli.main`, which runs this app; a process each cost ~0.3 s of imports per command."""
+    result = CliRunner().invoke(sshapi_app, args, env=env)
+    return result.exit_code, result.output
+
+
 @functools.cache
 def sshapi_help(subs: tuple[str, ...]) -> str:
-    done = run([str(BIN / "sshapi"), *subs, "--help"])
-    assert done.returncode == 0, f"sshapi {' '.join(subs)} --help failed:\n{done.stderr}"
-    return done.stdout
+    code, output = sshapi(
+        [*subs, "--help"], {k: HELP_ENV[k] for k in ("COLUMNS", "TERM", "NO_COLOR")}
+    )
+    assert code == 0, f"sshapi {' '.join(subs)} --help failed:\n{output}"
+    return output
 
 
 def check_sshapi(command: Command, args: list[str], tmp_path: Path) -> None:
@@ -190,13 +204,11 @@ def check_sshapi(command: Command, args: list[str], tmp_path: Path) -> None:
     assert_listed(command, options(args), sshapi_help(tuple(subs)))
     if subs == ["token"]:
         # Cheap and side-effect free with a data dir of its own: run it.
-        env = {**os.environ, "SSHAPI_DATA_DIR": str(tmp_path / "data")}
-        env.pop("SSHAPI_CONFIG", None)
-        done = subprocess.run(
-            [str(BIN / "sshapi"), *args], cwd=ROOT, env=env, capture_output=True, text=True
+        code, output = sshapi(
+            args, {"SSHAPI_DATA_DIR": str(tmp_path / "data"), "SSHAPI_CONFIG": None}
         )
-        assert done.returncode == 0, f"{command}\n  failed: {done.stderr}"
-        token = done.stdout.strip()
+        assert code == 0, f"{command}\n  failed: {output}"
+        token = output.strip()
         claims = jwt.decode(token, options={"verify_signature": False})
         assert claims["sub"] == args[args.index("--sub") + 1], f"{command}\n  printed {token!r}"
 
@@ -248,16 +260,71 @@ def check_module(command: Command, argv: list[str]) -> None:
     assert_listed(command, options(args), stdout)
 
 
+# `locust ARGS --list` for each argv read (JSON) from stdin, each in a child forked from this
+# process, which imported Locust (gevent, its web UI: ~1.5 s) once for all of them: the child
+# runs Locust's own console script, `locust.main:main`, with that argv, as a fresh `locust`
+# would. Prints [exit status, the end of stderr] per argv, as JSON.
+LOCUST_LISTS = """\
+import json, os, sys, tempfile, traceback
+import locust.main
+results = []
+for argv in json.load(sys.stdin):
+    sys.stdout.flush()
+    err = tempfile.TemporaryFile()
+    pid = os.fork()
+    if pid == 0:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+        os.dup2(err.fileno(), 2)
+        sys.argv = ["locust", *argv, "--list"]
+        code = 0
+        try:
+            locust.main.main()
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1 if exc.code else 0
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    err.seek(0)
+    results.append([os.waitstatus_to_exitcode(status), err.read().decode()[-500:]])
+print(json.dumps(results))
+"""
+LOCUST_COMMANDS = [
+    words(c)[1:]
+    for c in ALL
+    if c.path.name != "deploy.md" and not is_curl(c) and words(c)[:1] == ["locust"]
+]
+
+
+@functools.cache
+def locust_lists() -> dict[tuple[str, ...], tuple[int, str]]:
+    """`locust ARGS --list` of every locust command of the docs: (exit status, stderr's end)."""
+    done = run([sys.executable, "-c", LOCUST_LISTS], input=json.dumps(LOCUST_COMMANDS))
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout.splitlines()[-1])
+    return {
+        tuple(args): (code, err) for args, (code, err) in zip(LOCUST_COMMANDS, found, strict=True)
+    }
+
+
 def check_locust(command: Command, args: list[str]) -> None:
     assert args[:1] == ["-f"] and (ROOT / args[1]).is_file(), f"{command}\n  no locustfile"
     # --list parses every argument (the locustfile's own too), lists the users and exits.
-    done = run([str(BIN / "locust"), *args, "--list"])
-    assert done.returncode == 0, f"{command}\n  locust refused it: {done.stderr.strip()[-500:]}"
+    code, stderr = locust_lists()[tuple(args)]
+    assert code == 0, f"{command}\n  locust refused it: {stderr.strip()}"
+
+
+@functools.cache
+def make_n(target: str) -> subprocess.CompletedProcess[str]:
+    return run(["make", "-n", target])
 
 
 def check_make(command: Command, args: list[str]) -> None:
     for target in args:
-        done = run(["make", "-n", target])
+        done = make_n(target)  # `make run` is on three pages
         assert done.returncode == 0, f"{command}\n  make -n {target}: {done.stderr.strip()}"
 
 

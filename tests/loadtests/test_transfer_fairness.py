@@ -27,8 +27,9 @@ def test_a_small_run_reports_the_bystander_and_the_downloads(
 def test_lane_on_and_off_runs_interleave_with_parallel_scp(
     tuned_host: LocalHost, tmp_path: Path
 ) -> None:
-    """`--lane on,off`: one API per setting, then as many scp of the same file at once; the
-    report sets each run beside scp's figure of its round."""
+    """`--lane on,off`: one API per setting, then as many scp of the same file at once with
+    bob's jobs beside them too (what the box leaves him); the report sets each run beside
+    scp's figure of its round."""
     args = parse(
         ["--size-mib", "16", "--downloads", "2", "--base-seconds", "1", "--lane", "on,off"]
     )
@@ -38,5 +39,8 @@ def test_lane_on_and_off_runs_interleave_with_parallel_scp(
     for run in result["runs"][:2]:
         assert run["downloaded_mb"] == pytest.approx(2 * 16 * (1 << 20) / 1e6)
         assert run["scp_mb_per_s"] == result["runs"][2]["mb_per_s"] > 0
+    scp = result["runs"][2]
+    assert scp["alone_ms"] and scp["during_ms"] and scp["failed"] == 0
     text = report(result)
     assert "lane on" in text and "lane off" in text and "parallel scp" in text
+    assert "during the scp" in text

@@ -15,6 +15,7 @@ from sshpool import (
     ConnectionLost,
     Pool,
     PoolTimeout,
+    RemoteFileError,
     RemoteFileFailure,
     RemoteNotFound,
     RemotePermissionDenied,
@@ -87,6 +88,41 @@ async def test_written_bytes_read_back_whole_and_from_an_offset(
     assert await get(fs, f"{tmpdir}/a.bin") == data
     assert await get(fs, f"{tmpdir}/a.bin", offset=1_000_001, chunk=70_000) == data[1_000_001:]
     assert (await fs.stat(f"{tmpdir}/a.bin")).size == len(data)
+
+
+async def test_writes_behind_each_other_are_all_there_after_flush(
+    fs: SFTPSession, tmpdir: str
+) -> None:
+    """Several writes in a row (each may return with its last requests unanswered), then
+    flush: every byte is on the host, in order, before the file is closed; other calls of the
+    session in between (a stat) keep it in step."""
+    blocks = [os.urandom((1 << 20) + i * 4099) for i in range(4)]
+    f = await fs.open_write(f"{tmpdir}/behind.bin")
+    try:
+        await f.write(blocks[0])
+        await f.write(blocks[1])
+        assert (await fs.stat(f"{tmpdir}/behind.bin")).type == "file"
+        await f.write(blocks[2])
+        await f.write(blocks[3])
+        await f.flush()
+        assert (await fs.stat(f"{tmpdir}/behind.bin")).size == sum(map(len, blocks))
+    finally:
+        await f.close()
+    assert await get(fs, f"{tmpdir}/behind.bin") == b"".join(blocks)
+
+
+async def test_a_failed_write_is_reported_by_close_at_the_latest(fs: SFTPSession) -> None:
+    """Writes to /dev/full fail on the host (ENOSPC): however far behind the answers come,
+    the failure is raised (by a write, flush or close), never lost; the session goes on."""
+    with pytest.raises(RemoteFileError):
+        f = await fs.open_write("/dev/full", exclusive=False, mode=0o666)
+        try:
+            for _ in range(3):
+                await f.write(os.urandom(1 << 20))
+            await f.flush()
+        finally:
+            await f.close()
+    assert (await fs.stat("/dev/null")).type == "other"
 
 
 async def test_a_read_past_the_end_returns_the_rest_and_the_session_stays_in_step(
@@ -186,6 +222,28 @@ async def test_exclusive_create_refuses_an_existing_file(fs: SFTPSession, tmpdir
         await fs.open_write(f"{tmpdir}/f", exclusive=True)
     await put(fs, f"{tmpdir}/f", b"new", exclusive=False)
     assert await get(fs, f"{tmpdir}/f") == b"new"
+
+
+async def test_open_resume_overwrites_from_its_offset_and_keeps_what_is_before(
+    fs: SFTPSession, tmpdir: str
+) -> None:
+    """open_resume writes from its offset over what is there (a resumable upload's chunk after
+    a cut one), keeps the bytes before it, never truncates, and never creates the file."""
+    head, junk, tail = os.urandom(1 << 20), os.urandom(70_000), os.urandom((1 << 20) + 5)
+    await put(fs, f"{tmpdir}/r.bin", head + junk)
+    f = await fs.open_resume(f"{tmpdir}/r.bin", len(head))
+    try:
+        await f.write(tail)
+    finally:
+        await f.close()
+    assert await get(fs, f"{tmpdir}/r.bin") == head + tail
+    f = await fs.open_resume(f"{tmpdir}/r.bin", 3)
+    await f.write(b"xyz")
+    await f.close()
+    assert (await get(fs, f"{tmpdir}/r.bin"))[:9] == head[:3] + b"xyz" + head[6:9]
+    assert (await fs.stat(f"{tmpdir}/r.bin")).size == len(head + tail)
+    with pytest.raises(RemoteNotFound):
+        await fs.open_resume(f"{tmpdir}/missing", 0)
 
 
 async def test_rename_without_overwrite_refuses_and_with_overwrite_replaces(
