@@ -276,7 +276,9 @@ async def running(
         )
         stack.push_async_callback(jobs.close, settings.shutdown_grace)
         files = FileService(config, policy, the_pool, quota, metrics, lookups)
-        resumable = files.resumable = Resumable(files, UploadStore(the_store.transactions), config.api)
+        resumable = files.resumable = Resumable(
+            files, UploadStore(the_store.transactions), config.api
+        )
         for name, host in config.hosts.items():
             # Every worker of every replica has its own pool: the host sees all of them, unless
             # they share each sshd's budget through Redis (api/sshd_budget.py). Counted over the
