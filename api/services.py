@@ -81,6 +81,8 @@ cancels and awaits when it closes, each failure logged:
 | `pub-<id>`, `live-<id>`    | api/live/hub.py `LiveHub`                                       |
 | request-scoped tasks       | the request that starts them (api/routes/files.py, api/files/)  |
 | `handle-<id>`              | a stream read with a job handle (api/handles.py `watching`)     |
+| `store-transaction`        | its caller, through a shield (api/store/shielded.py): the store |
+|                            | waits for those a cancelled caller left before it closes        |
 
 Shutdown: not ready (503) first; the trackers, the renewer and the prewarms stopped (the last
 started first); the job service closed (batch lookups, the relay's listener and the live feeds,
@@ -274,7 +276,9 @@ async def running(
         )
         stack.push_async_callback(jobs.close, settings.shutdown_grace)
         files = FileService(config, policy, the_pool, quota, metrics, lookups)
-        resumable = files.resumable = Resumable(files, UploadStore(the_store.engine), config.api)
+        resumable = files.resumable = Resumable(
+            files, UploadStore(the_store.transactions), config.api
+        )
         for name, host in config.hosts.items():
             # Every worker of every replica has its own pool: the host sees all of them, unless
             # they share each sshd's budget through Redis (api/sshd_budget.py). Counted over the

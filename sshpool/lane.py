@@ -319,10 +319,10 @@ class LaneConnection:
 
     def sizes(self) -> tuple[int, int]:
         """(chunk, window) for its next session and files: from the round trip where the
-        backend takes a window (asyncssh); elsewhere the LAN sizes, since a bigger call moves
-        nothing more through the library's own window and in-flight cap (paramiko: 16 x 255
-        KiB), and ssh2's libssh2 grew the API's RSS by 45-50 MiB per transfer with 8 MiB
-        calls through the relay."""
+        backend takes a window (asyncssh, paramiko: their reads keep as many bytes in flight
+        as the window); elsewhere the LAN sizes: ssh2's libssh2 sizes its window itself (it
+        grows it to eight times its read-ahead, four times the call's size up to 8 MiB) and
+        grew the API's RSS by 45-50 MiB per transfer with 8 MiB calls through the relay."""
         if not hasattr(self._conn, "sftp_window"):
             return MIN_CHUNK, MIN_WINDOW
         return wan_sizes(self.rtt, self.bandwidth)
@@ -344,7 +344,7 @@ class LaneConnection:
 
     async def sftp(self) -> LaneSFTP:
         _chunk, window = self.sizes()
-        if hasattr(self._conn, "sftp_window"):  # asyncssh's: the others keep their libraries'
+        if hasattr(self._conn, "sftp_window"):  # asyncssh's, paramiko's: ssh2 sizes its own
             self._conn.sftp_window = None if window <= MIN_WINDOW else window
         return LaneSFTP(await self._lane.call(self._conn.sftp), self._lane, self)
 
@@ -392,20 +392,29 @@ class LaneSFTP:
 
     async def open_read(self, path: str, offset: int = 0) -> LaneFile:
         f, rtt = await self._lane.call(_timed, self._s.open_read, path, offset)
-        return self._file(f, rtt)
-
-    async def open_write(self, path: str, *, exclusive: bool = True, mode: int = 0o644) -> LaneFile:
-        f, rtt = await self._lane.call(_timed, _open_write, self._s, path, exclusive, mode)
-        return self._file(f, rtt)
-
-    async def open_resume(self, path: str, offset: int) -> LaneFile:
-        f, rtt = await self._lane.call(_timed, self._s.open_resume, path, offset)
-        return self._file(f, rtt)
-
-    def _file(self, f: Any, rtt: float) -> LaneFile:
         self._conn.saw(rtt)
         chunk, _window = self._conn.sizes()
         return LaneFile(f, self._lane, self.tenant, chunk)
+
+    async def open_write(self, path: str, *, exclusive: bool = True, mode: int = 0o644) -> LaneFile:
+        """A file to write in calls of MIN_CHUNK whatever the path: a backend's write returns
+        with its last requests unanswered and the next call's follow them (asyncssh, paramiko),
+        so a call's closing round trip no longer idles the pipe, and a bigger call would only
+        hold more of the API's memory per upload."""
+        f, rtt = await self._lane.call(_timed, _open_write, self._s, path, exclusive, mode)
+        self._conn.saw(rtt)
+        return LaneFile(f, self._lane, self.tenant, MIN_CHUNK)
+
+    async def open_resume(self, path: str, offset: int) -> LaneFile:
+        """A resumable upload's file at `offset`, written in MIN_CHUNK calls (open_write)."""
+        f, rtt = await self._lane.call(_timed, self._s.open_resume, path, offset)
+        self._conn.saw(rtt)
+        return LaneFile(f, self._lane, self.tenant, MIN_CHUNK)
+
+    async def receive_window(self) -> int | None:
+        """Its channel's receive window as its backend reports it, read on the lane's thread
+        (None: the backend does not say)."""
+        return await self._lane.call(_receive_window, self._s)
 
     async def rename(self, old: str, new: str, *, overwrite: bool) -> None:
         await self._lane.call(_rename, self._s, old, new, overwrite)
@@ -452,6 +461,9 @@ class LaneFile:
         async with self._lane.turns.turn(self._tenant, self, len(data)):
             await self._lane.call(self._f.write, data)
 
+    async def flush(self) -> None:
+        await self._lane.call(self._f.flush)
+
     async def close(self) -> None:
         self._lane.turns.forget_transfer(self._tenant, self)
         await self._lane.call(self._f.close)
@@ -480,6 +492,11 @@ async def _probe(conn: Connection) -> float:
     finally:
         await session.close()
     return rtt
+
+
+async def _receive_window(s: SFTPSession) -> int | None:
+    window = getattr(s, "receive_window", None)
+    return None if window is None else int(window())
 
 
 async def _rename(s: SFTPSession, old: str, new: str, overwrite: bool) -> None:

@@ -151,11 +151,14 @@ class Upload:
     size caps enforced there), gathered into CHUNK-sized writes, each hashed and written while
     the next one is read from the client.
 
-    At most one chunk is in flight (one being written, one being gathered: RSS stays flat, and
-    a slow host slows the client down through TCP). Writing a chunk while reading the next one
-    keeps the SFTP channel and the HTTP connection busy at once; strictly alternating, each
-    sat idle while the other worked. The hash runs in a thread (hashlib lets go of the GIL on
-    large buffers), beside the event loop that drives both connections."""
+    At most one chunk is in flight here (one being written, one being gathered: RSS stays
+    flat, and a slow host slows the client down through TCP); the file's write may return
+    with the last of its requests unanswered, and the next chunk's go out behind them
+    (`RemoteFile.write`), so the SFTP pipe stays full across chunks on a long path. Writing a
+    chunk while reading the next one keeps the SFTP channel and the HTTP connection busy at
+    once; strictly alternating, each sat idle while the other worked. The hash runs in a
+    thread (hashlib lets go of the GIL on large buffers), beside the event loop that drives
+    both connections."""
 
     def __init__(
         self, limit: int, remote: RemoteFile, counter: Counter, sha256: Hasher | None = None
@@ -185,12 +188,15 @@ class Upload:
         if self._pieces:
             await self._flush()
         await self._settle()
+        await self.remote.flush()
 
     async def abort(self) -> None:
-        """Let a write in flight end (it is at most CHUNK bytes) before the temporary file is
-        removed, so no request on that handle outlives it; its error, if any, is moot."""
+        """Let the writes in flight end (at most two chunks) before the temporary file is
+        removed, so no request on that handle outlives it; their errors, if any, are moot."""
         with contextlib.suppress(Exception):
             await self._settle()
+        with contextlib.suppress(Exception):
+            await self.remote.flush()
 
     async def _flush(self) -> None:
         chunk = b"".join(self._pieces)

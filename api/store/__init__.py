@@ -9,13 +9,16 @@ nothing else of `api`.
 Modules: `schema` (the table and the record), `store` (reads, the write queue), `sqlite` and
 `postgres` (each dialect's writer), `migrate` (the schema's Alembic migrations), `outbox` (the
 webhook deliveries a state change queues in its own transaction), `webhooks` (the webhooks and
-their outbox, for api/webhooks/), `uploads` (resumable uploads' state, for api/files/).
+their outbox, for api/webhooks/), `uploads` (resumable uploads' state, for api/files/),
+`shielded` (the writes outside the job writer, whole whatever happens to their caller),
+`retention` (`prune`).
 """
 
 from api.store import migrate
 from api.store.portals import JobEvent
+from api.store.retention import prune
 from api.store.schema import JOBS, JobHandle, JobRow, Revocation, aware, new_id, utcnow
-from api.store.store import Store, prune
+from api.store.store import Store
 from api.store.uploads import UploadRow, UploadStore
 from api.store.webhooks import Delivery, Webhook, WebhookStore
 

@@ -2,7 +2,7 @@
 (`GET /v1/jobs/events`) and job handles. The events are written with the state changes
 themselves (api/store/store.py: `Logged` writes, in the same transaction); here are their
 statements, the feed's reads, and the handles' rare reads and writes (outside the job writer,
-one statement each, as revocations are)."""
+one statement each, as revocations are, through api/store/shielded.py)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from api.store.schema import (
     aware,
     utcnow,
 )
+from api.store.shielded import Transactions
 
 # pg_advisory_xact_lock's key for writing events: transactions that add events take it first
 # (before any row lock, so it can never be part of a deadlock), so seqs commit in order.
@@ -79,6 +80,11 @@ class PortalStore:
     def _started(self) -> AsyncEngine:
         raise NotImplementedError
 
+    @property
+    def transactions(self) -> Transactions:
+        """The store's transactions outside the job writer (api/store/shielded.py)."""
+        raise NotImplementedError
+
     # ---- the event log
 
     async def events_after(self, owner: tuple[str, str], after: int, limit: int) -> list[JobEvent]:
@@ -110,15 +116,13 @@ class PortalStore:
     async def prune_events(self, before: datetime) -> int:
         """Forget the events older than `before` (the feed's resume window)."""
         query = delete(JOB_EVENTS).where(JOB_EVENTS.c.at < before)
-        async with self._started().begin() as conn:
-            return int((await conn.execute(query)).rowcount)
+        return await self.transactions.rowcount(query)
 
     # ---- job handles
 
     async def add_handle(self, handle: JobHandle) -> None:
         values = {name: getattr(handle, name) for name in JOB_HANDLES.c.keys()}  # noqa: SIM118
-        async with self._started().begin() as conn:
-            await conn.execute(insert(JOB_HANDLES).values(**values))
+        await self.transactions.rowcount(insert(JOB_HANDLES).values(**values))
 
     async def handle_by_digest(self, digest: str) -> JobHandle | None:
         query = select(JOB_HANDLES).where(JOB_HANDLES.c.digest == digest)
@@ -133,8 +137,7 @@ class PortalStore:
         """Delete one handle of a job; False when there is none of that id."""
         h = JOB_HANDLES.c
         query = delete(JOB_HANDLES).where(h.job_id == job_id, h.id == handle_id)
-        async with self._started().begin() as conn:
-            return bool((await conn.execute(query)).rowcount)
+        return bool(await self.transactions.rowcount(query))
 
     async def drop_handles(
         self, *, owner: tuple[str, str] | None = None, expired_before: datetime | None = None
@@ -146,8 +149,7 @@ class PortalStore:
             query = query.where(h.owner_iss == owner[0], h.owner_sub == owner[1])
         if expired_before is not None:
             query = query.where(h.expires_at < expired_before)
-        async with self._started().begin() as conn:
-            return int((await conn.execute(query)).rowcount)
+        return await self.transactions.rowcount(query)
 
     async def _handles(self, query: Any) -> list[JobHandle]:
         async with self._started().connect() as conn:

@@ -21,7 +21,6 @@ import logging
 import sqlite3
 import time
 from collections.abc import Callable
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -40,23 +39,20 @@ from sqlalchemy import (
 )
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.sql.expression import ClauseElement
 
 from api import tracing
-from api.states import ACTIVE, FINAL
+from api.states import ACTIVE
 from api.store import migrate, outbox, portals
 from api.store.portals import Logged, PortalStore, events_of
 from api.store.postgres import PgWriter, output_bytes
 from api.store.schema import (
     FIELDS,
-    JOB_EVENTS,
-    JOB_HANDLES,
     JOBS,
     LISTED,
     NODE_DRAINS,
     REVOCATIONS,
-    WEBHOOK_DELIVERIES,
     JobRow,
     Revocation,
     Write,
@@ -64,6 +60,7 @@ from api.store.schema import (
     job_row,
     utcnow,
 )
+from api.store.shielded import Transactions
 from api.store.sqlite import Sql, SqliteWriter, sqlite_pragmas
 from api.tasks import Child, OnDeath, Supervisor
 
@@ -83,6 +80,7 @@ class Store(PortalStore):
         self.schema = schema
         self.upgrade = upgrade
         self._engine: AsyncEngine | None = None
+        self._transactions: Transactions | None = None  # the rare writes, whole (shielded.py)
         self._writes: asyncio.Queue[_Queued] = asyncio.Queue()
         self._tasks: Supervisor | None = None
         self._writer: Child | None = None
@@ -127,7 +125,7 @@ class Store(PortalStore):
         engine = create_async_engine(self.url, **kwargs)
         if self.dialect == "sqlite":
             event.listen(engine.sync_engine, "connect", sqlite_pragmas)
-        self._engine = engine
+        self._engine, self._transactions = engine, Transactions(engine)
         if self.dialect == "postgresql":
             self._pg = PgWriter(self.url, self.schema)
         if self.dialect == "sqlite":
@@ -149,14 +147,18 @@ class Store(PortalStore):
         if self._pg is not None:
             await self._pg.close()
             self._pg = None
+        if self._transactions is not None:  # cancelled callers' transactions end first
+            await self._transactions.wait()
         if self._engine is not None:
             await self._engine.dispose()
             self._engine = None
 
     @property
-    def engine(self) -> AsyncEngine:
-        """For the store's other tables' modules (api/store/webhooks.py)."""
-        return self._started()
+    def transactions(self) -> Transactions:
+        """For the writes outside the job writer, here and in api/store/webhooks.py."""
+        if self._transactions is None:
+            raise RuntimeError("store not started")
+        return self._transactions
 
     def _started(self) -> AsyncEngine:
         """The engine, for reads and the rare statements outside the writer (mark_lost)."""
@@ -472,11 +474,12 @@ class Store(PortalStore):
             .where(c.replica == replica, c.state.in_(ACTIVE))
             .where(or_(c.kind.is_(None), c.kind != "batch"))
         )
-        async with self._started().begin() as conn:
+
+        async def lose(conn: AsyncConnection) -> tuple[list[Any], int]:
             if conn.dialect.name == "postgresql":  # first: events commit in seq order
                 await conn.execute(text(f"SELECT pg_advisory_xact_lock({portals.EVENTS_LOCK})"))
             # The jobs first, so that their webhook deliveries commit with their new state.
-            rows = (await conn.execute(found)).all()
+            rows = list((await conn.execute(found)).all())
             result = await conn.execute(query)
             for row in rows:
                 state = "cancelled" if row.cancel_requested is not None else "lost"
@@ -484,10 +487,13 @@ class Store(PortalStore):
                 await conn.execute(text(outbox.CORE), outbox.core_params(deliveries))
             if rows:
                 await conn.execute(events_of(c.id.in_([row.id for row in rows])))
+            return rows, int(result.rowcount)
+
+        rows, lost = await self.transactions.run(lose)
         if rows:
             self._evented(True, True)
             self._changed(None)
-        return int(result.rowcount)
+        return lost
 
     async def active_batch(self, replica: str) -> list[JobRow]:
         """Batch jobs of this replica not final yet: tracked again (or resolved) on start."""
@@ -499,8 +505,7 @@ class Store(PortalStore):
     # ---- revocations (rare writes: outside the job writer, one statement each)
 
     async def revoke(self, revocation: Revocation) -> None:
-        async with self._started().begin() as conn:
-            await conn.execute(insert(REVOCATIONS).values(**_fields(revocation)))
+        await self.transactions.rowcount(insert(REVOCATIONS).values(**_fields(revocation)))
 
     async def revocations(self) -> list[Revocation]:
         """Every revocation, oldest first."""
@@ -514,8 +519,7 @@ class Store(PortalStore):
     async def lift(self, revocation_id: str) -> bool:
         """Delete a revocation; False when there is none of that id."""
         query = delete(REVOCATIONS).where(REVOCATIONS.c.id == revocation_id)
-        async with self._started().begin() as conn:
-            return bool((await conn.execute(query)).rowcount)
+        return bool(await self.transactions.rowcount(query))
 
     async def active_of(self, owner: tuple[str, str] | None, account: str | None) -> list[JobRow]:
         """Active jobs of an identity, or run as an account (their target is `account@...`)."""
@@ -538,16 +542,18 @@ class Store(PortalStore):
         query = select(NODE_DRAINS.c.host).where(
             NODE_DRAINS.c.host == host, NODE_DRAINS.c.node == node
         )
-        async with self._started().begin() as conn:
+
+        async def add(conn: AsyncConnection) -> None:
             if (await conn.execute(query)).first() is None:
                 with contextlib.suppress(IntegrityError):  # another replica, just now
                     async with conn.begin_nested():
                         await conn.execute(insert(NODE_DRAINS).values(**values))
 
+        await self.transactions.run(add)
+
     async def undrain(self, host: str, node: str) -> None:
         query = delete(NODE_DRAINS).where(NODE_DRAINS.c.host == host, NODE_DRAINS.c.node == node)
-        async with self._started().begin() as conn:
-            await conn.execute(query)
+        await self.transactions.rowcount(query)
 
     async def drained(self) -> set[tuple[str, str]]:
         """Every drained (host, node)."""
@@ -569,32 +575,3 @@ def _of(owner: tuple[str, str] | None, account: str | None) -> list[Any]:
 
 def _fields(revocation: Revocation) -> dict[str, Any]:
     return {name: getattr(revocation, name) for name in REVOCATIONS.c.keys()}  # noqa: SIM118
-
-
-async def prune(url: str, schema: str | None, ended_before: datetime) -> int:
-    """Delete the jobs that ended before `ended_before` (and the webhook deliveries made or
-    given up before then); returns how many jobs. Final jobs only: an
-    active job stays whatever its age. A job row keeps up to the policy's max_output of each
-    stream, so without this the table only grows (`sshapi db prune`, docs/deploy.md). Safe
-    while replicas run: they never write a final row again."""
-    kwargs: dict[str, Any] = {}
-    if schema and not url.startswith("sqlite"):
-        kwargs["connect_args"] = {"server_settings": {"search_path": schema}}
-    engine = create_async_engine(url, **kwargs)
-    try:
-        c = JOBS.c
-        query = delete(JOBS).where(c.state.in_(FINAL), c.finished_at < ended_before)
-        # Webhook deliveries made or given up before then go too (pending ones stay: a
-        # receiver may still come back within their retry window).
-        d = WEBHOOK_DELIVERIES.c
-        deliveries = delete(WEBHOOK_DELIVERIES).where(
-            d.status != "pending", d.created_at < ended_before.timestamp()
-        )
-        async with engine.begin() as conn:
-            await conn.execute(deliveries)
-            # Job events of then go too, and expired job handles whatever their job.
-            await conn.execute(delete(JOB_EVENTS).where(JOB_EVENTS.c.at < ended_before))
-            await conn.execute(delete(JOB_HANDLES).where(JOB_HANDLES.c.expires_at < utcnow()))
-            return int((await conn.execute(query)).rowcount)
-    finally:
-        await engine.dispose()

@@ -1,6 +1,8 @@
 """The resumable uploads' table (api/store/schema.py `UPLOADS`) as the file service uses it
 (api/files/resumable.py). Rare, small writes (an upload's creation, a chunk's lease and its
-outcome) go through the engine, outside the job writer, one short transaction each.
+outcome) go outside the job writer, one short transaction each, whole whatever happens to
+their caller (api/store/shielded.py: a chunk's lease taken for a caller who is gone is given
+back).
 
 One chunk at a time per upload, across replicas: a chunk takes the row's lease in one UPDATE
 whose WHERE requires the upload open, unexpired and its lease free (or lapsed: a process that
@@ -15,9 +17,10 @@ from dataclasses import dataclass
 
 from sqlalchemy import ColumnElement, and_, delete, func, insert, or_, select, update
 from sqlalchemy.engine import Row
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from api.store.schema import UPLOADS
+from api.store.shielded import Transactions
 
 U = UPLOADS.c
 
@@ -59,8 +62,11 @@ def _free(now: float) -> ColumnElement[bool]:
 
 
 class UploadStore:
-    def __init__(self, engine: AsyncEngine) -> None:
-        self.engine = engine
+    def __init__(self, transactions: Transactions) -> None:
+        """`transactions`: the store's (`Store.transactions`, api/store/shielded.py): each one
+        runs whole whatever happens to its caller, and the store's close waits for them."""
+        self.transactions = transactions
+        self.engine = transactions.engine
 
     async def create(self, values: Mapping[str, object], cap: int, now: float) -> bool:
         """Insert the upload of `values` (UploadRow's fields) unless its owner has `cap` open,
@@ -75,11 +81,14 @@ class UploadStore:
                 U.expires_at > now,
             )
         )
-        async with self.engine.begin() as conn:
+
+        async def add(conn: AsyncConnection) -> bool:
             if (await conn.execute(count)).scalar_one() >= cap:
                 return False
             await conn.execute(insert(UPLOADS).values(**values))
-        return True
+            return True
+
+        return await self.transactions.run(add)
 
     async def get(self, upload_id: str, owner: tuple[str, str], now: float) -> UploadRow | None:
         """The owner's upload of that id, unless it has expired (another owner's: None)."""
@@ -100,20 +109,25 @@ class UploadStore:
             .where(U.id == upload_id, U.state == "open", U.expires_at > now, _free(now))
             .values(busy_until=until, busy_by=token)
         )
-        async with self.engine.begin() as conn:
+
+        async def take(conn: AsyncConnection) -> bool:
             return bool((await conn.execute(claim)).rowcount)
+
+        async def give_back(taken: bool) -> None:  # the chunk's caller is gone
+            if taken:
+                await self.release(upload_id, token)
+
+        return await self.transactions.run(take, abandoned=give_back)
 
     async def renew(self, upload_id: str, token: str, until: float) -> bool:
         """Hold the lease longer (a long chunk); False when it was lost meanwhile."""
         renew = update(UPLOADS).where(U.id == upload_id, U.busy_by == token)
-        async with self.engine.begin() as conn:
-            return bool((await conn.execute(renew.values(busy_until=until))).rowcount)
+        return bool(await self.transactions.rowcount(renew.values(busy_until=until)))
 
     async def record(self, upload_id: str, token: str, received: int) -> None:
         """The bytes confirmed so far, the lease kept (a chunk that goes on: its commit)."""
         done = update(UPLOADS).where(U.id == upload_id, U.busy_by == token)
-        async with self.engine.begin() as conn:
-            await conn.execute(done.values(received=received))
+        await self.transactions.rowcount(done.values(received=received))
 
     async def release(
         self,
@@ -131,8 +145,7 @@ class UploadStore:
         if expires_at is not None:
             values["expires_at"] = expires_at
         done = update(UPLOADS).where(U.id == upload_id, U.busy_by == token).values(**values)
-        async with self.engine.begin() as conn:
-            await conn.execute(done)
+        await self.transactions.rowcount(done)
 
     async def complete(
         self,
@@ -159,16 +172,14 @@ class UploadStore:
                 busy_by=None,
             )
         )
-        async with self.engine.begin() as conn:
-            await conn.execute(done)
+        await self.transactions.rowcount(done)
 
     async def delete(self, upload_id: str, token: str | None = None) -> None:
         """Forget the upload (under `token`'s lease when given)."""
         gone = delete(UPLOADS).where(U.id == upload_id)
         if token is not None:
             gone = gone.where(U.busy_by == token)
-        async with self.engine.begin() as conn:
-            await conn.execute(gone)
+        await self.transactions.rowcount(gone)
 
     async def expired(self, now: float, token: str, until: float, limit: int) -> list[UploadRow]:
         """Up to `limit` expired uploads no chunk holds, each now leased to `token` (the sweep:
@@ -176,8 +187,9 @@ class UploadStore:
         due = (
             select(U.id).where(U.expires_at <= now, _free(now)).order_by(U.expires_at).limit(limit)
         )
-        taken: list[UploadRow] = []
-        async with self.engine.begin() as conn:
+
+        async def sweep(conn: AsyncConnection) -> list[UploadRow]:
+            taken: list[UploadRow] = []
             ids = [r.id for r in await conn.execute(due)]
             for upload_id in ids:
                 claim = (
@@ -189,4 +201,7 @@ class UploadStore:
                     row = (await conn.execute(select(UPLOADS).where(U.id == upload_id))).first()
                     if row is not None:
                         taken.append(_row(row))
-        return taken
+            return taken
+
+        # A sweep cut short leaves its leases to run out (`until`): no upload is lost by it.
+        return await self.transactions.run(sweep)

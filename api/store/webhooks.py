@@ -7,7 +7,10 @@ Exactly one delivery per event across replicas: a replica claims due rows by set
 lease free; on PostgreSQL the rows are picked `FOR UPDATE SKIP LOCKED`, so two replicas claiming
 at once take different rows instead of waiting on each other; SQLite has one writer at a time.
 An outcome is recorded only under the claimer's own lease (a replica whose lease ran out, paused
-past it, cannot overwrite the outcome of the replica that took the row over)."""
+past it, cannot overwrite the outcome of the replica that took the row over).
+
+Every transaction runs whole whatever happens to its caller (api/store/shielded.py); a claim
+whose caller was cancelled (the deliverer stopping) gives its leases back at once."""
 
 from __future__ import annotations
 
@@ -17,9 +20,10 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import and_, delete, func, insert, not_, or_, select, update
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from api.store.schema import WEBHOOK_DELIVERIES, WEBHOOKS, aware
+from api.store.shielded import Transactions
 
 D = WEBHOOK_DELIVERIES.c
 W = WEBHOOKS.c
@@ -74,9 +78,12 @@ def _webhook(row: Any, pending: int = 0) -> Webhook:
 
 
 class WebhookStore:
-    def __init__(self, engine: AsyncEngine) -> None:
-        self.engine = engine
-        self.postgres = engine.dialect.name == "postgresql"
+    def __init__(self, transactions: Transactions) -> None:
+        """`transactions`: the store's (`Store.transactions`), so that its `close` waits for
+        ours."""
+        self.transactions = transactions
+        self.engine = transactions.engine
+        self.postgres = self.engine.dialect.name == "postgresql"
 
     async def create(self, hook: Webhook, limit: int) -> bool:
         """Insert `hook` unless its owner has `limit` webhooks already (False)."""
@@ -94,11 +101,14 @@ class WebhookStore:
             "delivered": 0,
             "failed": 0,
         }
-        async with self.engine.begin() as conn:
+
+        async def add(conn: AsyncConnection) -> bool:
             if (await conn.execute(count)).scalar_one() >= limit:
                 return False
             await conn.execute(insert(WEBHOOKS).values(**values))
-        return True
+            return True
+
+        return await self.transactions.run(add)
 
     async def of(self, owner: tuple[str, str], webhook_id: str | None = None) -> list[Webhook]:
         """The owner's webhooks (or the one of that id), oldest first, each with its count of
@@ -121,7 +131,8 @@ class WebhookStore:
 
     async def delete(self, owner: tuple[str, str], webhook_id: str) -> bool:
         """Delete a webhook and its deliveries not made yet; False when it is not the owner's."""
-        async with self.engine.begin() as conn:
+
+        async def drop(conn: AsyncConnection) -> bool:
             gone = await conn.execute(
                 delete(WEBHOOKS).where(
                     W.id == webhook_id, W.owner_iss == owner[0], W.owner_sub == owner[1]
@@ -130,7 +141,9 @@ class WebhookStore:
             if not gone.rowcount:
                 return False
             await conn.execute(delete(WEBHOOK_DELIVERIES).where(D.webhook_id == webhook_id))
-        return True
+            return True
+
+        return await self.transactions.run(drop)
 
     async def due(
         self, now: float, limit: int, skip: Collection[tuple[str, str]] = ()
@@ -148,8 +161,12 @@ class WebhookStore:
             query = query.where(
                 not_(or_(*(and_(D.owner_iss == iss, D.owner_sub == sub) for iss, sub in skip)))
             )
-        async with self.engine.connect() as conn:
+
+        async def read(conn: AsyncConnection) -> list[tuple[str, str, str]]:
             return [(r.id, r.owner_iss, r.owner_sub) for r in await conn.execute(query)]
+
+        # Shielded too: the deliverer polls with it and is cancelled at shutdown.
+        return await self.transactions.run(read, read=True)
 
     async def claim(self, ids: list[str], now: float, lease: float, replica: str) -> list[Delivery]:
         """Lease those of `ids` still pending and free to this replica; the ones it got."""
@@ -165,7 +182,8 @@ class WebhookStore:
             .values(lease_until=until, lease_by=replica, attempts=D.attempts + 1)
             .returning(D.id)
         )
-        async with self.engine.begin() as conn:
+
+        async def take(conn: AsyncConnection) -> list[Any]:
             claimed = [r.id for r in await conn.execute(claim)]
             if not claimed:
                 return []
@@ -174,33 +192,20 @@ class WebhookStore:
                 .join(WEBHOOKS, W.id == D.webhook_id)
                 .where(D.id.in_(claimed))
             )
-            rows = (await conn.execute(query)).all()
-        return [
-            Delivery(
-                id=r.id,
-                event_id=r.event_id,
-                webhook_id=r.webhook_id,
-                owner=(r.owner_iss, r.owner_sub),
-                owner_account=r.owner_account,
-                job_id=r.job_id,
-                type=r.type,
-                created_at=r.created_at,
-                attempts=r.attempts,
-                lease_until=until,
-                url=r.url,
-                secret=r.secret,
-            )
-            for r in rows
-        ]
+            return list((await conn.execute(query)).all())
+
+        async def give_back(rows: list[Any]) -> None:  # the caller is gone: nobody sends them
+            if rows:
+                gone = [_delivery(r, until) for r in rows]
+                await self.transactions.rowcount(*(_given_back(d, replica) for d in gone))
+
+        rows = await self.transactions.run(take, abandoned=give_back)
+        return [_delivery(r, until) for r in rows]
 
     async def release(self, delivery: Delivery, replica: str) -> None:
         """Give a claimed delivery back unsent (the owner's deliveries in flight are at their
         cap here): due again at once, its attempt not counted."""
-        query = _mine(delivery, replica).values(
-            lease_until=None, lease_by=None, attempts=D.attempts - 1
-        )
-        async with self.engine.begin() as conn:
-            await conn.execute(query)
+        await self.transactions.rowcount(_given_back(delivery, replica))
 
     async def record(
         self,
@@ -235,11 +240,36 @@ class WebhookStore:
             .where(W.id == delivery.webhook_id)
             .values(last_attempt_at=now, last_status=http_status, last_error=error, **counts)
         )
-        async with self.engine.begin() as conn:
+
+        async def outcome(conn: AsyncConnection) -> bool:
             if not (await conn.execute(query)).rowcount:
                 return False
             await conn.execute(hook)
-        return True
+            return True
+
+        return await self.transactions.run(outcome)
+
+
+def _delivery(r: Any, lease_until: float) -> Delivery:
+    return Delivery(
+        id=r.id,
+        event_id=r.event_id,
+        webhook_id=r.webhook_id,
+        owner=(r.owner_iss, r.owner_sub),
+        owner_account=r.owner_account,
+        job_id=r.job_id,
+        type=r.type,
+        created_at=r.created_at,
+        attempts=r.attempts,
+        lease_until=lease_until,
+        url=r.url,
+        secret=r.secret,
+    )
+
+
+def _given_back(delivery: Delivery, replica: str) -> Any:
+    """Its lease dropped and its attempt not counted: due again at once."""
+    return _mine(delivery, replica).values(lease_until=None, lease_by=None, attempts=D.attempts - 1)
 
 
 def _free(now: float) -> Any:

@@ -95,7 +95,7 @@ class Deliverer:
         self.config = config
         self.replica = replica
         self.details = details  # the job's `node` in `data` (api.host_details_require_admin)
-        self.hooks = WebhookStore(store.engine)
+        self.hooks = WebhookStore(store.transactions)
         self._wake = asyncio.Event()
         self._in_flight: Counter[tuple[str, str]] = Counter()
         self._sending: dict[str, Delivery] = {}  # claimed, outcome not recorded yet

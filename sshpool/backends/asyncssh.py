@@ -139,11 +139,21 @@ async def _sftp_errors(path: str | None) -> AsyncIterator[None]:
 
 
 class AsyncsshFile:
-    def __init__(self, sftp: asyncssh.SFTPClient, f: asyncssh.SFTPClientFile, path: str) -> None:
+    """An open file. Writes go out behind each other: a write starts its requests at once
+    (at its own offset, asyncssh's parallel writes) and returns when the write before it is
+    answered, so the next call's requests follow the last ones of this call without waiting
+    for their answers: on a long path the pipe does not empty between two calls (a round trip
+    per call otherwise; docs/files.md, "Long paths"). At most two calls' bytes are in flight."""
+
+    def __init__(
+        self, sftp: asyncssh.SFTPClient, f: asyncssh.SFTPClientFile, path: str, offset: int = 0
+    ) -> None:
         self._sftp = sftp
         self._f = f
         self._path = path
         self._closed = False
+        self._offset = offset  # where the next write goes
+        self._behind: asyncio.Future[None] | None = None
 
     async def read(self, size: int) -> bytes:
         async with _sftp_errors(self._path):
@@ -151,11 +161,25 @@ class AsyncsshFile:
         return data
 
     async def write(self, data: bytes) -> None:
+        offset, self._offset = self._offset, self._offset + len(data)
+        ahead = asyncio.ensure_future(self._write_at(data, offset))
+        previous, self._behind = self._behind, ahead
+        if previous is not None:
+            # Shielded: a cancelled caller leaves it to flush or close to wait for it, so no
+            # request is cut off half-way on the session.
+            await asyncio.shield(previous)
+
+    async def _write_at(self, data: bytes, offset: int) -> None:
         try:
             async with _sftp_errors(self._path):
-                await self._f.write(data)
+                await self._f.write(data, offset)
         except RemoteFileError as exc:
             raise await self._why(exc) from exc
+
+    async def flush(self) -> None:
+        behind, self._behind = self._behind, None
+        if behind is not None:
+            await asyncio.shield(behind)
 
     async def _why(self, exc: RemoteFileError) -> RemoteFileError:
         free: int | None = None
@@ -168,8 +192,11 @@ class AsyncsshFile:
         if self._closed:
             return
         self._closed = True
-        async with _sftp_errors(self._path):
-            await self._f.close()
+        try:
+            await self.flush()
+        finally:
+            async with _sftp_errors(self._path):
+                await self._f.close()
 
 
 class AsyncsshSFTP:
@@ -231,7 +258,7 @@ class AsyncsshSFTP:
         async with _sftp_errors(path):
             f = await self._sftp.open(path, "r+b")
         await f.seek(offset)
-        return AsyncsshFile(self._sftp, f, path)
+        return AsyncsshFile(self._sftp, f, path, offset)
 
     async def rename(self, old: str, new: str, *, overwrite: bool) -> None:
         async with _sftp_errors(old):
@@ -259,6 +286,12 @@ class AsyncsshSFTP:
         attrs = asyncssh.SFTPAttrs(permissions=mode, atime=mtime, mtime=mtime)
         async with _sftp_errors(path):
             await self._sftp.setstat(path, attrs)
+
+    def receive_window(self) -> int | None:
+        """The receive window its channel was opened with (what sshd may send unanswered)."""
+        handler = getattr(self._sftp, "_handler", None)
+        reader = getattr(handler, "_reader", None)
+        return None if reader is None else int(reader.channel.get_recv_window())
 
     def intact(self) -> bool:
         # A cancelled request only leaves its reply unread on this session's own channel,

@@ -65,12 +65,20 @@ class RemoteFile(Protocol):
         ...
 
     async def write(self, data: bytes) -> None:
-        """Write all of `data` at the current position. A full filesystem raises RemoteNoSpace."""
+        """Write all of `data` at the current position. A full filesystem raises RemoteNoSpace.
+        It may return while the last of its requests are still unanswered (at most one call's
+        bytes: the next call's requests then go out behind them, so a long round trip does not
+        empty the pipe between two calls); their failure is raised by a later write, `flush`
+        or `close`."""
+        ...
+
+    async def flush(self) -> None:
+        """Wait until every write so far is answered by the host; raises a failed one's error."""
         ...
 
     async def close(self) -> None:
-        """Close the handle; for a written file, raises the RemoteFileError of a failed flush.
-        Idempotent."""
+        """Close the handle (flushed first); for a written file, raises the RemoteFileError of a
+        failed write or flush. Idempotent."""
         ...
 
 

@@ -17,9 +17,12 @@ What paramiko does not do and this module adds:
 - No EOF or signal request after paramiko's automatic answer to sshd's CLOSE: sshd drops the
   whole connection for a message about a channel it has freed.
 - SFTP (`sftp()`): paramiko's SFTPClient, each call in this backend's threads and never two at
-  once on one session (a per-session asyncio lock), reads sequential (paramiko's readv and
-  prefetch run threads of their own that fail unseen when the connection drops), writes with
-  paramiko's pipelined mode, ENOSPC told apart by statvfs@openssh.com.
+  once on one session (a per-session asyncio lock), on a channel opened with the receive window
+  the caller asks for (`sftp_window`: the transfer lane sizes it from the bandwidth-delay
+  product); reads and writes pipelined by this module (paramiko's readv and prefetch run
+  threads of their own that fail unseen when the connection drops; its pipelined writes send
+  32 KiB requests and wait for every answer after a hundred), as many bytes in flight as the
+  window; ENOSPC told apart by statvfs@openssh.com.
 
 Every paramiko and socket error is translated into sshpool.errors in this module (its table) and
 in `sshpool.backends.translate` (the shared rules).
@@ -413,17 +416,24 @@ def _closedir(sftp: Any, handle: bytes) -> None:
     sftp._request(paramiko.sftp.CMD_CLOSE, handle)
 
 
-# A read call of ours keeps up to READ_DEPTH SFTP reads of READ_BLOCK bytes in flight (what
-# OpenSSH's sftp-server answers at most per read, 255 KiB): paramiko's own read sends one
-# 32 KiB request and waits for its answer before the next, one round trip per 32 KiB (24 MB/s
-# on loopback, under 2 MB/s at 20 ms); its readv and prefetch pipeline in threads of their
-# own that fail unseen when the connection drops. 16 x 255 KiB: a 4 MiB chunk in one go.
-READ_BLOCK = 255 * 1024
-READ_DEPTH = 16
+# Our reads and writes keep several SFTP requests of BLOCK bytes in flight (what OpenSSH's
+# sftp-server answers at most per read and takes per write, 255 KiB): paramiko's own read sends
+# one 32 KiB request and waits for its answer before the next, one round trip per 32 KiB (24
+# MB/s on loopback, under 2 MB/s at 20 ms); its readv and prefetch pipeline in threads of
+# their own that fail unseen when the connection drops. In flight: as many bytes as the
+# session's receive window (more would wait for it anyway), at least MIN_DEPTH requests
+# (16 x 255 KiB: a 4 MiB chunk in one go, as on loopback before).
+BLOCK = 255 * 1024
+MIN_DEPTH = 16
 
 
-def _read_pipelined(f: Any, size: int) -> bytes:
-    """Up to `size` bytes of paramiko's SFTPFile `f` from its position, READ_DEPTH requests in
+def _depth(window: int) -> int:
+    """Requests in flight for a session whose channel has `window` bytes of receive window."""
+    return max(MIN_DEPTH, window // BLOCK)
+
+
+def _read_pipelined(f: Any, size: int, depth: int) -> bytes:
+    """Up to `size` bytes of paramiko's SFTPFile `f` from its position, `depth` requests in
     flight (in this backend's thread, one call at a time on the session: `_Confined`). The
     server answers in order; a short answer or an EOF status (the end of the file) ends the
     call once the requests still in flight are answered, so the session's stream stays in
@@ -436,8 +446,8 @@ def _read_pipelined(f: Any, size: int) -> bytes:
     parts: list[bytes] = []
     pending: collections.deque[tuple[int, int]] = collections.deque()
     while True:
-        while len(pending) < READ_DEPTH and asked < end:
-            n = min(READ_BLOCK, end - asked)
+        while len(pending) < depth and asked < end:
+            n = min(BLOCK, end - asked)
             num = sftp._async_request(
                 type(None), paramiko.sftp.CMD_READ, f.handle, paramiko.sftp.int64(asked), n
             )
@@ -476,21 +486,70 @@ def _drain(sftp: Any, pending: collections.deque[tuple[int, int]]) -> None:
     pending.clear()
 
 
+class _Writes:
+    """A written file's requests not yet answered, kept between calls: a write call returns
+    once its last request is sent, and the next call's requests go out behind them (on a long
+    path the pipe does not empty between two calls). Registered under paramiko's SFTPFile, so
+    that an answer another call of the session reads first lands in its `_async_response`
+    (an error status saved there) instead of being dropped."""
+
+    def __init__(self, f: Any, depth: int, offset: int = 0) -> None:
+        self.f = f
+        self.depth = depth
+        self.offset = offset  # where the next request writes
+        self.pending: collections.deque[int] = collections.deque()
+
+    def write(self, data: bytes) -> None:
+        """In this backend's thread: send `data` as requests of BLOCK bytes at the file's
+        offset, with at most `depth` unanswered (the oldest waited for first)."""
+        f = self.f
+        for pos in range(0, len(data), BLOCK):
+            while len(self.pending) >= self.depth:
+                self._settle_one()
+            block = data[pos : pos + BLOCK]
+            num = f.sftp._async_request(
+                f, paramiko.sftp.CMD_WRITE, f.handle, paramiko.sftp.int64(self.offset), block
+            )
+            self.pending.append(num)
+            self.offset += len(block)
+        f._check_exception()
+
+    def _settle_one(self) -> None:
+        num = self.pending.popleft()
+        if num in self.f.sftp._expecting:  # else read by another call: its status saved
+            self.f.sftp._read_response(num)  # an error status raises (IOError)
+        self.f._check_exception()
+
+    def flush(self) -> None:
+        while self.pending:
+            self._settle_one()
+
+
 class ParamikoFile:
-    def __init__(self, confined: _Confined, sftp: Any, f: Any, path: str) -> None:
+    def __init__(
+        self, confined: _Confined, sftp: Any, f: Any, path: str, depth: int, offset: int = 0
+    ) -> None:
         self._c = confined
         self._sftp = sftp
         self._f = f
         self._path = path
+        self._depth = depth
+        self._writes = _Writes(f, depth, offset)
         self._closed = False
 
     async def read(self, size: int) -> bytes:
-        data: bytes = await self._c.call(self._path, _read_pipelined, self._f, size)
+        data: bytes = await self._c.call(self._path, _read_pipelined, self._f, size, self._depth)
         return data
 
     async def write(self, data: bytes) -> None:
         try:
-            await self._c.call(self._path, self._f.write, data)
+            await self._c.call(self._path, self._writes.write, data)
+        except RemoteFileError as exc:
+            raise await self._why(exc) from exc
+
+    async def flush(self) -> None:
+        try:
+            await self._c.call(self._path, self._writes.flush)
         except RemoteFileError as exc:
             raise await self._why(exc) from exc
 
@@ -503,9 +562,12 @@ class ParamikoFile:
             return
         self._closed = True
         try:
-            await self._c.call(self._path, self._f.close)
-        except RemoteFileError as exc:
-            raise await self._why(exc) from exc
+            await self.flush()
+        finally:
+            try:
+                await self._c.call(self._path, self._f.close)
+            except RemoteFileError as exc:
+                raise await self._why(exc) from exc
 
 
 class ParamikoSFTP:
@@ -513,7 +575,13 @@ class ParamikoSFTP:
         self._sftp = sftp
         chan = sftp.get_channel()
         self._c = _Confined(executor, lambda: not chan.closed and chan.get_transport().is_active())
+        self._depth = _depth(chan.in_window_size)
         self._closed = False
+
+    def receive_window(self) -> int:
+        """The receive window its channel was opened with (what sshd may send unanswered)."""
+        window: int = self._sftp.get_channel().in_window_size
+        return window
 
     async def realpath(self, path: str) -> str:
         result: str = await self._c.call(path, self._sftp.normalize, path)
@@ -558,11 +626,10 @@ class ParamikoSFTP:
 
     async def open_read(self, path: str, offset: int = 0) -> ParamikoFile:
         f = await self._c.call(path, self._open_read_blocking, path, offset)
-        return ParamikoFile(self._c, self._sftp, f, path)
+        return ParamikoFile(self._c, self._sftp, f, path, self._depth)
 
     def _open_write_blocking(self, path: str, exclusive: bool, mode: int) -> Any:
         f = self._sftp.open(path, "wxb" if exclusive else "wb")
-        f.set_pipelined(True)
         f.chmod(mode)
         return f
 
@@ -570,17 +637,14 @@ class ParamikoSFTP:
         self, path: str, *, exclusive: bool = True, mode: int = 0o644
     ) -> ParamikoFile:
         f = await self._c.call(path, self._open_write_blocking, path, exclusive, mode)
-        return ParamikoFile(self._c, self._sftp, f, path)
+        return ParamikoFile(self._c, self._sftp, f, path, self._depth)
 
-    def _open_resume_blocking(self, path: str, offset: int) -> Any:
-        f = self._sftp.open(path, "r+b")  # READ|WRITE: no CREAT, no TRUNC
-        f.seek(offset)
-        f.set_pipelined(True)
-        return f
+    def _open_resume_blocking(self, path: str) -> Any:
+        return self._sftp.open(path, "r+b")  # READ|WRITE: no CREAT, no TRUNC
 
     async def open_resume(self, path: str, offset: int) -> ParamikoFile:
-        f = await self._c.call(path, self._open_resume_blocking, path, offset)
-        return ParamikoFile(self._c, self._sftp, f, path)
+        f = await self._c.call(path, self._open_resume_blocking, path)
+        return ParamikoFile(self._c, self._sftp, f, path, self._depth, offset)
 
     async def rename(self, old: str, new: str, *, overwrite: bool) -> None:
         fn = self._sftp.posix_rename if overwrite else self._sftp.rename
@@ -625,6 +689,12 @@ class ParamikoConnection:
         self._executor = executor
         self._closed = False
         self._limits = limits
+        # The receive window of the next SFTP sessions' channels (None: paramiko's 2 MiB): the
+        # transfer lane sizes it from the bandwidth-delay product (sshpool.lane, `wan_sizes`).
+        # The maximum packet stays paramiko's 32 KiB: sshd reads at most 32 KiB of
+        # sftp-server's output per pass and sends it as it comes, so a bigger maximum
+        # would change nothing.
+        self.sftp_window: int | None = None
         interval = limits.keepalive_interval
         if interval > 0:
             transport.packetizer.set_keepalive(interval, self._keepalive)
@@ -664,11 +734,12 @@ class ParamikoConnection:
             await asyncio.wait([fut], timeout=CANCEL_GRACE)
             raise
 
-    def _open_channel(self) -> Any:
-        """A new session channel (an exec's or an SFTP session's; in the executor): refused
-        while the transport lives, lost with it otherwise."""
+    def _open_channel(self, window: int | None = None) -> Any:
+        """A new session channel (an exec's or an SFTP session's; in the executor), with
+        paramiko's receive window or `window` bytes: refused while the transport lives, lost
+        with it otherwise."""
         try:
-            return self._transport.open_session()
+            return self._transport.open_session(window_size=window)
         except paramiko.ChannelException as exc:
             # MaxSessions: "open failed" (code 2) on OpenSSH 9, code 1 on older sshd.
             raise ChannelRefused(f"channel refused: {exc.text} (code {exc.code})") from exc
@@ -810,7 +881,7 @@ class ParamikoConnection:
         return Exit(status=None)
 
     def _sftp_blocking(self) -> Any:
-        chan = self._open_channel()
+        chan = self._open_channel(self.sftp_window)
         try:
             chan.invoke_subsystem("sftp")
             return paramiko.SFTPClient(chan)

@@ -587,6 +587,12 @@ class Ssh2File:
         except RemoteFileError as exc:
             raise translate.write_failed(exc, await self._fs.free_bytes(self._path)) from exc
 
+    async def flush(self) -> None:
+        # Every write returned answered: libssh2 packs a write's whole buffer at once and
+        # expects the bytes still unanswered at the start of the next call's buffer, so a
+        # write behind the next would cost a copy of both into one buffer (docs/files.md).
+        return None
+
     async def close(self) -> None:
         if self._closed:
             return
@@ -776,6 +782,14 @@ class Ssh2SFTP:
             attrs.atime = attrs.mtime = mtime
         attrs.flags = flags
         await self.op(path, self._sftp.setstat, path, attrs)
+
+    def receive_window(self) -> int:
+        """Its channel's receive window now: libssh2 opens it with 2 MiB and, before each
+        read-ahead, grows it by eight times the read-ahead when it is smaller (sftp.c,
+        sftp_read)."""
+        assert _EXTRAS is not None  # sftp() refuses without them
+        window: int = _EXTRAS.window_read(_EXTRAS.get_channel(self._ptr), None, None)
+        return window
 
     def intact(self) -> bool:
         # An interrupted operation breaks the session for good, and a broken session cannot

@@ -19,6 +19,8 @@ class Extras(NamedTuple):
     posix_rename: Any
     close_handle: Any
     shutdown: Any
+    get_channel: Any
+    window_read: Any
 
 
 def load_extras() -> Extras | None:
@@ -28,8 +30,10 @@ def load_extras() -> Extras | None:
     v5 servers), and `libssh2_sftp_close_handle` and `libssh2_sftp_shutdown`, which must be
     repeated until they stop answering EAGAIN: ssh2-python calls them once (its close marks
     the handle closed even on EAGAIN) or when the object is freed, in whatever order the
-    garbage collector picks. Taken from the very libssh2 the process has loaded for
-    ssh2-python; None when that is not found."""
+    garbage collector picks; and `libssh2_sftp_get_channel` with
+    `libssh2_channel_window_read_ex`, which read an SFTP channel's receive window (what the
+    transfer tests check). Taken from the very libssh2 the process has loaded for ssh2-python;
+    None when that is not found."""
     try:
         with open("/proc/self/maps") as maps:
             paths = {line.split()[-1] for line in maps if "/libssh2" in line}
@@ -43,6 +47,8 @@ def load_extras() -> Extras | None:
                 lib.libssh2_sftp_posix_rename_ex,
                 lib.libssh2_sftp_close_handle,
                 lib.libssh2_sftp_shutdown,
+                lib.libssh2_sftp_get_channel,
+                lib.libssh2_channel_window_read_ex,
             )
         except (OSError, AttributeError):
             continue
@@ -51,8 +57,15 @@ def load_extras() -> Extras | None:
         extras.posix_rename.argtypes = [p, s, ctypes.c_size_t, s, ctypes.c_size_t]
         extras.close_handle.argtypes = [p]
         extras.shutdown.argtypes = [p]
-        for fn in extras:
+        for fn in extras[:4]:
             fn.restype = ctypes.c_int
+        extras.get_channel.argtypes = [p]
+        extras.get_channel.restype = p
+        # (channel, unsigned long *read_avail, unsigned long *window_size_initial): the
+        # current receive window.
+        ulong_p = ctypes.POINTER(ctypes.c_ulong)
+        extras.window_read.argtypes = [p, ulong_p, ulong_p]
+        extras.window_read.restype = ctypes.c_ulong
         return extras
     return None
 

@@ -26,7 +26,7 @@ def hook(sub: str, events: list[str]) -> Webhook:
 
 
 async def test_a_state_change_queues_the_owners_subscribed_deliveries_once(store: Store) -> None:
-    hooks = WebhookStore(store.engine)
+    hooks = WebhookStore(store.transactions)
     finals = hook("alice", ["job.succeeded", "job.failed"])
     running = hook("alice", ["job.running"])
     bobs = hook("bob", ["job.succeeded"])

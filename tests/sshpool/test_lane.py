@@ -5,7 +5,9 @@ tenants. The pure turn logic runs without sshd; the rest against the real one.""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
+import os
 import sys
 import threading
 import uuid
@@ -16,7 +18,15 @@ import pytest
 from sshpool import ConnectionLost, Lane, Pool, PoolTimeout
 from sshpool.backends import BACKENDS
 from sshpool.devhost import LatencyRelay, LocalHost, RelayedHost
-from sshpool.lane import MIN_CHUNK, MIN_WINDOW, LaneConnection, LaneFile, Turns, wan_sizes
+from sshpool.lane import (
+    MIN_CHUNK,
+    MIN_WINDOW,
+    LaneConnection,
+    LaneFile,
+    LaneSFTP,
+    Turns,
+    wan_sizes,
+)
 
 MIB = 1 << 20
 
@@ -224,28 +234,48 @@ def test_wan_sizes_follow_the_bandwidth_delay_product() -> None:
     assert wan_sizes(1.0, 125e6) == (8 * MIB, 16 * MIB)  # the caps on memory per transfer
 
 
+@pytest.mark.parametrize("backend", list(BACKENDS))
 async def test_a_lane_connection_sizes_its_transfers_from_its_round_trip(
-    tuned_host: LocalHost, lane: Lane, big_file: str
+    backend: str, tuned_host: LocalHost, lane: Lane, big_file: str
 ) -> None:
-    """Through the rig's relay at 20 ms: the lane connection measures the round trip, and the
-    files it opens read in bigger calls, on a channel with a bigger window (asyncssh)."""
+    """Through the rig's relay at 20 ms: the lane connection measures the round trip; with
+    asyncssh and paramiko its files read in bigger calls on a channel opened with a bigger
+    receive window (the window the channel got, as the library reports it); ssh2's libssh2
+    grows its channel's window itself as it reads ahead. An upload through it writes 4 MiB
+    calls (each one's last requests answered behind the next) and every byte arrives."""
+    data = os.urandom(3 * MIB + 4321) * 4
     with LatencyRelay((tuned_host.address, tuned_host.port), 20) as relay:
         target = RelayedHost(tuned_host, relay).target()
-        async with Pool(lane=lane) as pool:
+        async with Pool(backend, lane=lane) as pool:
             async with pool.sftp(target, acquire_timeout=30, tenant="alice", bulk=True) as fs:
+                assert isinstance(fs, LaneSFTP)
                 f = await fs.open_read(big_file)
                 assert isinstance(f, LaneFile)
                 got = 0
-                while data := await f.read(f.chunk):
-                    got += len(data)
+                while data_read := await f.read(f.chunk):
+                    got += len(data_read)
                 await f.close()
+                window = await fs.receive_window()
+                w = await fs.open_write(f"{big_file}.up", exclusive=False)
+                for i in range(0, len(data), w.chunk):
+                    await w.write(data[i : i + w.chunk])
+                await w.flush()
+                await w.close()
             conn = pool._lane_hosts[target].conns[0].conn
             assert isinstance(conn, LaneConnection)
             assert conn.rtt is not None and conn.rtt >= 0.020
-            assert f.chunk > MIN_CHUNK  # 4 x bdp: more than loopback's 4 MiB
-            assert conn._conn.sftp_window is not None  # type: ignore[attr-defined]
-            assert conn._conn.sftp_window > MIN_WINDOW  # type: ignore[attr-defined]
+            assert window is not None and window > MIN_WINDOW
+            if backend == "ssh2":
+                assert f.chunk == MIN_CHUNK  # libssh2 reads ahead four calls' worth itself
+            else:
+                assert f.chunk > MIN_CHUNK  # 4 x bdp: more than loopback's 4 MiB
+                sized = conn._conn.sftp_window  # type: ignore[attr-defined]
+                assert window == sized  # what the lane asked for (from the rtt at the open)
+            assert w.chunk == MIN_CHUNK
     assert got == 64 * MIB
+    summed = tuned_host.run_local(["sha256sum", f"{big_file}.up"]).stdout.split()[0]
+    tuned_host.run_local(["rm", "-f", f"{big_file}.up"])
+    assert summed == hashlib.sha256(data).hexdigest()
 
 
 async def test_discard_closes_the_lane_connections_too(

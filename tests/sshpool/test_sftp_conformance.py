@@ -15,6 +15,7 @@ from sshpool import (
     ConnectionLost,
     Pool,
     PoolTimeout,
+    RemoteFileError,
     RemoteFileFailure,
     RemoteNotFound,
     RemotePermissionDenied,
@@ -87,6 +88,41 @@ async def test_written_bytes_read_back_whole_and_from_an_offset(
     assert await get(fs, f"{tmpdir}/a.bin") == data
     assert await get(fs, f"{tmpdir}/a.bin", offset=1_000_001, chunk=70_000) == data[1_000_001:]
     assert (await fs.stat(f"{tmpdir}/a.bin")).size == len(data)
+
+
+async def test_writes_behind_each_other_are_all_there_after_flush(
+    fs: SFTPSession, tmpdir: str
+) -> None:
+    """Several writes in a row (each may return with its last requests unanswered), then
+    flush: every byte is on the host, in order, before the file is closed; other calls of the
+    session in between (a stat) keep it in step."""
+    blocks = [os.urandom((1 << 20) + i * 4099) for i in range(4)]
+    f = await fs.open_write(f"{tmpdir}/behind.bin")
+    try:
+        await f.write(blocks[0])
+        await f.write(blocks[1])
+        assert (await fs.stat(f"{tmpdir}/behind.bin")).type == "file"
+        await f.write(blocks[2])
+        await f.write(blocks[3])
+        await f.flush()
+        assert (await fs.stat(f"{tmpdir}/behind.bin")).size == sum(map(len, blocks))
+    finally:
+        await f.close()
+    assert await get(fs, f"{tmpdir}/behind.bin") == b"".join(blocks)
+
+
+async def test_a_failed_write_is_reported_by_close_at_the_latest(fs: SFTPSession) -> None:
+    """Writes to /dev/full fail on the host (ENOSPC): however far behind the answers come,
+    the failure is raised (by a write, flush or close), never lost; the session goes on."""
+    with pytest.raises(RemoteFileError):
+        f = await fs.open_write("/dev/full", exclusive=False, mode=0o666)
+        try:
+            for _ in range(3):
+                await f.write(os.urandom(1 << 20))
+            await f.flush()
+        finally:
+            await f.close()
+    assert (await fs.stat("/dev/null")).type == "other"
 
 
 async def test_a_read_past_the_end_returns_the_rest_and_the_session_stays_in_step(
