@@ -205,14 +205,6 @@ class AgentMode:
             )
 
 
-async def _close_quietly(conn: Connection) -> None:
-    """Close `conn` even from a cancelled task (shielded), its own failure ignored."""
-    try:
-        await asyncio.shield(conn.close())
-    except (Exception, asyncio.CancelledError):
-        log.debug("closing a connection nobody took failed", exc_info=True)
-
-
 async def connect(
     backend: Backend,
     target: Target,
@@ -239,12 +231,6 @@ async def connect(
         except AgentUnavailable as exc:
             agent.unavailable(exc)
             return conn, target.limits.max_sessions, stamps
-        except BaseException:
-            # Cancelled (the pool closing) or lost while its executor started: the connection
-            # is nobody's, so it is closed here (it was left open, a socket the garbage
-            # collector found later: a ResourceWarning in whichever test ran then).
-            await _close_quietly(conn)
-            raise
         stamps.mark("executor_start", began)
         agent.started(executor)
         counters["agents_started"] += 1
