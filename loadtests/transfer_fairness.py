@@ -94,7 +94,7 @@ async def run(
             api0, sshd0, t0 = cpu_seconds(pids[0]), cpu_seconds(pids[1]), time.perf_counter()
             if scp is not None:
                 copied = await asyncio.wait_for(asyncio.to_thread(scp), args.cap_seconds)
-                received = [int(copied["mb_per_s"] * copied["seconds"] * 1e6)]
+                received = [copied["bytes"]]
             else:
                 received = await asyncio.wait_for(
                     asyncio.gather(
@@ -181,6 +181,7 @@ def scp_downloads(host: Any, path: str, n: int) -> dict[str, Any]:
     return {
         "kind": "scp",
         "downloads": n,
+        "bytes": size,
         "seconds": seconds,
         "mb_per_s": size / seconds / 1e6,
         "mib_per_s": size / seconds / MIB,
