@@ -167,6 +167,8 @@ async def check_host(
     certs = host.certificates
     how = f"a certificate of CA {certs.ca.fingerprint}" if certs else ", ".join(host.client_keys)
     add("auth", "ok", f"{host.username} with {how}")
+    if certs is not None:
+        found.append(ca_key_finding(name, certs.ca.key_type))
 
     runs: list[CommandResult] = []
     times: list[float] = []
@@ -216,6 +218,23 @@ async def check_host(
     if host.scheduler is not None:
         found += await _slurm(pool, name, host, timeout)
     return found
+
+
+def ca_key_finding(name: str, key_type: str) -> Finding:
+    """An Ed25519 CA costs the host's sshd more per login: OpenSSH checks a certificate's
+    Ed25519 signature with its own portable code, at each of a login's two authentication
+    requests; an ECDSA or RSA one through OpenSSL (docs/benchmarks.md has the figures)."""
+    if key_type != "ssh-ed25519":
+        return Finding(name, "ca key", "ok", key_type)
+    return Finding(
+        name,
+        "ca key",
+        "WARN",
+        "ssh-ed25519: sshd checks an Ed25519 CA's signature with OpenSSH's own slower code, "
+        "twice per login (about 1.4 x the sshd CPU of a login with an ECDSA P-256 CA, "
+        "docs/benchmarks.md); with many accounts, make an ECDSA CA (ssh-keygen -t ecdsa -b 256), "
+        'trust both on the hosts, then switch ca_key (docs/operations.md, "The CA key")',
+    )
 
 
 async def _banner(hostname: str, port: int, timeout: float) -> str:

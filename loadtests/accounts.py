@@ -25,7 +25,8 @@ that refuses a connection leaves the rotation, as behind a load balancer).
 --credentials certificate: the accounts log in with certificates the API mints (the rig's user
 CA) instead of their keys. --ceiling S: the handshake ceiling (loadtests.handshakes, 6 in
 flight, S seconds) measured before the first cell and after the last, each row's makespan
-given against accounts / the first.
+given against accounts / the first; with certificates, also the ceiling of certificate logins
+of the rig's CA (sshd does more per such login) and the makespan against it.
 Each reports the statuses, latency, handshakes made (sshd's "Accepted publickey" lines) and per
 second, evictions (the pool's count), SSH connections open at most (sampled from the kernel
 through netlink, and as /proc/net/tcp lists them page by page), the sshd log's "drop
@@ -629,7 +630,15 @@ async def run_cells(
     }
     rows = []
     parts = [p for p in args.parts if p == "burst" or args.rate > 0]
+    certificates = args.via == "api" and args.credentials == "certificate"
     ceilings = [await ceiling(host, accounts, args.ceiling)] if args.ceiling > 0 else []
+    # With certificates, sshd does more per login (the certificate, the principals command):
+    # its ceiling for the same logins, measured too, beside the issue's key ceiling.
+    cert_ceilings = (
+        [await ceiling(host, accounts, args.ceiling, certificates=True)]
+        if ceilings and certificates
+        else []
+    )
     for round_ in range(args.rounds):
         # Interleaved, the order flipped every round: neither mode always runs first.
         modes = args.modes if round_ % 2 == 0 else args.modes[::-1]
@@ -643,6 +652,11 @@ async def run_cells(
                     row["makespan_x_floor"] = round(
                         row["makespan_s"] / (len(accounts) / ceilings[0]), 2
                     )
+                if cert_ceilings:
+                    row["certificate_ceiling_per_s"] = cert_ceilings[0]
+                    row["makespan_x_certificate_floor"] = round(
+                        row["makespan_s"] / (len(accounts) / cert_ceilings[0]), 2
+                    )
                 row["load"] = [round(x, 2) for x in os.getloadavg()]
                 print(json.dumps(row), flush=True)
                 rows.append(row)
@@ -650,17 +664,30 @@ async def run_cells(
     if ceilings:
         after = await ceiling(host, accounts, args.ceiling)
         print(json.dumps({"ceiling_per_s": [ceilings[0], after]}), flush=True)
+    if cert_ceilings:
+        after = await ceiling(host, accounts, args.ceiling, certificates=True)
+        print(json.dumps({"certificate_ceiling_per_s": [cert_ceilings[0], after]}), flush=True)
     return rows
 
 
-async def ceiling(host: LocalHost, accounts: list[Account], seconds: float) -> float:
+async def ceiling(
+    host: LocalHost, accounts: list[Account], seconds: float, *, certificates: bool = False
+) -> float:
     """The handshake ceiling now: connections per second the sshd completes with 6 handshakes
-    in flight (fresh connection, login, `true`, close; loadtests.handshakes)."""
+    in flight (fresh connection, login, `true`, close; loadtests.handshakes), each account
+    logging in with its key or (`certificates`) with a fresh certificate of the rig's user CA,
+    as the API's certificate logins do."""
     from loadtests.handshakes import cell as handshake_cell
 
-    targets = [a.target(host) for a in accounts]
+    if certificates:
+        targets = [host.certificate_target(a.name, username=a.name) for a in accounts]
+    else:
+        targets = [a.target(host) for a in accounts]
     row = await handshake_cell(host, targets, 6, seconds)
-    print(json.dumps({"ceiling": row}), flush=True)
+    print(
+        json.dumps({"ceiling": {"credentials": "certificate" if certificates else "keys", **row}}),
+        flush=True,
+    )
     return float(row["handshakes_per_s"])
 
 

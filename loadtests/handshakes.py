@@ -4,19 +4,21 @@ completes with k handshakes in flight, and the CPU each costs on either side.
     .venv/bin/python -m loadtests.handshakes --inflight 4 6 8 9 --duration 10
     .venv/bin/python -m loadtests.handshakes --inflight 2 --phase tcp kex auth exec
 
-Per cell, k loops each: connect a researcher account (a fresh connection, key auth, through
-the pool's backend), run `true` on it, close it; the accounts taken in turn. --phase stops
-earlier, to tell sshd's costs apart: `tcp` reads sshd's banner and closes (the listener's fork
-and the child's re-exec), `kex` makes the key exchange and is refused a login without a key,
-`auth` logs in and closes, `exec` (the default) runs `true` too. --kex names the key exchange
-asyncssh offers (default: its own list). --client openssh runs OpenSSH's `ssh ... true`
-instead (its default key exchange unless --kex; its CPU is that of the reaped `ssh`
-processes). Reports the handshakes completed per second, connects sshd dropped (MaxStartups)
-and its "drop connection" lines, p50/p99 of one connection (connect to close), and CPU per
-handshake: this process (the client), sshd (the listener's reaped children: every
-connection's processes and what they ran), the whole box (/proc/stat, other work included)
-and the load average. Run as root (the accounts are real). This is the rate the per-sshd
-budget can reach at most (docs/pool.md, "One sshd, many accounts").
+Per cell, k loops each: connect a researcher account (a fresh connection, key auth, through the
+pool's backend), run `true` on it, close it; the accounts taken in turn. --phase stops earlier,
+to tell sshd's costs apart: `tcp` reads sshd's banner and closes (the listener's fork and the
+child's re-exec), `kex` makes the key exchange and is refused a login without a key, `auth` logs
+in and closes, `exec` (the default) runs `true` too. --kex names the key exchange asyncssh
+offers (default: its own list). --client openssh runs OpenSSH's `ssh ... true` instead (its
+default key exchange unless --kex; its CPU is that of the reaped `ssh` processes). --credentials
+compares logins with the accounts' keys, certificates of the rig's ECDSA P-256 user CA (as the
+API's certificate hosts), or of an Ed25519 CA: sshd checks an Ed25519 CA's signature with its
+own slower code. Reports the handshakes completed per second, connects sshd dropped
+(MaxStartups) and its "drop connection" lines, p50/p99 of one connection (connect to close), and
+CPU per handshake: this process (the client), sshd (the listener's reaped children: every
+connection's processes and what they ran), the whole box (/proc/stat, other work included) and
+the load average. Run as root (the accounts are real). This is the rate the per-sshd budget can
+reach at most (docs/pool.md, "One sshd, many accounts").
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 import os
@@ -39,12 +42,14 @@ from loadtests.cpu import machine_seconds, own_seconds, reaped_children_seconds
 from sshpool import ConnectError, SSHPoolError, Target
 from sshpool.backends import load_backend
 from sshpool.backends.asyncssh import ENCRYPTION_ALGS
+from sshpool.certificates import UserCA
 from sshpool.command import Capture
 from sshpool.devhost import LocalHost, Rig, RigSpec
-from sshpool.devhost.accounts import ensure_accounts
+from sshpool.devhost.accounts import Account, ensure_accounts
 
 TICK = os.sysconf("SC_CLK_TCK")
 PHASES = ("tcp", "kex", "auth", "exec")
+CREDENTIALS = ("keys", "certificate", "certificate-ed25519")
 BACKEND = load_backend("asyncssh")
 
 
@@ -191,16 +196,37 @@ async def cell(
     }
 
 
-async def run(host: LocalHost, targets: list[Target], args: argparse.Namespace) -> list[Any]:
+async def run(
+    host: LocalHost, targets: dict[str, list[Target]], args: argparse.Namespace
+) -> list[Any]:
+    """Every cell, for each kind of `targets` in turn (interleaved within a round)."""
     rows = []
     for _ in range(args.rounds):
         for k in args.inflight:
             for phase in args.phase:
                 for kex in args.kex or [None]:
-                    row = await cell(host, targets, k, args.duration, phase, args.client, kex)
-                    print(json.dumps(row), flush=True)
-                    rows.append(row)
+                    for credentials, kind in targets.items():
+                        row = await cell(host, kind, k, args.duration, phase, args.client, kex)
+                        row = {"credentials": credentials, **row}
+                        print(json.dumps(row), flush=True)
+                        rows.append(row)
     return rows
+
+
+def credential_targets(host: LocalHost, accounts: list[Account], kind: str) -> list[Target]:
+    """The accounts' targets logging in with `kind` of CREDENTIALS: their keys, or a fresh
+    certificate per connection of the rig's user CA (ECDSA P-256), or of an Ed25519 CA made now
+    and trusted by the rig's sshd beside its own (the rig writes its CA file again at its next
+    start)."""
+    if kind == "keys":
+        return [a.target(host) for a in accounts]
+    targets = [host.certificate_target(a.name, username=a.name) for a in accounts]
+    if kind == "certificate":
+        return targets
+    ca = UserCA(asyncssh.generate_private_key("ssh-ed25519").export_private_key())
+    with host.ca_keys_path.open("a") as trusted:  # sshd reads it at each login
+        trusted.write(ca.public_key + "\n")
+    return [dataclasses.replace(t, ca=ca) for t in targets]
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -214,6 +240,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--kex", nargs="+", help="key exchange algorithms to compare, in turn")
     parser.add_argument("--client", choices=("asyncssh", "openssh"), default="asyncssh")
+    parser.add_argument(
+        "--credentials",
+        nargs="+",
+        choices=CREDENTIALS,
+        default=["keys"],
+        help="how the accounts log in, compared in turn: their keys, certificates of the rig's "
+        "ECDSA CA, or of an Ed25519 CA (asyncssh client only)",
+    )
     parser.add_argument("--data-dir", default=".data-accounts")
     return parser.parse_args(argv)
 
@@ -223,21 +257,24 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     accounts (made when missing, as root): one row per cell."""
     data_dir = Path(args.data_dir).absolute()
     accounts = ensure_accounts(args.accounts, data_dir=data_dir)
+    if args.client == "openssh" and args.credentials != ["keys"]:
+        raise SystemExit("--client openssh logs in with the accounts' keys only")
     with Rig(RigSpec("accounts", "stock", researchers=True), data_dir=data_dir) as rig:
-        targets = [a.target(rig.host) for a in accounts]
+        targets = {c: credential_targets(rig.host, accounts, c) for c in args.credentials}
         return asyncio.run(run(rig.host, targets, args))
 
 
 def main(argv: list[str] | None = None) -> int:
     rows = measure(parse(argv))
     head = (
-        "inflight phase client   kex                   hs/s  p50ms  p99ms drops client_ms "
-        "sshd_ms box_ms load"
+        "credentials         inflight phase client   kex                   hs/s  p50ms  p99ms "
+        "drops client_ms sshd_ms box_ms load"
     )
     print(head)
     for r in rows:
         print(
-            f"{r['inflight']:8} {r['phase']:5} {r['client']:8} {r['kex'][:20]:20} "
+            f"{r['credentials']:19} {r['inflight']:8} {r['phase']:5} {r['client']:8} "
+            f"{r['kex'][:20]:20} "
             f"{r['handshakes_per_s']:5} {r['p50_ms'] or 0:6.1f} "
             f"{r['p99_ms'] or 0:6.1f} {r['drop_lines']:5} {r['client_cpu_ms']:9} "
             f"{r['sshd_cpu_ms']:7} {r['box_cpu_ms']:6} {r['load']:4}"

@@ -107,6 +107,11 @@ class UserCA:
         return self._key.export_public_key().decode().strip()
 
     @property
+    def key_type(self) -> str:
+        """The CA key's algorithm, e.g. "ecdsa-sha2-nistp256" or "ssh-ed25519"."""
+        return self._key.get_algorithm()
+
+    @property
     def fingerprint(self) -> str:
         """The CA's SHA256 fingerprint, as sshd logs it ("CA ED25519 SHA256:...")."""
         return self._key.get_fingerprint()

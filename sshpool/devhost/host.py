@@ -77,6 +77,8 @@ Profile = Literal["stock", "tuned"]
 # top-level sshd_config.tuned in a checkout, the file itself in a wheel). Its drop-ins for newer
 # sshd sit beside it as `sshd_config.tuned-X.Y`, applied when sshd >= X.Y.
 TUNED_CONFIG = Path(__file__).with_name("sshd_config.tuned")
+# The rig's user CA's key type (docs/operations.md, "The CA key").
+USER_CA_TYPE = "ecdsa-sha2-nistp256"
 # The certificate Match block sites append to sshd_config, and its principals command (symlinks
 # to deploy/ in a checkout, like TUNED_CONFIG).
 CERTIFICATES_CONFIG = Path(__file__).with_name("sshd_config.certificates")
@@ -343,11 +345,11 @@ def _read_banner(address: str, port: int, timeout: float = 1.0) -> bytes | None:
     return None
 
 
-def _keygen(path: Path, comment: str) -> None:
+def _keygen(path: Path, comment: str, kind: Sequence[str] = ("-t", "ed25519")) -> None:
     for stale in (path, path.with_name(path.name + ".pub")):
         stale.unlink(missing_ok=True)
     done = subprocess.run(
-        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path)],
+        ["ssh-keygen", "-q", *kind, "-N", "", "-C", comment, "-f", str(path)],
         capture_output=True,
         text=True,
         check=False,
@@ -843,8 +845,10 @@ class LocalHost:
             _keygen(client_key, f"sshapi-client-{self.name}")
         os.chmod(client_key, 0o600)
         user_ca = Path(self.user_ca_key)
-        if not user_ca.exists():
-            _keygen(user_ca, f"sshapi-user-ca-{self.name}")
+        # ECDSA P-256, as docs/operations.md advises a site's CA (an Ed25519 CA costs sshd more
+        # per login); a rig made before keeps its data directory but gets the new kind of CA.
+        if not user_ca.exists() or not _public_key(user_ca).startswith(USER_CA_TYPE):
+            _keygen(user_ca, f"sshapi-user-ca-{self.name}", ("-t", "ecdsa", "-b", "256"))
         os.chmod(user_ca, 0o600)
 
         (self._sshd_dir / "authorized_keys").write_text(_public_key(client_key) + "\n")

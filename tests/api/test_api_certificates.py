@@ -27,6 +27,7 @@ from api.credentials import ACCOUNT_PATTERN, DENY_ACCOUNTS
 from api.doctor import Finding, check_host
 from api.settings import Settings
 from sshpool import Pool
+from sshpool.certificates import UserCA
 from sshpool.devhost import LocalHost
 from sshpool.devhost.accounts import ensure_accounts
 from sshpool.devhost.host import host_account
@@ -306,6 +307,30 @@ def test_doctor_logs_in_with_a_certificate_and_names_what_to_check_when_refused(
     assert "the CA is not trusted" in auth.detail and untrusted.certificates is not None
     assert untrusted.certificates.ca.fingerprint in auth.detail
     assert "PerSourcePenaltyExemptList" in auth.detail and "clocks" in auth.detail
+
+
+def test_doctor_warns_of_an_ed25519_ca_and_passes_an_ecdsa_one(
+    make_host: Callable[..., LocalHost], tmp_path: Path
+) -> None:
+    """The rig's CA is ECDSA P-256: `ca key` ok. An Ed25519 CA the host trusts logs in too,
+    and `ca key` warns that it costs sshd more per login, naming the ECDSA command."""
+    host = make_host("stock")
+    config = HostConfig.model_validate(
+        tomllib.loads(cert_host_toml(host, host.user_ca_key))["hosts"]["hpc"]
+    )
+    assert doctor(config)["ca key"].status == "ok"
+    ed = tmp_path / "ed_ca"
+    ed.write_bytes(asyncssh.generate_private_key("ssh-ed25519").export_private_key())
+    ed.chmod(0o600)
+    with host.ca_keys_path.open("a") as trusted:  # sshd reads the file at each login
+        trusted.write(UserCA(ed).public_key + "\n")
+    found = doctor(
+        HostConfig.model_validate(tomllib.loads(cert_host_toml(host, str(ed)))["hosts"]["hpc"])
+    )
+    assert found["auth"].status == "ok", found["auth"].line()
+    assert (
+        found["ca key"].status == "WARN" and "ssh-keygen -t ecdsa -b 256" in found["ca key"].detail
+    )
 
 
 def test_doctor_reads_the_clock_of_a_certificate_host(

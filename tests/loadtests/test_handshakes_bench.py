@@ -34,3 +34,26 @@ def test_each_phase_completes_and_the_banner_alone_costs_sshd_less(tmp_path: Pat
         assert set(row["statuses"]) == {"ok"}, row
         assert row["drop_lines"] == 0
     assert 0 < rows["tcp"]["sshd_cpu_ms"] < rows["exec"]["sshd_cpu_ms"], rows
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_certificate_logins_of_an_ecdsa_and_an_ed25519_ca_both_complete(tmp_path: Path) -> None:
+    """--credentials compares key logins with certificates of the rig's ECDSA CA and of an
+    Ed25519 CA: every login of each kind completes, and sshd's log shows certificates signed
+    by both kinds of CA (what the comparison is about)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "loadtests.handshakes", "--inflight", "2", "--duration", "1",
+         "--accounts", "3", "--credentials", "keys", "certificate", "certificate-ed25519",
+         "--data-dir", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=140,
+    )  # fmt: skip
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    rows = {r["credentials"]: r for r in map(json.loads, lines)}
+    assert set(rows) == {"keys", "certificate", "certificate-ed25519"}, output
+    for row in rows.values():
+        assert set(row["statuses"]) == {"ok"} and row["statuses"]["ok"] > 0, row
+    log = (tmp_path / "hosts" / "accounts" / "sshd" / "sshd.log").read_text()
+    assert "signed by ECDSA CA" in log and "signed by ED25519 CA" in log
