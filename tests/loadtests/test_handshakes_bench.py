@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,19 +18,25 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="creating accounts needs root")
 
 
+def handshakes(data_dir: Path, *args: str) -> list[dict[str, Any]]:
+    """The rows `python -m loadtests.handshakes` prints: 2 in flight, 3 accounts, and `args`."""
+    done = subprocess.run(
+        [sys.executable, "-m", "loadtests.handshakes", "--inflight", "2", "--accounts", "3",
+         "--data-dir", str(data_dir), *args],
+        cwd=REPO, capture_output=True, text=True, timeout=140,
+    )  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_each_phase_completes_and_the_banner_alone_costs_sshd_less(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "loadtests.handshakes", "--inflight", "2", "--duration", "2",
-         "--accounts", "3", "--phase", "tcp", "kex", "auth", "exec", "--data-dir", str(tmp_path)],
-        cwd=REPO, capture_output=True, text=True, timeout=140,
-    )  # fmt: skip
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-3000:]
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    rows = {r["phase"]: r for r in map(json.loads, lines)}
-    assert set(rows) == {"tcp", "kex", "auth", "exec"}, output
+    rows = {
+        r["phase"]: r
+        for r in handshakes(tmp_path, "--duration", "2", "--phase", "tcp", "kex", "auth", "exec")
+    }
+    assert set(rows) == {"tcp", "kex", "auth", "exec"}, rows
     for row in rows.values():
         assert set(row["statuses"]) == {"ok"}, row
         assert row["drop_lines"] == 0
@@ -42,17 +49,12 @@ def test_certificate_logins_of_an_ecdsa_and_an_ed25519_ca_both_complete(tmp_path
     """--credentials compares key logins with certificates of the rig's ECDSA CA and of an
     Ed25519 CA: every login of each kind completes, and sshd's log shows certificates signed
     by both kinds of CA (what the comparison is about)."""
-    done = subprocess.run(
-        [sys.executable, "-m", "loadtests.handshakes", "--inflight", "2", "--duration", "1",
-         "--accounts", "3", "--credentials", "keys", "certificate", "certificate-ed25519",
-         "--data-dir", str(tmp_path)],
-        cwd=REPO, capture_output=True, text=True, timeout=140,
-    )  # fmt: skip
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-3000:]
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    rows = {r["credentials"]: r for r in map(json.loads, lines)}
-    assert set(rows) == {"keys", "certificate", "certificate-ed25519"}, output
+    kinds = ("keys", "certificate", "certificate-ed25519")
+    rows = {
+        r["credentials"]: r
+        for r in handshakes(tmp_path, "--duration", "1", "--credentials", *kinds)
+    }
+    assert set(rows) == set(kinds), rows
     for row in rows.values():
         assert set(row["statuses"]) == {"ok"} and row["statuses"]["ok"] > 0, row
     log = (tmp_path / "hosts" / "accounts" / "sshd" / "sshd.log").read_text()

@@ -102,14 +102,19 @@ async def test_one_researcher_takes_no_login_node_down(
         failed = [r for r in results if isinstance(r, BaseException) or not r.ok]
         nodes = pool.nodes(service)
         stats = pool.stats()
-        attacked = {t.host: stats[t]["breaker"] for t in stats if t.username == attacker.username}
+        attacked = {
+            t.host: stats[t]["counters"].get("connections_lost", 0)
+            for t in stats
+            if t.username == attacker.username
+        }
     assert failed == []
     assert {n: s["state"] for n, s in nodes.items()} == dict.fromkeys(service.nodes, "up")
     assert sum(s["counters"].get("downs", 0) for s in nodes.values()) == 0
-    # The attacker's own breaker is open on every node it tried: its connections were lost
-    # after login, before any command ran, again and again, so its next jobs there are refused
-    # without a login until the back-off has passed.
-    assert attacked and "closed" not in attacked.values(), attacked
+    # The attacker's losses are its own account's (its breaker: tests/sshpool/test_pool_logic.py,
+    # test_logins_lost_before_any_command_open_the_breaker_and_keep_its_backoff_growing). Its
+    # breaker's state at this moment is not asserted: on a slow box its back-off may have
+    # passed and a trial login closed it until that connection is lost in turn.
+    assert attacked and all(lost >= 1 for lost in attacked.values()), attacked
 
 
 @pytest.mark.parametrize("probe", ["service account", "banner"])

@@ -156,6 +156,30 @@ def test_breaker_opens_after_threshold_with_jittered_doubling_backoff() -> None:
     assert breaker.state == "closed"
 
 
+def test_logins_lost_before_any_command_open_the_breaker_and_keep_its_backoff_growing() -> None:
+    """An account whose connections log in and are lost before any command runs (its rc kills
+    them): `threshold` such losses in a row open its breaker though every login succeeded; the
+    next trial's login closes it, its loss opens it again for twice as long; only a command
+    that ran (`served`) brings the back-off back to its base."""
+    breaker = Breaker(threshold=3, backoff=2.0, backoff_max=60.0)
+    for _ in range(3):
+        assert breaker.allow(0.0)
+        breaker.success()  # the login itself succeeds
+        breaker.lost_before_start(0.0)
+    assert breaker.is_open(0.0) and 1.0 <= breaker.retry_after(0.0) <= 2.0
+    assert not breaker.allow(0.5)
+    assert breaker.allow(2.0)  # the trial: it logs in, and is lost again
+    breaker.success()
+    assert breaker.state == "closed"
+    breaker.lost_before_start(2.0)
+    assert breaker.is_open(2.0) and 2.0 <= breaker.retry_after(2.0) <= 4.0
+    assert breaker.allow(6.0)
+    breaker.success()
+    breaker.served()  # a command ran: healthy again
+    breaker.lost_before_start(6.0)
+    assert breaker.state == "closed"  # one loss alone, counted from zero, opens nothing
+
+
 async def test_reuse_off_opens_one_connection_per_command() -> None:
     """With reuse=False (the connection-per-request design) every command gets a new connection,
     closed after it."""
