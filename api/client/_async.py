@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from asyncio import sleep
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from time import monotonic
 from typing import Any
 
@@ -36,6 +37,7 @@ from api.client.errors import (
     InvalidRequest,
     JobFailed,
     NotFound,
+    ProblemError,
     TransportError,
     _raise,
     raise_for_problem,
@@ -43,10 +45,13 @@ from api.client.errors import (
 from api.client.files import (
     CHUNK,
     CHUNK_TIMEOUT,
+    FINAL_REFUSALS,
     UPLOAD_CHUNK,
+    Identity,
     Partial,
     Progress,
     Sent,
+    UploadRecord,
     _check_sha256,
     _chunk_headers,
     _chunk_limit,
@@ -57,6 +62,7 @@ from api.client.files import (
     _upload_offset,
     files_path,
     resumable,
+    upload_records,
 )
 from api.client.localfile import AsyncFile
 from api.client.models import FINAL, Job, Stream
@@ -500,21 +506,40 @@ class AsyncClient(_Base):
         chunk_size: int = UPLOAD_CHUNK,
         create_only: bool = False,
         progress: Progress | None = None,
+        records: str | os.PathLike[str] | None = None,
     ) -> dict[str, Any]:
         """Upload a local file to `path` in chunks of `chunk_size` bytes, each with its sha-256
         digest (a resumable upload: docs/files.md). A lost connection costs at most the chunk it
-        cut: the client asks where the upload stands (HEAD) and goes on. The host's sha256 of
+        cut: the client asks where the upload stands (HEAD) and goes on. The upload is recorded
+        in `records` (default `upload_records()`) until it ends, so a call for the same file
+        and path after this process was stopped goes on from there too. The host's sha256 of
         the whole file is checked against the local file's. Answers `path`, `size`, `sha256`."""
-        size = await AsyncFile.size(source)
-        headers = _creation(size, create_only)
-        created = await self.request(
-            "POST", files_path(host, "/uploads"), params={"path": path}, headers=headers
+        identity = await AsyncFile.identity(source)
+        size = identity[0]
+        record = UploadRecord(
+            Path(records) if records is not None else upload_records(),
+            self.url,
+            host,
+            path,
+            source,
+            create_only,
         )
-        location = created.headers["location"]
-        chunk_size = _chunk_limit(created, chunk_size)
+        location, offset, answer, limits = await self._resume(
+            record, identity, files_path(host, "/uploads/")
+        )
+        if location is None:
+            created = await self.request(
+                "POST",
+                files_path(host, "/uploads"),
+                params={"path": path},
+                headers=_creation(size, create_only),
+            )
+            location, limits = created.headers["location"], created
+            record.save(location, identity)
+        assert limits is not None  # the creation's answer or the HEAD's: both carry them
+        chunk_size = _chunk_limit(limits, chunk_size)
         local, sent = await AsyncFile.open(source), Sent()
-        offset = attempt = 0
-        answer: dict[str, Any] | None = None
+        attempt = 0
         try:
             while answer is None:
                 await local.seek(offset)
@@ -528,7 +553,7 @@ class AsyncClient(_Base):
                 except httpx.TransportError as exc:
                     await sleep(self._delay_after(attempt, exc, f"PATCH {location}"))
                     attempt += 1
-                    offset, answer = await self._upload_stands(location)
+                    offset, answer, _ = await self._upload_stands(location)
                     continue
                 moved, damaged = _chunk_refused(response)
                 retry = self._delay(attempt, response)
@@ -545,19 +570,49 @@ class AsyncClient(_Base):
                     progress(offset, size)
                 if last:
                     answer = read_answer(response, an_upload)
+        except ProblemError as exc:
+            if exc.status in FINAL_REFUSALS:
+                record.drop()  # the upload cannot go on: the next call starts anew
+            raise
         finally:
             local.close()
+        record.drop()
         _check_sha256(answer, sent.hexdigest(size) or await AsyncFile.sha256(source), host, path)
         return answer
 
-    async def _upload_stands(self, location: str) -> tuple[int, dict[str, Any] | None]:
+    async def _resume(
+        self, record: UploadRecord, identity: Identity, prefix: str
+    ) -> tuple[str | None, int, dict[str, Any] | None, httpx.Response | None]:
+        """The recorded upload of the same local file, where it stands (Location, offset, the
+        answer once complete, an answer carrying its limits); (None, 0, None, None) when there
+        is none to go on with: a recorded upload of a file changed since is cancelled (it
+        holds one of the identity's open uploads), one the server no longer has forgotten."""
+        kept = record.load(prefix)
+        if kept is None:
+            record.drop()
+            return None, 0, None, None
+        location, then = kept
+        try:
+            if then != identity:
+                await self.request("DELETE", location)
+            else:
+                return (location, *await self._upload_stands(location))
+        except (NotFound, InvalidRequest):
+            pass  # expired, cancelled, or already complete
+        record.drop()
+        return None, 0, None, None
+
+    async def _upload_stands(
+        self, location: str
+    ) -> tuple[int, dict[str, Any] | None, httpx.Response]:
         """Where a resumable upload stands on the server (HEAD), and once complete its answer
         (GET): the chunk whose answer was lost may have been the last."""
         response = await self.request("HEAD", location)
         if response.headers.get("upload-complete") != "?1":
-            return _upload_offset(response) or 0, None
+            return _upload_offset(response) or 0, None, response
         done = read_answer(await self.request("GET", location), an_upload)
-        return _upload_offset(response) or 0, {k: done[k] for k in ("path", "size", "sha256")}
+        answer = {k: done[k] for k in ("path", "size", "sha256")}
+        return _upload_offset(response) or 0, answer, response
 
     async def mkdir(self, host: str, path: str, *, parents: bool = False) -> dict[str, Any]:
         """Create a directory (409 Conflict if it exists, 404 NotFound if its parent does not).

@@ -55,6 +55,67 @@ def _creation(size: int, create_only: bool) -> dict[str, str]:
     return {"Upload-Length": str(size), **({"If-None-Match": "*"} if create_only else {})}
 
 
+def upload_records() -> Path:
+    """Where the client keeps its resumable uploads in progress (`UploadRecord`):
+    $XDG_STATE_HOME/sshapi/uploads, by default ~/.local/state/sshapi/uploads."""
+    state = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
+    return Path(state) / "sshapi" / "uploads"
+
+
+# A problem answer to a chunk after which the upload cannot go on (gone, refused for good):
+# its record is dropped. Others (401, 403, 429, 5xx) may pass: the next call resumes.
+FINAL_REFUSALS = frozenset({400, 404, 409, 412, 413, 416, 422})
+
+
+# A local file's size, mtime, inode and device: a change of any is a new file.
+Identity = list[int]
+
+
+class UploadRecord:
+    """A resumable upload in progress, on disk (one small JSON file, mode 0600, in `directory`):
+    its `Location` and the local file as it was when the upload began (size, mtime, inode). A
+    later call for the same server, host, path and local file, from another process after this
+    one was stopped, goes on where the server stands; a local file changed since is sent anew
+    (the old upload cancelled, freeing its place). Dropped once the upload is complete or
+    refused for good."""
+
+    def __init__(
+        self,
+        directory: Path,
+        server: str,
+        host: str,
+        path: str,
+        source: str | os.PathLike[str],
+        create_only: bool,
+    ) -> None:
+        # Small local files, read and written in place even by the async client: microseconds.
+        key = [server, host, path, os.path.abspath(source), create_only]
+        name = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]
+        self.path = directory / f"{name}.json"
+
+    def load(self, prefix: str) -> tuple[str, Identity] | None:
+        """The recorded upload's Location and the local file's identity then, if any. Only a
+        Location under `prefix` (the host's uploads, on this client's server): an edited record
+        must not send the file, and the token with it, anywhere else."""
+        try:
+            kept = json.loads(self.path.read_text())
+            location, identity = str(kept["location"]), [int(x) for x in kept["identity"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None  # none, or unreadable: the upload starts again
+        return (location, identity) if location.startswith(prefix) else None
+
+    def save(self, location: str, identity: Identity) -> None:
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        temp = self.path.with_suffix(".tmp")
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"location": location, "identity": identity}, f)
+        temp.replace(self.path)
+
+    def drop(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
 def _chunk_refused(response: httpx.Response) -> tuple[int | None, bool]:
     """A chunk's refusal the client acts on: the offset a 409 says the upload stands at (send
     from there), and whether the chunk arrived damaged (400 `digest-mismatch`: send it again)."""

@@ -130,6 +130,13 @@ def files_put(
     parents: Annotated[
         bool, typer.Option("--parents", "-p", help="Create the missing directories of PATH.")
     ] = False,
+    resumable: Annotated[
+        bool,
+        typer.Option(
+            help="In 16 MiB chunks, each checked: a cut connection costs one chunk, and the "
+            "same command run again after a stop goes on where the upload stood."
+        ),
+    ] = False,
     profile: Profile = None,
     as_json: AsJson = False,
 ) -> None:
@@ -143,9 +150,18 @@ def files_put(
         sides(host, remote, source, hint),
         transfer(f"put {source.name}", as_json) as progress,
     ):
-        answer = c.upload(
-            host, source, remote, create_only=create_only, parents=parents, progress=progress
-        )
+        if not resumable:
+            answer = c.upload(
+                host, source, remote, create_only=create_only, parents=parents, progress=progress
+            )
+        else:
+            from api.client.files import _parent
+
+            if parents and (parent := _parent(remote)) is not None:
+                c.mkdir(host, parent, parents=True)
+            answer = c.upload_resumable(
+                host, source, remote, create_only=create_only, progress=progress
+            )
     if as_json:
         typer.echo(json.dumps(answer))
     else:

@@ -31,6 +31,11 @@ def _sha256(path: str | os.PathLike[str]) -> str:
     return digest.hexdigest()
 
 
+def _identity(path: str | os.PathLike[str]) -> list[int]:
+    st = os.stat(path)
+    return [st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev]
+
+
 class AsyncFile:
     """A local file whose blocking calls run in a thread."""
 
@@ -49,6 +54,11 @@ class AsyncFile:
     @staticmethod
     async def sha256(path: str | os.PathLike[str]) -> str:
         return await _in_thread(_sha256, path)
+
+    @staticmethod
+    async def identity(path: str | os.PathLike[str]) -> list[int]:
+        """The file's size, mtime, inode and device: a change of any is a new file."""
+        return await _in_thread(_identity, path)
 
     @staticmethod
     async def pieces(data: bytes) -> AsyncIterator[bytes]:
@@ -88,6 +98,11 @@ class SyncFile:
     @staticmethod
     def sha256(path: str | os.PathLike[str]) -> str:
         return _sha256(path)
+
+    @staticmethod
+    def identity(path: str | os.PathLike[str]) -> list[int]:
+        """The file's size, mtime, inode and device: a change of any is a new file."""
+        return _identity(path)
 
     @staticmethod
     def pieces(data: bytes) -> Iterator[bytes]:

@@ -21,6 +21,7 @@ import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
+from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from api.tasks import TaskSet
@@ -32,6 +33,22 @@ T = TypeVar("T")
 # Seconds `wait` (the store closing) waits for the transactions in flight: more than SQLite's
 # busy timeout (5 s), which one of them may spend waiting for the write lock.
 CLOSE_TIMEOUT = 10.0
+
+
+async def take_turn(conn: AsyncConnection, lock: int, key: str) -> None:
+    """Make the transaction on `conn` the only one holding (`lock`, `key`) until it ends, in
+    every process: a per-owner cap's count and insert then see the others' rows. Without it,
+    12 racing creations against a cap of 3 made 10 (SQLite's driver begins a transaction at
+    the INSERT, after the count; PostgreSQL's read committed lets two counts pass at once).
+    PostgreSQL: an advisory lock on (`lock`, the key's hash); SQLite: the write lock, now
+    (another process waits in the busy timeout)."""
+    if conn.dialect.name == "postgresql":
+        await conn.execute(
+            text("SELECT pg_advisory_xact_lock(:lock, hashtext(:key))"),
+            {"lock": lock, "key": key},
+        )
+    else:
+        await conn.exec_driver_sql("BEGIN IMMEDIATE")
 
 
 class Transactions:

@@ -15,12 +15,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from sqlalchemy import ColumnElement, and_, delete, func, insert, or_, select, text, update
+from sqlalchemy import ColumnElement, and_, delete, func, insert, or_, select, update
 from sqlalchemy.engine import Row
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from api.store.schema import UPLOADS
-from api.store.shielded import Transactions
+from api.store.shielded import Transactions, take_turn
 
 U = UPLOADS.c
 
@@ -61,23 +61,9 @@ def _free(now: float) -> ColumnElement[bool]:
     return or_(U.busy_until.is_(None), U.busy_until < now)
 
 
-# pg_advisory_xact_lock's first key: a constant of our own (the crc32 of "sshapi-uploads", its
-# sign bit cleared); the second is the owner's hash.
+# pg_advisory_xact_lock's first key for an owner's creations (`take_turn`): the crc32 of
+# "sshapi-uploads", its sign bit cleared.
 PG_UPLOADS_LOCK = 0x1008_C99B
-
-
-async def _owners_turn(conn: AsyncConnection, owner: str) -> None:
-    """Make the transaction on `conn` the only one creating `owner`'s uploads until it ends, in
-    every process: its count and its insert then see each other's rows. Without it, 12 racing
-    creations against a cap of 3 made 10 (SQLite's driver begins a transaction at the INSERT,
-    after the count; PostgreSQL's read committed lets two counts pass at once)."""
-    if conn.dialect.name == "postgresql":
-        await conn.execute(
-            text("SELECT pg_advisory_xact_lock(:ns, hashtext(:owner))"),
-            {"ns": PG_UPLOADS_LOCK, "owner": owner},
-        )
-    else:  # SQLite: the write lock now (another process waits in the busy timeout)
-        await conn.exec_driver_sql("BEGIN IMMEDIATE")
 
 
 class UploadStore:
@@ -102,7 +88,7 @@ class UploadStore:
         )
 
         async def add(conn: AsyncConnection) -> bool:
-            await _owners_turn(conn, f"{values['owner_iss']} {values['owner_sub']}")
+            await take_turn(conn, PG_UPLOADS_LOCK, f"{values['owner_iss']} {values['owner_sub']}")
             if (await conn.execute(count)).scalar_one() >= cap:
                 return False
             await conn.execute(insert(UPLOADS).values(**values))

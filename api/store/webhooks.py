@@ -23,7 +23,7 @@ from sqlalchemy import and_, delete, func, insert, not_, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from api.store.schema import WEBHOOK_DELIVERIES, WEBHOOKS, aware
-from api.store.shielded import Transactions
+from api.store.shielded import Transactions, take_turn
 
 D = WEBHOOK_DELIVERIES.c
 W = WEBHOOKS.c
@@ -77,6 +77,11 @@ def _webhook(row: Any, pending: int = 0) -> Webhook:
     return Webhook(**values, pending=pending)
 
 
+# pg_advisory_xact_lock's first key for an owner's new webhooks (`take_turn`): the crc32 of
+# "sshapi-webhooks", its sign bit cleared.
+PG_WEBHOOKS_LOCK = 0x6D3B_84F1
+
+
 class WebhookStore:
     def __init__(self, transactions: Transactions) -> None:
         """`transactions`: the store's (`Store.transactions`), so that its `close` waits for
@@ -103,6 +108,7 @@ class WebhookStore:
         }
 
         async def add(conn: AsyncConnection) -> bool:
+            await take_turn(conn, PG_WEBHOOKS_LOCK, f"{hook.owner_iss} {hook.owner_sub}")
             if (await conn.execute(count)).scalar_one() >= limit:
                 return False
             await conn.execute(insert(WEBHOOKS).values(**values))

@@ -113,8 +113,17 @@ class _Server(uvicorn.Server):
 @asynccontextmanager
 async def serve(app: ASGIApp) -> AsyncIterator[str]:
     """Run `app` with uvicorn on a free 127.0.0.1 port in this event loop; yield its base URL."""
+    # The served keep-alive timeout (75 s), not uvicorn's 5 s: at 5 s a test's httpx client
+    # (which keeps idle connections 5 s too) sent its next request as the server closed the
+    # connection, "Server disconnected without sending a response", after a wait of 5 s.
     config = uvicorn.Config(
-        app, host="127.0.0.1", port=0, lifespan="on", log_level="warning", ws="none"
+        app,
+        host="127.0.0.1",
+        port=0,
+        lifespan="on",
+        log_level="warning",
+        ws="none",
+        timeout_keep_alive=Settings.model_fields["keepalive_timeout"].default,
     )
     server = _Server(config)
     task = asyncio.create_task(server.serve())

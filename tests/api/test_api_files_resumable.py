@@ -13,7 +13,7 @@ import itertools
 import os
 import subprocess
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -31,6 +31,8 @@ from api_helpers import (
 )
 
 from api.client import AsyncClient
+from api.client.files import UploadRecord
+from api.client.localfile import SyncFile
 from sshpool.devhost import LocalHost
 
 POLICY = """
@@ -361,6 +363,109 @@ async def test_the_client_resumes_after_lost_connections(user: User, tmp_path: P
     assert answer["size"] == len(data)
     assert (user.root / "c.bin").read_bytes() == data
     assert transport.heads >= 3 and user.temps() == []
+
+
+class Stopped(Exception):
+    """The client's process stopped mid-upload (a kill, a laptop lid closed)."""
+
+
+def stop_after(chunks: int) -> Callable[[int, int], None]:
+    """A progress callback that stops the upload once `chunks` chunks were confirmed."""
+    seen: list[int] = []
+
+    def progress(done: int, size: int) -> None:
+        seen.append(done)
+        if len(seen) == chunks:
+            raise Stopped
+
+    return progress
+
+
+async def test_a_stopped_upload_goes_on_from_where_the_server_stands(
+    user: User, tmp_path: Path
+) -> None:
+    """A client stopped after 2 of 6 chunks leaves its record on disk; another client (a new
+    process: nothing shared in memory) asked for the same file and path sends only the 4 chunks
+    left, and the record is gone once the file is whole."""
+    data = os.urandom(5 * MIB + 7)
+    source, records = tmp_path / "src.bin", tmp_path / "records"
+    source.write_bytes(data)
+    token = user.api.token(user.sub, RW)
+    async with AsyncClient(user.api.url, token) as c:
+        with pytest.raises(Stopped):
+            await c.upload_resumable(
+                "local", source, f"{user.root}/r.bin", chunk_size=MIB,
+                progress=stop_after(2), records=records,
+            )  # fmt: skip
+    assert len(list(records.iterdir())) == 1 and not (user.root / "r.bin").exists()
+    reported: list[int] = []
+    async with AsyncClient(user.api.url, token) as c:
+        answer = await c.upload_resumable(
+            "local", source, f"{user.root}/r.bin", chunk_size=MIB,
+            progress=lambda done, size: reported.append(done), records=records,
+        )  # fmt: skip
+    assert reported == [3 * MIB, 4 * MIB, 5 * MIB, 5 * MIB + 7]  # from 2 MiB on
+    assert answer["sha256"] == hashlib.sha256(data).hexdigest()
+    assert (user.root / "r.bin").read_bytes() == data
+    assert list(records.iterdir()) == [] and user.temps() == []
+
+
+async def test_a_changed_local_file_is_sent_anew_and_its_old_upload_cancelled(
+    user: User, tmp_path: Path
+) -> None:
+    """The local file changed after a stopped upload: the next call cancels the recorded upload
+    (its place among the identity's open uploads freed, its temporary file removed) and sends
+    the new contents from the start."""
+    source, records = tmp_path / "src.bin", tmp_path / "records"
+    source.write_bytes(os.urandom(3 * MIB))
+    token = user.api.token(user.sub, RW)
+    async with AsyncClient(user.api.url, token) as c:
+        with pytest.raises(Stopped):
+            await c.upload_resumable(
+                "local", source, f"{user.root}/n.bin", chunk_size=MIB,
+                progress=stop_after(1), records=records,
+            )  # fmt: skip
+        new = os.urandom(2 * MIB + 1)
+        source.write_bytes(new)
+        reported: list[int] = []
+        answer = await c.upload_resumable(
+            "local", source, f"{user.root}/n.bin", chunk_size=MIB,
+            progress=lambda done, size: reported.append(done), records=records,
+        )  # fmt: skip
+    assert reported[0] == MIB and answer["size"] == len(new)
+    assert (user.root / "n.bin").read_bytes() == new
+    assert list(records.iterdir()) == [] and user.temps() == []
+
+
+class Recording(httpx.AsyncBaseTransport):
+    """Passes every request on, keeping its URL."""
+
+    def __init__(self) -> None:
+        self.inner = httpx.AsyncHTTPTransport()
+        self.urls: list[httpx.URL] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.urls.append(request.url)
+        return await self.inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_an_edited_record_never_sends_the_file_elsewhere(user: User, tmp_path: Path) -> None:
+    """A record whose Location names another server (edited on disk) is dropped: the client
+    creates an upload on its own server, and no request goes anywhere else."""
+    source, records = tmp_path / "src.bin", tmp_path / "records"
+    source.write_bytes(b"mine")
+    transport, token = Recording(), user.api.token(user.sub, RW)
+    async with AsyncClient(user.api.url, token, transport=transport) as c:
+        record = UploadRecord(records, c.url, "local", f"{user.root}/e.bin", source, False)
+        elsewhere = "http://127.0.0.9:9/v1/hosts/local/files/uploads/" + "0" * 32
+        record.save(elsewhere, SyncFile.identity(source))
+        answer = await c.upload_resumable("local", source, f"{user.root}/e.bin", records=records)
+    assert answer["size"] == 4 and (user.root / "e.bin").read_bytes() == b"mine"
+    assert {u.host for u in transport.urls} == {urlsplit(user.api.url).hostname}
+    assert list(records.iterdir()) == []
 
 
 async def test_cancel_removes_the_temporary_file(user: User) -> None:

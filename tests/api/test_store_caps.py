@@ -1,5 +1,6 @@
-"""The resumable uploads' table (api/store/uploads.py) on SQLite and PostgreSQL: an owner's
-`max_open_uploads` holds however many creations race for the last places."""
+"""Per-owner caps of the store on SQLite and PostgreSQL: an owner's `max_open_uploads`
+(api/store/uploads.py) and `max_webhooks` (api/store/webhooks.py) hold however many creations
+race for the last places (`take_turn`, api/store/shielded.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import asyncio
 import time
 import uuid
 
-from api.store import Store, UploadStore
+from test_api_webhook_store import hook
+
+from api.store import Store, UploadStore, WebhookStore
 
 CAP = 3
 RACERS = 12
@@ -49,3 +52,14 @@ async def test_racing_creations_never_pass_an_owners_cap(store: Store) -> None:
         )
         assert created.count(True) == CAP, created
     assert await table.create(upload("someone-else", now), CAP, now)
+
+
+async def test_racing_webhook_creations_never_pass_an_owners_cap(store: Store) -> None:
+    """The same race for webhooks: twelve subscriptions of one owner at once, three places."""
+    hooks = WebhookStore(store.transactions)
+    for _ in range(5):
+        owner = uuid.uuid4().hex
+        created = await asyncio.gather(
+            *(hooks.create(hook(owner, ["job.succeeded"]), CAP) for _ in range(RACERS))
+        )
+        assert created.count(True) == CAP, created
