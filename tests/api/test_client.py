@@ -370,6 +370,47 @@ async def test_sshapi_files_put_ls_get_rm_round_trip_byte_exact(api: Api, tmp_pa
     assert rc == 255 and b"file-not-found" in err
 
 
+async def test_sshapi_files_put_resumable_killed_goes_on_when_run_again(
+    api: Api, tmp_path: Path
+) -> None:
+    """`sshapi files put --resumable` SIGKILLed once its upload's first 16 MiB chunk is on the
+    host: the same command again finishes that upload (its temporary file, not a second one),
+    the file is byte-exact, and the record on disk is gone."""
+    data = os.urandom(64 << 20)
+    source = tmp_path / "big.bin"
+    source.write_bytes(data)
+    remote = f"sshapi-res-{uuid.uuid4().hex[:8]}/big.bin"
+    home = Path(host_account().home)
+    state = {"XDG_STATE_HOME": str(tmp_path / "state")}
+    args = ("files", "put", "--resumable", "--parents", "local", str(source), remote)
+    proc = await asyncio.create_subprocess_exec(
+        SSHAPI, *args, env={**env_for(api), **state},
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+
+    def first_chunk_landed() -> bool:
+        parts = list((home / remote).parent.glob(".big.bin.sshapi-*.part"))
+        return bool(parts) and parts[0].stat().st_size >= 16 << 20
+
+    try:
+        async with asyncio.timeout(60):
+            while not first_chunk_landed():
+                assert proc.returncode is None, "the upload ended before it could be stopped"
+                await asyncio.sleep(0.01)
+    finally:
+        proc.kill()
+        await proc.wait()
+    assert not (home / remote).exists()
+    rc, out, err = await sshapi(api, *args, "--json", **state)
+    assert rc == 0, err
+    assert json.loads(out)["sha256"] == hashlib.sha256(data).hexdigest()
+    assert (home / remote).read_bytes() == data
+    assert list((home / remote).parent.glob("*.part")) == []  # the first upload's, finished
+    assert list((tmp_path / "state" / "sshapi" / "uploads").iterdir()) == []
+    rc, _, err = await sshapi(api, "files", "rm", "local", remote, remote.split("/")[0])
+    assert rc == 0, err
+
+
 async def test_sshapi_hosts_list_run_shell_jobs_wait_files_mv_and_checksum(
     api: Api, tmp_path: Path
 ) -> None:
