@@ -577,7 +577,7 @@ class Client(_Base):
         """The recorded upload of the same local file, where it stands (Location, offset, the
         answer once complete, an answer carrying its limits); (None, 0, None, None) when there
         is none to go on with: a recorded upload of a file changed since is cancelled (it
-        holds one of the identity's open uploads), one the server no longer has forgotten."""
+        holds one of the identity's open uploads), or one the server has forgotten."""
         kept = record.load(prefix)
         if kept is None:
             record.drop()
