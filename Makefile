@@ -164,8 +164,9 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-# The sync client (api/client/_sync.py) is generated from the async one (_async.py): run this
-# after editing _async.py; tests/test_unasync.py fails while the two disagree.
+# The sync client (api/client/_sync.py, _sync_files.py) is generated from the async one
+# (_async.py, _async_files.py): run this after editing them; tests/test_unasync.py fails while
+# they disagree.
 unasync: $(STAMP)
 	$(VENV)/bin/python scripts/gen_sync_client.py
 

@@ -8,18 +8,23 @@ import difflib
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_the_committed_sync_client_is_generated_from_the_async_one() -> None:
+@pytest.mark.parametrize("source", ["_async.py", "_async_files.py"])
+def test_the_committed_sync_client_is_generated_from_the_async_one(source: str) -> None:
     spec = importlib.util.spec_from_file_location(
         "gen_sync_client", ROOT / "scripts" / "gen_sync_client.py"
     )
     assert spec is not None and spec.loader is not None
     generator = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(generator)
-    generated = generator.generate()
-    committed = (ROOT / "api" / "client" / "_sync.py").read_text()
+    path = ROOT / "api" / "client" / source
+    generated = generator.generate(path)
+    target = generator.MODULES[path]
+    committed = target.read_text()
     diff = "".join(
         difflib.unified_diff(
             committed.splitlines(keepends=True),
@@ -28,4 +33,4 @@ def test_the_committed_sync_client_is_generated_from_the_async_one() -> None:
             "generated",
         )
     )
-    assert diff == "", f"api/client/_sync.py differs from what `make unasync` makes:\n{diff}"
+    assert diff == "", f"{target.name} differs from what `make unasync` makes:\n{diff}"
