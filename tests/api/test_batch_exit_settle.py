@@ -26,11 +26,13 @@ pytestmark = pytest.mark.timeout(120)
 
 
 async def test_time_limit_exceeded_is_timed_out(batch_api: Api, overtime_job: str) -> None:
-    """A `sleep 300` with a one-minute limit: `timed_out` (Slurm's TIMEOUT), ended by TERM,
-    with the time limit named."""
+    """A `sleep 300` with a one-minute limit: `timed_out` (Slurm's TIMEOUT), with the time
+    limit named, and ended by TERM as far as Slurm has said: its report of the signal may come
+    after the tracker's `EXIT_SETTLE` on a loaded box (then none is given; the holding back is
+    proven with a scripted Slurm below), never another signal."""
     job = await batch_api.until_final(overtime_job, timeout=110)
     assert (job["state"], job["scheduler"]["state"]) == ("timed_out", "TIMEOUT")
-    assert job["exit_signal"] == "TERM" and "time limit" in job["error"]
+    assert job["exit_signal"] in ("TERM", None) and "time limit" in job["error"]
 
 
 class _Answers(SlurmClient):
