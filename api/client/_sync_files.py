@@ -181,16 +181,22 @@ class SyncFiles(_Base):
             "headers": _upload_headers(size, create_only),
             "timeout": httpx.Timeout(60, write=300),
         }
+        response = self._in_place(host, path, parents, "PUT", files_path(host, "/content"), **put)
+        return read_answer(response, an_upload)
+
+    def _in_place(
+        self, host: str, path: str, parents: bool, method: str, url: str, **kw: Any
+    ) -> httpx.Response:
+        """A request that puts a file at `path`; when its directory is missing (404) and
+        `parents`, the directory made (as `mkdir -p`) and the request sent again."""
         try:
-            response = self.request("PUT", files_path(host, "/content"), **put)
+            return self.request(method, url, **kw)
         except NotFound:
-            # Its directory is missing: make it and send the file again, as asked.
             parent = _parent(path)
             if not parents or parent is None:
                 raise
             self.mkdir(host, parent, parents=True)
-            response = self.request("PUT", files_path(host, "/content"), **put)
-        return read_answer(response, an_upload)
+            return self.request(method, url, **kw)
 
     def upload_resumable(
         self,
@@ -200,15 +206,17 @@ class SyncFiles(_Base):
         *,
         chunk_size: int = UPLOAD_CHUNK,
         create_only: bool = False,
+        parents: bool = False,
         progress: Progress | None = None,
         records: str | os.PathLike[str] | None = None,
     ) -> dict[str, Any]:
         """Upload a local file to `path` in chunks of `chunk_size` bytes, each with its sha-256
-        digest (a resumable upload: docs/files.md). A lost connection costs at most the chunk it
-        cut: the client asks where the upload stands (HEAD) and goes on. The upload is recorded
-        in `records` (default `upload_records()`) until it ends, so a call for the same file
-        and path after this process was stopped goes on from there too. The host's sha256 of
-        the whole file is checked against the local file's. Answers `path`, `size`, `sha256`."""
+        digest (a resumable upload: docs/files.md); `create_only` and `parents` as `upload`. A
+        lost connection costs at most the chunk it cut: the client asks where the upload stands
+        (HEAD) and goes on. The upload is recorded in `records` (default `upload_records()`)
+        until it ends, so a call for the same file and path after this process was stopped goes
+        on from there too. The host's sha256 of the whole file is checked against the local
+        file's. Answers `path`, `size`, `sha256`."""
         identity = SyncFile.identity(source)
         size = identity[0]
         record = UploadRecord(
@@ -223,7 +231,10 @@ class SyncFiles(_Base):
             record, identity, files_path(host, "/uploads/")
         )
         if location is None:
-            created = self.request(
+            created = self._in_place(
+                host,
+                path,
+                parents,
                 "POST",
                 files_path(host, "/uploads"),
                 params={"path": path},

@@ -150,18 +150,10 @@ def files_put(
         sides(host, remote, source, hint),
         transfer(f"put {source.name}", as_json) as progress,
     ):
-        if not resumable:
-            answer = c.upload(
-                host, source, remote, create_only=create_only, parents=parents, progress=progress
-            )
-        else:
-            from api.client.files import _parent
-
-            if parents and (parent := _parent(remote)) is not None:
-                c.mkdir(host, parent, parents=True)
-            answer = c.upload_resumable(
-                host, source, remote, create_only=create_only, progress=progress
-            )
+        send = c.upload_resumable if resumable else c.upload
+        answer = send(
+            host, source, remote, create_only=create_only, parents=parents, progress=progress
+        )
     if as_json:
         typer.echo(json.dumps(answer))
     else:
