@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import os
 
@@ -162,6 +163,16 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
         write(f"{seconds:7.1f} s  {ran_on.get(file, ''):4}  {file}{listed}")
     if workers:
         write("busy per worker: " + ", ".join(f"{w} {s:.0f} s" for w, s in sorted(workers.items())))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _leaks_reported_in_their_file() -> Iterator[None]:
+    """A garbage collection after each test file: a socket or transport a file's tests left
+    open is reported (ResourceWarning, an error under filterwarnings) at that file's last
+    teardown, not in whichever later test the collector happens to run (CI once failed
+    `test_api_agent.py` for a socket another file had left)."""
+    yield
+    gc.collect()
 
 
 SLURM_CPUS = 16
