@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import os
 import sys
 import threading
 import time
@@ -47,6 +48,10 @@ T = TypeVar("T")
 DEFAULT_SLOTS = 8
 # The interpreter's switch interval while a lane runs (`Lane.start`), seconds.
 SWITCH_INTERVAL = 0.001
+# How much lower the lane's thread runs in the kernel's CPU priority than the rest of the
+# process (nice, on Linux where a thread has its own): on contended cores the threads serving
+# jobs run first (docs/files.md, "A lower priority").
+LANE_NICE = 10
 # Tenants' tags kept before those that no longer matter are dropped (`Turns`).
 PRUNE_AT = 1024
 # Long paths (`wan_sizes`): the bytes of one read or write call of a transfer and the SSH
@@ -114,6 +119,7 @@ class Lane:
         except ImportError:  # pragma: no cover - uvloop is a dependency of the API
             loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
+        _lower_priority(LANE_NICE)
         self._loop = loop
         self._ready.set()
         try:
@@ -124,6 +130,11 @@ class Lane:
                 task.cancel()
             loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             loop.close()
+
+    @property
+    def native_id(self) -> int | None:
+        """The kernel's id of the lane's thread (None before `start`)."""
+        return self._thread.native_id if self._thread is not None else None
 
     def stop(self) -> None:
         """End the thread (the pool's lane connections closed before: `Pool.close`)."""
@@ -171,6 +182,17 @@ class Lane:
             with contextlib.suppress(BaseException):
                 await asyncio.shield(waiter)
             raise
+
+
+def _lower_priority(by: int) -> None:
+    """The calling thread's nice raised by `by`. Linux gives each thread its own (setpriority
+    on the thread's id); elsewhere the call would renice the whole process, so nothing is
+    done. Raising it needs no privilege; a refusal leaves the thread as it was."""
+    if not sys.platform.startswith("linux"):
+        return
+    me = threading.get_native_id()
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, me, os.getpriority(os.PRIO_PROCESS, me) + by)
 
 
 def _settle(task: asyncio.Task[T], done: concurrent.futures.Future[T]) -> None:

@@ -19,6 +19,7 @@ from sshpool import ConnectionLost, Lane, Pool, PoolTimeout
 from sshpool.backends import BACKENDS
 from sshpool.devhost import LatencyRelay, LocalHost, RelayedHost
 from sshpool.lane import (
+    LANE_NICE,
     MIN_CHUNK,
     MIN_WINDOW,
     LaneConnection,
@@ -165,6 +166,15 @@ async def test_transfers_run_on_the_lanes_thread_beside_the_jobs(
         # While a lane runs, the jobs' thread waits at most 1 ms for the GIL.
         assert sys.getswitchinterval() <= 0.001
         assert lane.turns.granted["alice"] >= 64 * MIB
+
+
+def test_the_lanes_thread_runs_at_a_lower_cpu_priority(lane: Lane) -> None:
+    """On contended cores the kernel runs the threads serving jobs before the lane's (what
+    `top -H` shows an operator: the lane's thread at nice +10); the process keeps its own."""
+    assert lane.native_id is not None
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert os.getpriority(os.PRIO_PROCESS, lane.native_id) == min(19, mine + LANE_NICE)
+    assert os.getpriority(os.PRIO_PROCESS, os.getpid()) == mine
 
 
 async def test_lane_connections_count_in_the_sshd_budget(
