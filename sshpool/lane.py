@@ -20,7 +20,8 @@ What lives where:
 
 Invariants: a lane connection's I/O happens on the lane's loop only; the pool's state changes
 on the caller's loop only; a chunk operation holds its turn until it ended on the lane, also
-when its caller was cancelled.
+when its caller was cancelled; what a lane call made for a caller cancelled meanwhile (a
+connection, session or file) is closed there (`Lane.call`'s `release`).
 """
 
 from __future__ import annotations
@@ -150,10 +151,17 @@ class Lane:
     def in_lane(self) -> bool:
         return threading.current_thread() is self._thread
 
-    async def call(self, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any) -> T:
+    async def call(
+        self,
+        fn: Callable[..., Coroutine[Any, Any, T]],
+        *args: Any,
+        release: Callable[[T], Coroutine[Any, Any, object]] | None = None,
+    ) -> T:
         """`await fn(*args)` on the lane's loop, from the caller's. A cancelled caller cancels
         it there and returns once it has ended (so nothing of it runs on after, e.g. on a
-        session the caller closes next)."""
+        session the caller closes next). `release`: what becomes of a result that ended on the
+        lane before the cancel got there, which no one will receive (a connection, session or
+        file: closed there, not left open and uncounted)."""
         loop = self.loop
         done: concurrent.futures.Future[T] = concurrent.futures.Future()
         task: list[asyncio.Task[T]] = []
@@ -180,7 +188,9 @@ class Lane:
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(cancel)
             with contextlib.suppress(BaseException):
-                await asyncio.shield(waiter)
+                result = await asyncio.shield(waiter)
+                if release is not None:
+                    await asyncio.shield(self.call(release, result))
             raise
 
 
@@ -316,9 +326,13 @@ class LaneBackend:
         self.name = backend.name
 
     async def connect(self, target: Target) -> LaneConnection:
-        conn = await self.lane.call(self.backend.connect, target)
+        conn = await self.lane.call(self.backend.connect, target, release=_close)
         lane_conn = LaneConnection(conn, self.lane, target.limits.transfer_bandwidth)
-        await lane_conn.probe()
+        try:
+            await lane_conn.probe()
+        except BaseException:  # cancelled meanwhile: the caller never gets it to close
+            await asyncio.shield(lane_conn.close())
+            raise
         return lane_conn
 
 
@@ -368,7 +382,8 @@ class LaneConnection:
         _chunk, window = self.sizes()
         if hasattr(self._conn, "sftp_window"):  # asyncssh's, paramiko's: ssh2 sizes its own
             self._conn.sftp_window = None if window <= MIN_WINDOW else window
-        return LaneSFTP(await self._lane.call(self._conn.sftp), self._lane, self)
+        session = await self._lane.call(self._conn.sftp, release=_close)
+        return LaneSFTP(session, self._lane, self)
 
     async def close(self) -> None:
         with contextlib.suppress(ConnectionLost):
@@ -413,7 +428,9 @@ class LaneSFTP:
             await self._lane.call(entries.aclose)
 
     async def open_read(self, path: str, offset: int = 0) -> LaneFile:
-        f, rtt = await self._lane.call(_timed, self._s.open_read, path, offset)
+        f, rtt = await self._lane.call(
+            _timed, self._s.open_read, path, offset, release=_close_opened
+        )
         self._conn.saw(rtt)
         chunk, _window = self._conn.sizes()
         return LaneFile(f, self._lane, self.tenant, chunk)
@@ -423,13 +440,17 @@ class LaneSFTP:
         with its last requests unanswered and the next call's follow them (asyncssh, paramiko),
         so a call's closing round trip no longer idles the pipe, and a bigger call would only
         hold more of the API's memory per upload."""
-        f, rtt = await self._lane.call(_timed, _open_write, self._s, path, exclusive, mode)
+        f, rtt = await self._lane.call(
+            _timed, _open_write, self._s, path, exclusive, mode, release=_close_opened
+        )
         self._conn.saw(rtt)
         return LaneFile(f, self._lane, self.tenant, MIN_CHUNK)
 
     async def open_resume(self, path: str, offset: int) -> LaneFile:
         """A resumable upload's file at `offset`, written in MIN_CHUNK calls (open_write)."""
-        f, rtt = await self._lane.call(_timed, self._s.open_resume, path, offset)
+        f, rtt = await self._lane.call(
+            _timed, self._s.open_resume, path, offset, release=_close_opened
+        )
         self._conn.saw(rtt)
         return LaneFile(f, self._lane, self.tenant, MIN_CHUNK)
 
@@ -489,6 +510,16 @@ class LaneFile:
     async def close(self) -> None:
         self._lane.turns.forget_transfer(self._tenant, self)
         await self._lane.call(self._f.close)
+
+
+async def _close(made: Any) -> None:
+    """Close what a lane call made for a caller that was cancelled (`Lane.call`'s release)."""
+    with contextlib.suppress(Exception):
+        await made.close()
+
+
+async def _close_opened(opened: tuple[Any, float]) -> None:
+    await _close(opened[0])
 
 
 async def _next(entries: AsyncGenerator[DirEntry, None]) -> DirEntry:

@@ -5,6 +5,7 @@ tenants. The pure turn logic runs without sshd; the rest against the real one.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import itertools
 import os
@@ -15,13 +16,15 @@ from collections.abc import Hashable, Iterator
 
 import pytest
 
-from sshpool import ConnectionLost, Lane, Pool, PoolTimeout
+from sshpool import ConnectionLost, Lane, Pool, PoolTimeout, Target
 from sshpool.backends import BACKENDS
 from sshpool.devhost import LatencyRelay, LocalHost, RelayedHost
+from sshpool.devhost.fake import FakeBackend, FakeConnection, FakeSFTP
 from sshpool.lane import (
     LANE_NICE,
     MIN_CHUNK,
     MIN_WINDOW,
+    LaneBackend,
     LaneConnection,
     LaneFile,
     LaneSFTP,
@@ -166,6 +169,67 @@ async def test_transfers_run_on_the_lanes_thread_beside_the_jobs(
         # While a lane runs, the jobs' thread waits at most 1 ms for the GIL.
         assert sys.getswitchinterval() <= 0.001
         assert lane.turns.granted["alice"] >= 64 * MIB
+
+
+async def test_what_a_call_made_as_its_caller_was_cancelled_is_closed_on_the_lane(
+    lane: Lane,
+) -> None:
+    """A connect or open that ended on the lane with its result just as its caller was
+    cancelled (the cancel came too late there): what it made is closed on the lane, not left
+    open with no one to close it (a connection the sshd budget would no longer count)."""
+    closed: list[str] = []
+    started = threading.Event()
+
+    class Made:
+        async def close(self) -> None:
+            closed.append(threading.current_thread().name)
+
+    async def ends_with_a_result() -> Made:
+        started.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(30)
+        return Made()
+
+    async def release(made: Made) -> None:
+        await made.close()
+
+    caller = asyncio.create_task(lane.call(ends_with_a_result, release=release))
+    assert await asyncio.to_thread(started.wait, 30)
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    assert closed == ["sshpool-lane"]
+
+
+async def test_a_lane_connect_cancelled_during_its_probe_closes_its_connection(
+    lane: Lane,
+) -> None:
+    """Cancelled after the handshake, while its first SFTP round trip is timed: the new
+    connection is closed (its caller never got it to close)."""
+    probing = threading.Event()
+
+    class ProbeHangs(FakeBackend):
+        async def connect(self, target: Target) -> FakeConnection:
+            conn = await super().connect(target)
+
+            async def hang() -> FakeSFTP:
+                probing.set()
+                await asyncio.sleep(30)
+                raise AssertionError("the probe was not cancelled")
+
+            conn.sftp = hang  # type: ignore[method-assign]
+            return conn
+
+    backend = ProbeHangs(connect_time=0.0)
+    connecting = asyncio.create_task(
+        LaneBackend(backend, lane).connect(Target("fake", "u", ("k",), "kh"))
+    )
+    assert await asyncio.to_thread(probing.wait, 30)
+    connecting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await connecting
+    [conn] = backend.conns
+    assert not conn.alive
 
 
 def test_the_lanes_thread_runs_at_a_lower_cpu_priority(lane: Lane) -> None:
