@@ -153,6 +153,10 @@ def make(
     env.pop("DEBIAN_FRONTEND", None)
     env.pop("RUNLEVEL", None)
     env.pop("SSHAPI_TEST_PG", None)
+    # The recipe runs in a root shell of its own: when the suite itself runs through sudo
+    # (`sudo make test`), sudo's variables would make the as-root case look as if it did too.
+    for var in ("SUDO_COMMAND", "SUDO_USER", "SUDO_UID", "SUDO_GID"):
+        env.pop(var, None)
     env |= env_extra or {}
     argv = ["make", "--no-print-directory", "-C", str(ROOT), target]
     argv += [f"{k}={v}" for k, v in variables.items()]
