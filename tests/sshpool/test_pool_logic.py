@@ -344,3 +344,23 @@ async def test_the_gate_refuses_before_a_start_and_again_when_a_waiter_is_served
                 pass
     ran = [line.split(" $$; ", 1)[1] for line in backend.order]
     assert ran == ["echo first", "echo after", "echo ungated"], ran
+
+
+async def test_a_close_begun_as_the_pool_closes_still_closes_its_connection() -> None:
+    """A connection already taken out of the pool and being closed in the background (evicted
+    for another account, expired, found dead) when the pool closes, its close not yet begun:
+    the pool's close lets it run, so the connection is closed, not left open past the pool."""
+    backend = FakeBackend()
+    pool = Pool(backend)
+    t = target(max_connections=1)
+    await pool.run(t, ["true"], timeout=5)
+    [conn] = backend.conns
+    host = pool._hosts[t]  # the pool's own step, taken here at its worst moment
+    [pooled] = host.conns
+    host.conns.remove(pooled)
+    host._close_soon(pooled, evicted=True)
+    # The host pool's close in the same turn, before the close task's first step (as when a
+    # command's end spawns it just after `Pool.close` scheduled its host pools' closes).
+    await host.close()
+    await pool.close()
+    assert not conn.alive
