@@ -47,6 +47,7 @@ log = logging.getLogger("sshpool")
 
 # How long the kill of a timed-out or cancelled command may take, all attempts included.
 KILL_TIMEOUT = 5.0
+CLOSE = "sshpool-close"  # the name of a connection's background close (`HostPool.close`)
 
 
 class HostPool:
@@ -85,8 +86,6 @@ class HostPool:
         # Connections made (handshakes that succeeded), slots waited for (timed out ones too).
         self.create_time, self.wait_time = Durations(), Durations()
         self.tasks: set[asyncio.Task[Any]] = set()
-        # The closes among them (`close` lets them run to their end).
-        self.closing: set[asyncio.Task[Any]] = set()
         self.loop = asyncio.get_running_loop()
         # Whether new connections start an executor (Target.exec_mode; `AgentMode`).
         self.agent = AgentMode(target)
@@ -171,7 +170,7 @@ class HostPool:
         self.conns.remove(c)
         c.expired = c.for_room = True
         self.counters["evicted"] += 1
-        self._close_soon(c, evicted=True)
+        self.spawn(self._close(c, evicted=True), CLOSE)
 
     def holds(self) -> tuple[int, int]:
         busy = sum(1 for c in self.conns if c.in_use)
@@ -193,7 +192,7 @@ class HostPool:
         keep: list[PooledConn] = []
         for c in self.conns:
             if c.in_use == 0 and (c.expired or not c.conn.is_alive()):
-                self._close_soon(c, evicted=c.for_room)
+                self.spawn(self._close(c, evicted=c.for_room), CLOSE)
             else:
                 keep.append(c)
         self.conns = keep
@@ -268,17 +267,11 @@ class HostPool:
 
     # ---- I/O ----
 
-    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str = "") -> None:
         task = asyncio.ensure_future(coro)
+        task.set_name(name or task.get_name())
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
-        return task
-
-    def _close_soon(self, c: PooledConn, evicted: bool) -> None:
-        """Close `c` (already out of `conns`) in the background."""
-        task = self.spawn(self._close(c, evicted))
-        self.closing.add(task)
-        task.add_done_callback(self.closing.discard)
 
     async def _close(self, c: PooledConn, evicted: bool = False) -> None:
         try:
@@ -545,15 +538,13 @@ class HostPool:
     async def close(self) -> None:
         self._fail_waiters(PoolTimeout("pool closed"))
         self.connect_watchers.clear()
-        tasks = [t for t in self.tasks if t not in self.closing]
+        # Background closes run to their end: one cancelled unstarted never closes its socket.
+        tasks = [t for t in self.tasks if t.get_name() != CLOSE]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         conns, self.conns = self.conns, []
-        # The closes under way run to their end (each bounded by its backend's close): one
-        # cancelled before its first step would never close its connection, which no list
-        # holds any more (its socket left open past the pool).
-        closing = list(self.closing)
+        closing = [t for t in self.tasks if t.get_name() == CLOSE]
         await asyncio.gather(*(c.conn.close() for c in conns), *closing, return_exceptions=True)
 
     async def discard(self) -> int:

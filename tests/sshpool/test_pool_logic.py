@@ -14,6 +14,7 @@ from sshpool.breaker import Breaker
 from sshpool.devhost import FakeBackend
 from sshpool.devhost.fake import backlog_queued
 from sshpool.errors import ConnectError, NotAdmitted, PoolFull, PoolTimeout
+from sshpool.host import CLOSE
 
 
 def target(**limits: object) -> Target:
@@ -358,7 +359,7 @@ async def test_a_close_begun_as_the_pool_closes_still_closes_its_connection() ->
     host = pool._hosts[t]  # the pool's own step, taken here at its worst moment
     [pooled] = host.conns
     host.conns.remove(pooled)
-    host._close_soon(pooled, evicted=True)
+    host.spawn(host._close(pooled, evicted=True), CLOSE)
     # The host pool's close in the same turn, before the close task's first step (as when a
     # command's end spawns it just after `Pool.close` scheduled its host pools' closes).
     await host.close()
