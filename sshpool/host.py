@@ -268,8 +268,7 @@ class HostPool:
     # ---- I/O ----
 
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str = "") -> None:
-        task = asyncio.ensure_future(coro)
-        task.set_name(name or task.get_name())
+        task = self.loop.create_task(coro, name=name or None)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
