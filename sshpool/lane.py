@@ -34,7 +34,14 @@ import sys
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Hashable
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Callable,
+    Coroutine,
+    Hashable,
+    Sequence,
+)
 from typing import Any, TypeVar
 
 from sshpool.backends.base import Backend, Connection, DirEntry, Exit, FileAttrs, SFTPSession
@@ -402,6 +409,9 @@ class LaneSFTP:
 
     async def realpath(self, path: str) -> str:
         return await self._lane.call(self._s.realpath, path)
+
+    async def realpaths(self, paths: Sequence[str]) -> list[str | None]:
+        return await self._lane.call(self._s.realpaths, paths)
 
     async def stat(self, path: str) -> FileAttrs:
         return await self._lane.call(self._s.stat, path)

@@ -37,6 +37,9 @@ MAX_PATH = 4096
 NAME_MAX = 255
 # Symlinks followed when judging where a path that does not resolve would lead.
 SYMLINK_HOPS = 8
+# Prefixes of a path that does not resolve asked about together (`Files._physical`): one round
+# trip for a path of up to this many names, a few for the longest a caller may give.
+PREFIX_PROBES = 16
 # Confinements (home and roots per host, account and rule) kept at most; the oldest go first.
 MAX_CONFINEMENTS = 10_000
 SUB_SAFE = re.compile(r"^[A-Za-z0-9@._+-]{1,128}$")
@@ -132,16 +135,12 @@ class Files:
         """The home and the roots of `patterns` resolved on the host."""
         home = await fs.realpath(".")
         found = Confinement(home, [])
-        for pattern in patterns:
-            written = _expand(home, pattern, grant, who)
-            if written is None:
-                continue
-            parent, base = posixpath.split(written)
-            named = written
-            if base:
-                with contextlib.suppress(RemoteFileError):
-                    named = posixpath.join(await fs.realpath(parent), base)
-            found.roots.append(Root(written, named, None))
+        written = [w for p in patterns if (w := _expand(home, p, grant, who)) is not None]
+        parents = await fs.realpaths([posixpath.dirname(w) for w in written])
+        for path, parent in zip(written, parents, strict=True):
+            base = posixpath.basename(path)
+            named = posixpath.join(parent, base) if base and parent is not None else path
+            found.roots.append(Root(path, named, None))
         await Files.resolve_roots(fs, found)
         return found
 
@@ -212,16 +211,18 @@ class Files:
         parts = [p for p in path.split("/") if p]
         if not parts:
             return "/"
-        # The whole path does not resolve (why we are here); parts[:low] does, to `real`.
+        # The whole path does not resolve (why we are here); parts[:low] does, to `real`. Each
+        # round asks about up to PREFIX_PROBES prefixes between low and high at once.
         low, high, real = 0, len(parts) - 1, "/"
         while low < high:
-            middle = (low + high + 1) // 2
-            try:
-                candidate = await self.fs.realpath("/" + "/".join(parts[:middle]))
-            except RemoteFileError:
-                high = middle - 1
-            else:
-                low, real = middle, candidate
+            step = -(-(high - low) // PREFIX_PROBES)
+            lengths = sorted({min(low + i * step, high) for i in range(1, PREFIX_PROBES + 1)})
+            answers = await self.fs.realpaths(["/" + "/".join(parts[:n]) for n in lengths])
+            for length, answer in zip(lengths, answers, strict=True):
+                if answer is None:
+                    high = length - 1
+                    break
+                low, real = length, answer
         following = posixpath.join(real, parts[low])
         rest = parts[low + 1 :]
         try:
@@ -263,13 +264,14 @@ class Files:
             raise protected(place.given)
 
     async def _protected_paths(self) -> list[str]:
+        """Each protected path as written and as resolved: asked about all at once (an
+        identity's first write on a long path waits for a few round trips, not one per path)."""
         found: list[str] = []
-        for entry in self.grant.host.protected_paths:
-            lexical = posixpath.join(self.home, entry)
+        lexicals = [posixpath.join(self.home, e) for e in self.grant.host.protected_paths]
+        resolved = await self.fs.realpaths(lexicals)
+        for lexical, real in zip(lexicals, resolved, strict=True):
             found.append(lexical)
-            try:
-                real: str | None = await self.fs.realpath(lexical)
-            except RemoteFileError:
+            if real is None:
                 real = await self._physical(lexical, SYMLINK_HOPS)
             if real is not None and real != lexical:
                 found.append(real)

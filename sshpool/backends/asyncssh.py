@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any, cast
 
 import asyncssh
@@ -207,6 +207,21 @@ class AsyncsshSFTP:
         async with _sftp_errors(path):
             result: str = await self._sftp.realpath(path)
         return result
+
+    async def realpaths(self, paths: Sequence[str]) -> list[str | None]:
+        # asyncssh sends a request at once and matches its answer by id: all go out together.
+        async def one(path: str) -> str | None:
+            try:
+                return await self.realpath(path)
+            except RemoteFileError:
+                return None
+
+        found: list[str | None] = []
+        for answer in await asyncio.gather(*map(one, paths), return_exceptions=True):
+            if isinstance(answer, BaseException):
+                raise answer  # the connection lost: every request failed alike
+            found.append(answer)
+        return found
 
     async def stat(self, path: str) -> FileAttrs:
         async with _sftp_errors(path):

@@ -5,16 +5,18 @@ SFTP sessions (the sftp subsystem on a channel of its own, `Connection.sftp`). B
 raise only sshpool.errors exceptions: each translates its library's errors in one place (its own
 table, plus the shared rules of `sshpool.backends.translate`).
 
-Only the interface lives here; `sshpool.backends.load_backend` finds a backend by name.
+Only the interface lives here (with `realpaths_in_turn`, the default its backends share);
+`sshpool.backends.load_backend` finds a backend by name.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from sshpool.command import Capture, Stdin
+from sshpool.errors import RemoteFileError
 from sshpool.target import Target
 
 
@@ -94,6 +96,13 @@ class SFTPSession(Protocol):
     async def realpath(self, path: str) -> str:
         """The canonical absolute path: `.` and `..` removed and every symlink followed (as
         OpenSSH's sftp-server does; a missing final component is allowed there)."""
+        ...
+
+    async def realpaths(self, paths: Sequence[str]) -> list[str | None]:
+        """`realpath` of each path, in order, None where the host answered an error status
+        (missing, not searchable). One operation: a backend that can send SFTP requests
+        together sends them all at once (one round trip for the lot on a long path), the others
+        one after another (`realpaths_in_turn`). The caller bounds how many."""
         ...
 
     async def stat(self, path: str) -> FileAttrs:
@@ -217,3 +226,15 @@ class Backend(Protocol):
         with target.client_keys, within target.limits.connect_timeout. Sets TCP_NODELAY and
         keepalives from target.limits. Raises ConnectTimeout or a ConnectError."""
         ...
+
+
+async def realpaths_in_turn(session: SFTPSession, paths: Sequence[str]) -> list[str | None]:
+    """`SFTPSession.realpaths` one request after another: for a backend whose session cannot
+    have two requests in flight."""
+    found: list[str | None] = []
+    for path in paths:
+        try:
+            found.append(await session.realpath(path))
+        except RemoteFileError:
+            found.append(None)
+    return found

@@ -41,13 +41,13 @@ import select
 import socket
 import threading
 import time
-from collections.abc import AsyncGenerator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, TypeVar
 
 from sshpool import tracing
 from sshpool.backends import translate
-from sshpool.backends.base import DirEntry, Exit, FileAttrs
+from sshpool.backends.base import DirEntry, Exit, FileAttrs, realpaths_in_turn
 from sshpool.command import Capture, Stdin
 from sshpool.errors import (
     AuthenticationFailed,
@@ -586,6 +586,9 @@ class ParamikoSFTP:
     async def realpath(self, path: str) -> str:
         result: str = await self._c.call(path, self._sftp.normalize, path)
         return result
+
+    async def realpaths(self, paths: Sequence[str]) -> list[str | None]:
+        return await realpaths_in_turn(self, paths)
 
     async def stat(self, path: str) -> FileAttrs:
         return _attrs(await self._c.call(path, self._sftp.stat, path))

@@ -48,12 +48,12 @@ import select
 import socket
 import time
 import weakref
-from collections.abc import AsyncGenerator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from sshpool import tracing
 from sshpool.backends import translate
-from sshpool.backends.base import DirEntry, Exit, FileAttrs
+from sshpool.backends.base import DirEntry, Exit, FileAttrs, realpaths_in_turn
 from sshpool.backends.ssh2_extras import READLINK, forget_pointer, lib_pointer, load_extras
 from sshpool.backends.translate import describe
 from sshpool.command import Capture, Stdin
@@ -695,6 +695,9 @@ class Ssh2SFTP:
     async def realpath(self, path: str) -> str:
         result: str = await self.op(path, self._sftp.realpath, path, 4096)
         return result
+
+    async def realpaths(self, paths: Sequence[str]) -> list[str | None]:
+        return await realpaths_in_turn(self, paths)
 
     async def stat(self, path: str) -> FileAttrs:
         return _attrs(await self.op(path, self._sftp.stat, path))

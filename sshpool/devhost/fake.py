@@ -21,6 +21,7 @@ remote process group id, then ``conn<number>`` once it ran `exec_time` seconds.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -96,6 +97,9 @@ class FakeSFTP:
 
     async def realpath(self, path: str) -> str:
         return path
+
+    async def realpaths(self, paths: Sequence[str]) -> list[str | None]:
+        return list(paths)
 
     async def stat(self, path: str) -> FileAttrs:
         raise RemoteNotFound("no such file", path)

@@ -318,6 +318,8 @@ async def test_a_symlink_never_tells_what_exists_outside_the_roots(
         "to-dir": d / "out" / "there",
         "to-missing-dir": d / "out" / "nope",
         "to-missing-deep": d / "out" / "nope" / "deeper" / "f",
+        # Deeper than one round of prefix probes: where it leads takes several.
+        "to-missing-deeper": d / "out" / "there" / Path(*(f"n{i}" for i in range(40))),
         "chain": d / "work" / "to-missing-dir",
         "to-unsearchable": Path("/root/x/y"),  # /root is 0700: the account may not look in
     }
@@ -338,6 +340,8 @@ async def test_a_symlink_never_tells_what_exists_outside_the_roots(
     # Inside the roots a missing path is still 404.
     assert (await fc.get(f"{d}/work/missing/x")).status_code == 404
     assert (await fc.put(f"{d}/work/missing/x", b"x")).status_code == 404
+    deep = "/".join(f"m{i}" for i in range(40))
+    assert (await fc.put(f"{d}/work/{deep}/x", b"x")).status_code == 404
 
 
 async def test_without_file_roots_a_rule_has_no_file_access(api: Api) -> None:

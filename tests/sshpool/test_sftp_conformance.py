@@ -215,6 +215,37 @@ async def test_realpath_removes_dotdot_and_follows_symlinks(fs: SFTPSession, tmp
     assert await fs.realpath(tmpdir.removeprefix(home + "/")) == tmpdir
 
 
+async def test_realpaths_answers_each_path_in_order_and_none_where_it_does_not_resolve(
+    fs: SFTPSession, tmpdir: str, stock_host: LocalHost
+) -> None:
+    """realpaths is realpath of many paths at once: each answer in its place, None for a path
+    under a missing or unsearchable directory, and the session usable afterwards."""
+    await fs.mkdir(f"{tmpdir}/d")
+    await fs.mkdir(f"{tmpdir}/shut")
+    os.symlink(f"{tmpdir}/d", f"{tmpdir}/link")
+    stock_host.run_local(["chmod", "000", f"{tmpdir}/shut"])
+    paths = [
+        f"{tmpdir}/link",
+        f"{tmpdir}/missing/deeper",
+        f"{tmpdir}/d/../d/new-name",  # a missing last name resolves (OpenSSH's realpath)
+        f"{tmpdir}/shut/inside/more",
+        ".",
+    ]
+    home = await fs.realpath(".")
+    assert await fs.realpaths(paths) == [f"{tmpdir}/d", None, f"{tmpdir}/d/new-name", None, home]
+    assert await fs.realpaths([]) == []
+    assert await fs.realpath(f"{tmpdir}/link") == f"{tmpdir}/d"
+
+
+async def test_realpaths_raises_connection_lost_when_the_connection_drops(
+    conn: Connection, fs: SFTPSession, tmpdir: str
+) -> None:
+    """A connection gone under a batch is one ConnectionLost, not a list of Nones."""
+    await conn.close()
+    with pytest.raises(ConnectionLost):
+        await fs.realpaths([tmpdir, f"{tmpdir}/a", f"{tmpdir}/b"])
+
+
 async def test_exclusive_create_refuses_an_existing_file(fs: SFTPSession, tmpdir: str) -> None:
     """open_write(exclusive) fails when the name exists; without it, the file is replaced."""
     await put(fs, f"{tmpdir}/f", b"old")
