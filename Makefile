@@ -17,6 +17,7 @@ APT_GET = $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get
 # What each install recipe checks before installing: tests/test_makefile.py points these at
 # absent paths to run every recipe with the tools missing.
 SSHD_BIN ?= /usr/sbin/sshd
+CURL_BIN ?= /usr/bin/curl
 NGINX_BIN ?= /usr/sbin/nginx
 SYSTEMD_ANALYZE_BIN ?= /usr/bin/systemd-analyze
 ZSH_BIN ?= /bin/zsh
@@ -45,7 +46,7 @@ SERVICES_DIR ?= /tmp/sshapi-services-$(shell id -u)
 OPENSSH10_DIR ?= /tmp/sshapi-openssh10-$(shell id -u)
 OPENSSH10_APT ?= apt-get
 
-.PHONY: run test test-fast lint unasync dashboards python-venv sshd slurm services deploy-tools shells browser node openssh10 prometheus
+.PHONY: run test test-fast lint unasync dashboards python-venv sshd load-tools slurm services deploy-tools shells browser node openssh10 prometheus
 
 # Create or refresh .venv whenever pyproject.toml changes. An existing .venv keeps the interpreter
 # it was made with: remove it to move to another one. scripts/pip_progress.py runs pip with a
@@ -81,6 +82,14 @@ sshd:
 	  echo "installing openssh-server (the local HPC host runs a real sshd)"; \
 	  $(APT_GET) update -q && \
 	  $(APT_GET) install -y -q openssh-server; }
+
+# The load suite's downloads beside scp's run curl, a client in C as scp is
+# (loadtests.transfer_fairness).
+load-tools:
+	@test -x $(CURL_BIN) || { \
+	  echo "installing curl (the load suite downloads through the API with it)"; \
+	  $(APT_GET) update -q && \
+	  $(APT_GET) install -y -q curl; }
 
 # The deploy/ tests run nginx in front of two replicas and check the systemd units. RUNLEVEL=1
 # keeps the package from starting a system nginx on port 80.
@@ -190,12 +199,12 @@ PYTEST = env -u PYTHONDONTWRITEBYTECODE $(VENV)/bin/pytest
 # The fast tier: lint, then the pool, the API and the client against the rig's sshd, PostgreSQL
 # and Redis; no Slurm, browser, deploy, docs, load-suite or install tests (their markers:
 # tests/conftest.py). For the edit-test loop; `make test` (CI) runs everything.
-test-fast: $(STAMP) sshd shells services openssh10 lint
+test-fast: $(STAMP) sshd load-tools shells services openssh10 lint
 	$(PYTEST) $(PYTEST_PARALLEL) -m "not full" --durations=20 --basetemp="$$(mktemp -d /tmp/sshapi-tests.XXXXXX)"
 
 # The whole suite: lint, then every test (SSH, API, fault and slow ones included); it ends
 # with the 20 slowest tests, to keep the suite's time in view. Each run gets
 # its own temp dir: pytest prunes /tmp/pytest-of-$USER to 3 runs, which would delete the sshd
 # files of a run still going.
-test: $(STAMP) sshd shells slurm services deploy-tools browser node openssh10 prometheus lint
+test: $(STAMP) sshd load-tools shells slurm services deploy-tools browser node openssh10 prometheus lint
 	$(PYTEST) $(PYTEST_PARALLEL) --durations=20 --basetemp="$$(mktemp -d /tmp/sshapi-tests.XXXXXX)"

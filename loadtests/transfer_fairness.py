@@ -6,7 +6,8 @@ issue 41's transfer lane).
 It starts a local sshd (`tuned`) and the API (`loadtests.server.start_api`, pooled), makes a
 sparse file of `--size-mib` on the host, then: `bob` submits `true` jobs one after the other
 (`Prefer: wait=30`, 50 ms apart) for `--base-seconds` alone; then `alice` starts `--downloads`
-downloads of the file at once (the bytes discarded) while bob goes on until they end (at most
+downloads of the file at once (the bytes discarded; by `curl` processes, a client in C as scp
+is, or with `--client httpx` in this process) while bob goes on until they end (at most
 `--cap-seconds`). It prints bob's p50/p90/max alone and during, the medians of his answers'
 Server-Timing stages during (a `queue` near 0 means his commands never waited for a channel:
 what is left is not queueing), the downloads' rate and the CPU seconds of the API process and
@@ -61,6 +62,23 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+async def curl_download(url: str, token: str, path: str) -> int:
+    """One download by `curl` to /dev/null: a client in C, as scp is, so that the figure beside
+    scp's is the API's and not this process's Python reading four streams."""
+    argv = [
+        "curl", "--silent", "--show-error", "--fail", "--output", "/dev/null",
+        "--write-out", "%{size_download}", "--header", "@-", "--get",
+        "--data-urlencode", f"path={path}", f"{url}/v1/hosts/local/files/content",
+    ]  # fmt: skip
+    proc = await asyncio.create_subprocess_exec(
+        *argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    out, err = await proc.communicate(f"Authorization: Bearer {token}\n".encode())
+    if proc.returncode != 0:
+        raise RuntimeError(f"curl failed ({proc.returncode}): {err.decode()[:200]}")
+    return int(out)
+
+
 async def download(client: httpx.AsyncClient, url: str, token: str, path: str) -> int:
     received = 0
     async with client.stream(
@@ -96,12 +114,13 @@ async def run(
                 copied = await asyncio.wait_for(asyncio.to_thread(scp), args.cap_seconds)
                 received = [copied["bytes"]]
             else:
-                received = await asyncio.wait_for(
-                    asyncio.gather(
-                        *(download(client, url, alice, path) for _ in range(args.downloads))
-                    ),
-                    args.cap_seconds,
-                )
+                downloads = [
+                    curl_download(url, alice, path)
+                    if args.client == "curl"
+                    else download(client, url, alice, path)
+                    for _ in range(args.downloads)
+                ]
+                received = await asyncio.wait_for(asyncio.gather(*downloads), args.cap_seconds)
             wall = time.perf_counter() - t0
             api_cpu, sshd_cpu = cpu_seconds(pids[0]) - api0, cpu_seconds(pids[1]) - sshd0
     return {
@@ -201,6 +220,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="on,off: one run per [api] transfer_lane setting, interleaved, with scp's figure",
     )
     ap.add_argument("--rounds", type=int, default=1, help="rounds of the --lane runs")
+    ap.add_argument(
+        "--client",
+        default="curl",
+        choices=["curl", "httpx"],
+        help="alice's downloads by curl processes (as scp's) or by httpx in this process",
+    )
     return ap.parse_args(argv)
 
 

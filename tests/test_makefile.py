@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPES: dict[str, dict[str, dict[str, str]]] = {
     "python-venv": {"python3-venv": {"ENSUREPIP_MAIN": "ensurepip-main"}},
     "sshd": {"openssh-server": {"SSHD_BIN": "sshd"}},
+    "load-tools": {"curl": {"CURL_BIN": "curl"}},
     "deploy-tools": {
         "nginx": {"NGINX_BIN": "nginx"},
         "systemd": {"SYSTEMD_ANALYZE_BIN": "systemd-analyze"},

@@ -16,7 +16,10 @@ pytestmark = pytest.mark.timeout(120)
 def test_a_small_run_reports_the_bystander_and_the_downloads(
     tuned_host: LocalHost, tmp_path: Path
 ) -> None:
-    args = parse(["--size-mib", "16", "--downloads", "2", "--base-seconds", "1"])
+    """The downloads by httpx in the generator's process here (the other test: curl's)."""
+    args = parse(
+        ["--size-mib", "16", "--downloads", "2", "--base-seconds", "1", "--client", "httpx"]
+    )
     result = measure(tuned_host, args, tmp_path)
     assert result["downloaded_mb"] == pytest.approx(2 * 16 * (1 << 20) / 1e6)
     assert result["alone_ms"] and result["during_ms"]
@@ -29,7 +32,7 @@ def test_lane_on_and_off_runs_interleave_with_parallel_scp(
 ) -> None:
     """`--lane on,off`: one API per setting, then as many scp of the same file at once with
     bob's jobs beside them too (what the box leaves him); the report sets each run beside
-    scp's figure of its round."""
+    scp's figure of its round. The downloads by curl, the default."""
     args = parse(
         ["--size-mib", "16", "--downloads", "2", "--base-seconds", "1", "--lane", "on,off"]
     )
