@@ -8,7 +8,8 @@ sparse file of `--size-mib` on the host, then: `bob` submits `true` jobs one aft
 (`Prefer: wait=30`, 50 ms apart) for `--base-seconds` alone; then `alice` starts `--downloads`
 downloads of the file at once (the bytes discarded; by `curl` processes, a client in C as scp
 is, or with `--client httpx` in this process) while bob goes on until they end (at most
-`--cap-seconds`). It prints bob's p50/p90/max alone and during, the medians of his answers'
+`--cap-seconds`); `--workers N` runs the API as N processes (`SSHAPI_WORKERS`). It prints
+bob's p50/p90/max alone and during, the medians of his answers'
 Server-Timing stages during (a `queue` near 0 means his commands never waited for a channel:
 what is left is not queueing), the downloads' rate and the CPU seconds of the API process and
 of sshd (with its session processes) during them. `--lane on,off` runs it once per API
@@ -221,6 +222,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--rounds", type=int, default=1, help="rounds of the --lane runs")
     ap.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="the API's processes (SSHAPI_WORKERS): each with its own lane and interpreter",
+    )
+    ap.add_argument(
         "--client",
         default="curl",
         choices=["curl", "httpx"],
@@ -267,7 +274,12 @@ def _measure_one(
     api_dir = workdir / "api"
     options = None if lane is None else {"transfer_lane": lane}
     proc, url = start_api(
-        host, backend="asyncssh", pool_mode="pooled", data_dir=api_dir, api=options
+        host,
+        backend="asyncssh",
+        pool_mode="pooled",
+        data_dir=api_dir,
+        api=options,
+        env={"SSHAPI_WORKERS": str(args.workers)},
     )
     try:
         settings = Settings(data_dir=api_dir)

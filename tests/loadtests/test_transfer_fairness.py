@@ -32,10 +32,9 @@ def test_lane_on_and_off_runs_interleave_with_parallel_scp(
 ) -> None:
     """`--lane on,off`: one API per setting, then as many scp of the same file at once with
     bob's jobs beside them too (what the box leaves him); the report sets each run beside
-    scp's figure of its round. The downloads by curl, the default."""
-    args = parse(
-        ["--size-mib", "16", "--downloads", "2", "--base-seconds", "1", "--lane", "on,off"]
-    )
+    scp's figure of its round. The downloads by curl, the default; the API in 2 processes."""
+    lane = ["--lane", "on,off", "--workers", "2"]
+    args = parse(["--size-mib", "16", "--downloads", "2", "--base-seconds", "1", *lane])
     result = measure(tuned_host, args, tmp_path)
     kinds = [(run["kind"], run.get("lane")) for run in result["runs"]]
     assert kinds == [("api", "on"), ("api", "off"), ("scp", None)]
