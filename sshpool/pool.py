@@ -156,6 +156,8 @@ class Pool:
                 self._entering[name] -= 1
                 if not self._entering[name]:
                     del self._entering[name]
+            if self._closed:  # closed while this caller waited: its host pool is closed too
+                raise RuntimeError("pool is closed")
         if self._maintenance is None:
             self._maintenance = asyncio.create_task(self._maintain())
         return host
@@ -186,6 +188,10 @@ class Pool:
 
     async def _new_host(self, target: Target) -> HostPool:
         sshd = await self._sshd(target)
+        if self._closed:
+            # Closed during the name's lookup: a host pool made now would be none of those the
+            # close closed, and its connections would outlive the pool.
+            raise RuntimeError("pool is closed")
         name = target.backend or self.backend.name
         if name not in self._backends:
             self._backends[name] = load_backend(name)

@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 
+import sshpool.pool as pool_module
 from sshpool import ConnectionLost, Limits, Pool, Target
 from sshpool.backends import Exit
 from sshpool.breaker import Breaker
@@ -345,6 +346,34 @@ async def test_the_gate_refuses_before_a_start_and_again_when_a_waiter_is_served
                 pass
     ran = [line.split(" $$; ", 1)[1] for line in backend.order]
     assert ran == ["echo first", "echo after", "echo ungated"], ran
+
+
+async def test_a_pool_closed_during_a_host_names_lookup_opens_nothing_after(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A first command for a host whose name is still being looked up when the pool closes
+    (a replica shutting down as a request arrives) fails with "pool is closed": no host pool
+    is made after the close, and no connection opened that nothing would close."""
+    looking, answer = asyncio.Event(), asyncio.Event()
+
+    async def slow_lookup(host: str, port: int) -> str:
+        looking.set()
+        await answer.wait()
+        return "127.0.0.1"
+
+    monkeypatch.setattr(pool_module, "_resolve", slow_lookup)
+    backend = FakeBackend()
+    pool = Pool(backend)
+    first = asyncio.create_task(pool.run(target(), ["true"], timeout=5))
+    second = asyncio.create_task(pool.run(target(), ["true"], timeout=5))  # behind it, same name
+    await looking.wait()
+    await pool.close()
+    answer.set()
+    for task in (first, second):
+        with pytest.raises(RuntimeError, match="pool is closed"):
+            await task
+    assert pool.stats() == {}
+    assert backend.conns == []
 
 
 async def test_a_close_begun_as_the_pool_closes_still_closes_its_connection() -> None:
