@@ -267,10 +267,11 @@ class HostPool:
 
     # ---- I/O ----
 
-    def spawn(self, coro: Coroutine[Any, Any, Any], name: str = "") -> None:
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str = "") -> asyncio.Task[Any]:
         task = self.loop.create_task(coro, name=name or None)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+        return task
 
     async def _close(self, c: PooledConn, evicted: bool = False) -> None:
         try:
@@ -547,15 +548,16 @@ class HostPool:
         await asyncio.gather(*(c.conn.close() for c in conns), *closing, return_exceptions=True)
 
     async def discard(self) -> int:
-        """Close every connection now (see `Pool.discard`), through the sshd's budget like any
-        close; the account stays a member of its sshd, with its breaker."""
+        """Close every connection now (`Pool.discard`) through the sshd's budget, in closes the
+        pool's close waits for too; the account stays a member of its sshd, with its breaker."""
         self._fail_waiters(PoolTimeout(f"{self.target}: its connections were closed"))
         if self.tasks:
             await asyncio.wait(list(self.tasks), timeout=KILL_TIMEOUT)
         conns, self.conns = self.conns, []
         for c in conns:
             c.expired = True
-        await asyncio.gather(*(self._close(c) for c in conns), return_exceptions=True)
+        closes = [self.spawn(self._close(c), CLOSE) for c in conns]
+        await asyncio.gather(*closes, return_exceptions=True)
         self.counters["discarded"] += len(conns)
         return len(conns)
 

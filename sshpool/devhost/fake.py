@@ -86,6 +86,7 @@ class FakeConnection:
         return FakeSFTP(self)
 
     async def close(self) -> None:
+        await asyncio.sleep(self.backend.close_time)
         self.alive = False
 
 
@@ -149,9 +150,10 @@ class FakeSFTP:
 class FakeBackend:
     """A backend whose connections are `FakeConnection`s.
 
-    Knobs: `connect_time` and `exec_time` (seconds), `sshd_max_sessions` (channels per connection
-    before ChannelRefused), `connect_failures` (raised by the next connects, in order), `lose`
-    ("before" / "after": the next execs lose their connection before or after the start).
+    Knobs: `connect_time`, `exec_time` and `close_time` (seconds), `sshd_max_sessions`
+    (channels per connection before ChannelRefused), `connect_failures` (raised by the next
+    connects, in order), `lose` ("before" / "after": the next execs lose their connection
+    before or after the start).
     Records: `order` (every command line run, in order), `conns` (every connection made),
     `in_flight` and `max_in_flight` (connects at once), `max_alive` (connections open at once,
     counted as sshd would: from the connect until the close).
@@ -160,6 +162,7 @@ class FakeBackend:
     name: str = "fake"
     connect_time: float = 0.05
     exec_time: float = 0.01
+    close_time: float = 0.0
     sshd_max_sessions: int = 100
     connect_failures: list[Exception] = field(default_factory=list)
     lose: list[Literal["before", "after"]] = field(default_factory=list)

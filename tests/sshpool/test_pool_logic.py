@@ -376,6 +376,22 @@ async def test_a_pool_closed_during_a_host_names_lookup_opens_nothing_after(
     assert backend.conns == []
 
 
+async def test_the_pool_closed_during_a_discard_waits_for_its_closes() -> None:
+    """A discard (an identity revoked) under way when the pool closes (the replica shutting
+    down): the pool's close returns once the connections the discard took are closed, not
+    while they are still open with nothing left to wait for them."""
+    backend = FakeBackend(close_time=0.2)
+    pool = Pool(backend)
+    t = target(max_connections=1)
+    await pool.run(t, ["true"], timeout=5)
+    [conn] = backend.conns
+    discard = asyncio.create_task(pool.discard(t))
+    await asyncio.sleep(0.05)  # the discard has taken the connection and is closing it
+    await pool.close()
+    assert not conn.alive
+    assert await discard == 1
+
+
 async def test_a_close_begun_as_the_pool_closes_still_closes_its_connection() -> None:
     """A connection already taken out of the pool and being closed in the background (evicted
     for another account, expired, found dead) when the pool closes, its close not yet begun:
