@@ -205,9 +205,10 @@ class Files:
 
     async def _physical(self, path: str, hops: int) -> str | None:
         """Where `path` (absolute, normalised) leads, as if its missing components existed as
-        plain directories: the longest prefix that resolves (a binary search: a handful of
-        realpath calls, whatever the depth), a dangling symlink right after it followed, the
-        rest appended. None after `hops` symlinks (a loop)."""
+        plain directories: the longest prefix that resolves (a search asking PREFIX_PROBES
+        prefixes at once per round: one round trip up to that depth, three at the deepest), a
+        dangling symlink right after it followed, the rest appended. None after `hops` symlinks
+        (a loop)."""
         parts = [p for p in path.split("/") if p]
         if not parts:
             return "/"
