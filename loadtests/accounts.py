@@ -221,6 +221,10 @@ async def post(url: str, path: str, body: bytes, token: str) -> tuple[int, bytes
         raise EOFError("the API closed the connection before its answer") from exc
     finally:
         writer.close()
+    length = re.search(rb"(?im)^content-length:\s*(\d+)\s*$", head)
+    if length is not None and len(answer) < int(length[1]):
+        # A replica killed between its answer's head and its body (`--fault replica`).
+        raise EOFError("the API closed the connection in the middle of its answer")
     return int(head.split(b" ", 2)[1]), answer
 
 

@@ -4,6 +4,7 @@ budget made and the connections it held, as the pool counts them."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -117,3 +118,25 @@ def test_two_workers_with_certificates_and_the_ceiling_of_the_same_run(tmp_path:
     assert row["sshd_drop_lines"] == 0
     assert row["connections_source"] == "netlink" and row["connections_max"] <= 4, row
     assert row["ceiling_per_s"] > 0 and row["makespan_x_floor"] > 0, row
+
+
+@pytest.mark.parametrize("sent", [b"", b'{"sta'], ids=["no-body", "half-a-body"])
+async def test_an_answer_cut_after_its_head_counts_as_lost(sent: bytes) -> None:
+    """A replica SIGKILLed between its answer's head and its body (`--fault replica`): the
+    generator's POST reports the connection closed (EOFError, counted like the others), not
+    a 201 whose body it cannot read."""
+    from loadtests.accounts import post
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(2)
+        body = b'{"state": "succeeded"}'
+        writer.write(b"HTTP/1.1 201 Created\r\nContent-Length: %d\r\n\r\n" % len(body) + sent)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        with pytest.raises(EOFError):
+            await post(f"http://127.0.0.1:{port}", "/v1/jobs", b"{}", "token")
