@@ -23,7 +23,7 @@ import asyncssh
 
 from sshpool import tracing
 from sshpool.backends import translate
-from sshpool.backends.base import DirEntry, Exit, FileAttrs
+from sshpool.backends.base import DirEntry, Exit, FileAttrs, realpath_or_none
 from sshpool.command import Capture, Stdin
 from sshpool.errors import (
     AuthenticationFailed,
@@ -210,14 +210,9 @@ class AsyncsshSFTP:
 
     async def realpaths(self, paths: Sequence[str]) -> list[str | None]:
         # asyncssh sends a request at once and matches its answer by id: all go out together.
-        async def one(path: str) -> str | None:
-            try:
-                return await self.realpath(path)
-            except RemoteFileError:
-                return None
-
+        asked = (realpath_or_none(self, path) for path in paths)
         found: list[str | None] = []
-        for answer in await asyncio.gather(*map(one, paths), return_exceptions=True):
+        for answer in await asyncio.gather(*asked, return_exceptions=True):
             if isinstance(answer, BaseException):
                 raise answer  # the connection lost: every request failed alike
             found.append(answer)

@@ -5,8 +5,9 @@ SFTP sessions (the sftp subsystem on a channel of its own, `Connection.sftp`). B
 raise only sshpool.errors exceptions: each translates its library's errors in one place (its own
 table, plus the shared rules of `sshpool.backends.translate`).
 
-Only the interface lives here (with `realpaths_in_turn`, the default its backends share);
-`sshpool.backends.load_backend` finds a backend by name.
+Only the interface lives here (with `realpaths_in_turn` and `realpath_or_none`, what its
+backends share for `SFTPSession.realpaths`); `sshpool.backends.load_backend` finds a backend by
+name.
 """
 
 from __future__ import annotations
@@ -228,13 +229,16 @@ class Backend(Protocol):
         ...
 
 
+async def realpath_or_none(session: SFTPSession, path: str) -> str | None:
+    """`session.realpath(path)`, None where the host answered an error status (one answer of
+    `SFTPSession.realpaths`)."""
+    try:
+        return await session.realpath(path)
+    except RemoteFileError:
+        return None
+
+
 async def realpaths_in_turn(session: SFTPSession, paths: Sequence[str]) -> list[str | None]:
     """`SFTPSession.realpaths` one request after another: for a backend whose session cannot
     have two requests in flight."""
-    found: list[str | None] = []
-    for path in paths:
-        try:
-            found.append(await session.realpath(path))
-        except RemoteFileError:
-            found.append(None)
-    return found
+    return [await realpath_or_none(session, path) for path in paths]
