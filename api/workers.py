@@ -1,6 +1,7 @@
 """The process model: `serve` runs the app (api/app.py) under uvicorn in this process, or, with
-`settings.workers` > 1, under a supervisor that starts that many worker processes on one port and
-starts again any that dies (`_supervise`)."""
+`settings.workers` > 1, under a supervisor that starts that many worker processes, hands each
+connection on its port to the least busy of them (api/handoff.py) and starts again any that
+dies (`_supervise`)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import uvicorn
 from api import tasks, tracing
 from api.app import create_app
 from api.config import Config
+from api.handoff import Counted, Dispatcher, HandedServer, Loads
 from api.local import resolve_config
 from api.policy import Policy
 from api.server import EdgeLimits, connection_limit, guarded_protocol
@@ -74,7 +76,7 @@ def _uvicorn_options(settings: Settings, config: Config) -> dict[str, Any]:
 def serve(settings: Settings, config: Config | None = None) -> None:
     """Run the API in this process until it is stopped: logging at `settings.log_level`, the
     app from `create_app(settings, config=config)`, uvicorn on `settings.host:settings.port`.
-    With `settings.workers` > 1, that many worker processes share the port (`_supervise`).
+    With `settings.workers` > 1, that many worker processes serve the port (`_supervise`).
     A background task that takes the process down (api/services.py) stops the server as
     Ctrl-C does (running jobs get their grace) and the process exits with TASK_DIED."""
     _configure_logging(settings)
@@ -143,21 +145,28 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def _worker(
-    settings: Settings, config: Config, index: int, sock: socket.socket, supervisor: int
+    settings: Settings,
+    config: Config,
+    index: int,
+    pair: socket.socket,
+    loads: Loads,
+    supervisor: int,
 ) -> None:
-    """One worker process: its own app, pool and store writer, serving the inherited socket.
-    `supervisor` is the parent's pid, passed in: read here, after a start of a second or two,
-    the parent could already be gone (and the orphan would watch init)."""
+    """One worker process: its own app, pool and store writer, serving the connections the
+    supervisor hands it over `pair`, its requests in flight counted in `loads`. `supervisor`
+    is the parent's pid, passed in: read here, after a start of a second or two, the parent
+    could already be gone (and the orphan would watch init)."""
     _configure_logging(settings)
     threading.Thread(target=_exit_with_parent, args=(supervisor,), daemon=True).start()
     settings = settings.model_copy(update={"replica": f"{settings.replica}-w{index}"})
     died = _stop_when_a_task_dies()
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(settings, config=config), **_uvicorn_options(settings, config))
+    app = Counted(create_app(settings, config=config), loads, index)
+    server = HandedServer(
+        uvicorn.Config(app, **_uvicorn_options(settings, config)), pair, loads, index
     )
     _freeze_startup_heap()
     with contextlib.suppress(KeyboardInterrupt):
-        server.run(sockets=[sock])
+        server.run()
     if died:
         raise SystemExit(TASK_DIED)
 
@@ -167,26 +176,32 @@ def _exit_on_sigterm(signum: int, _frame: object) -> None:
 
 
 def _supervise(settings: Settings, config: Config) -> None:
-    """Bind the port once, start `settings.workers` processes that all accept on it (the kernel
-    spreads connections), and start again any that dies, under the same index. uvicorn's own
+    """Bind the port once, start `settings.workers` processes, hand each connection to the
+    least busy (`Dispatcher`), and start again any that dies, under the same index. uvicorn's own
     `workers=` does the same but names no worker: here worker i is always replica
     `<replica>-w<i>`, so a restarted worker marks its own unfinished jobs `lost` (and never a
     sibling's, which a shared name would). Ctrl-C or SIGTERM stops them all."""
-    sock = uvicorn.Config(None, host=settings.host, port=settings.port).bind_socket()  # type: ignore[arg-type]
+    bind = uvicorn.Config(None, host=settings.host, port=settings.port)  # type: ignore[arg-type]
+    sock = bind.bind_socket()
     ctx = multiprocessing.get_context("spawn")
+    loads = Loads(settings.workers)
+    dispatcher = Dispatcher(sock, loads, bind.backlog)
 
     def start(index: int) -> multiprocessing.process.BaseProcess:
+        pair = dispatcher.pair(index)
         proc = ctx.Process(
             target=_worker,
-            args=(settings, config, index, sock, os.getpid()),
+            args=(settings, config, index, pair, loads, os.getpid()),
             name=f"sshapi-worker-{index}",
         )
         proc.start()
+        pair.close()  # the worker has its own: a dead worker's pair then fails at once
         return proc
 
     # SIGTERM (systemd, `kill`) stops the workers through the `finally` below, as Ctrl-C does.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     workers = {i: start(i) for i in range(settings.workers)}
+    dispatcher.start()
     log.info("%d workers on %s:%d", settings.workers, settings.host, settings.port)
     try:
         while True:
@@ -196,6 +211,7 @@ def _supervise(settings: Settings, config: Config) -> None:
                     log.warning("worker %d exited with %s: starting it again", index, proc.exitcode)
                     workers[index] = start(index)
     finally:
+        dispatcher.stop()
         for proc in workers.values():
             if proc.is_alive():
                 proc.terminate()  # uvicorn's graceful shutdown: running jobs get the grace

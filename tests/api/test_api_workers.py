@@ -1,16 +1,18 @@
 """`sshapi serve` with several worker processes on one port (SSHAPI_WORKERS): SQLite with one
-writer per worker, jobs cancelled through whichever worker gets the DELETE, a dead worker
-started again."""
+writer per worker, jobs cancelled through whichever worker gets the DELETE, each connection
+handed to the least busy worker, a dead worker started again."""
 
 from __future__ import annotations
 
 import asyncio
+import random
 import re
 import shutil
 import signal
 import subprocess
 import time
 from collections.abc import Callable
+from contextlib import AsyncExitStack
 from pathlib import Path
 
 import httpx
@@ -48,7 +50,7 @@ async def test_two_workers_share_the_port_store_and_cancels(
     config = load_config(config_file)
     with server_process(settings) as (proc, url):
         assert len(workers_of(proc.pid)) == 2
-        # A new connection per request: the kernel spreads them over both workers.
+        # A new connection per request: the supervisor spreads them over both workers.
         limits = httpx.Limits(max_keepalive_connections=0)
         async with httpx.AsyncClient(timeout=30, limits=limits) as client:
             api = Api(url, client, secret, config, settings, keys)
@@ -66,6 +68,89 @@ async def test_two_workers_share_the_port_store_and_cancels(
                 assert r.status_code in (200, 202), r.text
             for job_id in slow:
                 assert (await api.until_final(job_id))["state"] == "cancelled"
+
+
+# The held requests' connections come from this address, the rest from 127.0.0.1: so each
+# worker's count of them is read from its sockets, whatever else it holds.
+HELD_FROM = "127.0.0.2"
+
+
+def held_by(workers: list[psutil.Process], port: int) -> list[int]:
+    """Per worker, its open connections on `port` from HELD_FROM."""
+    return [
+        sum(
+            1
+            for c in w.net_connections("tcp")
+            if c.status == psutil.CONN_ESTABLISHED
+            and c.laddr.port == port
+            and c.raddr
+            and c.raddr.ip == HELD_FROM
+        )
+        for w in workers
+    ]
+
+
+def running(argv: list[str]) -> int:
+    """How many processes on this machine (the rig's host is local) run exactly `argv`."""
+    count = 0
+    for p in psutil.process_iter(["cmdline"]):
+        count += p.info["cmdline"] == argv
+    return count
+
+
+async def test_each_connection_goes_to_the_least_busy_worker(
+    config_file: Path, secret: str, keys: Keys, tmp_path: Path
+) -> None:
+    """Four long requests (jobs answered with `Prefer: wait`), each on its own connection and
+    opened once the one before is running, are served two by each worker: placed by the
+    requests in flight, not by which worker wakes first. (That a busy worker is passed over
+    whatever the turn: tests/api/test_handoff.py.)"""
+    settings = make_settings(tmp_path, config_file, "sqlite", None).model_copy(
+        update={"workers": 2}
+    )
+    config = load_config(config_file)
+    # The jobs' command, told apart from any other process on the machine.
+    argv = ["sleep", f"{100 + random.random():.6f}"]
+    with server_process(settings) as (proc, url):
+        port = int(url.rsplit(":", 1)[1])
+        workers = workers_of(proc.pid)
+        assert len(workers) == 2
+        async with AsyncExitStack() as stack:
+            client = await stack.enter_async_context(httpx.AsyncClient(timeout=30))
+            api = Api(url, client, secret, config, settings, keys)
+            held: list[asyncio.Task[httpx.Response]] = []
+
+            async def hold(n: int) -> list[int]:
+                """The n-th long request opened, and each worker's held connections once its
+                job runs. Nothing else connects meanwhile: a connection's worker is chosen
+                when the supervisor hands it over, by the requests in flight then."""
+                transport = httpx.AsyncHTTPTransport(local_address=HELD_FROM)
+                own = await stack.enter_async_context(
+                    httpx.AsyncClient(timeout=90, transport=transport)
+                )
+                body = {"host": "local", "argv": argv}
+                headers = {**api.auth(), "Prefer": "wait=60"}
+                held.append(
+                    asyncio.create_task(own.post(f"{url}/v1/jobs", json=body, headers=headers))
+                )
+                deadline = time.monotonic() + 30
+                while sum(counts := held_by(workers, port)) < n or running(argv) < n:
+                    assert time.monotonic() < deadline, f"long request {n}: {counts}"
+                    assert not held[-1].done(), held[-1].result().text
+                    await asyncio.sleep(0.05)
+                return counts
+
+            try:
+                assert sorted(await hold(1)) == [0, 1]
+                assert await hold(2) == [1, 1]
+                assert sorted(await hold(3)) == [1, 2]
+                assert await hold(4) == [2, 2]
+            finally:
+                r = await client.get(f"{url}/v1/jobs", headers=api.auth())
+                for job in r.json()["items"]:
+                    if job["state"] not in ("succeeded", "failed", "cancelled"):
+                        await client.delete(f"{url}/v1/jobs/{job['id']}", headers=api.auth())
+                await asyncio.gather(*held, return_exceptions=True)
 
 
 async def test_a_killed_worker_is_started_again(
@@ -118,8 +203,8 @@ async def test_two_workers_with_certificates_run_each_researcher_as_their_accoun
     with server_process(settings) as (proc, url):
         pids = {str(p.pid) for p in workers_of(proc.pid)}
         assert len(pids) == 2
-        # A new connection and a new identity per job: the kernel spreads the connections over
-        # both workers, and each identity's first job mints a certificate where it lands.
+        # A new connection and a new identity per job: the supervisor spreads the connections
+        # over both workers, and each identity's first job mints a certificate where it lands.
         limits = httpx.Limits(max_keepalive_connections=0)
         async with httpx.AsyncClient(timeout=30, limits=limits) as client:
             api = Api(url, client, secret, load_config(path), settings, keys)
@@ -188,7 +273,7 @@ async def test_two_workers_with_redis_share_the_sshds_budget(
             await asyncio.sleep(0.01)
 
     with server_process(settings, extra_env={"SSHAPI_REDIS_URL": REDIS_URL}) as (_proc, url):
-        # A new connection per request: the kernel spreads them over both workers.
+        # A new connection per request: the supervisor spreads them over both workers.
         limits = httpx.Limits(max_keepalive_connections=0)
         async with httpx.AsyncClient(timeout=60, limits=limits) as client:
             api = Api(url, client, secret, config, settings, keys)
