@@ -422,6 +422,12 @@ ENCRYPTION_ALGS = (
 # Writes gathered in one turn of the event loop go out together up to this size; a bigger
 # one (an SFTP write) is sent at once, since joining it would copy it for nothing.
 COALESCE_BYTES = 64 * 1024
+# A socket read larger than this reaches asyncssh in pieces of this size. asyncssh keeps its
+# input in one bytes object and slices off each packet it parses, copying what remains each
+# time: a 256 KiB read (the event loop's read size) of 32 KiB packets (the most sshd sends on
+# a channel) was copied about eight times over. Two packets a piece bounds that at about two;
+# the figures are in docs/benchmarks.md ("Figures behind the code").
+FEED_BYTES = 64 * 1024
 
 
 class _CoalescingTransport:
@@ -502,7 +508,17 @@ class _CoalescingProtocol(asyncio.Protocol):
         self.conn.connection_made(_CoalescingTransport(transport))  # type: ignore[arg-type]
 
     def data_received(self, data: bytes) -> None:
-        self.conn.data_received(data)
+        if len(data) <= FEED_BYTES:
+            self.conn.data_received(data)
+            return
+        view = memoryview(data)  # asyncssh appends each piece to its input: no copy here
+        for start in range(0, len(data), FEED_BYTES):
+            # A connection asyncssh closed on what it read (a MAC failure, a disconnect) drops
+            # its transport at once (the abort itself comes later): the rest is not for it,
+            # as it would not have parsed the rest of one whole read.
+            if getattr(self.conn, "_transport", None) is None:
+                return
+            self.conn.data_received(view[start : start + FEED_BYTES])
 
     def eof_received(self) -> bool | None:
         result: bool | None = self.conn.eof_received()
