@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import errno
 import functools
 import logging
 import multiprocessing.sharedctypes
@@ -39,11 +38,11 @@ log = logging.getLogger("sshapi.handoff")
 
 # Seconds the supervisor's accept loop waits before it looks at its stop flag again.
 POLL = 0.5
-# Seconds it pauses accepting when the process is out of descriptors or memory (asyncio pauses
-# its own accept loop alike): the connections wait in the backlog meanwhile.
+# Seconds it pauses accepting after an accept fails for a reason of the process's own (out of
+# descriptors or memory: asyncio pauses its own accept loop alike): the connections wait in the
+# backlog meanwhile. The loop never ends on an error: a supervisor that stopped accepting would
+# leave its healthy workers serving nobody.
 PAUSE = 0.1
-# Accept errors that are the process's, not the connection's: pause, then go on.
-OUT_OF = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
 class Loads:
@@ -141,8 +140,6 @@ class Dispatcher:
             except (BlockingIOError, InterruptedError, ConnectionAbortedError):
                 return
             except OSError as exc:
-                if exc.errno not in OUT_OF:
-                    raise
                 log.warning("cannot accept connections (%s): pausing %.1f s", exc, PAUSE)
                 time.sleep(PAUSE)
                 return

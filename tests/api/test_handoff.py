@@ -4,7 +4,10 @@ Several workers serving one port end to end: tests/api/test_api_workers.py."""
 
 from __future__ import annotations
 
+import contextlib
+import resource
 import socket
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -29,7 +32,7 @@ class Rig:
         self.listener = socket.socket()
         self.listener.bind(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
-        self.dispatcher = Dispatcher(self.listener, self.loads, backlog=16)
+        self.dispatcher = Dispatcher(self.listener, self.loads, backlog=1024)
         self.their = [self.dispatcher.pair(i) for i in range(workers)]
         for end in self.their:
             end.settimeout(WAIT)
@@ -115,3 +118,34 @@ def test_a_worker_started_again_takes_connections(rig: Rig) -> None:
     rig.loads.add_busy(1, 1)
     with rig.connect(), rig.taken_by(0):
         pass
+
+
+def test_a_worker_that_stops_reading_is_passed_over_once_full(rig: Rig) -> None:
+    """Worker 0 preferred (1 is busy) but reading nothing: its pair fills, and the next
+    connections go to worker 1 instead of blocking the supervisor, none lost on the way."""
+    rig.loads.add_busy(1, 1_000)
+    # The clients' descriptors are this process's: stay clear of its limit.
+    most = min(5_000, resource.getrlimit(resource.RLIMIT_NOFILE)[0] - 200)
+    clients: list[socket.socket] = []
+    try:
+        while rig.nothing_for(1):
+            assert len(clients) < most, "worker 0's pair never filled"
+            clients += [rig.connect() for _ in range(100)]
+        handed = [0, 0]
+        deadline = time.monotonic() + WAIT
+        while sum(handed) < len(clients):
+            assert time.monotonic() < deadline, f"handed {handed} of {len(clients)}"
+            for index, end in enumerate(rig.their):
+                end.setblocking(False)
+                with contextlib.suppress(BlockingIOError):
+                    while True:
+                        _msg, fds, _flags, _addr = socket.recv_fds(end, 64, 64)
+                        for fd in fds:
+                            socket.socket(fileno=fd).close()
+                        handed[index] += len(fds)
+            time.sleep(0.01)
+        assert handed[0] > 0 and handed[1] > 0
+        assert sum(handed) == len(clients)
+    finally:
+        for client in clients:
+            client.close()
