@@ -153,6 +153,48 @@ async def test_each_connection_goes_to_the_least_busy_worker(
                 await asyncio.gather(*held, return_exceptions=True)
 
 
+async def test_a_sigterm_lets_each_workers_requests_in_flight_finish(
+    config_file: Path, secret: str, keys: Keys, tmp_path: Path
+) -> None:
+    """SIGTERM to the supervisor while each worker holds a job answered with `Prefer: wait`
+    (connections handed over, not accepted by the workers): each worker's graceful shutdown
+    lets its request finish, both jobs are answered `succeeded`, and everything exits."""
+    settings = make_settings(tmp_path, config_file, "sqlite", None).model_copy(
+        update={"workers": 2}
+    )
+    config = load_config(config_file)
+    argv = ["sleep", f"{2 + random.random():.6f}"]
+    with server_process(settings) as (proc, url):
+        port = int(url.rsplit(":", 1)[1])
+        workers = workers_of(proc.pid)
+        async with AsyncExitStack() as stack:
+            client = await stack.enter_async_context(httpx.AsyncClient())
+            api = Api(url, client, secret, config, settings, keys)
+            held = []
+            for _ in range(2):
+                transport = httpx.AsyncHTTPTransport(local_address=HELD_FROM)
+                own = await stack.enter_async_context(
+                    httpx.AsyncClient(timeout=60, transport=transport)
+                )
+                body = {"host": "local", "argv": argv}
+                headers = {**api.auth(), "Prefer": "wait=60"}
+                held.append(
+                    asyncio.create_task(own.post(f"{url}/v1/jobs", json=body, headers=headers))
+                )
+                deadline = time.monotonic() + 30
+                while sum(held_by(workers, port)) < len(held) or running(argv) < len(held):
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.05)
+            assert held_by(workers, port) == [1, 1]
+            proc.send_signal(signal.SIGTERM)
+            answers = await asyncio.gather(*held)
+        assert [r.status_code for r in answers] == [201, 201], [r.text for r in answers]
+        assert [r.json()["state"] for r in answers] == ["succeeded", "succeeded"]
+        assert proc.wait(30) == 128 + signal.SIGTERM
+        _, running_still = psutil.wait_procs(workers, timeout=10)
+        assert running_still == []
+
+
 async def test_a_killed_worker_is_started_again(
     config_file: Path, secret: str, keys: Keys, tmp_path: Path
 ) -> None:
