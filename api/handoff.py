@@ -43,6 +43,11 @@ POLL = 0.5
 # backlog meanwhile. The loop never ends on an error: a supervisor that stopped accepting would
 # leave its healthy workers serving nobody.
 PAUSE = 0.1
+# Seconds a connection may wait for a worker able to take it (every pair full, or every worker
+# dead and being started again) before it is closed: about a worker's start.
+HOLD = 10.0
+# Seconds between two log lines about connections closed for want of a worker.
+LOG_EVERY = 10.0
 
 
 class Loads:
@@ -83,15 +88,22 @@ def preference(load: Sequence[int], start: int) -> list[int]:
 class Dispatcher:
     """The supervisor's side: a thread accepting on the listening socket and handing each
     connection to a worker's socket pair, the least loaded first. A worker whose pair is
-    gone (it died) or full (it stopped reading) is passed over; a connection no worker takes is
-    closed."""
+    gone (it died) or full (it is behind) is passed over. When no worker can take one (every
+    pair full in a flood of new connections, or every worker dead), the thread waits, up to
+    `hold` seconds, for a pair with room or a worker started again, and accepts nothing
+    meanwhile: the next connections wait in the kernel's backlog, as they did when the workers
+    accepted themselves. Only a connection no worker could take for `hold` seconds is closed."""
 
-    def __init__(self, sock: socket.socket, loads: Loads, backlog: int) -> None:
+    def __init__(self, sock: socket.socket, loads: Loads, backlog: int, hold: float = HOLD):
         self._sock = sock
         self._loads = loads
         self._backlog = backlog
+        self._hold = hold
         self._lock = threading.Lock()  # the pairs and the handed counts: main thread and ours
         self._pairs: dict[int, socket.socket] = {}
+        self._dead: set[int] = set()  # workers whose pair failed other than full: until restarted
+        self._closed = 0  # connections closed for want of a worker since the last log line
+        self._logged = 0.0
         self._handed = [0] * loads.workers
         self._next = 0
         self._stop = threading.Event()
@@ -104,6 +116,7 @@ class Dispatcher:
         ours.setblocking(False)
         with self._lock:
             old, self._pairs[index] = self._pairs.get(index), ours
+            self._dead.discard(index)
             self._handed[index] = 0
             self._loads.reset(index)
         if old is not None:
@@ -130,8 +143,12 @@ class Dispatcher:
         with selectors.DefaultSelector() as sel:
             sel.register(self._sock, selectors.EVENT_READ)
             while not self._stop.is_set():
-                if sel.select(POLL):
-                    self._accept_all()
+                try:
+                    if sel.select(POLL):
+                        self._accept_all()
+                except Exception:  # never ends (see PAUSE): logged, and accepting goes on
+                    log.exception("handing connections over failed: going on")
+                    time.sleep(PAUSE)
 
     def _accept_all(self) -> None:
         while not self._stop.is_set():
@@ -147,25 +164,60 @@ class Dispatcher:
                 self._hand(conn)
 
     def _hand(self, conn: socket.socket) -> None:
+        deadline = time.monotonic() + self._hold
+        while not self._stop.is_set():
+            if self._try_hand(conn):
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._wait_for_room(min(left, POLL))
+        self._closed += 1
+        if (now := time.monotonic()) - self._logged >= LOG_EVERY:
+            log.warning("no worker could take %d connection(s): closed", self._closed)
+            self._closed, self._logged = 0, now
+
+    def _try_hand(self, conn: socket.socket) -> bool:
         with self._lock:
             load = [
                 self._loads.busy(i) + max(0, self._handed[i] - self._loads.taken(i))
-                if i in self._pairs
+                if i in self._pairs and i not in self._dead
                 else 1 << 30
                 for i in range(self._loads.workers)
             ]
             for index in preference(load, self._next):
                 ours = self._pairs.get(index)
-                if ours is None:
+                if ours is None or index in self._dead:
                     continue
                 try:
                     socket.send_fds(ours, [b"c"], [conn.fileno()])
-                except OSError:  # gone (it died: started again soon) or not reading: the next
+                except BlockingIOError:  # full: it is behind, try the next
+                    continue
+                except OSError:  # its end is gone: it died, and is started again soon
+                    self._dead.add(index)
                     continue
                 self._handed[index] += 1
                 self._next = (index + 1) % self._loads.workers
-                return
-        log.warning("no worker took a connection: closed")
+                return True
+        return False
+
+    def _wait_for_room(self, timeout: float) -> None:
+        """Until a live worker's pair has room or `timeout` seconds pass (a worker started
+        again brings a new pair: looked for at the next try)."""
+        with self._lock:
+            live = [ours for i, ours in self._pairs.items() if i not in self._dead]
+        if not live:
+            time.sleep(min(timeout, PAUSE))
+            return
+        with selectors.DefaultSelector() as sel:
+            for ours in live:
+                # Closed meanwhile by a restart (the new pair is tried next time).
+                with contextlib.suppress(ValueError, OSError):
+                    sel.register(ours, selectors.EVENT_WRITE)
+            if sel.get_map():
+                sel.select(timeout)
+            else:
+                time.sleep(min(timeout, PAUSE))
 
 
 class Counted:
