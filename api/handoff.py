@@ -46,6 +46,8 @@ PAUSE = 0.1
 # Seconds a connection may wait for a worker able to take it (every pair full, or every worker
 # dead and being started again) before it is closed: about a worker's start.
 HOLD = 10.0
+# Seconds between two tries of a connection no worker could take.
+RETRY = 0.001
 # Seconds between two log lines about connections closed for want of a worker.
 LOG_EVERY = 10.0
 
@@ -172,6 +174,9 @@ class Dispatcher:
             if left <= 0:
                 break
             self._wait_for_room(min(left, POLL))
+            # A pair that says it has room and still refuses (out of something other than
+            # buffer space) must not make this a busy loop.
+            time.sleep(RETRY)
         self._closed += 1
         if (now := time.monotonic()) - self._logged >= LOG_EVERY:
             log.warning("no worker could take %d connection(s): closed", self._closed)
@@ -191,10 +196,10 @@ class Dispatcher:
                     continue
                 try:
                     socket.send_fds(ours, [b"c"], [conn.fileno()])
-                except BlockingIOError:  # full: it is behind, try the next
-                    continue
-                except OSError:  # its end is gone: it died, and is started again soon
+                except ConnectionError:  # its end is gone: it died, and is started again soon
                     self._dead.add(index)
+                    continue
+                except OSError:  # full (it is behind) or short of something now: the next
                     continue
                 self._handed[index] += 1
                 self._next = (index + 1) % self._loads.workers
