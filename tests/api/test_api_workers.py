@@ -98,6 +98,39 @@ def running(argv: list[str]) -> int:
     return count
 
 
+class Held:
+    """Jobs running `argv` answered with `Prefer: wait=60`, each on a connection of its own
+    from HELD_FROM: each request stays in flight, on the worker it was handed to, for as long as
+    its job runs."""
+
+    def __init__(self, stack: AsyncExitStack, api: Api, proc: subprocess.Popen[bytes]) -> None:
+        self.stack, self.api = stack, api
+        self.port = int(api.url.rsplit(":", 1)[1])
+        self.workers = workers_of(proc.pid)
+        self.argv = ["sleep", f"{100 + random.random():.6f}"]  # told apart from any other
+        self.requests: list[asyncio.Task[httpx.Response]] = []
+
+    async def one_more(self) -> list[int]:
+        """Open one more, and once its job runs, each worker's count of them. Nothing else
+        connects meanwhile: a connection's worker is chosen when the supervisor hands it
+        over, by the requests in flight then."""
+        transport = httpx.AsyncHTTPTransport(local_address=HELD_FROM)
+        own = await self.stack.enter_async_context(
+            httpx.AsyncClient(timeout=90, transport=transport)
+        )
+        body = {"host": "local", "argv": self.argv}
+        headers = {**self.api.auth(), "Prefer": "wait=60"}
+        url = f"{self.api.url}/v1/jobs"
+        self.requests.append(asyncio.create_task(own.post(url, json=body, headers=headers)))
+        n = len(self.requests)
+        deadline = time.monotonic() + 30
+        while sum(counts := held_by(self.workers, self.port)) < n or running(self.argv) < n:
+            assert time.monotonic() < deadline, f"long request {n}: {counts}"
+            assert not self.requests[-1].done(), self.requests[-1].result().text
+            await asyncio.sleep(0.05)
+        return counts
+
+
 async def test_each_connection_goes_to_the_least_busy_worker(
     config_file: Path, secret: str, keys: Keys, tmp_path: Path
 ) -> None:
@@ -109,48 +142,23 @@ async def test_each_connection_goes_to_the_least_busy_worker(
         update={"workers": 2}
     )
     config = load_config(config_file)
-    # The jobs' command, told apart from any other process on the machine.
-    argv = ["sleep", f"{100 + random.random():.6f}"]
     with server_process(settings) as (proc, url):
-        port = int(url.rsplit(":", 1)[1])
-        workers = workers_of(proc.pid)
-        assert len(workers) == 2
         async with AsyncExitStack() as stack:
             client = await stack.enter_async_context(httpx.AsyncClient(timeout=30))
             api = Api(url, client, secret, config, settings, keys)
-            held: list[asyncio.Task[httpx.Response]] = []
-
-            async def hold(n: int) -> list[int]:
-                """The n-th long request opened, and each worker's held connections once its
-                job runs. Nothing else connects meanwhile: a connection's worker is chosen
-                when the supervisor hands it over, by the requests in flight then."""
-                transport = httpx.AsyncHTTPTransport(local_address=HELD_FROM)
-                own = await stack.enter_async_context(
-                    httpx.AsyncClient(timeout=90, transport=transport)
-                )
-                body = {"host": "local", "argv": argv}
-                headers = {**api.auth(), "Prefer": "wait=60"}
-                held.append(
-                    asyncio.create_task(own.post(f"{url}/v1/jobs", json=body, headers=headers))
-                )
-                deadline = time.monotonic() + 30
-                while sum(counts := held_by(workers, port)) < n or running(argv) < n:
-                    assert time.monotonic() < deadline, f"long request {n}: {counts}"
-                    assert not held[-1].done(), held[-1].result().text
-                    await asyncio.sleep(0.05)
-                return counts
-
+            held = Held(stack, api, proc)
+            assert len(held.workers) == 2
             try:
-                assert sorted(await hold(1)) == [0, 1]
-                assert await hold(2) == [1, 1]
-                assert sorted(await hold(3)) == [1, 2]
-                assert await hold(4) == [2, 2]
+                assert sorted(await held.one_more()) == [0, 1]
+                assert await held.one_more() == [1, 1]
+                assert sorted(await held.one_more()) == [1, 2]
+                assert await held.one_more() == [2, 2]
             finally:
                 r = await client.get(f"{url}/v1/jobs", headers=api.auth())
                 for job in r.json()["items"]:
                     if job["state"] not in ("succeeded", "failed", "cancelled"):
                         await client.delete(f"{url}/v1/jobs/{job['id']}", headers=api.auth())
-                await asyncio.gather(*held, return_exceptions=True)
+                await asyncio.gather(*held.requests, return_exceptions=True)
 
 
 async def test_a_sigterm_lets_each_workers_requests_in_flight_finish(
@@ -163,35 +171,20 @@ async def test_a_sigterm_lets_each_workers_requests_in_flight_finish(
         update={"workers": 2}
     )
     config = load_config(config_file)
-    argv = ["sleep", f"{2 + random.random():.6f}"]
     with server_process(settings) as (proc, url):
-        port = int(url.rsplit(":", 1)[1])
-        workers = workers_of(proc.pid)
         async with AsyncExitStack() as stack:
             client = await stack.enter_async_context(httpx.AsyncClient())
             api = Api(url, client, secret, config, settings, keys)
-            held = []
-            for _ in range(2):
-                transport = httpx.AsyncHTTPTransport(local_address=HELD_FROM)
-                own = await stack.enter_async_context(
-                    httpx.AsyncClient(timeout=60, transport=transport)
-                )
-                body = {"host": "local", "argv": argv}
-                headers = {**api.auth(), "Prefer": "wait=60"}
-                held.append(
-                    asyncio.create_task(own.post(f"{url}/v1/jobs", json=body, headers=headers))
-                )
-                deadline = time.monotonic() + 30
-                while sum(held_by(workers, port)) < len(held) or running(argv) < len(held):
-                    assert time.monotonic() < deadline
-                    await asyncio.sleep(0.05)
-            assert held_by(workers, port) == [1, 1]
+            held = Held(stack, api, proc)
+            held.argv[1] = f"{2 + random.random():.6f}"  # a job that ends by itself
+            await held.one_more()
+            assert await held.one_more() == [1, 1]
             proc.send_signal(signal.SIGTERM)
-            answers = await asyncio.gather(*held)
+            answers = await asyncio.gather(*held.requests)
         assert [r.status_code for r in answers] == [201, 201], [r.text for r in answers]
         assert [r.json()["state"] for r in answers] == ["succeeded", "succeeded"]
         assert proc.wait(30) == 128 + signal.SIGTERM
-        _, running_still = psutil.wait_procs(workers, timeout=10)
+        _, running_still = psutil.wait_procs(held.workers, timeout=10)
         assert running_still == []
 
 
