@@ -31,10 +31,13 @@ flight, `GAP` between), at least every `RENEW` seconds, and when another process
 it come down now rather than at their next renewal).
 
 Redis lost (an error or `REDIS_TIMEOUT`): this process falls back at once to the static share
-(budget / processes, `sshpool.static_share`), and for `TTL` after its last lease no more than
-that lease either (the other processes may still hold theirs: the sum stays within the
-budget). Redis back: leases are taken again, and for `RETURN_GRACE` seconds no more than the
-static share, while the other processes, still on theirs, register theirs again.
+(budget / processes, `sshpool.static_share`), and for `TTL` after its last call that Redis may
+have run no more than the lease that call may have left either (the other processes may still
+hold theirs: the sum stays within the budget). A call whose answer timed out may have run (a
+loaded Redis, late): it may have given slots back, so the lease it leaves is taken to be its
+floor, and it counts as the last call. Redis back: leases are taken again, and for
+`RETURN_GRACE` seconds no more than the static share, while the other processes, still on
+theirs, register theirs again.
 """
 
 from __future__ import annotations
@@ -226,7 +229,8 @@ class RedisBudget:
         self.me = f"{name}:{os.getpid()}:{secrets.token_hex(4)}"
         self.sshds: list[Sshd] = []
         self._wake = asyncio.Event()
-        # monotonic time of the last lease taken (None: never), of Redis's loss and return.
+        # monotonic time of the last call Redis may have run (None: never a lease taken): a
+        # lease taken, or a call that timed out since; of Redis's loss and return.
         self._leased_at: float | None = None
         self._lost_at: float | None = None
         self._back_at: float | None = None
@@ -325,6 +329,11 @@ class RedisBudget:
         floor_h = max(connecting, int(min(sshd.gate(), handshakes)))
         floor_c = max(used, int(min(sshd.budget(), wanted)))
         self._allow(sshd, min(sshd.share_handshakes, floor_h), min(sshd.share_connections, floor_c))
+        # Should Redis run this call and its answer be lost, the lease it leaves may be as low
+        # as the floors (slots given back, maybe leased by others already): the fallback never
+        # goes above them (`_fallback`).
+        last_h, last_c = self._leases.get(sshd.key, (floor_h, floor_c))
+        self._leases[sshd.key] = (min(last_h, floor_h), min(last_c, floor_c))
         refused = sshd.penalties.refused - self._reported.get(sshd.key, 0)
         add = refused * sshd.penalties.per_failure
         keys = [f"{self.prefix}{sshd.key}:{part}" for part in PARTS]
@@ -391,8 +400,14 @@ class RedisBudget:
             await self._redis.publish(self.channel, key)
 
     def _lost(self, exc: Exception) -> None:
+        from redis.exceptions import TimeoutError as RedisTimeout  # imported with the client
+
         now = time.monotonic()
         self._retry_at = now + RETRY
+        if self._leased_at is not None and isinstance(exc, TimeoutError | RedisTimeout):
+            # No answer in time: Redis may have run the call (late, on a loaded box) and
+            # renewed this process's lease, which then lasts TTL from now.
+            self._leased_at = now
         if self._lost_at is None:
             self._lost_at = now
             log.warning(
