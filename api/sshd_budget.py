@@ -332,8 +332,8 @@ class RedisBudget:
         # Should Redis run this call and its answer be lost, the lease it leaves may be as low
         # as the floors (slots given back, maybe leased by others already): the fallback never
         # goes above them (`_fallback`).
-        last_h, last_c = self._leases.get(sshd.key, (floor_h, floor_c))
-        self._leases[sshd.key] = (min(last_h, floor_h), min(last_c, floor_c))
+        last_h, before = self._leases.get(sshd.key, (floor_h, floor_c))
+        self._leases[sshd.key] = (min(last_h, floor_h), min(before, floor_c))
         refused = sshd.penalties.refused - self._reported.get(sshd.key, 0)
         add = refused * sshd.penalties.per_failure
         keys = [f"{self.prefix}{sshd.key}:{part}" for part in PARTS]
@@ -364,7 +364,6 @@ class RedisBudget:
         cap_c = max(0, cap_c - len(lending - sshd.lending))
         sshd.counters["closes_asked"] += int(reply[9])
         self._reported[sshd.key] = sshd.penalties.refused
-        before = self._leases.get(sshd.key, (0, 0))[1]
         self._leases[sshd.key] = (lease_h, lease_c)
         sshd.penalties.merge(float(reply[4]), asyncio.get_running_loop().time())
         sshd.shared = {
