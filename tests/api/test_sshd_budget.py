@@ -357,32 +357,30 @@ async def test_a_reply_lost_after_redis_ran_the_call_never_lets_a_process_over_i
     import redis.exceptions
 
     backend = FakeBackend(connect_time=0.01, exec_time=0.01)
-    prefix = f"test-{secrets.token_hex(6)}:"
-    budgets = [RedisBudget(REDIS_URL, 2, f"p{i}", prefix=prefix) for i in range(2)]
-    pools = [Pool(backend, coordinator=b) for b in budgets]  # type: ignore[arg-type]
-    tasks = [asyncio.create_task(f()) for b in budgets for f in (b.loop, b.listen)]
     lim = Limits(max_total_connections=8)
     mine, theirs, later = (
         [Target("fake", f"{who}{i}", ("k",), "kh", limits=lim) for i in range(n)]
         for who, n in (("a", 8), ("b", 8), ("c", 4))
     )
-    run_lease = budgets[0]._lease
-
-    def stat(n: int) -> dict[str, Any]:
-        return pools[n].sshd_stats().get("fake:22", {})
-
     lost = 0
 
-    async def reply_lost(**kwargs: Any) -> Any:
-        nonlocal lost
-        await run_lease(**kwargs)
-        lost += 1
-        raise redis.exceptions.TimeoutError("Timeout reading from socket")
+    async with shared_pools(2, backend) as pools:
+        budget = pools[0].coordinator
+        assert isinstance(budget, RedisBudget)
+        run_lease = budget._lease
 
-    try:
+        def stat(n: int) -> dict[str, Any]:
+            return pools[n].sshd_stats().get("fake:22", {})
+
+        async def reply_lost(**kwargs: Any) -> Any:
+            nonlocal lost
+            await run_lease(**kwargs)
+            lost += 1
+            raise redis.exceptions.TimeoutError("Timeout reading from socket")
+
         await asyncio.gather(*(pools[0].run(t, ["true"], acquire_timeout=30) for t in mine))
         await eventually(lambda: stat(0)["share_connections"] == 8, 30)
-        budgets[0]._lease = reply_lost  # type: ignore[assignment]
+        budget._lease = reply_lost  # type: ignore[assignment]
         backend.exec_time = 1.0  # the other's 8 commands at once: it needs the whole budget
         theirs_ran = await asyncio.gather(
             *(pools[1].run(t, ["true"], acquire_timeout=30) for t in theirs)
@@ -394,14 +392,7 @@ async def test_a_reply_lost_after_redis_ran_the_call_never_lets_a_process_over_i
         ]
         await asyncio.sleep(0.5)  # where the process would have connected, had it
         assert backend.max_alive <= 8, backend.max_alive
-        budgets[0]._lease = run_lease
+        budget._lease = run_lease
         results = [*theirs_ran, *await asyncio.gather(*waiting)]
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for pool, budget in zip(pools, budgets, strict=True):
-            await pool.close()
-            await budget.close()
     assert all(r.ok for r in results)
     assert backend.max_alive <= 8, backend.max_alive
